@@ -1,0 +1,96 @@
+"""Model registry: name -> ModelSpec(model class, args class, flavors).
+
+Usage::
+
+    model = build_model("llama3", "debug", device="meta", vocab_size=256)
+    model.to_empty(device="cpu"); torch.manual_seed(0); model.init_weights()
+
+``build_model`` never runs ``nn.Module`` default initialisers: the module is always
+constructed on the meta device; for a real device it is then ``to_empty``-ed and
+``init_weights()`` is called, so ``torch.manual_seed(s); build_model(..., device="cpu")``
+equals a meta build followed by ``to_empty`` + ``torch.manual_seed(s)`` + ``init_weights``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .llama3 import LLAMA3_FLAVORS, Llama3Args, Llama3Model
+
+__all__ = [
+    "ModelSpec",
+    "MODEL_SPECS",
+    "get_model_spec",
+    "build_model",
+    "model_args",
+    "cross_entropy_loss",
+]
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    model_cls: type[nn.Module]
+    args_cls: type
+    flavors: dict[str, Any]
+
+
+MODEL_SPECS: dict[str, ModelSpec] = {
+    "llama3": ModelSpec("llama3", Llama3Model, Llama3Args, LLAMA3_FLAVORS),
+}
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """Look up a model family; unknown names raise ``ValueError`` listing the known ones."""
+    try:
+        return MODEL_SPECS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown model name {name!r}; known models: {sorted(MODEL_SPECS)}"
+        ) from None
+
+
+def model_args(name: str, flavor: str, **arg_overrides: Any) -> Any:
+    """The (copied) args dataclass of ``name/flavor`` with ``arg_overrides`` applied."""
+    spec = get_model_spec(name)
+    if flavor not in spec.flavors:
+        raise ValueError(
+            f"unknown flavor {flavor!r} for model {name!r}; known flavors: {list(spec.flavors)}"
+        )
+    args = spec.flavors[flavor]
+    fields = {f.name for f in dataclasses.fields(args)}
+    unknown = sorted(set(arg_overrides) - fields)
+    if unknown:
+        raise ValueError(
+            f"unknown {name} argument(s) {unknown}; valid fields: {sorted(fields)}"
+        )
+    if hasattr(args, "override"):
+        return args.override(**arg_overrides)
+    return dataclasses.replace(args, **arg_overrides)
+
+
+def build_model(
+    name: str, flavor: str, *, device: torch.device | str = "meta", **arg_overrides: Any
+) -> nn.Module:
+    """Build ``name/flavor``. On ``meta`` the weights are uninitialised; on any other
+    device the model is materialised and ``init_weights()`` is called (uses the global RNG).
+    """
+    spec = get_model_spec(name)
+    args = model_args(name, flavor, **arg_overrides)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    if torch.device(device).type != "meta":
+        model.to_empty(device=device)
+        model.init_weights()
+    return model
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over all ``B*S`` tokens, computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())

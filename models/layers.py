@@ -1,0 +1,282 @@
+"""Building blocks shared by the models: RMSNorm, RoPE, attention (SDPA seam), SwiGLU.
+
+Single-device code only. Parallel recipes and the planner rely on the module/parameter
+names (FQNs) defined here, so keep them stable:
+
+    attention.{wq,wk,wv,wo}        Linear, no bias
+    attention.{q_norm,k_norm}      per-head RMSNorm (Qwen3 only, ``qk_norm=True``)
+    attention.sdpa                 ``SDPA`` module: forward(q, k, v) on [B, H, S, head_dim]
+    feed_forward.{w1,w2,w3}        SwiGLU: w2(silu(w1 x) * w3 x)
+
+Layout conventions: activations are ``[B, S, ...]``; head views use ``view(B, S, -1, hd)``
+so that a tensor-parallel recipe that shards the projections sees its local head count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Std of the truncated-normal init used for most Linear weights (TorchTitan default).
+INIT_STD = 0.02
+
+
+def trunc_normal_(t: torch.Tensor, std: float) -> None:
+    """Truncated normal in [-3 std, 3 std] (deterministic under ``torch.manual_seed``)."""
+    nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+def depth_init_std(layer_id: int) -> float:
+    """Output projections of deeper layers start smaller (TorchTitan ``depth_init``)."""
+    return INIT_STD / math.sqrt(2 * (layer_id + 1))
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a learned scale; uses ``F.rms_norm`` (decomposes cleanly when traced)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+# --------------------------------------------------------------------------------------
+# Rotary position embedding (rotate-half form, real cos/sin tables — no complex tensors,
+# so DTensor sharding rules and FakeTensor tracing handle it like any other tensor op).
+# --------------------------------------------------------------------------------------
+
+
+def rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``cos, sin`` of shape ``[max_seq_len, head_dim]`` for rotate-half RoPE."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    )
+    t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # [S, head_dim/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [S, head_dim]
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, S, H, D]`` by position tables ``cos/sin [S, D]``."""
+    cos = cos[None, :, None, :].to(x.dtype)
+    sin = sin[None, :, None, :].to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the non-persistent ``cos``/``sin`` buffers ``[max_seq_len, head_dim]``.
+
+    One instance per model (FQN ``rope``); ``forward`` returns the rows for the requested
+    positions (``None`` = ``0..seq_len-1``). Non-persistent: checkpoints do not contain
+    them and ``init_weights`` recomputes them after ``to_empty``.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim), persistent=False)
+
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        device = buffer_device if buffer_device is not None else self.cos.device
+        cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.theta, device)
+        self.cos = cos
+        self.sin = sin
+
+    def forward(
+        self, seq_len: int, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions is None:
+            return self.cos[:seq_len], self.sin[:seq_len]
+        return self.cos[positions], self.sin[positions]
+
+
+# --------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------
+
+
+class SDPA(nn.Module):
+    """Causal scaled-dot-product attention on ``[B, H, S, head_dim]`` tensors.
+
+    This is the seam a context-parallel recipe replaces (e.g. with ring attention): it
+    owns no parameters, takes ``q, k, v`` after RoPE and GQA repetition, and returns
+    ``[B, H, S, v_head_dim]``. The softmax scale is the SDPA default, ``1/sqrt(q.size(-1))``.
+    ``v`` may have a different head dim than ``q``/``k`` (MLA); SDPA accepts this on CPU.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """GQA: repeat each kv head ``n_rep`` times along dim 2 of ``[B, S, H_kv, D]``."""
+    if n_rep == 1:
+        return x
+    b, s, h, d = x.shape
+    return x[:, :, :, None, :].expand(b, s, h, n_rep, d).reshape(b, s, h * n_rep, d)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA, RoPE, optional per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        assert n_heads % n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads"
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.n_rep = n_heads // n_kv_heads
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, norm_eps)
+            self.k_norm = RMSNorm(head_dim, norm_eps)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+        self.sdpa = SDPA()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        # -1 instead of n_heads: a TP-sharded wq yields only the local heads.
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: normalise each head before RoPE
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        k = repeat_kv(k, self.n_rep)
+        v = repeat_kv(v, self.n_rep)
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = out.transpose(1, 2).reshape(bs, seqlen, -1)
+        return self.wo(out)
+
+    def init_weights(self, out_std: float) -> None:
+        for lin in (self.wq, self.wk, self.wv):
+            trunc_normal_(lin.weight, INIT_STD)
+        trunc_normal_(self.wo.weight, out_std)
+        if self.q_norm is not None:
+            self.q_norm.init_weights()
+            self.k_norm.init_weights()
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, out_std: float) -> None:
+        trunc_normal_(self.w1.weight, INIT_STD)
+        trunc_normal_(self.w2.weight, out_std)
+        trunc_normal_(self.w3.weight, out_std)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
+
+    def __init__(
+        self,
+        layer_id: int,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        ffn_hidden_dim: int,
+        norm_eps: float = 1e-6,
+        qk_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(dim, norm_eps)
+        self.attention = Attention(dim, n_heads, n_kv_heads, head_dim, qk_norm, norm_eps)
+        self.ffn_norm = RMSNorm(dim, norm_eps)
+        self.feed_forward = FeedForward(dim, ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        std = depth_init_std(self.layer_id)
+        self.attention_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.attention.init_weights(std)
+        self.feed_forward.init_weights(std)
+
+
+class DecoderBase(nn.Module):
+    """Shared skeleton: ``tok_embeddings -> layers -> norm -> output`` plus ``rope``.
+
+    Subclasses register, in this order, ``tok_embeddings, rope, layers, norm, output``
+    and set ``self.args``; this class supplies the
+    forward pass and deterministic ``init_weights`` (embeddings N(0,1), output
+    trunc-normal with std ``dim**-0.5``, TorchTitan defaults).
+    """
+
+    args: object
+    tok_embeddings: nn.Embedding
+    rope: RotaryEmbedding
+    layers: nn.ModuleList
+    norm: RMSNorm
+    output: nn.Linear
+
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``tokens [B, S]`` (``positions [S]`` optional, e.g. a CP shard) -> logits ``[B, S, V]``."""
+        cos, sin = self.rope(tokens.shape[1], positions)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """Deterministic init (given ``torch.manual_seed``); also recomputes RoPE buffers.
+
+        Works after ``model.to_empty(device=...)``. The RNG is consumed in a fixed order
+        (embeddings, layers in order, norm, output), so meta-built and CPU-built models
+        with the same seed end up identical.
+        """
+        self.rope.init_weights(buffer_device)
+        nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers:
+            layer.init_weights()
+        self.norm.init_weights()
+        dim = self.tok_embeddings.weight.shape[1]
+        trunc_normal_(self.output.weight, dim**-0.5)
