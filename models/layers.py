@@ -25,8 +25,19 @@ INIT_STD = 0.02
 
 
 def trunc_normal_(t: torch.Tensor, std: float) -> None:
-    """Truncated normal in [-3 std, 3 std] (deterministic under ``torch.manual_seed``)."""
-    nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std)
+    """Truncated normal N(0, std) clipped to [-3 std, 3 std], by inverse CDF.
+
+    Not ``nn.init.trunc_normal_``: in torch 2.13 that one uses rejection sampling with
+    ``.item()``/``.any()``, which fails under FakeTensorMode (the planner materialises
+    models there) and draws a data-dependent amount of randomness. This form uses a
+    fixed number of elementwise ops, so it is deterministic and traceable.
+    """
+    lo = (1.0 + math.erf(-3.0 / math.sqrt(2.0))) / 2.0  # CDF(-3)
+    with torch.no_grad():
+        t.uniform_(2 * lo - 1, 1 - 2 * lo)  # symmetric: CDF(3) = 1 - CDF(-3)
+        t.erfinv_()
+        t.mul_(std * math.sqrt(2.0))
+        t.clamp_(min=-3 * std, max=3 * std)
 
 
 def depth_init_std(layer_id: int) -> float:
