@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .llama3 import LLAMA3_FLAVORS, Llama3Args, Llama3Model
+from .qwen3 import QWEN3_FLAVORS, Qwen3Args, Qwen3Model
 
 __all__ = [
     "ModelSpec",
@@ -43,6 +44,7 @@ class ModelSpec:
 
 MODEL_SPECS: dict[str, ModelSpec] = {
     "llama3": ModelSpec("llama3", Llama3Model, Llama3Args, LLAMA3_FLAVORS),
+    "qwen3": ModelSpec("qwen3", Qwen3Model, Qwen3Args, QWEN3_FLAVORS),
 }
 
 
