@@ -1,0 +1,382 @@
+"""Approximate solver for pairwise Markov random fields (paper §4.3).
+
+Once parameters are fully sharded on the non-DDP mesh axes, the placement problem has no
+global constraint left and becomes a pairwise MRF: every decision group picks one label
+(a strategy), paying a unary cost (compute + redistribution inside the group) and a
+pairwise cost per neighbouring group (redistribution between them). This module solves
+such an MRF without knowing anything about graphs or placements:
+
+* sequential tree-reweighted message passing (TRW-S, Kolmogorov 2006) over the monotonic
+  chains of a fixed node order, keeping the best assignment decoded over the sweeps;
+* then local search: coordinate descent over single nodes, a "star" search that
+  re-decides a high-degree node together with its neighbours, joint moves of the two
+  ends of an edge, and exact re-decisions of whole induced forests (chains of layers).
+
+Costs are plain numpy arrays.  Forbidden combinations are +inf in the input; internally
+they are clamped to ``FORBIDDEN`` so that message arithmetic stays finite.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+FORBIDDEN = 1e15
+"""Finite stand-in for an infinite cost (a forbidden label or label pair)."""
+
+
+@dataclass
+class PairwiseMRF:
+    """A pairwise MRF: ``unary[i][a]`` and ``pairwise[(i, j)][a, b]`` with ``i < j``.
+
+    Node indices are positions in the order used by the solver (a topological order of the
+    graph gives the monotonic chains TRW-S wants).  Adding a pairwise term for a pair that
+    already has one sums the two.
+    """
+
+    unary: list[np.ndarray]
+    pairwise: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+
+    @classmethod
+    def from_unary(cls, unary: list[np.ndarray]) -> "PairwiseMRF":
+        return cls([_clamp(np.asarray(u, dtype=np.float64)) for u in unary], {})
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.unary)
+
+    def num_labels(self, i: int) -> int:
+        return int(self.unary[i].shape[0])
+
+    def add_pairwise(self, i: int, j: int, cost: np.ndarray) -> None:
+        """Add ``cost[a, b]`` for (label a of node i, label b of node j)."""
+        cost = _clamp(np.asarray(cost, dtype=np.float64))
+        if i == j:
+            raise ValueError(f"pairwise term on a single node {i}: fold it into the unary")
+        if i > j:
+            i, j, cost = j, i, cost.T
+        expected = (self.num_labels(i), self.num_labels(j))
+        if cost.shape != expected:
+            raise ValueError(f"pairwise ({i}, {j}) has shape {cost.shape}, expected {expected}")
+        key = (i, j)
+        if key in self.pairwise:
+            self.pairwise[key] = _clamp(self.pairwise[key] + cost)
+        else:
+            self.pairwise[key] = cost
+
+    def energy(self, labels: np.ndarray | list[int]) -> float:
+        """Total cost of an assignment (``>= FORBIDDEN`` means it is infeasible)."""
+        total = sum(float(self.unary[i][labels[i]]) for i in range(self.num_nodes))
+        for (i, j), cost in self.pairwise.items():
+            total += float(cost[labels[i], labels[j]])
+        return total
+
+    def neighbours(self) -> list[list[tuple[int, np.ndarray]]]:
+        """For every node: ``(other, cost oriented [mine, other's])`` for each incident edge."""
+        adj: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(self.num_nodes)]
+        for (i, j), cost in self.pairwise.items():
+            adj[i].append((j, cost))
+            adj[j].append((i, cost.T))
+        return adj
+
+
+@dataclass
+class MRFSolution:
+    labels: np.ndarray
+    energy: float
+    sweeps: int
+    seconds: float
+    starts: list[np.ndarray] = field(default_factory=list)
+    """Distinct good assignments decoded along the way (local-search starting points)."""
+
+    @property
+    def feasible(self) -> bool:
+        return self.energy < FORBIDDEN
+
+
+def _clamp(a: np.ndarray) -> np.ndarray:
+    return np.minimum(np.nan_to_num(a, nan=FORBIDDEN, posinf=FORBIDDEN), FORBIDDEN)
+
+
+def _local_costs(mrf_adj, unary, labels, i: int) -> np.ndarray:
+    """Cost of every label of node i given its neighbours' current labels."""
+    costs = unary[i].copy()
+    for j, cost in mrf_adj[i]:
+        costs += cost[:, labels[j]]
+    return np.minimum(costs, FORBIDDEN)
+
+
+def greedy(mrf: PairwiseMRF) -> np.ndarray:
+    """Decide nodes in order, each taking its best label given the earlier ones."""
+    adj = mrf.neighbours()
+    labels = np.full(mrf.num_nodes, -1, dtype=np.int64)
+    for i in range(mrf.num_nodes):
+        costs = mrf.unary[i].copy()
+        for j, cost in adj[i]:
+            if labels[j] >= 0:
+                costs += cost[:, labels[j]]
+        labels[i] = int(np.argmin(costs))
+    return labels
+
+
+def brute_force(mrf: PairwiseMRF) -> tuple[np.ndarray, float]:
+    """Exact minimum by enumeration; only for tiny instances (tests)."""
+    best, best_e = None, float("inf")
+    for combo in itertools.product(*(range(mrf.num_labels(i)) for i in range(mrf.num_nodes))):
+        e = mrf.energy(combo)
+        if e < best_e:
+            best, best_e = np.array(combo, dtype=np.int64), e
+    assert best is not None
+    return best, best_e
+
+
+def trws(
+    mrf: PairwiseMRF, max_sweeps: int = 50, tol: float = 1e-6, patience: int = 5, num_starts: int = 4
+) -> MRFSolution:
+    """Sequential tree-reweighted message passing with decoding after every forward pass.
+
+    Nodes are visited in index order (forward) then reverse order (backward); every edge
+    (i, j), i < j, lies on the monotonic chain through it, and the node weight
+    ``1 / max(#edges to earlier nodes, #edges to later nodes)`` splits each unary among
+    its chains.  Stops when messages no longer change (relative ``tol``) or when the best
+    decoded energy has not improved for ``patience`` sweeps.
+    """
+    start = time.perf_counter()
+    n = mrf.num_nodes
+    adj = mrf.neighbours()
+    earlier = [sum(1 for j, _ in adj[i] if j < i) for i in range(n)]
+    later = [sum(1 for j, _ in adj[i] if j > i) for i in range(n)]
+    gamma = [1.0 / max(earlier[i], later[i], 1) for i in range(n)]
+    messages: dict[tuple[int, int], np.ndarray] = {}  # (src, dst) -> vector over dst's labels
+    for (i, j) in mrf.pairwise:
+        messages[(i, j)] = np.zeros(mrf.num_labels(j))
+        messages[(j, i)] = np.zeros(mrf.num_labels(i))
+
+    best_labels = greedy(mrf)
+    best_energy = mrf.energy(best_labels)
+    decoded: dict[bytes, tuple[float, np.ndarray]] = {best_labels.tobytes(): (best_energy, best_labels)}
+    stale, sweeps = 0, 0
+    for sweeps in range(1, max_sweeps + 1):
+        change = 0.0
+        labels = np.zeros(n, dtype=np.int64)
+        for forward in (True, False):
+            order = range(n) if forward else reversed(range(n))
+            for i in order:
+                belief = mrf.unary[i].copy()
+                for j, _ in adj[i]:
+                    belief += messages[(j, i)]
+                if forward:  # decode: earlier nodes are fixed, later ones speak through messages
+                    decode = mrf.unary[i].copy()
+                    for j, cost in adj[i]:
+                        decode += cost[:, labels[j]] if j < i else messages[(j, i)]
+                    labels[i] = int(np.argmin(decode))
+                for j, cost in adj[i]:
+                    if (j > i) == forward:
+                        change = max(change, _send(messages, i, j, cost, gamma[i] * belief - messages[(j, i)]))
+        energy = mrf.energy(labels)
+        decoded.setdefault(labels.tobytes(), (energy, labels))
+        if energy < best_energy - 1e-12 * max(1.0, abs(best_energy)):
+            best_labels, best_energy, stale = labels, energy, 0
+        else:
+            stale += 1
+        scale = max(1.0, abs(best_energy) if best_energy < FORBIDDEN else 1.0)
+        if change <= tol * scale or stale >= patience:
+            break
+    starts = [lab for _, lab in sorted(decoded.values(), key=lambda t: t[0])[:num_starts]]
+    return MRFSolution(best_labels, best_energy, sweeps, time.perf_counter() - start, starts)
+
+
+def _send(messages, src: int, dst: int, cost: np.ndarray, outgoing: np.ndarray) -> float:
+    """m_{src->dst}(b) = min_a outgoing(a) + cost[a, b], normalised to min 0.
+
+    Returns how much the message moved (max abs change) for the convergence test.
+    """
+    msg = np.minimum(np.min(outgoing[:, None] + cost, axis=0), FORBIDDEN)
+    msg = msg - msg.min()
+    old = messages[(src, dst)]
+    messages[(src, dst)] = msg
+    finite = (msg < FORBIDDEN / 16) & (old < FORBIDDEN / 16)  # forbidden entries carry no signal
+    return float(np.abs(msg[finite] - old[finite]).max()) if finite.any() else 0.0
+
+
+def coordinate_descent(mrf: PairwiseMRF, labels: np.ndarray, max_rounds: int = 100) -> np.ndarray:
+    """Move single nodes to their best label until no move lowers the energy."""
+    adj = mrf.neighbours()
+    labels = labels.copy()
+    for _ in range(max_rounds):
+        improved = False
+        for i in range(mrf.num_nodes):
+            costs = _local_costs(adj, mrf.unary, labels, i)
+            best = int(np.argmin(costs))
+            if costs[best] < costs[labels[i]] - 1e-12:
+                labels[i] = best
+                improved = True
+        if not improved:
+            break
+    return labels
+
+
+def edge_search(mrf: PairwiseMRF, labels: np.ndarray, max_rounds: int = 10) -> np.ndarray:
+    """Re-decide both ends of every edge jointly, the rest fixed, until nothing improves.
+
+    Catches pairs that must switch together (a producer and its one consumer), which
+    single-node moves cannot reach when the half-way state is forbidden.
+    """
+    adj = mrf.neighbours()
+    labels = labels.copy()
+    for _ in range(max_rounds):
+        improved = False
+        for (i, j), pair in mrf.pairwise.items():
+            cost_i = _local_costs(adj, mrf.unary, labels, i) - pair[:, labels[j]]
+            cost_j = _local_costs(adj, mrf.unary, labels, j) - pair[labels[i], :]
+            total = cost_i[:, None] + cost_j[None, :] + pair
+            a, b = np.unravel_index(int(np.argmin(total)), total.shape)
+            if total[a, b] < total[labels[i], labels[j]] - 1e-9:
+                labels[i], labels[j] = int(a), int(b)
+                improved = True
+        if not improved:
+            break
+    return labels
+
+
+def star_search(mrf: PairwiseMRF, labels: np.ndarray, top: int = 32, max_neighbours: int = 64) -> np.ndarray:
+    """Re-decide each high-degree node jointly with its neighbours.
+
+    For every label of the centre, each neighbour takes its best label given the centre and
+    its own other neighbours (exact when the neighbours are not linked to each other); the
+    best joint move is taken when it lowers the energy.  This escapes the local minima of
+    coordinate descent where a producer and all its consumers must switch together.
+    """
+    adj = mrf.neighbours()
+    labels = labels.copy()
+    degree_order = sorted(range(mrf.num_nodes), key=lambda i: (-len(adj[i]), i))
+    for centre in degree_order[:top]:
+        nbrs = [j for j, _ in adj[centre]][:max_neighbours]
+        if not nbrs:
+            continue
+        current = mrf.energy(labels)
+        best_move, best_energy = None, current
+        for a in range(mrf.num_labels(centre)):
+            trial = labels.copy()
+            trial[centre] = a
+            for j in nbrs:
+                costs = _local_costs(adj, mrf.unary, trial, j)
+                trial[j] = int(np.argmin(costs))
+            e = mrf.energy(trial)
+            if e < best_energy - 1e-9:
+                best_move, best_energy = trial, e
+        if best_move is not None:
+            labels = best_move
+    return labels
+
+
+def forest_search(mrf: PairwiseMRF, labels: np.ndarray, order: list[int]) -> np.ndarray:
+    """Re-decide a whole induced forest of nodes exactly, the rest fixed (min-sum DP).
+
+    Nodes are taken in ``order`` into the block while the block stays a forest (a node may
+    join when its neighbours already in the block lie in different trees).  With the rest
+    fixed, dynamic programming over each tree gives the block's exact best labels, so the
+    energy never rises and long chains can switch together.
+    """
+    adj = mrf.neighbours()
+    parent_of = list(range(mrf.num_nodes))
+
+    def find(x: int) -> int:
+        while parent_of[x] != x:
+            parent_of[x] = parent_of[parent_of[x]]
+            x = parent_of[x]
+        return x
+
+    in_block = np.zeros(mrf.num_nodes, dtype=bool)
+    tree_adj: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for v in order:
+        roots = [find(u) for u, _ in adj[v] if in_block[u]]
+        if len(roots) != len(set(roots)):
+            continue  # would close a cycle
+        in_block[v] = True
+        tree_adj[v] = []
+        for u, cost in adj[v]:
+            if in_block[u]:
+                tree_adj[v].append((u, cost))
+                tree_adj[u].append((v, cost.T))
+                parent_of[find(u)] = v
+    cond = {}
+    for v in tree_adj:
+        c = mrf.unary[v].copy()
+        for u, cost in adj[v]:
+            if not in_block[u]:
+                c += cost[:, labels[u]]
+        cond[v] = np.minimum(c, FORBIDDEN)
+
+    new = labels.copy()
+    visited: set[int] = set()
+    for root in tree_adj:
+        if root in visited:
+            continue
+        # iterative DFS: post-order for messages, pre-order for back-tracking
+        stack, post, parent = [root], [], {root: -1}
+        visited.add(root)
+        while stack:
+            v = stack.pop()
+            post.append(v)
+            for u, _ in tree_adj[v]:
+                if u not in visited:
+                    visited.add(u)
+                    parent[u] = v
+                    stack.append(u)
+        belief = {v: cond[v].copy() for v in post}
+        choice = {}  # child -> best child label for each parent label
+        for v in reversed(post):
+            p = parent[v]
+            if p < 0:
+                continue
+            cost_vp = next(c for u, c in tree_adj[v] if u == p)  # [v labels, p labels]
+            table = belief[v][:, None] + cost_vp
+            choice[v] = np.argmin(table, axis=0)
+            belief[p] += np.minimum(table.min(axis=0), FORBIDDEN)
+        new[root] = int(np.argmin(belief[root]))
+        for v in post[1:]:
+            new[v] = int(choice[v][new[parent[v]]])
+    return new if mrf.energy(new) < mrf.energy(labels) - 1e-9 else labels
+
+
+def local_search(mrf: PairwiseMRF, labels: np.ndarray, max_rounds: int = 5) -> np.ndarray:
+    """Alternate the three kinds of moves until a full round improves nothing."""
+    energy = mrf.energy(labels)
+    n = mrf.num_nodes
+    orders = [list(range(n)), list(reversed(range(n))), list(range(0, n, 2)) + list(range(1, n, 2))]
+    for _ in range(max_rounds):
+        refined = coordinate_descent(mrf, labels)
+        refined = coordinate_descent(mrf, edge_search(mrf, star_search(mrf, refined)))
+        for order in orders:
+            refined = forest_search(mrf, refined, order)
+        e = mrf.energy(refined)
+        if e >= energy - 1e-9:
+            break
+        labels, energy = refined, e
+    return labels
+
+
+def solve_mrf(mrf: PairwiseMRF, max_sweeps: int = 50, refine: bool = True) -> MRFSolution:
+    """TRW-S, then local search from its best few decoded assignments; the best wins."""
+    start = time.perf_counter()
+    sol = trws(mrf, max_sweeps=max_sweeps)
+    labels, energy = sol.labels, sol.energy
+    if refine:
+        for seed in sol.starts:
+            refined = local_search(mrf, seed)
+            e = mrf.energy(refined)
+            if e < energy - 1e-9:
+                labels, energy = refined, e
+    logger.info(
+        "MRF: %d nodes, %d edges, %d TRW-S sweeps, energy %.6g (TRW-S alone %.6g), %.2fs",
+        mrf.num_nodes, len(mrf.pairwise), sol.sweeps, energy, sol.energy,
+        time.perf_counter() - start,
+    )
+    return MRFSolution(labels, energy, sol.sweeps, time.perf_counter() - start)

@@ -1,0 +1,113 @@
+"""The MRF solver on instances with a known optimum (no torch involved)."""
+
+import numpy as np
+import pytest
+
+from parallel.auto.solve.mrf import FORBIDDEN, PairwiseMRF, brute_force, greedy, solve_mrf, trws
+
+
+def random_mrf(rng: np.random.Generator, n: int, k: int, edge_prob: float, forbid: float = 0.0) -> PairwiseMRF:
+    mrf = PairwiseMRF.from_unary([rng.uniform(0, 10, size=rng.integers(2, k + 1)) for _ in range(n)])
+    for i in range(n):
+        for j in range(i + 1, n):
+            if rng.random() < edge_prob:
+                cost = rng.uniform(0, 10, size=(mrf.num_labels(i), mrf.num_labels(j)))
+                cost[rng.random(cost.shape) < forbid] = np.inf
+                np.fill_diagonal(cost[: min(cost.shape), : min(cost.shape)], 0.0)  # keep it feasible
+                mrf.add_pairwise(i, j, cost)
+    return mrf
+
+
+def graph_like_mrf(rng: np.random.Generator, n: int, k: int, skips: int) -> PairwiseMRF:
+    """A chain of ops with a few skip connections (residuals): the shape planner MRFs have."""
+    mrf = PairwiseMRF.from_unary([rng.uniform(0, 10, size=rng.integers(2, k + 1)) for _ in range(n)])
+    edges = {(i, i + 1) for i in range(n - 1)}
+    while len(edges) < n - 1 + skips:
+        i, j = sorted(rng.choice(n, size=2, replace=False))
+        edges.add((int(i), int(j)))
+    for i, j in sorted(edges):
+        cost = rng.uniform(0, 10, size=(mrf.num_labels(i), mrf.num_labels(j)))
+        cost[rng.random(cost.shape) < 0.2] = np.inf  # e.g. Replicate -> Partial
+        np.fill_diagonal(cost[: min(cost.shape), : min(cost.shape)], 0.0)
+        mrf.add_pairwise(i, j, cost)
+    return mrf
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_matches_brute_force_on_graph_shaped_instances(seed):
+    rng = np.random.default_rng(seed)
+    mrf = graph_like_mrf(rng, n=9, k=4, skips=3)
+    sol = solve_mrf(mrf)
+    _, optimum = brute_force(mrf)
+    assert sol.energy == pytest.approx(mrf.energy(sol.labels))
+    assert sol.energy <= mrf.energy(greedy(mrf)) + 1e-9
+    assert sol.energy == pytest.approx(optimum, rel=1e-9, abs=1e-9)
+
+
+def test_dense_random_instances_never_worse_than_greedy_and_mostly_optimal():
+    """Dense loopy instances with forbidden pairs are hard for TRW-S: the solver is a
+    heuristic there. It must never lose to greedy, and nearly always find the optimum."""
+    optimal, worst_gap = 0, 0.0
+    trials = 60
+    for seed in range(trials):
+        rng = np.random.default_rng(1000 + seed)
+        mrf = random_mrf(rng, n=7, k=4, edge_prob=0.4, forbid=0.2)
+        sol = solve_mrf(mrf)
+        _, optimum = brute_force(mrf)
+        assert sol.feasible
+        assert sol.energy <= mrf.energy(greedy(mrf)) + 1e-9
+        if sol.energy <= optimum + 1e-9:
+            optimal += 1
+        worst_gap = max(worst_gap, sol.energy / optimum - 1.0)
+    assert optimal >= 0.95 * trials
+    assert worst_gap < 0.05
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_trws_alone_is_exact_on_chains(seed):
+    """On a chain (a tree), TRW-S's decoding is exact without local search."""
+    rng = np.random.default_rng(100 + seed)
+    mrf = PairwiseMRF.from_unary([rng.uniform(0, 5, size=3) for _ in range(8)])
+    for i in range(7):
+        mrf.add_pairwise(i, i + 1, rng.uniform(0, 5, size=(3, 3)))
+    _, optimum = brute_force(mrf)
+    assert trws(mrf).energy == pytest.approx(optimum)
+
+
+def test_forbidden_pairs_are_avoided():
+    # label 0 is cheapest for both nodes but the pair (0, 0) is forbidden
+    mrf = PairwiseMRF.from_unary([np.array([0.0, 1.0]), np.array([0.0, 5.0])])
+    mrf.add_pairwise(0, 1, np.array([[np.inf, 0.0], [0.0, 0.0]]))
+    sol = solve_mrf(mrf)
+    assert sol.feasible
+    assert list(sol.labels) == [1, 0]
+    assert sol.energy == pytest.approx(1.0)
+
+
+def test_star_search_escapes_coordinate_descent_minimum():
+    """A producer whose consumers must all switch with it: single moves cannot get there."""
+    n_consumers = 6
+    unary = [np.array([0.0, 1.0])] + [np.array([0.0, 0.0]) for _ in range(n_consumers)]
+    mrf = PairwiseMRF.from_unary(unary)
+    for c in range(1, n_consumers + 1):
+        # agreeing on label 1 is much cheaper; any disagreement is very expensive
+        mrf.add_pairwise(0, c, np.array([[3.0, 100.0], [100.0, 0.0]]))
+    sol = solve_mrf(mrf)
+    assert list(sol.labels) == [1] * (n_consumers + 1)
+    assert sol.energy == pytest.approx(1.0)
+
+
+def test_pairwise_terms_accumulate_and_orient():
+    mrf = PairwiseMRF.from_unary([np.zeros(2), np.zeros(3)])
+    mrf.add_pairwise(1, 0, np.arange(6.0).reshape(3, 2))  # given as (node 1, node 0)
+    mrf.add_pairwise(0, 1, np.ones((2, 3)))
+    assert mrf.pairwise[(0, 1)].shape == (2, 3)
+    assert mrf.energy([1, 2]) == pytest.approx(5.0 + 1.0)
+    with pytest.raises(ValueError, match="shape"):
+        mrf.add_pairwise(0, 1, np.ones((3, 3)))
+
+
+def test_inf_is_clamped():
+    mrf = PairwiseMRF.from_unary([np.array([np.inf, 1.0])])
+    assert mrf.unary[0][0] == FORBIDDEN
+    assert solve_mrf(mrf).labels[0] == 1
