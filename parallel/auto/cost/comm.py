@@ -1,0 +1,283 @@
+"""Communication cost: which collectives a redistribution needs, and what each costs on
+the link of *its* mesh axis.
+
+Model (NCCL-style, n = group size on the axis, S = bytes of the tensor gathered on that
+axis, i.e. the nccl-tests "size"):
+
+* all-gather / reduce-scatter (ring):  t = α + (n−1)·β + S·(n−1)/n / busBW
+* all-reduce, ring:                     t = α + 2(n−1)·β + 2·S·(n−1)/n / busBW_ar
+* all-reduce, tree (only across nodes): t = α + 2·⌈log2 n⌉·β + S / (busBW_ar · tree_factor)
+  the cheaper of the two is taken (tree wins for small messages on many nodes)
+* all-to-all: ``bytes`` is the per-rank buffer L (each rank keeps 1/n of it):
+                                        t = α + (n−1)·β + L·(n−1)/n / busBW_a2a
+* n = 1 → 0.
+
+α is the link's fixed latency (launch + sync), β its per-step latency.
+
+Mesh axis → link: ranks are laid out row-major over the mesh, so the last axis holds
+contiguous ranks. An axis is intra-node when size(axis) · Π size(inner axes) ≤
+gpus_per_node. Otherwise its groups span nodes and the NIC bounds the ring: bandwidth is
+min(intra bus bandwidth, m · NIC bandwidth) where m is the number of the group's members
+that share a node (each GPU has its own NIC, rail-optimised), latency is inter-node. So a
+pure inter-node axis (m = 1) runs at NIC speed; an axis that only partly spans nodes
+(e.g. size 4 with inner product 4 on 8/node, m = 2) is treated as inter-node bound too,
+just with m NICs per node.
+
+The redistribution decomposition mirrors DTensor's greedy ``redistribute`` (one mesh axis
+at a time; nested/misaligned shards on a tensor dim are first replicated from the
+innermost axis outwards), but is pure placement arithmetic: no mesh, no process group.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from .hardware import COLLECTIVE_KINDS, HardwareProfile
+
+__all__ = [
+    "AxisLink",
+    "Collective",
+    "RedistributionNotAllowed",
+    "Step",
+    "axis_links",
+    "collective_time",
+    "decompose_redistribution",
+    "summarize_collectives",
+]
+
+
+class RedistributionNotAllowed(ValueError):
+    """src → dst needs a transition DTensor refuses (Replicate/Shard → Partial)."""
+
+
+@dataclass(frozen=True)
+class AxisLink:
+    """The link one mesh axis communicates over (derived from the profile + mesh shape)."""
+
+    axis: int
+    name: str
+    size: int
+    intra_node: bool
+    members_per_node: int  # ranks of one group of this axis that share a node
+    bus_bandwidth_gbps: Mapping[str, float]  # per collective kind
+    latency_us: float
+    hop_latency_us: float
+    allow_tree: bool  # tree all-reduce is an option only across nodes
+    tree_bandwidth_factor: float = 0.45
+
+    def describe(self) -> str:
+        where = "intra-node" if self.intra_node else f"inter-node ({self.members_per_node}/node)"
+        bw = self.bus_bandwidth_gbps
+        return (f"axis {self.axis} '{self.name}' size {self.size}: {where}, AG {bw['all_gather']:g} "
+                f"AR {bw['all_reduce']:g} A2A {bw['all_to_all']:g} GB/s, α {self.latency_us:g} µs "
+                f"β {self.hop_latency_us:g} µs")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a redistribution. ``bytes``: nccl-tests size (gathered tensor for
+    all-gather/reduce-scatter/all-reduce, per-rank buffer for all-to-all, local output for
+    a "local" chunk); ``algorithm``: "ring", "tree", "pairwise" or "local"."""
+
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "all_to_all" | "local"
+    mesh_axis: int
+    axis_name: str
+    bytes: int
+    time_us: float
+    algorithm: str = "ring"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One per-axis transition of a redistribution (before it is costed)."""
+
+    mesh_axis: int
+    src: Placement
+    dst: Placement
+    kind: str | None  # a collective kind, "local", or None when not allowed
+    bytes: int
+
+
+# ------------------------------------------------------------------ mesh axis → link
+def axis_links(hw: HardwareProfile, mesh_shape: Sequence[int],
+               mesh_axis_names: Sequence[str] | None = None) -> list[AxisLink]:
+    """Link per mesh axis for a row-major rank layout (innermost axis = contiguous ranks)."""
+    shape = tuple(int(s) for s in mesh_shape)
+    if not shape or any(s < 1 for s in shape):
+        raise ValueError(f"mesh_shape must be non-empty positive sizes, got {mesh_shape!r}")
+    names = tuple(mesh_axis_names) if mesh_axis_names is not None else tuple(f"axis{i}" for i in range(len(shape)))
+    if len(names) != len(shape):
+        raise ValueError(f"mesh_axis_names {names!r} do not match mesh_shape {shape!r}")
+    gpn = hw.gpus_per_node
+    links: list[AxisLink] = []
+    for i, n in enumerate(shape):
+        inner = math.prod(shape[i + 1:])
+        intra = n * inner <= gpn or n == 1
+        intra_bw = dict(hw.intra_node.bus_bandwidth_gbps)
+        if intra:
+            links.append(AxisLink(i, names[i], n, True, n, intra_bw, hw.intra_node.latency_us,
+                                  hw.intra_node.hop_latency_us, False, hw.tree_bandwidth_factor))
+        else:
+            members = max(1, gpn // inner) if inner < gpn else 1
+            nic = members * hw.inter_node.bandwidth_gbps
+            bw = {k: min(intra_bw[k], nic) for k in COLLECTIVE_KINDS}
+            links.append(AxisLink(i, names[i], n, False, members, bw, hw.inter_node.latency_us,
+                                  hw.inter_node.hop_latency_us, True, hw.tree_bandwidth_factor))
+    return links
+
+
+# ------------------------------------------------------------------ one collective
+def _us(nbytes: float, gbps: float) -> float:
+    """Microseconds to move nbytes at gbps GB/s (1e9 B/s)."""
+    return nbytes / (gbps * 1e3)
+
+
+def collective_time(kind: str, nbytes: float, link: AxisLink) -> tuple[float, str]:
+    """(µs, algorithm) of one collective of ``nbytes`` (see module doc) on ``link``."""
+    n = link.size
+    if kind == "local":
+        return 0.0, "local"
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; expected one of {COLLECTIVE_KINDS}")
+    if n <= 1 or nbytes <= 0:
+        return 0.0, "ring"
+    a, b = link.latency_us, link.hop_latency_us
+    bw = link.bus_bandwidth_gbps[kind]
+    frac = (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter"):
+        return a + (n - 1) * b + _us(nbytes * frac, bw), "ring"
+    if kind == "all_to_all":
+        return a + (n - 1) * b + _us(nbytes * frac, bw), "pairwise"
+    ring = a + 2 * (n - 1) * b + _us(2 * nbytes * frac, bw)
+    if link.allow_tree:
+        tree = a + 2 * math.ceil(math.log2(n)) * b + _us(nbytes, bw * link.tree_bandwidth_factor)
+        if tree < ring:
+            return tree, "tree"
+    return ring, "ring"
+
+
+# ------------------------------------------------------------------ placements
+def shard_dim(p: Placement) -> int | None:
+    """Tensor dim a placement shards (Shard, _StridedShard, any shard-like), else None."""
+    if isinstance(p, Shard):
+        return p.dim
+    if p.is_shard() or type(p).__name__ == "_StridedShard":
+        return getattr(p, "dim", None)
+    return None
+
+
+def _is_partial(p: Placement) -> bool:
+    return isinstance(p, Partial) or p.is_partial()
+
+
+def _is_replicate(p: Placement) -> bool:
+    return isinstance(p, Replicate) or p.is_replicate()
+
+
+def _normalize(placements: Sequence[Placement], ndim: int) -> tuple[Placement, ...]:
+    """Make negative shard dims positive so Shard(-1) == Shard(ndim-1)."""
+    out = []
+    for p in placements:
+        d = shard_dim(p)
+        if d is not None and d < 0:
+            if isinstance(p, Shard) and type(p) is Shard:
+                p = Shard(d + ndim)
+            else:  # _StridedShard and friends
+                try:
+                    p = type(p)(d + ndim, split_factor=p.split_factor)  # type: ignore[attr-defined]
+                except Exception:  # pragma: no cover
+                    pass
+        out.append(p)
+    return tuple(out)
+
+
+def _local_numel(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int],
+                 skip_axis: int | None = None) -> int:
+    """Elements per rank when sharded by ``placements`` (ceil: uneven shards pad to the
+    largest), ignoring the sharding on ``skip_axis`` (= the tensor gathered on that axis)."""
+    local = list(shape)
+    for i, p in enumerate(placements):
+        if i == skip_axis:
+            continue
+        d = shard_dim(p)
+        if d is not None and 0 <= d < len(local):
+            local[d] = -(-local[d] // mesh_shape[i])
+    return math.prod(local)
+
+
+def _greedy_transitions(src: Sequence[Placement], dst: Sequence[Placement]) -> list[tuple[int, Placement, Placement]]:
+    """Per-axis transitions in DTensor's greedy order (generate_greedy_transform_infos)."""
+    cur, tgt = list(src), list(dst)
+    steps: list[tuple[int, Placement, Placement]] = []
+    if len(cur) == 1:
+        return [(0, cur[0], tgt[0])] if cur[0] != tgt[0] else []
+    if any(shard_dim(p) is not None for p in cur):
+        # inner → outer: a target shard on a tensor dim that is sharded differently on the
+        # outer axes (nested / misaligned) must be replicated first
+        for ax in reversed(range(len(cur))):
+            c, t = cur[ax], tgt[ax]
+            td = shard_dim(t)
+            if td is not None:
+                cur_axes = [i for i in range(ax) if shard_dim(cur[i]) == td]
+                tgt_axes = [i for i in range(ax) if shard_dim(tgt[i]) == td]
+                if cur_axes != tgt_axes:
+                    t = Replicate()
+            if c != t:
+                steps.append((ax, c, t))
+                cur[ax] = t
+    for ax in range(len(cur)):
+        if cur[ax] != tgt[ax]:
+            steps.append((ax, cur[ax], tgt[ax]))
+            cur[ax] = tgt[ax]
+    return steps
+
+
+def decompose_redistribution(src: Sequence[Placement], dst: Sequence[Placement],
+                             shape: Sequence[int], itemsize: int,
+                             mesh_shape: Sequence[int]) -> list[Step]:
+    """The per-axis steps (kind + bytes) to go from ``src`` to ``dst`` placements of a
+    tensor of global ``shape``. A step with ``kind=None`` is not allowed (→ inf cost)."""
+    if len(src) != len(mesh_shape) or len(dst) != len(mesh_shape):
+        raise ValueError(f"placements {tuple(src)} -> {tuple(dst)} do not match a {len(mesh_shape)}-D mesh {tuple(mesh_shape)}")
+    ndim = len(shape)
+    src_n, dst_n = _normalize(src, ndim), _normalize(dst, ndim)
+    cur = list(src_n)
+    out: list[Step] = []
+    for ax, c, t in _greedy_transitions(src_n, dst_n):
+        cd, td = shard_dim(c), shard_dim(t)
+        if cd is not None and _is_replicate(t):
+            kind, nb = "all_gather", _local_numel(shape, cur, mesh_shape, skip_axis=ax)
+        elif cd is not None and td is not None:
+            kind, nb = "all_to_all", _local_numel(shape, cur, mesh_shape)
+        elif _is_partial(c) and _is_replicate(t):
+            kind, nb = "all_reduce", _local_numel(shape, cur, mesh_shape)
+        elif _is_partial(c) and td is not None:
+            kind, nb = "reduce_scatter", _local_numel(shape, cur, mesh_shape)
+        elif _is_partial(c) and _is_partial(t):
+            # e.g. Partial(sum) → Partial(avg): priced as reducing it (an all-reduce)
+            kind, nb = "all_reduce", _local_numel(shape, cur, mesh_shape)
+        elif _is_replicate(c) and td is not None:
+            nxt = list(cur)
+            nxt[ax] = t
+            kind, nb = "local", _local_numel(shape, nxt, mesh_shape)
+        else:  # Replicate/Shard → Partial
+            kind, nb = None, _local_numel(shape, cur, mesh_shape)
+        out.append(Step(ax, c, t, kind, nb * itemsize))
+        cur[ax] = t
+    return out
+
+
+# ------------------------------------------------------------------ reports
+def summarize_collectives(collectives: Iterable[Collective]) -> dict[tuple[str, str], dict[str, float]]:
+    """Sum per (kind, axis_name): {"count", "bytes", "time_us"} — for the Plan's report."""
+    acc: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0, "time_us": 0.0})
+    for c in collectives:
+        e = acc[(c.kind, c.axis_name)]
+        e["count"] += 1
+        e["bytes"] += c.bytes
+        e["time_us"] += c.time_us
+    return dict(sorted(acc.items()))

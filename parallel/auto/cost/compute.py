@@ -1,0 +1,208 @@
+"""Compute cost of one op on per-device (local) shapes: a roofline.
+
+    t = max(FLOPs / (peak[dtype] · eff_matmul), bytes / (mem_bw · eff_memory)) + kernel_floor
+
+FLOPs come from ``FlopCounterMode`` by running the op on meta tensors of the local
+shapes (no memory, no device), cached by (op, shapes, dtypes, static args) because a
+transformer repeats the same ~100 keys thousands of times. Bytes moved = local input +
+output bytes. View-like ops (view, reshape, t, transpose, getitem, detach, ...) launch no
+kernel and cost 0.
+
+CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward)
+counts 0 FLOPs in FlopCounterMode unless ``parallel.auto._torch.register_planner_ops()``
+registered a formula; when it counts 0 we use torch's own SDPA formulas, with the same
+convention (causal masking not discounted) so both paths agree.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from .hardware import HardwareProfile
+
+__all__ = [
+    "ZERO_COST_OPS",
+    "ComputeEstimate",
+    "FlopCache",
+    "TensorLike",
+    "is_zero_cost",
+    "op_name",
+    "roofline_us",
+]
+
+#: ops that launch no kernel (aliases / metadata changes): cost 0
+ZERO_COST_OPS: frozenset[str] = frozenset({
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute", "expand",
+    "expand_as", "view_as", "squeeze", "unsqueeze", "detach", "alias", "lift_fresh",
+    "as_strided", "slice", "select", "split", "split_with_sizes", "unsafe_split", "unbind",
+    "narrow", "chunk", "diagonal", "unflatten", "flatten", "view_as_real", "view_as_complex",
+    "real", "imag", "getitem", "numpy_T", "_conj", "conj", "resolve_conj", "resolve_neg",
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "empty_like_view",
+    "wait_tensor", "_assert_tensor_metadata", "_assert_async", "sym_constrain_range_for_size",
+})
+
+_ATTN_FWD = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
+_ATTN_BWD = {n + "_backward" for n in _ATTN_FWD}
+
+#: what a per-device tensor may be described as
+TensorLike = Any  # torch.Tensor (meta/fake), TensorMeta-like (.shape, .dtype), (shape, dtype)
+
+
+def op_name(op: Any) -> str:
+    """Short name of an OpOverload / packet / callable / fx node target ("mm", "view", ...)."""
+    if op is operator.getitem:
+        return "getitem"
+    if isinstance(op, torch._ops.OpOverload):
+        return op._opname
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op._qualified_op_name.split("::")[-1]
+    if isinstance(op, str):
+        return op.split("::")[-1].split(".")[0]
+    return getattr(op, "__name__", str(op))
+
+
+def is_zero_cost(op: Any) -> bool:
+    """True for ops that launch no kernel (see ZERO_COST_OPS)."""
+    return op_name(op) in ZERO_COST_OPS
+
+
+def roofline_us(hw: HardwareProfile, flops: float, nbytes: float, dtype: torch.dtype | str | None) -> float:
+    """max(compute time, memory time) + kernel floor, in µs."""
+    t_flop = flops / (hw.peak_flops(dtype) * hw.matmul_efficiency) if flops > 0 else 0.0
+    t_mem = nbytes / (hw.memory_bandwidth * hw.memory_efficiency) if nbytes > 0 else 0.0
+    return max(t_flop, t_mem) * 1e6 + hw.kernel_floor_us
+
+
+# ------------------------------------------------------------------ tensor descriptions
+def _as_shape_dtype(x: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """(shape, dtype) of a tensor description, or None when x is not one."""
+    if isinstance(x, torch.Tensor):
+        return tuple(int(s) for s in x.shape), x.dtype
+    if isinstance(x, torch.fx.Node):
+        v = x.meta.get("val")
+        return _as_shape_dtype(v) if v is not None else None
+    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype) and \
+            isinstance(x[0], (tuple, list, torch.Size)):
+        return tuple(int(s) for s in x[0]), x[1]
+    if hasattr(x, "shape") and hasattr(x, "dtype") and isinstance(getattr(x, "dtype"), torch.dtype):
+        return tuple(int(s) for s in x.shape), x.dtype
+    if hasattr(x, "tensor_meta") and getattr(x, "tensor_meta") is not None:  # DTensorSpec (global!)
+        return _as_shape_dtype(x.tensor_meta)
+    return None
+
+
+def _freeze(x: Any) -> Any:
+    """Hashable signature of an argument tree; tensors become ('T', shape, dtype)."""
+    sd = _as_shape_dtype(x)
+    if sd is not None:
+        return ("T", sd[0], sd[1])
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_freeze(y) for y in x))
+    if isinstance(x, dict):
+        return ("dict", tuple(sorted((k, _freeze(v)) for k, v in x.items())))
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("S", str(x))
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return ("R", repr(x))
+
+
+def _materialize(x: Any) -> Any:
+    """Replace tensor descriptions by meta tensors, devices by meta (never allocate)."""
+    sd = _as_shape_dtype(x)
+    if sd is not None:
+        return torch.empty(sd[0], dtype=sd[1], device="meta")
+    if isinstance(x, list):
+        return [_materialize(y) for y in x]
+    if isinstance(x, tuple):
+        return tuple(_materialize(y) for y in x)
+    if isinstance(x, dict):
+        return {k: _materialize(v) for k, v in x.items()}
+    if isinstance(x, torch.device):
+        return torch.device("meta")
+    return x
+
+
+def _tensor_list(x: Any) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    sd = _as_shape_dtype(x)
+    if sd is not None:
+        return [sd]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensor_list(y)]
+    if isinstance(x, dict):
+        return [t for y in x.values() for t in _tensor_list(y)]
+    return []
+
+
+def _nbytes(tensors: Sequence[tuple[tuple[int, ...], torch.dtype]], as_dtype: torch.dtype | None = None) -> int:
+    total = 0
+    for shape, dt in tensors:
+        size = dt.itemsize
+        if as_dtype is not None and dt.is_floating_point:
+            size = as_dtype.itemsize
+        total += math.prod(shape) * size
+    return total
+
+
+# ------------------------------------------------------------------ FLOP counting
+@dataclass(frozen=True)
+class ComputeEstimate:
+    """FLOPs and output tensors of one op on local shapes (cached)."""
+
+    flops: float
+    outputs: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+    ran: bool  # False when the op could not run on meta tensors (flops then 0)
+
+
+def _attention_flops(name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> float:
+    """Flops of SDPA ops that FlopCounterMode does not know (e.g. the CPU flash kernels)."""
+    shapes = [sd[0] for sd in (_as_shape_dtype(a) for a in args) if sd is not None]
+    try:
+        if name in _ATTN_FWD:
+            return float(sdpa_flop_count(shapes[0], shapes[1], shapes[2]))
+        return float(sdpa_backward_flop_count(shapes[0], shapes[1], shapes[2], shapes[3]))
+    except Exception:
+        return 0.0
+
+
+class FlopCache:
+    """Counts FLOPs (and output shapes) of an op on local shapes once per unique key."""
+
+    def __init__(self) -> None:
+        self._cache: dict[Any, ComputeEstimate] = {}
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def estimate(self, op: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> ComputeEstimate:
+        kwargs = dict(kwargs or {})
+        key = (op, _freeze(tuple(args)), _freeze(kwargs))
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        est = self._run(op, args, kwargs)
+        self._cache[key] = est
+        return est
+
+    @staticmethod
+    def _run(op: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> ComputeEstimate:
+        name = op_name(op)
+        margs, mkwargs = _materialize(tuple(args)), _materialize(dict(kwargs))
+        try:
+            with FlopCounterMode(display=False) as fc:
+                out = op(*margs, **mkwargs)
+            flops = float(fc.get_total_flops())
+            outputs, ran = tuple(_tensor_list(out)), True
+        except Exception:
+            flops, outputs, ran = 0.0, (), False
+        if flops == 0 and (name in _ATTN_FWD or name in _ATTN_BWD):
+            flops = float(_attention_flops(name, args, kwargs))
+        return ComputeEstimate(flops, outputs, ran)

@@ -1,0 +1,340 @@
+"""Hardware profiles: the numbers the cost model turns shapes and bytes into microseconds.
+
+A profile is plain data read from a TOML file (``configs/hardware/<name>.toml``), so
+picking "h100" on a CPU-only machine never touches a GPU, and a user can pass their own
+file (or a :class:`HardwareProfile` object) to plan for hardware we do not ship.
+
+Units inside the TOML are the ones people quote: TFLOP/s, GB/s (1e9 bytes/s), GiB, µs.
+Everything is validated on load; an unknown or missing key is an error naming the file
+and the key, because a silently ignored typo would silently change every plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+try:  # Python >= 3.11
+    import tomllib as _toml
+except ModuleNotFoundError:  # pragma: no cover - 3.10
+    import tomli as _toml  # type: ignore[no-redef]
+
+import torch
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "HardwareProfile",
+    "InterNodeLink",
+    "IntraNodeLink",
+    "ProfileError",
+    "hardware_dir",
+    "list_profiles",
+    "load_hardware",
+    "profile_from_dict",
+    "profile_to_toml",
+    "dtype_key",
+]
+
+#: the collectives a redistribution can need, in the names NCCL / nccl-tests use
+COLLECTIVE_KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+# peak-table keys and the torch dtypes they cover
+_DTYPE_KEYS: dict[torch.dtype, str] = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        _DTYPE_KEYS[getattr(torch, _name)] = "fp8"
+# what a missing entry falls back to (fp8 runs at least as fast as bf16, etc.)
+_PEAK_FALLBACK = {"fp8": "bf16", "fp16": "bf16", "bf16": "fp32", "tf32": "fp32", "fp64": "fp32"}
+_PEAK_KEYS = ("bf16", "fp16", "fp32", "fp8", "tf32", "fp64")
+
+
+class ProfileError(ValueError):
+    """A hardware profile could not be found or is malformed (message names file and key)."""
+
+
+@dataclass(frozen=True)
+class IntraNodeLink:
+    """Links between devices of one node (NVLink/NVSwitch, or loopback for gloo).
+
+    ``bus_bandwidth_gbps`` is NCCL-tests *bus* bandwidth per collective kind, so that
+    t = latency + S·(n−1)/n / busBW holds for all-gather/reduce-scatter.
+    Latency is ``latency_us`` (fixed per collective: launch + sync) plus
+    ``hop_latency_us`` per algorithm step (n−1 steps for a ring).
+    """
+
+    bus_bandwidth_gbps: Mapping[str, float]
+    latency_us: float
+    hop_latency_us: float
+
+
+@dataclass(frozen=True)
+class InterNodeLink:
+    """Network between nodes: one NIC per device (rail-optimised), each way bandwidth."""
+
+    bandwidth_gbps: float
+    latency_us: float
+    hop_latency_us: float
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Per-device figures of one machine type.
+
+    Why each field exists:
+      * ``peak_tflops`` per dtype + ``matmul_efficiency``: the compute roof of the roofline.
+      * ``memory_bandwidth_gbps`` + ``memory_efficiency``: the memory roof.
+      * ``kernel_floor_us``: many tiny kernels are launch-bound, not roof-bound.
+      * ``gpus_per_node``: decides which mesh axes ride NVLink and which the NIC.
+      * ``tree_bandwidth_factor``: tree all-reduce reaches this fraction of the ring's
+        bus bandwidth (it wins on latency for small messages on many nodes, loses on
+        bandwidth for large ones).
+    """
+
+    name: str
+    gpus_per_node: int
+    peak_tflops: Mapping[str, float]
+    memory_bytes: int
+    memory_bandwidth_gbps: float
+    matmul_efficiency: float
+    memory_efficiency: float
+    kernel_floor_us: float
+    intra_node: IntraNodeLink
+    inter_node: InterNodeLink
+    tree_bandwidth_factor: float = 0.45
+    description: str = ""
+    source: str = field(default="<dict>", compare=False)
+
+    # ------------------------------------------------------------------ queries
+    def peak_flops(self, dtype: torch.dtype | str | None) -> float:
+        """Peak FLOP/s (not TFLOP/s) for a dtype; missing entries fall back (fp8→bf16→fp32)."""
+        key = dtype_key(dtype)
+        seen = set()
+        while key not in self.peak_tflops:
+            seen.add(key)
+            key = _PEAK_FALLBACK.get(key, "fp32")
+            if key in seen:  # pragma: no cover - fp32 is required, so unreachable
+                break
+        return float(self.peak_tflops[key]) * 1e12
+
+    @property
+    def memory_bandwidth(self) -> float:
+        """Bytes/s."""
+        return self.memory_bandwidth_gbps * 1e9
+
+    def replace(self, **changes: Any) -> "HardwareProfile":
+        """A copy with some fields changed (e.g. a calibrated efficiency)."""
+        return dataclasses.replace(self, **changes)
+
+    def summary(self) -> str:
+        """One line for logs and plan reports."""
+        ib = self.intra_node.bus_bandwidth_gbps
+        return (
+            f"{self.name}: {self.gpus_per_node}/node, bf16 {self.peak_tflops.get('bf16', 0):g} / "
+            f"fp32 {self.peak_tflops['fp32']:g} TFLOP/s, mem {self.memory_bytes / 2**30:.0f} GiB @ "
+            f"{self.memory_bandwidth_gbps:g} GB/s, intra AG {ib['all_gather']:g} AR {ib['all_reduce']:g} GB/s "
+            f"({self.intra_node.latency_us:g} µs), inter {self.inter_node.bandwidth_gbps:g} GB/s "
+            f"({self.inter_node.latency_us:g} µs)"
+        )
+
+
+def dtype_key(dtype: torch.dtype | str | None) -> str:
+    """Map a torch dtype (or 'bf16'-style string) to a peak-table key; ints/bools → fp32."""
+    if dtype is None:
+        return "fp32"
+    if isinstance(dtype, str):
+        aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
+                   "float": "fp32", "float64": "fp64", "double": "fp64", "float8": "fp8"}
+        return aliases.get(dtype, dtype)
+    return _DTYPE_KEYS.get(dtype, "fp32")
+
+
+# ---------------------------------------------------------------------- loading
+def hardware_dir() -> Path:
+    """Folder of the shipped profiles (``configs/hardware`` at the repo root).
+
+    ``AUTOTITAN_HARDWARE_DIR`` overrides it (e.g. for an installed package).
+    """
+    env = os.environ.get("AUTOTITAN_HARDWARE_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[3] / "configs" / "hardware"
+
+
+def list_profiles() -> list[str]:
+    """Names of the shipped profiles."""
+    d = hardware_dir()
+    return sorted(p.stem for p in d.glob("*.toml")) if d.is_dir() else []
+
+
+def load_hardware(profile: "str | os.PathLike[str] | HardwareProfile") -> HardwareProfile:
+    """Resolve a profile: a HardwareProfile passes through; a name means
+    ``configs/hardware/<name>.toml``; anything with a path separator or ``.toml`` is a file.
+    """
+    if isinstance(profile, HardwareProfile):
+        return profile
+    text = os.fspath(profile)
+    looks_like_path = text.endswith(".toml") or os.sep in text or "/" in text
+    path = Path(text) if looks_like_path else hardware_dir() / f"{text}.toml"
+    if not path.is_file():
+        if looks_like_path:
+            raise ProfileError(f"hardware profile file not found: {path}")
+        raise ProfileError(
+            f"unknown hardware profile {text!r}; available: {', '.join(list_profiles()) or '(none)'}"
+            f" (in {hardware_dir()}), or pass a path to a .toml file"
+        )
+    try:
+        with open(path, "rb") as f:
+            data = _toml.load(f)
+    except _toml.TOMLDecodeError as e:
+        raise ProfileError(f"{path}: not valid TOML: {e}") from e
+    return profile_from_dict(data, source=str(path))
+
+
+_TOP_KEYS = {
+    "name": True, "description": False, "gpus_per_node": True, "memory_gib": True,
+    "memory_bandwidth_gbps": True, "kernel_floor_us": True, "peak_tflops": True,
+    "efficiency": True, "intra_node": True, "inter_node": True, "collectives": False,
+    "calibration": False,
+}
+
+
+def _check_keys(d: Mapping[str, Any], allowed: Mapping[str, bool], where: str, source: str) -> None:
+    if not isinstance(d, Mapping):
+        raise ProfileError(f"{source}: [{where}] must be a table, got {type(d).__name__}")
+    for k in d:
+        if k not in allowed:
+            raise ProfileError(
+                f"{source}: unknown key {k!r} in [{where or 'top level'}]; allowed: {', '.join(sorted(allowed))}"
+            )
+    for k, required in allowed.items():
+        if required and k not in d:
+            raise ProfileError(f"{source}: missing required key {k!r} in [{where or 'top level'}]")
+
+
+def _num(d: Mapping[str, Any], key: str, where: str, source: str, *, positive: bool = True,
+         at_most: float | None = None) -> float:
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ProfileError(f"{source}: {where}{key} = {v!r} must be a finite number")
+    if positive and v <= 0:
+        raise ProfileError(f"{source}: {where}{key} = {v!r} must be > 0")
+    if not positive and v < 0:
+        raise ProfileError(f"{source}: {where}{key} = {v!r} must be >= 0")
+    if at_most is not None and v > at_most:
+        raise ProfileError(f"{source}: {where}{key} = {v!r} must be <= {at_most}")
+    return float(v)
+
+
+def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> HardwareProfile:
+    """Validate the TOML layout (see configs/hardware/h100.toml) and build a profile."""
+    _check_keys(data, _TOP_KEYS, "", source)
+    name = data["name"]
+    if not isinstance(name, str) or not name:
+        raise ProfileError(f"{source}: name = {name!r} must be a non-empty string")
+    gpn = data["gpus_per_node"]
+    if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
+        raise ProfileError(f"{source}: gpus_per_node = {gpn!r} must be an integer >= 1")
+
+    peaks = data["peak_tflops"]
+    _check_keys(peaks, {k: k == "fp32" for k in _PEAK_KEYS}, "peak_tflops", source)
+    peak = {k: _num(peaks, k, "peak_tflops.", source) for k in peaks}
+
+    eff = data["efficiency"]
+    _check_keys(eff, {"matmul": True, "memory": True}, "efficiency", source)
+    mm_eff = _num(eff, "matmul", "efficiency.", source, at_most=1.0)
+    mem_eff = _num(eff, "memory", "efficiency.", source, at_most=1.0)
+
+    intra = data["intra_node"]
+    _check_keys(intra, {"bus_bandwidth_gbps": True, "latency_us": True, "hop_latency_us": True},
+                "intra_node", source)
+    bw = intra["bus_bandwidth_gbps"]
+    if isinstance(bw, (int, float)) and not isinstance(bw, bool):
+        bw_map = {k: _num(intra, "bus_bandwidth_gbps", "intra_node.", source) for k in COLLECTIVE_KINDS}
+    else:
+        _check_keys(bw, {k: True for k in COLLECTIVE_KINDS}, "intra_node.bus_bandwidth_gbps", source)
+        bw_map = {k: _num(bw, k, "intra_node.bus_bandwidth_gbps.", source) for k in COLLECTIVE_KINDS}
+    intra_link = IntraNodeLink(
+        bus_bandwidth_gbps=bw_map,
+        latency_us=_num(intra, "latency_us", "intra_node.", source, positive=False),
+        hop_latency_us=_num(intra, "hop_latency_us", "intra_node.", source, positive=False),
+    )
+
+    inter = data["inter_node"]
+    _check_keys(inter, {"bandwidth_gbps": True, "latency_us": True, "hop_latency_us": True},
+                "inter_node", source)
+    inter_link = InterNodeLink(
+        bandwidth_gbps=_num(inter, "bandwidth_gbps", "inter_node.", source),
+        latency_us=_num(inter, "latency_us", "inter_node.", source, positive=False),
+        hop_latency_us=_num(inter, "hop_latency_us", "inter_node.", source, positive=False),
+    )
+
+    coll = data.get("collectives", {})
+    _check_keys(coll, {"tree_bandwidth_factor": False}, "collectives", source)
+    tree_f = _num(coll, "tree_bandwidth_factor", "collectives.", source, at_most=1.0) \
+        if "tree_bandwidth_factor" in coll else 0.45
+
+    if "calibration" in data and not isinstance(data["calibration"], Mapping):
+        raise ProfileError(f"{source}: [calibration] must be a table (free-form notes)")
+    desc = data.get("description", "")
+    if not isinstance(desc, str):
+        raise ProfileError(f"{source}: description must be a string")
+
+    return HardwareProfile(
+        name=name,
+        gpus_per_node=gpn,
+        peak_tflops=peak,
+        memory_bytes=int(_num(data, "memory_gib", "", source) * 2**30),
+        memory_bandwidth_gbps=_num(data, "memory_bandwidth_gbps", "", source),
+        matmul_efficiency=mm_eff,
+        memory_efficiency=mem_eff,
+        kernel_floor_us=_num(data, "kernel_floor_us", "", source, positive=False),
+        intra_node=intra_link,
+        inter_node=inter_link,
+        tree_bandwidth_factor=tree_f,
+        description=desc,
+        source=source,
+    )
+
+
+def profile_to_toml(hw: HardwareProfile) -> str:
+    """Serialise a profile back to the TOML layout (used by scripts/calibrate.py)."""
+    ib = hw.intra_node.bus_bandwidth_gbps
+    lines = [
+        f'name = "{hw.name}"',
+        f'description = "{hw.description}"',
+        f"gpus_per_node = {hw.gpus_per_node}",
+        f"memory_gib = {hw.memory_bytes / 2**30:.6g}",
+        f"memory_bandwidth_gbps = {hw.memory_bandwidth_gbps:.6g}",
+        f"kernel_floor_us = {hw.kernel_floor_us:.6g}",
+        "",
+        "[peak_tflops]",
+        *[f"{k} = {v:.6g}" for k, v in hw.peak_tflops.items()],
+        "",
+        "[efficiency]",
+        f"matmul = {hw.matmul_efficiency:.6g}",
+        f"memory = {hw.memory_efficiency:.6g}",
+        "",
+        "[intra_node]",
+        f"latency_us = {hw.intra_node.latency_us:.6g}",
+        f"hop_latency_us = {hw.intra_node.hop_latency_us:.6g}",
+        "[intra_node.bus_bandwidth_gbps]",
+        *[f"{k} = {ib[k]:.6g}" for k in COLLECTIVE_KINDS],
+        "",
+        "[inter_node]",
+        f"bandwidth_gbps = {hw.inter_node.bandwidth_gbps:.6g}",
+        f"latency_us = {hw.inter_node.latency_us:.6g}",
+        f"hop_latency_us = {hw.inter_node.hop_latency_us:.6g}",
+        "",
+        "[collectives]",
+        f"tree_bandwidth_factor = {hw.tree_bandwidth_factor:.6g}",
+        "",
+    ]
+    return "\n".join(lines)

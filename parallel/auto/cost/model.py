@@ -1,0 +1,209 @@
+"""CostModel: the one object the planner asks for microseconds.
+
+Pure data: built from a hardware profile and a mesh *shape*; it never creates a tensor on
+a device, a DeviceMesh or a process group, so planning for 128 H100s runs on a laptop.
+Subclass it (or duck-type its three methods) to plug in a different model.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+from torch.distributed.tensor.placement_types import Placement
+
+from .comm import (
+    AxisLink,
+    Collective,
+    RedistributionNotAllowed,
+    Step,
+    axis_links,
+    collective_time,
+    decompose_redistribution,
+    summarize_collectives,
+)
+from .compute import FlopCache, _as_shape_dtype, _tensor_list, _nbytes, is_zero_cost, op_name, roofline_us
+from .hardware import HardwareProfile, load_hardware
+
+__all__ = ["CostModel"]
+
+PlacementsLike = Any  # DTensorSpec | Sequence[Placement]
+TensorMetaLike = Any  # TensorMeta | (shape, dtype) | torch.Tensor | None (taken from a DTensorSpec)
+
+
+def _placements(x: PlacementsLike) -> tuple[Placement, ...]:
+    p = getattr(x, "placements", None)
+    if p is not None:
+        return tuple(p)
+    if isinstance(x, Placement):
+        return (x,)
+    return tuple(x)
+
+
+class CostModel:
+    """Costs in µs for the planner: ``compute_cost`` (roofline per op on local shapes),
+    ``redistribute_cost`` / ``redistribute_collectives`` (collectives per mesh axis).
+
+    Args:
+        hw: profile name ("h100", "h200", "a100", "cpu"), a path to a .toml, or a
+            HardwareProfile.
+        mesh_shape: sizes of the mesh axes, outermost first (row-major rank order).
+        mesh_axis_names: names for reports (default "axis0", ...).
+        compute_dtype: mixed precision: when set (e.g. torch.bfloat16), floating ops use
+            this dtype's peak and floating tensors count at its size in memory traffic.
+        links: override the per-axis links (used by ``project`` for 1-D seeding problems).
+    """
+
+    def __init__(
+        self,
+        hw: "str | os.PathLike[str] | HardwareProfile",
+        mesh_shape: Sequence[int],
+        mesh_axis_names: Sequence[str] | None = None,
+        *,
+        compute_dtype: torch.dtype | None = None,
+        links: Sequence[AxisLink] | None = None,
+    ) -> None:
+        self.hw: HardwareProfile = load_hardware(hw)
+        self.mesh_shape: tuple[int, ...] = tuple(int(s) for s in mesh_shape)
+        self.links: list[AxisLink] = list(links) if links is not None else axis_links(
+            self.hw, self.mesh_shape, mesh_axis_names)
+        if len(self.links) != len(self.mesh_shape):
+            raise ValueError(f"{len(self.links)} links for a {len(self.mesh_shape)}-D mesh")
+        self.mesh_axis_names: tuple[str, ...] = tuple(l.name for l in self.links)
+        self.compute_dtype = compute_dtype
+        self.flop_cache = FlopCache()
+        self._redist_cache: dict[Any, tuple[Step, ...]] = {}
+        self._cost_cache: dict[Any, float] = {}
+
+    # ------------------------------------------------------------------ info
+    def __repr__(self) -> str:
+        return (f"CostModel({self.hw.name!r}, mesh_shape={self.mesh_shape}, "
+                f"mesh_axis_names={self.mesh_axis_names}, compute_dtype={self.compute_dtype})")
+
+    def describe(self) -> str:
+        """Profile and per-axis links, for logs and plan reports."""
+        return "\n".join([self.hw.summary(), *(l.describe() for l in self.links)])
+
+    def is_intra_node(self, mesh_axis: int) -> bool:
+        return self.links[mesh_axis].intra_node
+
+    def project(self, mesh_axis: int) -> "CostModel":
+        """A 1-D cost model for one axis with that axis's link (split-dimension seeding)."""
+        link = self.links[mesh_axis]
+        from dataclasses import replace
+        return type(self)(self.hw, (link.size,), compute_dtype=self.compute_dtype,
+                          links=[replace(link, axis=0)])
+
+    # ------------------------------------------------------------------ compute
+    def compute_cost(
+        self,
+        node_or_op: Any,
+        local_args_meta: Sequence[Any] | None = None,
+        flops: float | None = None,
+        *,
+        local_kwargs_meta: Mapping[str, Any] | None = None,
+        out_meta: Any = None,
+        compute_dtype: torch.dtype | None = None,
+    ) -> float:
+        """µs to run one op on per-device shapes.
+
+        ``node_or_op``: an OpOverload or an fx Node (``call_function``; placeholders,
+        outputs and getitem cost 0). ``local_args_meta``: the op's args with every tensor
+        given by its *local* shape — a meta/fake tensor, a TensorMeta-like object or a
+        ``(shape, dtype)`` pair; non-tensor args as in the graph. When omitted for an fx
+        node, the node's own args (global ``meta["val"]`` shapes) are used.
+        ``flops``: skip counting and use this. ``out_meta``: local outputs, if known.
+        """
+        op, kwargs = node_or_op, local_kwargs_meta
+        if isinstance(node_or_op, torch.fx.Node):
+            node = node_or_op
+            if node.op != "call_function":
+                return 0.0
+            op = node.target
+            if local_args_meta is None:
+                local_args_meta = node.args
+            if kwargs is None:
+                kwargs = node.kwargs
+        if is_zero_cost(op):
+            return 0.0
+        args = tuple(local_args_meta or ())
+        kwargs = dict(kwargs or {})
+        cdt = compute_dtype if compute_dtype is not None else self.compute_dtype
+
+        est = None
+        if flops is None or out_meta is None:
+            est = self.flop_cache.estimate(op, args, kwargs)
+        n_flops = float(flops) if flops is not None else est.flops  # type: ignore[union-attr]
+        ins = _tensor_list(args) + _tensor_list(kwargs)
+        outs = _tensor_list(out_meta) if out_meta is not None else list(est.outputs)  # type: ignore[union-attr]
+        if not outs and est is not None and not est.ran and ins:
+            outs = [max(ins, key=lambda t: math.prod(t[0]))]  # op failed on meta: guess
+        scale_dt = cdt if (cdt is not None and cdt.is_floating_point) else None
+        nbytes = _nbytes(ins, scale_dt) + _nbytes(outs, scale_dt)
+        dtype = self._op_dtype(ins, outs, cdt)
+        return roofline_us(self.hw, n_flops, nbytes, dtype)
+
+    @staticmethod
+    def _op_dtype(ins: list, outs: list, cdt: torch.dtype | None) -> torch.dtype | None:
+        floats = [dt for _, dt in ins + outs if dt.is_floating_point]
+        if cdt is not None and floats:
+            return cdt
+        return floats[0] if floats else None
+
+    # ------------------------------------------------------------------ communication
+    def _steps(self, src: PlacementsLike, dst: PlacementsLike, tensor_meta: TensorMetaLike) -> tuple[Any, tuple[Step, ...]]:
+        if tensor_meta is None:
+            tensor_meta = getattr(src, "tensor_meta", None) or getattr(dst, "tensor_meta", None)
+        sd = _as_shape_dtype(tensor_meta) if tensor_meta is not None else None
+        if sd is None:
+            raise ValueError("redistribute needs the tensor's global shape and dtype: pass tensor_meta "
+                             "(TensorMeta or (shape, dtype)) or DTensorSpecs carrying tensor_meta")
+        sp, dp = _placements(src), _placements(dst)
+        key = (sp, dp, sd[0], sd[1])
+        steps = self._redist_cache.get(key)
+        if steps is None:
+            steps = tuple(decompose_redistribution(sp, dp, sd[0], sd[1].itemsize, self.mesh_shape))
+            self._redist_cache[key] = steps
+        return key, steps
+
+    def redistribute_collectives(self, src: PlacementsLike, dst: PlacementsLike,
+                                 tensor_meta: TensorMetaLike = None) -> list[Collective]:
+        """The collectives (in order) that take a tensor of global shape/dtype
+        ``tensor_meta`` from ``src`` to ``dst`` placements, each costed on its axis.
+        Raises RedistributionNotAllowed for Replicate/Shard → Partial."""
+        out = []
+        for s in self._steps(src, dst, tensor_meta)[1]:
+            if s.kind is None:
+                raise RedistributionNotAllowed(
+                    f"{s.src} -> {s.dst} on mesh axis {s.mesh_axis} ('{self.mesh_axis_names[s.mesh_axis]}') "
+                    f"is not allowed (placements {_placements(src)} -> {_placements(dst)})")
+            link = self.links[s.mesh_axis]
+            t, algo = collective_time(s.kind, s.bytes, link)
+            out.append(Collective(s.kind, s.mesh_axis, link.name, s.bytes, t, algo))
+        return out
+
+    def redistribute_cost(self, src: PlacementsLike, dst: PlacementsLike,
+                          tensor_meta: TensorMetaLike = None) -> float:
+        """µs to redistribute; 0 when equal; ``math.inf`` when not allowed."""
+        key, steps = self._steps(src, dst, tensor_meta)
+        hit = self._cost_cache.get(key)
+        if hit is not None:
+            return hit
+        total = 0.0
+        for s in steps:
+            if s.kind is None:
+                total = math.inf
+                break
+            total += collective_time(s.kind, s.bytes, self.links[s.mesh_axis])[0]
+        self._cost_cache[key] = total
+        return total
+
+    def collective_cost(self, kind: str, nbytes: float, mesh_axis: int) -> float:
+        """µs of one collective of ``nbytes`` (nccl-tests size) on a mesh axis."""
+        return collective_time(kind, nbytes, self.links[mesh_axis])[0]
+
+    @staticmethod
+    def summarize(collectives: Iterable[Collective]) -> dict[tuple[str, str], dict[str, float]]:
+        """Sum per (kind, axis_name) for reports; see comm.summarize_collectives."""
+        return summarize_collectives(collectives)
