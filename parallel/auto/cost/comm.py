@@ -46,6 +46,7 @@ __all__ = [
     "axis_links",
     "collective_time",
     "decompose_redistribution",
+    "local_shape",
     "summarize_collectives",
 ]
 
@@ -195,18 +196,27 @@ def _normalize(placements: Sequence[Placement], ndim: int) -> tuple[Placement, .
     return tuple(out)
 
 
-def _local_numel(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int],
-                 skip_axis: int | None = None) -> int:
-    """Elements per rank when sharded by ``placements`` (ceil: uneven shards pad to the
-    largest), ignoring the sharding on ``skip_axis`` (= the tensor gathered on that axis)."""
+def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int],
+                skip_axis: int | None = None) -> tuple[int, ...]:
+    """Per-rank shape of a tensor of global ``shape`` placed by ``placements`` (ceil:
+    uneven shards are priced as the largest one, which collectives pad to), ignoring the
+    sharding on ``skip_axis`` (= the tensor gathered on that axis)."""
     local = list(shape)
+    ndim = len(local)
     for i, p in enumerate(placements):
         if i == skip_axis:
             continue
         d = shard_dim(p)
-        if d is not None and 0 <= d < len(local):
-            local[d] = -(-local[d] // mesh_shape[i])
-    return math.prod(local)
+        if d is not None:
+            d = d + ndim if d < 0 else d
+            if 0 <= d < ndim:
+                local[d] = -(-local[d] // mesh_shape[i])
+    return tuple(local)
+
+
+def _local_numel(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int],
+                 skip_axis: int | None = None) -> int:
+    return math.prod(local_shape(shape, placements, mesh_shape, skip_axis))
 
 
 def _greedy_transitions(src: Sequence[Placement], dst: Sequence[Placement]) -> list[tuple[int, Placement, Placement]]:

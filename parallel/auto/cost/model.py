@@ -21,9 +21,10 @@ from .comm import (
     axis_links,
     collective_time,
     decompose_redistribution,
+    local_shape,
     summarize_collectives,
 )
-from .compute import FlopCache, _as_shape_dtype, _tensor_list, _nbytes, is_zero_cost, op_name, roofline_us
+from .compute import FlopCache, _as_shape_dtype, _freeze, _nbytes, _tensor_list, is_zero_cost, roofline_us
 from .hardware import HardwareProfile, load_hardware
 
 __all__ = ["CostModel"]
@@ -75,6 +76,7 @@ class CostModel:
         self.flop_cache = FlopCache()
         self._redist_cache: dict[Any, tuple[Step, ...]] = {}
         self._cost_cache: dict[Any, float] = {}
+        self._op_cost_cache: dict[Any, float] = {}
 
     # ------------------------------------------------------------------ info
     def __repr__(self) -> str:
@@ -130,7 +132,14 @@ class CostModel:
         args = tuple(local_args_meta or ())
         kwargs = dict(kwargs or {})
         cdt = compute_dtype if compute_dtype is not None else self.compute_dtype
+        key = (op, _freeze(args), _freeze(kwargs), flops, _freeze(out_meta), cdt)
+        hit = self._op_cost_cache.get(key)
+        if hit is None:
+            hit = self._op_cost_cache[key] = self._compute_uncached(op, args, kwargs, flops, out_meta, cdt)
+        return hit
 
+    def _compute_uncached(self, op: Any, args: tuple, kwargs: dict, flops: float | None,
+                          out_meta: Any, cdt: torch.dtype | None) -> float:
         est = None
         if flops is None or out_meta is None:
             est = self.flop_cache.estimate(op, args, kwargs)
@@ -143,6 +152,51 @@ class CostModel:
         nbytes = _nbytes(ins, scale_dt) + _nbytes(outs, scale_dt)
         dtype = self._op_dtype(ins, outs, cdt)
         return roofline_us(self.hw, n_flops, nbytes, dtype)
+
+    def local_shape(self, global_shape: Sequence[int], placements: PlacementsLike) -> tuple[int, ...]:
+        """Per-device shape under ``placements`` (largest shard when uneven)."""
+        return local_shape(global_shape, _placements(placements), self.mesh_shape)
+
+    def strategy_compute_cost(self, node: torch.fx.Node, op_spec: Any,
+                              compute_dtype: torch.dtype | None = None) -> float:
+        """``compute_cost`` of an fx node under one DTensor ``OpSpec``: the node's tensor
+        args (in order, lists flattened) take the local shapes of ``op_spec.input_specs``
+        and the outputs those of ``op_spec.output_specs``; specs need ``tensor_meta`` or
+        the node's ``meta["val"]`` gives the global shape."""
+        if node.op != "call_function" or is_zero_cost(node.target):
+            return 0.0
+        in_specs = list(getattr(op_spec, "input_specs", None) or ())
+        it = iter(in_specs)
+
+        def loc(a: Any) -> Any:
+            if isinstance(a, (list, tuple)):
+                return type(a)(loc(x) for x in a)
+            sd = _as_shape_dtype(a) if isinstance(a, torch.fx.Node) else None
+            if sd is None:
+                return a
+            spec = next(it, None)
+            if spec is None:
+                return sd
+            tm = getattr(spec, "tensor_meta", None)
+            shape, dtype = (tuple(tm.shape), tm.dtype) if tm is not None else sd
+            return (self.local_shape(shape, spec), dtype)
+
+        args = loc(tuple(node.args))
+        outs = getattr(op_spec, "output_specs", None)
+        out_list = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        vals = node.meta.get("val")
+        vals = list(vals) if isinstance(vals, (list, tuple)) else [vals]
+        out_meta = []
+        for i, spec in enumerate(out_list):
+            if spec is None:
+                continue
+            tm = getattr(spec, "tensor_meta", None)
+            sd = (tuple(tm.shape), tm.dtype) if tm is not None else (
+                _as_shape_dtype(vals[i]) if i < len(vals) and vals[i] is not None else None)
+            if sd is not None:
+                out_meta.append((self.local_shape(sd[0], spec), sd[1]))
+        return self.compute_cost(node, list(args), local_kwargs_meta=dict(node.kwargs),
+                                 out_meta=out_meta or None, compute_dtype=compute_dtype)
 
     @staticmethod
     def _op_dtype(ins: list, outs: list, cdt: torch.dtype | None) -> torch.dtype | None:

@@ -355,3 +355,30 @@ def test_profile_from_dict_minimal() -> None:
     with pytest.raises(ProfileError, match="matmul = 1.5 must be <= 1"):
         profile_from_dict({**d, "efficiency": {"matmul": 1.5, "memory": 1}})
     assert isinstance(Collective("local", 0, "a", 0, 0.0), Collective)
+
+
+def test_strategy_compute_cost_uses_local_shapes() -> None:
+    """mm under (Shard(0) x Replicate -> Shard(0)) on 8 ranks costs 1/8 of the FLOPs;
+    a contraction-dim split (Shard(1) x Shard(0) -> Partial) too."""
+    from types import SimpleNamespace as NS
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        gm = make_fx(lambda x, w: x @ w)(torch.empty(8192, 4096, dtype=torch.bfloat16),
+                                        torch.empty(4096, 4096, dtype=torch.bfloat16))
+    mm = next(n for n in gm.graph.nodes if n.op == "call_function")
+    cm = CostModel("h100", (8,))
+
+    def spec(p, shape):
+        return NS(placements=(p,), tensor_meta=NS(shape=torch.Size(shape), dtype=torch.bfloat16))
+
+    x, w, y = (8192, 4096), (4096, 4096), (8192, 4096)
+    rep = NS(input_specs=[spec(R, x), spec(R, w)], output_specs=spec(R, y))
+    dp = NS(input_specs=[spec(Shard(0), x), spec(R, w)], output_specs=spec(Shard(0), y))
+    k = NS(input_specs=[spec(Shard(1), x), spec(Shard(0), w)], output_specs=spec(Partial(), y))
+    floor = cm.hw.kernel_floor_us
+    t_rep, t_dp, t_k = (cm.strategy_compute_cost(mm, s) - floor for s in (rep, dp, k))
+    assert t_rep == pytest.approx(2 * 8192 * 4096 * 4096 / (989e12 * 0.78) * 1e6)
+    assert t_dp == pytest.approx(t_rep / 8) and t_k == pytest.approx(t_rep / 8)
+    assert cm.local_shape(x, (Shard(1),)) == (8192, 512)
