@@ -1,0 +1,150 @@
+"""Tensor parallel (Megatron column/row split) with optional sequence parallel.
+
+Public DTensor API only (``parallelize_module`` + parallel styles). Per transformer block::
+
+    attention_norm, ffn_norm        SequenceParallel          (SP: activations Shard(1) = seq)
+    attention                       PrepareModuleInput        Shard(1) -> Replicate (all-gather)
+    attention.{wq,wk,wv}            ColwiseParallel           (local heads; the model views
+                                                               with -1 heads)
+    attention.{q_norm,k_norm}       SequenceParallel(dim=2)   (Qwen3: weights replicated,
+                                                               heads sharded, grads reduced)
+    attention.wo                    RowwiseParallel           -> Shard(1) (reduce-scatter)
+    feed_forward                    PrepareModuleInput        Shard(1) -> Replicate
+    feed_forward.{w1,w3} / w2       Colwise / Rowwise         -> Shard(1)
+
+and for the model: ``tok_embeddings`` RowwiseParallel (vocab-sharded table, output
+Shard(1)), ``norm`` SequenceParallel, ``output`` ColwiseParallel (vocab-parallel logits,
+``Shard(-1)`` DTensor when loss parallel is on). Without sequence parallel the norms are
+plain replicated modules and block boundaries are Replicate.
+
+DeepSeek-V3 (MLA) dense parts: ``wq``/``wq_b`` and ``wkv_b`` colwise (heads), ``wo``
+rowwise; the low-rank ``wq_a``/``wkv_a`` and their norms stay replicated; dense
+``feed_forward`` as above; MoE layers (``moe``) are left to the EP recipe and see
+replicated (all-gathered) inputs.
+
+Loss parallel: the logits stay vocab-sharded; the trainer computes the loss *and* calls
+``backward`` inside :func:`loss_parallel_context` (a no-op for models without it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               PrepareModuleInputOutput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel,
+                                               parallelize_module)
+
+__all__ = ["apply_tp", "validate_tp", "loss_parallel_context", "uses_loss_parallel", "loss_value"]
+
+_LOSS_PARALLEL_ATTR = "_autotitan_loss_parallel"
+
+
+def validate_tp(model_args, tp: int) -> None:
+    """Raise ``ValueError`` when ``tp`` does not divide the sharded dimensions."""
+    if tp <= 1:
+        return
+    checks = {"n_heads": getattr(model_args, "n_heads", None),
+              "n_kv_heads": getattr(model_args, "n_kv_heads", None),
+              "ffn_hidden_dim": getattr(model_args, "ffn_hidden_dim", None),
+              "inter_dim": getattr(model_args, "inter_dim", None),
+              "moe_inter_dim": None,
+              "vocab_size": getattr(model_args, "vocab_size", None)}
+    for name, val in checks.items():
+        if val and val % tp:
+            raise ValueError(f"tensor_parallel_degree={tp} does not divide {name}={val} "
+                             f"of the model; choose a degree that divides it")
+
+
+def _block_plan(block: nn.Module, sp: bool) -> dict:
+    seq = Shard(1) if sp else Replicate()
+    plan: dict = {}
+    if sp:
+        plan["attention_norm"] = SequenceParallel()
+        if hasattr(block, "ffn_norm"):
+            plan["ffn_norm"] = SequenceParallel()
+    attn = block.attention
+    # attention(x, cos, sin): only the first input is an activation
+    plan["attention"] = _first_input(attn, seq)
+    if hasattr(attn, "wkv_a"):  # DeepSeek-V3 MLA: shard heads of wq/wq_b and wkv_b
+        plan["attention.wq_b" if getattr(attn, "wq_b", None) is not None else "attention.wq"] = ColwiseParallel()
+        plan["attention.wkv_b"] = ColwiseParallel()
+    else:
+        for n in ("wq", "wk", "wv"):
+            plan[f"attention.{n}"] = ColwiseParallel()
+        if getattr(attn, "q_norm", None) is not None:
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    plan["attention.wo"] = RowwiseParallel(output_layouts=seq)
+    ff = getattr(block, "feed_forward", None)
+    if ff is not None:
+        plan["feed_forward"] = _first_input(ff, seq)
+        plan["feed_forward.w1"] = ColwiseParallel()
+        plan["feed_forward.w3"] = ColwiseParallel()
+        plan["feed_forward.w2"] = RowwiseParallel(output_layouts=seq)
+    elif getattr(block, "moe", None) is not None and sp:
+        # MoE under TP+SP: replicated compute on the all-gathered sequence, output re-sharded
+        # (the local slice of a replicated tensor: no communication forward).
+        n = _n_required_inputs(block.moe)
+        plan["moe"] = PrepareModuleInputOutput(
+            input_layouts=(seq,) + (None,) * (n - 1),
+            desired_input_layouts=(Replicate(),) + (None,) * (n - 1), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
+    return plan
+
+
+def _n_required_inputs(module: nn.Module) -> int:
+    """Number of positional inputs without defaults of ``module.forward`` (>= 1)."""
+    ps = inspect.signature(module.forward).parameters.values()
+    return max(1, sum(1 for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                      and p.default is p.empty))
+
+
+def _first_input(module: nn.Module, seq) -> PrepareModuleInput:
+    """Redistribute the first (activation) input from ``seq`` to Replicate; others untouched."""
+    n = _n_required_inputs(module)
+    return PrepareModuleInput(input_layouts=(seq,) + (None,) * (n - 1),
+                              desired_input_layouts=(Replicate(),) + (None,) * (n - 1),
+                              use_local_output=True)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True,
+             loss_parallel: bool = True) -> nn.Module:
+    """Apply TP(+SP) in place on ``tp_mesh`` (1-D); returns the model."""
+    tp = tp_mesh.size()
+    if tp == 1:
+        return model
+    validate_tp(model.args, tp)
+    sp = sequence_parallel
+    seq = Shard(1) if sp else Replicate()
+    top = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(input_layouts=seq,
+                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+    if sp:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, top)
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, _block_plan(block, sp))
+    setattr(model, _LOSS_PARALLEL_ATTR, bool(loss_parallel))
+    return model
+
+
+def uses_loss_parallel(model: nn.Module) -> bool:
+    return bool(getattr(model, _LOSS_PARALLEL_ATTR, False))
+
+
+def loss_parallel_context(model: nn.Module):
+    """Context manager the trainer wraps around loss computation **and** ``backward``."""
+    return loss_parallel() if uses_loss_parallel(model) else contextlib.nullcontext()
+
+
+def loss_value(loss):
+    """A plain tensor for logging (a loss-parallel loss is a Replicate DTensor)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
