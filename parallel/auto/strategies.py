@@ -1,0 +1,530 @@
+"""Stage 2: JointGraph + mesh -> Candidates (valid strategies per node).
+
+Strategies come from DTensor's own sharding propagation rules, so every candidate is
+semantically valid by construction:
+  * single-dim rules (mm, add, mul, embedding, ...): placeholders expanded to Shard(d)
+    here and expanded over the mesh with `expand_to_full_mesh_op_strategy`;
+  * op-strategy functions (view, t, sum, log_softmax, nll_loss, ...): called once per
+    candidate input placement, merged and de-duplicated;
+  * otherwise DTensor's decomposition fallback; and if everything fails, replicate-only
+    (counted in the coverage report).
+Enumeration is cached by (op, input shapes/dtypes, static args): transformer layers repeat.
+
+Besides ATen ops there are three node kinds: placeholders (params, buffers, inputs,
+tangents) get every evenly-divisible placement; getitem picks one output of a tuple;
+and one virtual "slot" per graph output (loss, gradients) where the output placement is
+decided, so a Partial gradient can be reduce-scattered or all-reduced into it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_flatten, tree_map
+
+from parallel.auto import _torch as T
+from parallel.auto.trace import JointGraph
+
+log = logging.getLogger(__name__)
+
+Placements = tuple  # tuple[Placement, ...], one entry per mesh axis
+
+PLACEHOLDER = "placeholder"
+OP = "op"
+GETITEM = "getitem"
+SLOT = "slot"
+
+
+@dataclass
+class NodeCandidates:
+    """All candidate strategies of one node.
+
+    specs[i].input_specs[k] is the placement strategy i expects for `inputs[k]`
+    (an fx node; for getitem/slot nodes the single input is the producer) and
+    specs[i].output_specs the placement(s) it produces (a tuple for multi-output ops).
+    `input_index[k]` is the output index of inputs[k] consumed (for tuple producers via
+    getitem it is None: getitem nodes consume `output_specs[idx]` of their producer).
+    """
+
+    name: str
+    kind: str  # placeholder | op | getitem | slot
+    node: fx.Node | None  # None for slots
+    inputs: list[fx.Node]
+    specs: list[Any]  # list[OpSpec]
+    key: Any = None  # enumeration cache key (shared by identical ops)
+    source: str = ""  # rule family: single_dim | strategy_func | decomp | replicate_fallback | ...
+    getitem_index: int | None = None
+    slot_index: int | None = None
+
+    def output_placements(self, i: int) -> Placements:
+        spec = self.specs[i].output_specs
+        if isinstance(spec, tuple):
+            raise TypeError(f"{self.name} has several outputs; use output_placements_at")
+        return spec.placements
+
+    def output_spec_at(self, i: int, idx: int | None) -> Any:
+        spec = self.specs[i].output_specs
+        if isinstance(spec, tuple):
+            return spec[idx or 0]
+        return spec
+
+    def input_placements(self, i: int, k: int) -> Placements:
+        return self.specs[i].input_specs[k].placements
+
+
+@dataclass
+class CoverageReport:
+    """Ops whose strategies fell back to replicate-only or failed."""
+
+    fallback: dict[str, str] = field(default_factory=dict)  # op -> reason
+    # replicate-only by design: constants built without data inputs (causal masks,
+    # scalars) are recomputed on every rank; sharding them would save nothing
+    explained: dict[str, str] = field(default_factory=dict)
+    counts: Counter = field(default_factory=Counter)  # op -> number of nodes
+    dropped_strided: int = 0
+    dropped_uneven: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.fallback
+
+    def __str__(self) -> str:
+        lines = []
+        if not self.fallback:
+            lines.append("coverage: every op has DTensor sharding strategies")
+        else:
+            lines.append("coverage: ops with replicate-only strategies:")
+            for op, why in sorted(self.fallback.items()):
+                lines.append(f"  {op} ({self.counts[op]} nodes): {why}")
+        for op, why in sorted(self.explained.items()):
+            lines.append(f"  (explained) {op}: {why}")
+        return "\n".join(lines)
+
+
+@dataclass
+class Candidates:
+    """Per-node candidate strategies for one joint graph on one mesh."""
+
+    graph: JointGraph
+    mesh: Any  # DeviceMesh
+    nodes: dict[str, NodeCandidates]  # name -> candidates, in topological order (slots last)
+    coverage: CoverageReport
+    unique_keys: int
+    seconds: float
+
+    def __getitem__(self, name: str) -> NodeCandidates:
+        return self.nodes[name]
+
+    def summary(self) -> str:
+        n_specs = sum(len(c.specs) for c in self.nodes.values())
+        return (
+            f"Candidates: {len(self.nodes)} nodes, {n_specs} strategies, "
+            f"{self.unique_keys} unique op keys, {self.seconds:.2f}s"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Placement enumeration
+# ---------------------------------------------------------------------------
+
+
+def evenly_divisible(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...]) -> bool:
+    """True if every Shard in `placements` splits its dim evenly (in mesh-axis order)."""
+    local = list(shape)
+    for size, p in zip(mesh_shape, placements):
+        if isinstance(p, T._StridedShard):
+            return False
+        if isinstance(p, T.Shard):
+            if p.dim >= len(local) or local[p.dim] % size != 0:
+                return False
+            local[p.dim] //= size
+    return True
+
+
+def tensor_placements(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], *, partial: bool = False
+) -> list[Placements]:
+    """Every placement tuple (Replicate / Shard(d) [/ Partial]) whose shards divide evenly."""
+    per_axis = [T.Replicate()] + [T.Shard(d) for d in range(len(shape))]
+    if partial:
+        per_axis.append(T.Partial())
+    out = []
+    for combo in itertools.product(per_axis, repeat=len(mesh_shape)):
+        if evenly_divisible(tuple(shape), combo, mesh_shape):
+            out.append(tuple(combo))
+    return out
+
+
+def _meta(val: torch.Tensor) -> Any:
+    return T.TensorMeta(shape=val.shape, stride=val.stride(), dtype=val.dtype)
+
+
+def _spec(mesh: Any, placements: Placements, meta: Any) -> Any:
+    return T.DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+
+
+def _out_meta(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        return _meta(val)
+    if isinstance(val, (tuple, list)):
+        return tuple(_meta(v) if isinstance(v, torch.Tensor) else None for v in val)
+    return None
+
+
+def _multi(meta: Any) -> bool:
+    """True for a tuple of output metas (TensorMeta itself is a NamedTuple)."""
+    return isinstance(meta, tuple) and not isinstance(meta, T.TensorMeta)
+
+
+def _is_tensor_node(x: Any) -> bool:
+    return isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
+
+
+# ---------------------------------------------------------------------------
+# Op enumeration from DTensor rules
+# ---------------------------------------------------------------------------
+
+
+class _Enumerator:
+    def __init__(self, mesh: Any):
+        self.mesh = mesh
+        self.mesh_shape = tuple(mesh.shape)
+        self.prop = T.sharding_propagator()
+        self.cache: dict[Any, tuple[list[Any], str, str | None]] = {}
+        self.coverage = CoverageReport()
+
+    # -- keys -------------------------------------------------------------
+    def key(self, node: fx.Node) -> Any:
+        def conv(a: Any) -> Any:
+            if isinstance(a, fx.Node):
+                v = a.meta.get("val")
+                if isinstance(v, torch.Tensor):
+                    return ("T", tuple(v.shape), tuple(v.stride()), v.dtype)
+                return ("V", repr(v))
+            if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+                return str(a)
+            return a
+
+        args = tree_map(conv, node.args)
+        kwargs = tuple(sorted((k, tree_map(conv, v)) for k, v in node.kwargs.items()))
+        try:
+            k = (node.target, args, kwargs)
+            hash(k)
+            return k
+        except TypeError:
+            return (node.target, repr(args), repr(kwargs))
+
+    # -- schema building --------------------------------------------------
+    def _schema(self, node: fx.Node, placements: list[Placements]) -> Any:
+        """OpSchema with each tensor input an OpStrategy holding one spec."""
+        it = iter(placements)
+
+        def conv(a: Any) -> Any:
+            if _is_tensor_node(a):
+                return T.OpStrategy([T.OpSpec(_spec(self.mesh, next(it), _meta(a.meta["val"])))])
+            if isinstance(a, fx.Node):
+                return a.meta.get("val")
+            return a
+
+        def top(a: Any) -> Any:
+            if isinstance(a, (list, tuple)) and a and all(_is_tensor_node(x) for x in a):
+                return T.TupleStrategy([conv(x) for x in a])  # tensor lists (cat, stack)
+            return tree_map(conv, a)
+
+        args = [top(a) for a in node.args]
+        kwargs = {k: top(v) for k, v in node.kwargs.items()}
+        op = node.target
+        schema_info = self.prop.op_to_schema_info.get(op) or self.prop.op_to_schema_info_for_single_dim_strategy.get(op)
+        return T.OpSchema(op, tuple(args), kwargs, schema_info=schema_info)
+
+    @staticmethod
+    def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+        leaves, _ = tree_flatten((node.args, dict(node.kwargs)))
+        return [a for a in leaves if _is_tensor_node(a)]
+
+    # -- enumeration ------------------------------------------------------
+    def enumerate(self, node: fx.Node) -> tuple[list[Any], str]:
+        key = self.key(node)
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = self._enumerate_uncached(node)
+            self.cache[key] = hit
+        specs, source, why = hit
+        if why is not None:
+            name = str(node.target)
+            self.coverage.fallback.setdefault(name, why)
+            self.coverage.counts[name] += 1
+        return specs, source
+
+    def _enumerate_uncached(self, node: fx.Node) -> tuple[list[Any], str, str | None]:
+        op = node.target
+        inputs = self.tensor_inputs(node)
+        in_metas = [_meta(a.meta["val"]) for a in inputs]
+        out_meta = _out_meta(node.meta.get("val"))
+        errors: list[str] = []
+        specs: list[Any] = []
+        source = ""
+        if op in self.prop.op_single_dim_strategy_funcs:
+            source = "single_dim"
+            try:
+                specs = self._single_dim(node, inputs, out_meta)
+            except Exception as e:  # noqa: BLE001 - report, then try the next family
+                errors.append(f"single-dim rule: {type(e).__name__}: {e}"[:200])
+        if not specs and op in self.prop.op_strategy_funcs:
+            source = "strategy_func"
+            specs, err = self._strategy_func(node, inputs)
+            if err:
+                errors.append(err)
+        if not specs and op not in self.prop.op_single_dim_strategy_funcs and op not in self.prop.op_strategy_funcs:
+            source = "decomp"
+            try:
+                specs = self._decomp(node, inputs)
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"decomposition: {type(e).__name__}: {e}"[:200])
+        specs = self._finalize(specs, in_metas, out_meta)
+        if not specs or all(self._all_replicate(s) for s in specs):
+            why = "; ".join(errors) if errors else "no sharding rule"
+            return self._replicate_only(node, in_metas, out_meta), "replicate_fallback", why
+        return specs, source, None
+
+    @staticmethod
+    def _all_replicate(spec: Any) -> bool:
+        outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+        all_specs = [s for s in outs if s is not None] + list(spec.input_specs or [])
+        return all(isinstance(p, T.Replicate) for s in all_specs for p in s.placements)
+
+    def _replicate_only(self, node: fx.Node, in_metas: list[Any], out_meta: Any) -> list[Any]:
+        rep = tuple(T.Replicate() for _ in self.mesh_shape)
+        if _multi(out_meta):
+            outs = tuple(_spec(self.mesh, rep, m) if m is not None else None for m in out_meta)
+        else:
+            outs = _spec(self.mesh, rep, out_meta)
+        return [T.OpSpec(outs, [_spec(self.mesh, rep, m) for m in in_metas])]
+
+    def _single_dim(self, node: fx.Node, inputs: list[fx.Node], out_meta: Any) -> list[Any]:
+        op = node.target
+        info = self.prop.op_single_dim_strategy_funcs[op]
+        rep = tuple(T.Replicate() for _ in self.mesh_shape)
+        schema = self._schema(node, [rep] * len(inputs))
+        func = info.func if isinstance(info, T._SingleDimStrategyInfo) else info
+        rules = func(op, schema.args_meta, schema.kwargs_meta)
+        n_in = len(inputs)
+        n_out = len(rules[0]) - n_in if rules else (len(out_meta) if _multi(out_meta) else 1)
+        filled: list[list[Any]] = []
+        seen = set()
+        rep_rule = [T.Replicate()] * (n_out + n_in)
+        if _multi(out_meta):
+            for i, m in enumerate(out_meta):
+                if m is None and i < n_out:
+                    rep_rule[i] = None
+        for r in [rep_rule] + list(rules):
+            rr = [T.Shard(p.dim) if isinstance(p, T._ShardingPlaceholder) else p for p in r]
+            k = tuple(repr(p) for p in rr)
+            if k not in seen:
+                seen.add(k)
+                filled.append(rr)
+        strat = T.expand_to_full_mesh_op_strategy(
+            self.mesh, schema, filled, output_tensor_meta=out_meta, input_index=n_out
+        )
+        return list(strat.strategies)
+
+    def _strategy_func(self, node: fx.Node, inputs: list[fx.Node]) -> tuple[list[Any], str | None]:
+        func = self.prop.op_strategy_funcs[node.target]
+        rep = tuple(T.Replicate() for _ in self.mesh_shape)
+        combos: list[list[Placements]] = []
+        for k, a in enumerate(inputs):
+            shape = tuple(a.meta["val"].shape)
+            for p in tensor_placements(shape, self.mesh_shape, partial=True):
+                c = [rep] * len(inputs)
+                c[k] = p
+                combos.append(c)
+        if not inputs:
+            combos.append([])
+        specs: list[Any] = []
+        last_err = None
+        for c in combos:
+            try:
+                schema = self._schema(node, c)
+                strat = func(schema)
+            except Exception as e:  # noqa: BLE001 - invalid combination for this op
+                last_err = f"strategy function: {type(e).__name__}: {e}"[:200]
+                continue
+            if isinstance(strat, T.TupleStrategy):
+                return [], "returns a TupleStrategy (unsupported)"
+            specs.extend(strat.strategies)
+        return specs, (None if specs else last_err)
+
+    def _decomp(self, node: fx.Node, inputs: list[fx.Node]) -> list[Any]:
+        ds = self.prop.decomp_strategy
+        if not hasattr(ds, "has_decomp") or not ds.has_decomp(node.target):
+            raise RuntimeError("no sharding rule and no decomposition")
+        ds.ensure_schema_info(node.target)
+        specs: list[Any] = []
+        rep = tuple(T.Replicate() for _ in self.mesh_shape)
+        for k, a in enumerate(inputs):
+            for p in tensor_placements(tuple(a.meta["val"].shape), self.mesh_shape):
+                c = [rep] * len(inputs)
+                c[k] = p
+                strat = ds.propagate_strategy(self._schema(node, c))
+                if isinstance(strat, T.OpStrategy):
+                    specs.extend(strat.strategies)
+        return specs
+
+    def _finalize(self, specs: list[Any], in_metas: list[Any], out_meta: Any) -> list[Any]:
+        """Fill tensor metas, drop uneven/strided strategies, de-duplicate, stable order."""
+        out: list[Any] = []
+        seen: set = set()
+        for s in specs:
+            outs = s.output_specs
+            ins = s.input_specs
+            if ins is None:  # "follow the output" convention
+                ins = [outs] * len(in_metas)
+            if len(ins) != len(in_metas):
+                continue
+            if _multi(out_meta):
+                if not isinstance(outs, tuple):
+                    outs = tuple(outs if m is not None else None for m in out_meta)
+                new_outs = tuple(
+                    _spec(self.mesh, o.placements, m) if (o is not None and m is not None) else None
+                    for o, m in zip(outs, out_meta)
+                )
+            else:
+                if isinstance(outs, tuple):
+                    outs = outs[0]
+                new_outs = _spec(self.mesh, outs.placements, out_meta)
+            new_ins = [_spec(self.mesh, i.placements, m) for i, m in zip(ins, in_metas)]
+            all_specs = [new_outs] if not isinstance(new_outs, tuple) else [o for o in new_outs if o is not None]
+            all_specs = all_specs + new_ins
+            bad = False
+            for sp in all_specs:
+                if any(isinstance(p, T._StridedShard) for p in sp.placements):
+                    self.coverage.dropped_strided += 1
+                    bad = True
+                    break
+                if not evenly_divisible(tuple(sp.tensor_meta.shape), sp.placements, self.mesh_shape):
+                    self.coverage.dropped_uneven += 1
+                    bad = True
+                    break
+            if bad:
+                continue
+            k = _spec_key(new_outs, new_ins)
+            if k in seen:
+                continue
+            seen.add(k)
+            out.append(T.OpSpec(new_outs, new_ins))
+        return out
+
+
+def _spec_key(outs: Any, ins: list[Any]) -> tuple:
+    if isinstance(outs, tuple):
+        o = tuple(None if x is None else x.placements for x in outs)
+    else:
+        o = outs.placements
+    return (o, tuple(i.placements for i in ins))
+
+
+def placement_str(placements: Placements) -> str:
+    return "(" + ", ".join(_pstr(p) for p in placements) + ")"
+
+
+def _pstr(p: Any) -> str:
+    if isinstance(p, T.Replicate):
+        return "R"
+    if isinstance(p, T.Shard) and not isinstance(p, T._StridedShard):
+        return f"S({p.dim})"
+    if isinstance(p, T.Partial):
+        op = getattr(p, "reduce_op", "sum")
+        name = "MP" if type(p).__name__ == "_MaskPartial" else "P"
+        return name if op == "sum" else f"{name}({op})"
+    return repr(p)
+
+
+# ---------------------------------------------------------------------------
+# Public entry point
+# ---------------------------------------------------------------------------
+
+
+CONSTANT_REASON = "constant built without data inputs (causal mask, scalar): replicated on every rank by design"
+
+
+def build_candidates(graph: JointGraph, mesh: Any) -> Candidates:
+    """Enumerate the candidate strategies of every node of `graph` on `mesh`."""
+    T.register_planner_ops()
+    t0 = time.perf_counter()
+    en = _Enumerator(mesh)
+    mesh_shape = tuple(mesh.shape)
+    rep = tuple(T.Replicate() for _ in mesh_shape)
+    nodes: dict[str, NodeCandidates] = {}
+    placeholder_cache: dict[Any, list[Any]] = {}
+    constants: set[str] = set()  # nodes computed from no data input at all
+
+    def placeholder_specs(val: torch.Tensor, shard: bool = True) -> list[Any]:
+        key = (tuple(val.shape), tuple(val.stride()), val.dtype, shard)
+        if key not in placeholder_cache:
+            meta = _meta(val)
+            pls = tensor_placements(tuple(val.shape), mesh_shape) if shard else [rep]
+            placeholder_cache[key] = [T.OpSpec(_spec(mesh, p, meta), []) for p in pls]
+        return placeholder_cache[key]
+
+    for n in graph.gm.graph.nodes:
+        if n.op == "placeholder":
+            val = n.meta["val"]
+            shard = val.ndim > 0
+            nodes[n.name] = NodeCandidates(n.name, PLACEHOLDER, n, [], placeholder_specs(val, shard), key=None, source=PLACEHOLDER)
+        elif n.op == "call_function" and n.target is operator.getitem:
+            src, idx = n.args[0], n.args[1]
+            prod = nodes[src.name]
+            seen: dict[Any, Any] = {}
+            for s in prod.specs:
+                o = prod.output_spec_at(prod.specs.index(s), idx) if False else (
+                    s.output_specs[idx] if isinstance(s.output_specs, tuple) else s.output_specs
+                )
+                if o is None or o.placements in seen:
+                    continue
+                seen[o.placements] = T.OpSpec(_spec(mesh, o.placements, o.tensor_meta), [_spec(mesh, o.placements, o.tensor_meta)])
+            nodes[n.name] = NodeCandidates(n.name, GETITEM, n, [src], list(seen.values()), source=GETITEM, getitem_index=idx)
+        elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            val = n.meta.get("val")
+            if not isinstance(val, (torch.Tensor, tuple, list)):
+                raise NotImplementedError(f"node {n.name} ({n.target}) has a non-tensor output {type(val)}")
+            ins = en.tensor_inputs(n)
+            if all(a.name in constants for a in ins):
+                constants.add(n.name)
+                en.coverage.explained[str(n.target)] = CONSTANT_REASON
+                specs = en._replicate_only(n, [_meta(a.meta["val"]) for a in ins], _out_meta(val))
+                nodes[n.name] = NodeCandidates(n.name, OP, n, ins, specs, key=en.key(n), source="constant")
+                continue
+            specs, source = en.enumerate(n)
+            nodes[n.name] = NodeCandidates(n.name, OP, n, en.tensor_inputs(n), specs, key=en.key(n), source=source)
+        elif n.op == "output":
+            continue
+        else:
+            raise NotImplementedError(f"unsupported node {n.name}: {n.op} {n.target}")
+
+    for slot in graph.slots:
+        if slot.node is None:
+            continue
+        val = slot.node.meta["val"]
+        name = f"output[{slot.index}]"
+        if slot.kind == "grad_param":
+            specs = placeholder_specs(val)  # same menu as the parameter itself
+        elif val.ndim == 0:
+            specs = placeholder_specs(val, shard=False)
+        else:
+            specs = placeholder_specs(val)
+        nodes[name] = NodeCandidates(
+            name, SLOT, None, [slot.node], [T.OpSpec(s.output_specs, [s.output_specs]) for s in specs], source=SLOT, slot_index=slot.index
+        )
+    cands = Candidates(graph, mesh, nodes, en.coverage, len(en.cache), time.perf_counter() - t0)
+    log.info("candidates: %s", cands.summary())
+    if not en.coverage.ok:
+        log.info("%s", en.coverage)
+    return cands

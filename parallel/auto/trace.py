@@ -1,0 +1,355 @@
+"""Stage 1: nn.Module + global-shaped sample inputs -> JointGraph.
+
+The joint forward+backward ATen graph is traced once under FakeTensorMode (no real
+memory, no device) with AOTAutograd's descriptor export, so every placeholder and
+output already says what it is (parameter, buffer, user input, tangent, grad of X).
+This module turns those descriptors into plain labels and pairs the planner needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_flatten
+
+from parallel.auto import _torch as T
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "model."
+
+FWD = "fwd"
+BWD = "bwd"
+
+
+@dataclass
+class OutputSlot:
+    """One entry of the joint graph's output tuple.
+
+    kind: "output" (forward output, e.g. the loss), "grad_param", "grad_input".
+    of: the forward output index, parameter FQN or user-input index it belongs to.
+    node: the fx node producing it (None when the gradient does not exist).
+    """
+
+    index: int
+    kind: str
+    of: Any
+    node: fx.Node | None
+
+
+@dataclass
+class JointGraph:
+    """The labelled joint fwd+bwd graph (global shapes; FakeTensor in node.meta['val'])."""
+
+    gm: fx.GraphModule
+    fake_mode: Any
+    params: dict[str, fx.Node]  # FQN -> placeholder
+    buffers: dict[str, fx.Node]  # FQN -> placeholder
+    inputs: list[fx.Node]  # user inputs, flattened input_fn() order
+    tangents: list[fx.Node]  # tangent placeholders, aligned with `output_tangents`
+    slots: list[OutputSlot]  # the output tuple, labelled
+    param_grads: dict[str, fx.Node | None]  # FQN -> node producing its gradient
+    input_grads: dict[int, fx.Node | None]  # user-input index -> grad node
+    output_tangents: list[tuple[int, fx.Node]]  # (forward output index, tangent placeholder)
+    labels: dict[str, str]  # node name -> human label for placeholders and outputs
+    phase: dict[str, str]  # node name -> "fwd" | "bwd"
+    fingerprint: str  # model fingerprint (class + parameter names/shapes/dtypes)
+    input_shapes: list[tuple[list[int], str]]
+    module_of: dict[str, str] = field(default_factory=dict)  # node name -> innermost module FQN ("" = root)
+    trace_seconds: float = 0.0
+    param_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def nodes(self) -> list[fx.Node]:
+        return list(self.gm.graph.nodes)
+
+    @property
+    def output_node(self) -> fx.Node:
+        return next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
+
+    def param_of(self, node: fx.Node) -> str | None:
+        return self._param_by_node().get(node.name)
+
+    def _param_by_node(self) -> dict[str, str]:
+        return {n.name: fqn for fqn, n in self.params.items()}
+
+    def node(self, name: str) -> fx.Node:
+        for n in self.gm.graph.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"no node named {name!r} in the joint graph")
+
+    def summary(self) -> str:
+        ops = sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
+        nb = sum(1 for n in self.gm.graph.nodes if self.phase.get(n.name) == BWD)
+        return (
+            f"JointGraph: {len(self.gm.graph.nodes)} nodes ({ops} ops, {nb} backward), "
+            f"{len(self.params)} params, {len(self.buffers)} buffers, {len(self.inputs)} inputs, "
+            f"{len(self.tangents)} tangents, traced in {self.trace_seconds:.2f}s"
+        )
+
+
+class _LossModule(nn.Module):
+    """Wraps model (+ optional loss function) so the traced output is a scalar loss."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None):
+        super().__init__()
+        self.model = model
+        self._loss_fn = loss_fn
+
+    def forward(self, *inputs: Any) -> torch.Tensor:
+        if self._loss_fn is None:
+            return self.model(*inputs)
+        return self._loss_fn(self.model, *inputs)
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Stable hash of the model class and its parameter/buffer names, shapes, dtypes."""
+    h = hashlib.sha256(type(model).__qualname__.encode())
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def _fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
+    """A copy of the model whose parameters/buffers are FakeTensors (the user's model is untouched).
+
+    A raw meta module would trace forward only (every grad output None, silently), so
+    meta parameters are materialised as fake CPU tensors with to_empty.
+    """
+    clone = copy.deepcopy(model) if not _all_meta(model) else _meta_deepcopy(model)
+    with fake_mode:
+        clone.to_empty(device="cpu")
+    return clone
+
+
+def _all_meta(model: nn.Module) -> bool:
+    return all(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
+
+
+def _meta_deepcopy(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
+
+
+def _to_fake(x: Any, fake_mode: Any) -> Any:
+    if isinstance(x, torch.Tensor) and not isinstance(x, T.FakeTensor):
+        if x.device.type == "meta":
+            with fake_mode:
+                if x.dtype.is_floating_point:
+                    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+                return torch.zeros(x.shape, dtype=x.dtype, device="cpu")
+        return fake_mode.from_tensor(x)
+    return x
+
+
+def trace_joint(
+    model: nn.Module,
+    sample_inputs: tuple[Any, ...] | Callable[[], tuple[Any, ...]],
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+) -> JointGraph:
+    """Trace model (+ loss_fn(model, *inputs)) into a labelled joint fwd+bwd graph.
+
+    sample_inputs are GLOBAL-shaped (the whole batch), real, meta or fake tensors; they
+    are converted to FakeTensors, so nothing is allocated. The traced output must be a
+    scalar loss (pass loss_fn when the model returns logits).
+    """
+    T.register_planner_ops()
+    t0 = time.perf_counter()
+    if callable(sample_inputs):
+        sample_inputs = sample_inputs()
+    if not isinstance(sample_inputs, tuple):
+        sample_inputs = (sample_inputs,)
+    fake_mode = T.FakeTensorMode(allow_non_fake_inputs=True)
+    fake_model = _fake_copy(model, fake_mode)
+    wrapper = _LossModule(fake_model, loss_fn)
+    flat, spec = tree_flatten(sample_inputs)
+    fake_flat = [_to_fake(x, fake_mode) for x in flat]
+    from torch.utils._pytree import tree_unflatten
+
+    fake_inputs = tree_unflatten(fake_flat, spec)
+    ranges: list[tuple[int, int, str]] = []
+    handles = _record_module_ranges(fake_model, ranges)
+    try:
+        with contextlib.ExitStack() as stack:
+            joint = T.aot_export_joint_with_descriptors(stack, wrapper, tuple(fake_inputs))
+            gm = joint.graph_module
+            jg = _label(gm, joint.fake_mode)
+    finally:
+        for h in handles:
+            h.remove()
+    jg.module_of = _assign_modules(gm, ranges)
+    jg.fingerprint = model_fingerprint(model)
+    jg.input_shapes = [(list(x.shape), str(x.dtype)) for x in flat if isinstance(x, torch.Tensor)]
+    jg.trace_seconds = time.perf_counter() - t0
+    out_val = jg.slots[0].node.meta.get("val") if jg.slots and jg.slots[0].node is not None else None
+    if out_val is None or not isinstance(out_val, torch.Tensor) or out_val.ndim != 0:
+        raise ValueError(
+            "the traced forward must return a scalar loss; pass loss_fn(model, *inputs) "
+            f"around a model that returns {getattr(out_val, 'shape', out_val)}"
+        )
+    if jg.params and all(g is None for g in jg.param_grads.values()):
+        raise ValueError("no parameter received a gradient: is the loss connected to the parameters?")
+    log.info("trace: %s", jg.summary())
+    return jg
+
+
+def _record_module_ranges(model: nn.Module, ranges: list[tuple[int, int, str]]) -> list[Any]:
+    """Hooks recording the autograd sequence-number range each submodule's forward spans.
+
+    Joint-graph nodes carry `seq_nr` (backward nodes the one of their forward op), so the
+    ranges tell which module every node - forward or backward - comes from.
+    """
+    handles = []
+    starts: dict[str, list[int]] = {}
+    for fqn, mod in model.named_modules():
+        if not fqn:
+            continue
+
+        def pre(_m: nn.Module, _a: Any, fqn: str = fqn) -> None:
+            starts.setdefault(fqn, []).append(torch.autograd._get_sequence_nr())
+
+        def post(_m: nn.Module, _a: Any, _o: Any, fqn: str = fqn) -> None:
+            start = starts[fqn].pop()
+            ranges.append((start, torch.autograd._get_sequence_nr(), fqn))
+
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post))
+    return handles
+
+
+def _assign_modules(gm: fx.GraphModule, ranges: list[tuple[int, int, str]]) -> dict[str, str]:
+    """node name -> FQN of the innermost module whose forward produced it (or "")."""
+    out: dict[str, str] = {}
+    # innermost = shortest range containing the seq_nr
+    ordered = sorted(ranges, key=lambda r: r[1] - r[0])
+    for n in gm.graph.nodes:
+        seq = n.meta.get("seq_nr")
+        if seq is None:
+            continue
+        for lo, hi, fqn in ordered:
+            if lo <= seq < hi:
+                out[n.name] = fqn
+                break
+    return out
+
+
+def _strip(fqn: str) -> str:
+    return fqn[len(_PREFIX) :] if fqn.startswith(_PREFIX) else fqn
+
+
+def _label(gm: fx.GraphModule, fake_mode: Any) -> JointGraph:
+    params: dict[str, fx.Node] = {}
+    buffers: dict[str, fx.Node] = {}
+    inputs: list[fx.Node] = []
+    tangents: list[fx.Node] = []
+    labels: dict[str, str] = {}
+    phase: dict[str, str] = {}
+    tangent_of: list[tuple[Any, fx.Node]] = []
+    param_bytes: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        desc = n.meta.get("desc")
+        if isinstance(desc, T.ParamAOTInput):
+            fqn = _strip(desc.target)
+            params[fqn] = n
+            labels[n.name] = f"param {fqn}"
+            v = n.meta["val"]
+            param_bytes[fqn] = v.numel() * v.element_size()
+            phase[n.name] = FWD
+        elif isinstance(desc, T.BufferAOTInput):
+            fqn = _strip(desc.target)
+            buffers[fqn] = n
+            labels[n.name] = f"buffer {fqn}"
+            phase[n.name] = FWD
+        elif isinstance(desc, T.PlainAOTInput):
+            inputs.append(n)
+            labels[n.name] = f"input {desc.idx}"
+            phase[n.name] = FWD
+        elif isinstance(desc, T.TangentAOTInput):
+            tangents.append(n)
+            tangent_of.append((desc.output, n))
+            labels[n.name] = f"tangent of {desc.output}"
+            phase[n.name] = BWD
+        else:
+            labels[n.name] = f"other input {desc}"
+            phase[n.name] = FWD
+    input_index = {n.name: i for i, n in enumerate(inputs)}
+
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    out_args = out_node.args[0]
+    descs = out_node.meta.get("desc") or [None] * len(out_args)
+    slots: list[OutputSlot] = []
+    param_grads: dict[str, fx.Node | None] = {fqn: None for fqn in params}
+    input_grads: dict[int, fx.Node | None] = {}
+    fwd_out_index: dict[Any, int] = {}
+    n_fwd = 0
+    for i, (val, desc) in enumerate(zip(out_args, descs)):
+        node = val if isinstance(val, fx.Node) else None
+        if isinstance(desc, T.GradAOTOutput):
+            g = desc.grad_of
+            if isinstance(g, T.ParamAOTInput):
+                fqn = _strip(g.target)
+                param_grads[fqn] = node
+                slots.append(OutputSlot(i, "grad_param", fqn, node))
+                label = f"grad of param {fqn}"
+            elif isinstance(g, T.PlainAOTInput):
+                input_grads[g.idx] = node
+                slots.append(OutputSlot(i, "grad_input", g.idx, node))
+                label = f"grad of input {g.idx}"
+            else:
+                slots.append(OutputSlot(i, "other", str(g), node))
+                label = f"grad of {g}"
+        elif isinstance(desc, T.PlainAOTOutput) or desc is None and i == 0:
+            fwd_out_index[desc] = n_fwd
+            slots.append(OutputSlot(i, "output", n_fwd, node))
+            label = f"output {n_fwd}"
+            n_fwd += 1
+        else:
+            slots.append(OutputSlot(i, "other", str(desc), node))
+            label = f"output {desc}"
+        if node is not None and node.name not in labels:
+            labels[node.name] = label
+    # grads of user inputs that do not exist (integer tokens) are simply absent
+    for idx in range(len(inputs)):
+        input_grads.setdefault(idx, None)
+    output_tangents = [(fwd_out_index.get(d, 0), t) for d, t in tangent_of]
+
+    # forward/backward tag per node: partitioner tag, else inherited from inputs
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            continue
+        tag = n.meta.get("partitioner_tag")
+        if tag == "is_backward":
+            phase[n.name] = BWD
+        elif tag == "is_forward":
+            phase[n.name] = FWD
+        else:
+            phase[n.name] = BWD if any(phase.get(a.name) == BWD for a in n.all_input_nodes) else FWD
+    del input_index
+    return JointGraph(
+        gm=gm,
+        fake_mode=fake_mode,
+        params=params,
+        buffers=buffers,
+        inputs=inputs,
+        tangents=tangents,
+        slots=slots,
+        param_grads=param_grads,
+        input_grads=input_grads,
+        output_tangents=output_tangents,
+        labels=labels,
+        phase=phase,
+        fingerprint="",
+        input_shapes=[],
+        param_bytes=param_bytes,
+    )
