@@ -1,0 +1,203 @@
+"""Config parsing, overrides and every ConfigError case (no process group needed)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from trainer.config import (CONFIGS_DIR, ConfigError, JobConfig, load_config,
+                            parse_overrides)
+
+ROOT = Path(__file__).resolve().parents[2]
+ALL_CONFIGS = ["llama3_debug", "llama3_8b", "llama3_70b", "qwen3_debug", "qwen3_32b",
+               "deepseek_v3_debug", "deepseek_v3_16b"]
+
+
+def write(tmp_path, text, name="job.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_every_shipped_config_loads(name):
+    cfg = load_config(name, world_size=64)
+    assert cfg.model.flavor
+    assert (CONFIGS_DIR / f"{name}.toml").is_file()
+
+
+def test_bare_name_with_and_without_toml_and_path():
+    a = load_config("llama3_debug", world_size=1)
+    b = load_config("llama3_debug.toml", world_size=1)
+    c = load_config(str(CONFIGS_DIR / "llama3_debug.toml"), world_size=1)
+    assert a.to_dict() == b.to_dict() == c.to_dict()
+    assert a.model.name == "llama3" and a.model.flavor == "debug"
+
+
+def test_missing_config_lists_known():
+    with pytest.raises(ConfigError, match="not found.*llama3_debug"):
+        load_config("nope_config")
+
+
+def test_overrides_forms():
+    cfg = load_config("llama3_debug", ["--training.steps", "7", "--optimizer.lr=0.01",
+                                       "--checkpoint.enable", "false", "--metrics.enable_tensorboard",
+                                       "--parallelism.memory_budget_low", "12.5",
+                                       "--job.name", "x y"], world_size=1)
+    assert cfg.training.steps == 7
+    assert cfg.optimizer.lr == 0.01
+    assert cfg.checkpoint.enable is False
+    assert cfg.metrics.enable_tensorboard is True
+    assert cfg.parallelism.memory_budget_low == 12.5
+    assert cfg.parallelism.memory_budget_high is None
+    assert cfg.job.name == "x y"
+    assert parse_overrides(["--a.b", "1", "--c.d=x", "--e.f"]) == [
+        ("a", "b", "1"), ("c", "d", "x"), ("e", "f", None)]
+
+
+def test_one_dataclass_per_section():
+    cfg = JobConfig()
+    sections = ["job", "model", "training", "optimizer", "lr_scheduler", "parallelism",
+                "activation_checkpoint", "checkpoint", "metrics", "data"]
+    assert list(cfg.to_dict()) == sections
+    assert len({type(getattr(cfg, s)) for s in sections}) == len(sections)
+    p = cfg.parallelism
+    for key in ("mode", "data_parallel_replicate_degree", "data_parallel_shard_degree",
+                "tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree",
+                "enable_sequence_parallel", "hardware", "plan_file", "memory_budget_low",
+                "memory_budget_high", "solver"):
+        assert hasattr(p, key)
+
+
+def test_unknown_section(tmp_path):
+    path = write(tmp_path, "[trainingg]\nsteps = 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert path in msg and "trainingg" in msg and "known sections" in msg
+
+
+def test_unknown_key(tmp_path):
+    path = write(tmp_path, "[training]\nstepz = 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert path in msg and "training.stepz" in msg and "3" in msg and "steps" in msg
+
+
+def test_unknown_key_on_command_line():
+    with pytest.raises(ConfigError, match=r"llama3_debug.toml.*--training.stepz.*training.stepz"):
+        load_config("llama3_debug", ["--training.stepz", "3"])
+    with pytest.raises(ConfigError, match=r"unknown section \[nope\]"):
+        load_config("llama3_debug", ["--nope.steps", "3"])
+
+
+@pytest.mark.parametrize("text,key,value", [
+    ('[training]\nsteps = "ten"\n', "training.steps", "'ten'"),
+    ("[training]\nsteps = 2.5\n", "training.steps", "2.5"),
+    ("[checkpoint]\nenable = 1\n", "checkpoint.enable", "1"),
+    ("[job]\nname = 3\n", "job.name", "3"),
+    ("[optimizer]\nlr = true\n", "optimizer.lr", "True"),
+])
+def test_wrong_type(tmp_path, text, key, value):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert path in msg and key in msg and value in msg and "wrong type" in msg
+
+
+def test_wrong_type_on_command_line():
+    with pytest.raises(ConfigError, match=r"training.steps.*'abc'.*wrong type.*integer"):
+        load_config("llama3_debug", ["--training.steps", "abc"])
+    with pytest.raises(ConfigError, match=r"checkpoint.enable.*'maybe'.*true/false"):
+        load_config("llama3_debug", ["--checkpoint.enable", "maybe"])
+    with pytest.raises(ConfigError, match=r"training.steps.*needs a value"):
+        load_config("llama3_debug", ["--training.steps"])
+
+
+def test_int_accepted_for_float(tmp_path):
+    cfg = load_config(write(tmp_path, "[optimizer]\nlr = 1\n"), world_size=1)
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
+
+
+def test_bad_choice(tmp_path):
+    path = write(tmp_path, '[parallelism]\nmode = "magic"\n')
+    with pytest.raises(ConfigError, match=r"parallelism.mode.*'magic'.*'manual', 'auto'"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"training.mixed_precision_param.*'float16'"):
+        load_config("llama3_debug", ["--training.mixed_precision_param", "float16"])
+
+
+def test_degrees_product_vs_world_size(tmp_path, monkeypatch):
+    path = write(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 2\n"
+                           "tensor_parallel_degree = 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, world_size=2)
+    msg = str(e.value)
+    assert path in msg and "multiply to 4" in msg and "world size is 2" in msg
+    assert load_config(path, world_size=4).parallelism.tensor_parallel_degree == 2
+    # the world size comes from WORLD_SIZE when not given
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="world size is 3"):
+        load_config(path)
+    # -1 fills the rest, but only when it divides
+    path2 = write(tmp_path, "[parallelism]\ntensor_parallel_degree = 2\n", "b.toml")
+    with pytest.raises(ConfigError, match=r"data_parallel_shard_degree' = -1.*world size 3"):
+        load_config(path2)
+    deg = load_config(path2, world_size=8).parallelism.resolved_degrees(8)
+    assert deg["dp_shard"] == 4 and deg["tp"] == 2
+
+
+def test_bad_degree_values():
+    with pytest.raises(ConfigError, match=r"tensor_parallel_degree' = 0.*>= 1"):
+        load_config("llama3_debug", ["--parallelism.tensor_parallel_degree", "0"], world_size=1)
+    with pytest.raises(ConfigError, match=r"data_parallel_shard_degree' = -2"):
+        load_config("llama3_debug", ["--parallelism.data_parallel_shard_degree", "-2"],
+                    world_size=1)
+
+
+def test_unknown_flavor_and_model():
+    with pytest.raises(ConfigError) as e:
+        load_config("llama3_debug", ["--model.flavor", "13B"], world_size=1)
+    msg = str(e.value)
+    assert "llama3_debug.toml" in msg and "model.flavor" in msg and "13B" in msg
+    assert "debug" in msg and "8B" in msg  # lists the flavors
+    with pytest.raises(ConfigError, match=r"model.name' = 'gpt5'"):
+        load_config("llama3_debug", ["--model.name", "gpt5"], world_size=1)
+
+
+def test_unknown_hardware_profile():
+    with pytest.raises(ConfigError, match=r"metrics.hardware' = 'tpu9'.*configs/hardware"):
+        load_config("llama3_debug", ["--metrics.hardware", "tpu9"], world_size=1)
+
+
+def test_not_toml(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[training\nsteps = 1\n"))
+
+
+def test_print_config_and_error_before_process_group(capsys, monkeypatch):
+    sys.path.insert(0, str(ROOT))
+    import train
+    assert train.main(["--config", "llama3_debug", "--print-config",
+                       "--training.steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "[training]" in out and "steps = 3" in out and "[parallelism]" in out
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    assert train.main(["--config", "llama3_debug",
+                       "--parallelism.data_parallel_shard_degree", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "config error" in err and "world size is 3" in err
+    assert not dist.is_initialized()
+
+
+def test_cli_error_exit_code(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "llama3_debug",
+                        "--training.stepz", "1"], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.returncode == 2
+    assert "training.stepz" in r.stderr and "Traceback" not in r.stderr

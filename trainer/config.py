@@ -1,0 +1,495 @@
+"""Job configuration: one dataclass per TOML section, CLI overrides, validation.
+
+    cfg = load_config("llama3_debug", ["--training.steps", "10", "--checkpoint.enable"])
+
+A bare name resolves to ``configs/NAME`` (with or without ``.toml``) in the current
+directory or in the project's own ``configs/`` folder. Every problem -- an unknown
+section or key, a value of the wrong type, a bad choice, degrees whose product does not
+match the world size, an unknown model or flavor -- raises one :class:`ConfigError`
+that names the file, the ``section.key``, the value and the fix. Validation never
+touches ``torch.distributed``: the world size comes from the ``WORLD_SIZE`` environment
+variable (1 when unset) or from the ``world_size`` argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS_DIR = PROJECT_ROOT / "configs"
+
+
+class ConfigError(ValueError):
+    """A bad job configuration (file, section.key, value and the fix are in the message)."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class Job:
+    name: str = "default"
+    dump_folder: str = "./outputs"
+    seed: int = 0
+    description: str = ""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    flavor: str = "debug"
+    # -1: take the vocabulary size from the tokenizer (256 for the byte tokenizer).
+    vocab_size: int = -1
+
+
+@dataclass
+class Training:
+    local_batch_size: int = 8
+    seq_len: int = 256
+    steps: int = 100
+    max_norm: float = 1.0  # <= 0 disables gradient clipping
+    dtype: str = "float32"  # dtype of the master parameters
+    mixed_precision_param: str = "float32"
+    mixed_precision_reduce: str = "float32"
+    compile: bool = False
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    implementation: str = "foreach"  # "foreach" | "for-loop"
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 2
+    decay: str = "linear"  # "linear" | "cosine" | "none"
+    # -1: decay over the rest of the run (training.steps - warmup_steps). Set it to keep
+    # the schedule fixed while a run is split into pieces.
+    decay_steps: int = -1
+    min_lr_factor: float = 0.0  # final lr = lr * min_lr_factor
+
+
+@dataclass
+class Parallelism:
+    mode: str = "manual"  # "manual" (hand recipes) | "auto" (planner)
+    data_parallel_replicate_degree: int = 1
+    data_parallel_shard_degree: int = -1  # -1: the rest of the world
+    tensor_parallel_degree: int = 1
+    context_parallel_degree: int = 1
+    expert_parallel_degree: int = 1
+    enable_sequence_parallel: bool = True
+    # auto mode
+    hardware: str = "cpu"
+    plan_file: str = ""
+    memory_budget_low: Optional[float] = None
+    memory_budget_high: Optional[float] = None
+    solver: str = "auto"
+
+    def resolved_degrees(self, world_size: int) -> dict[str, int]:
+        """Degrees with ``data_parallel_shard_degree = -1`` filled in (no checks)."""
+        others = (self.data_parallel_replicate_degree * self.tensor_parallel_degree
+                  * self.context_parallel_degree)
+        shard = self.data_parallel_shard_degree
+        if shard == -1:
+            shard = max(1, world_size // max(1, others))
+        return {
+            "dp_replicate": self.data_parallel_replicate_degree,
+            "dp_shard": shard,
+            "cp": self.context_parallel_degree,
+            "tp": self.tensor_parallel_degree,
+            "ep": self.expert_parallel_degree,
+        }
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = "none"  # "none" | "full" | "selective"
+    selective_ac_option: str = "op"  # "op" or an integer N (every N-th block) as a string
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    folder: str = "checkpoints"  # under <dump_folder>/<job.name>/
+    interval: int = 500
+    keep_latest_k: int = 0  # 0: keep all
+    load_step: int = -1  # -1: the latest complete checkpoint
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    enable_tensorboard: bool = False
+    hardware: str = "cpu"  # profile for MFU (configs/hardware/NAME.toml; cpu is measured)
+
+
+@dataclass
+class Data:
+    # "" : the corpus shipped in data/; otherwise a .txt/.jsonl file or a folder of them.
+    path: str = ""
+    tokenizer: str = "byte"
+    jsonl_field: str = "text"
+    shuffle: bool = True
+    num_workers: int = 0
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(
+        default_factory=ActivationCheckpoint)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    data: Data = field(default_factory=Data)
+    # where the config came from (for messages); not a TOML section
+    source: str = field(default="<defaults>", compare=False)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {f.name: dataclasses.asdict(getattr(self, f.name))
+                for f in fields(self) if f.name != "source"}
+
+    def to_toml(self) -> str:
+        return dump_toml(self.to_dict())
+
+
+SECTIONS = [f.name for f in fields(JobConfig) if f.name != "source"]
+
+_CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("training", "dtype"): ("float32", "bfloat16"),
+    ("training", "mixed_precision_param"): ("float32", "bfloat16"),
+    ("training", "mixed_precision_reduce"): ("float32", "bfloat16"),
+    ("optimizer", "name"): ("AdamW",),
+    ("optimizer", "implementation"): ("foreach", "for-loop"),
+    ("lr_scheduler", "decay"): ("linear", "cosine", "none"),
+    ("parallelism", "mode"): ("manual", "auto"),
+    ("activation_checkpoint", "mode"): ("none", "full", "selective"),
+    ("data", "tokenizer"): ("byte",),
+}
+
+
+# --------------------------------------------------------------------------- typing
+
+
+def _field_types(section_cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in fields(section_cls)}
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return f"{_type_name(args[0])} or none"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(
+        tp, str(tp))
+
+
+def _check_value(tp, value):
+    """Return the value converted to ``tp`` or raise TypeError."""
+    if typing.get_origin(tp) is typing.Union:
+        if value is None:
+            return None
+        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise TypeError
+
+
+def _parse_cli_value(tp, text: str):
+    """Parse a command-line string for a field of type ``tp`` (raise ValueError)."""
+    if typing.get_origin(tp) is typing.Union:
+        if text.lower() in ("none", "null", ""):
+            return None
+        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+    if tp is bool:
+        low = text.lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise ValueError
+    if tp is int:
+        return int(text)
+    if tp is float:
+        return float(text)
+    return text
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def resolve_config_path(config: str) -> Path:
+    """``NAME``, ``NAME.toml`` or a path -> an existing file (ConfigError otherwise)."""
+    cand = [Path(config)]
+    names = [config] if config.endswith(".toml") else [config + ".toml", config]
+    for base in (Path("configs"), CONFIGS_DIR):
+        cand += [base / n for n in names]
+    if not config.endswith(".toml"):
+        cand.append(Path(config + ".toml"))
+    for p in cand:
+        if p.is_file():
+            return p
+    known = sorted(p.stem for p in CONFIGS_DIR.glob("*.toml")) if CONFIGS_DIR.is_dir() else []
+    raise ConfigError(f"config '{config}' not found (looked for {config} and "
+                      f"configs/{names[0]}); known configs: {', '.join(known) or 'none'}")
+
+
+def _set(cfg: JobConfig, section: str, key: str, value, where: str, from_cli: bool) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"{where}: unknown section [{section}] (in '{section}.{key}' = "
+                          f"{value!r}); known sections: {', '.join(SECTIONS)}")
+    sec = getattr(cfg, section)
+    types = _field_types(type(sec))
+    if key not in types:
+        raise ConfigError(f"{where}: unknown key '{section}.{key}' = {value!r}; "
+                          f"keys of [{section}]: {', '.join(types)}")
+    tp = types[key]
+    try:
+        if from_cli and isinstance(value, str):
+            value = _parse_cli_value(tp, value)
+        value = _check_value(tp, value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: '{section}.{key}' = {value!r} has the wrong type; "
+                          f"expected {_type_name(tp)}") from None
+    setattr(sec, key, value)
+
+
+def parse_overrides(overrides) -> list[tuple[str, str, Optional[str]]]:
+    """``["--a.b", "1", "--c.d=x", "--flag"]`` -> [(a, b, "1"), (c, d, "x"), (flag...)]."""
+    out = []
+    items = list(overrides)
+    i = 0
+    while i < len(items):
+        arg = items[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"command line: unexpected argument {arg!r}; overrides look "
+                              f"like --section.key value")
+        body = arg[2:]
+        if "=" in body:
+            dotted, value = body.split("=", 1)
+            i += 1
+        elif i + 1 < len(items) and not items[i + 1].startswith("--"):
+            dotted, value = body, items[i + 1]
+            i += 2
+        else:  # bare flag: a boolean set to true
+            dotted, value = body, None
+            i += 1
+        if "." not in dotted:
+            raise ConfigError(f"command line: override {arg!r} must name a section and a "
+                              f"key, like --training.steps 10")
+        section, key = dotted.split(".", 1)
+        out.append((section.replace("-", "_"), key.replace("-", "_"), value))
+    return out
+
+
+def load_config(config: Optional[str] = None, overrides=(), *,
+                world_size: Optional[int] = None, validate: bool = True) -> JobConfig:
+    """Load a TOML job (a path or a bare name under configs/), apply CLI overrides,
+    validate. ``config=None`` starts from the defaults."""
+    cfg = JobConfig()
+    if config is not None:
+        path = resolve_config_path(config)
+        cfg.source = str(path)
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: top-level key '{section}' = {table!r} is not a "
+                                  f"section; put keys under one of [{'], ['.join(SECTIONS)}]")
+            if section not in SECTIONS:
+                raise ConfigError(f"{path}: unknown section [{section}]; known sections: "
+                                  f"{', '.join(SECTIONS)}")
+            for key, value in table.items():
+                _set(cfg, section, key, value, str(path), from_cli=False)
+    for section, key, value in parse_overrides(overrides):
+        where = f"{cfg.source} (command-line override --{section}.{key})"
+        if value is None:
+            # a bare flag: only booleans may omit the value
+            sec = getattr(cfg, section, None)
+            tp = _field_types(type(sec)).get(key) if sec is not None and section in SECTIONS else None
+            if tp is not bool and sec is not None and tp is not None:
+                raise ConfigError(f"{where}: '{section}.{key}' needs a value "
+                                  f"({_type_name(tp)})")
+            value = "true"
+        _set(cfg, section, key, value, where, from_cli=True)
+    if validate:
+        validate_config(cfg, world_size=world_size)
+    return cfg
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _err(cfg: JobConfig, section: str, key: str, msg: str) -> ConfigError:
+    value = getattr(getattr(cfg, section), key)
+    return ConfigError(f"{cfg.source}: '{section}.{key}' = {value!r}: {msg}")
+
+
+def env_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ConfigError(f"environment: WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not "
+                          f"an integer") from None
+
+
+def validate_config(cfg: JobConfig, world_size: Optional[int] = None) -> None:
+    """Raise ConfigError for the first problem found. Touches no process group."""
+    for (section, key), choices in _CHOICES.items():
+        if getattr(getattr(cfg, section), key) not in choices:
+            raise _err(cfg, section, key, f"must be one of {', '.join(map(repr, choices))}")
+    t = cfg.training
+    for key in ("local_batch_size", "seq_len"):
+        if getattr(t, key) < 1:
+            raise _err(cfg, "training", key, "must be >= 1")
+    if t.steps < 0:
+        raise _err(cfg, "training", "steps", "must be >= 0")
+    if cfg.lr_scheduler.warmup_steps < 0:
+        raise _err(cfg, "lr_scheduler", "warmup_steps", "must be >= 0")
+    if cfg.optimizer.lr <= 0:
+        raise _err(cfg, "optimizer", "lr", "must be > 0")
+    if cfg.metrics.log_freq < 1:
+        raise _err(cfg, "metrics", "log_freq", "must be >= 1")
+    ck = cfg.checkpoint
+    if ck.interval < 1:
+        raise _err(cfg, "checkpoint", "interval", "must be >= 1")
+    if ck.keep_latest_k < 0:
+        raise _err(cfg, "checkpoint", "keep_latest_k", "must be >= 0 (0 keeps all)")
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option != "op":
+        if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:
+            raise _err(cfg, "activation_checkpoint", "selective_ac_option",
+                       "must be 'op' or a positive integer N (every N-th block) as a string")
+    if cfg.data.num_workers < 0:
+        raise _err(cfg, "data", "num_workers", "must be >= 0")
+    if cfg.data.path and not Path(cfg.data.path).exists():
+        raise _err(cfg, "data", "path", "no such file or folder")
+
+    for section in ("metrics", "parallelism"):
+        hw = getattr(cfg, section).hardware
+        if hw != "cpu" and not (CONFIGS_DIR / "hardware" / f"{hw}.toml").is_file():
+            known = sorted(p.stem for p in (CONFIGS_DIR / "hardware").glob("*.toml"))
+            raise _err(cfg, section, "hardware",
+                       f"no hardware profile configs/hardware/{hw}.toml; known: "
+                       f"{', '.join(known) or 'cpu'}")
+
+    _validate_parallelism(cfg, env_world_size() if world_size is None else world_size)
+    _validate_model(cfg)
+
+
+def _validate_parallelism(cfg: JobConfig, world_size: int) -> None:
+    p = cfg.parallelism
+    names = ["data_parallel_replicate_degree", "tensor_parallel_degree",
+             "context_parallel_degree", "expert_parallel_degree"]
+    for key in names:
+        if getattr(p, key) < 1:
+            raise _err(cfg, "parallelism", key, "must be >= 1")
+    if p.data_parallel_shard_degree < 1 and p.data_parallel_shard_degree != -1:
+        raise _err(cfg, "parallelism", "data_parallel_shard_degree",
+                   "must be >= 1, or -1 for the rest of the world")
+    others = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.context_parallel_degree
+    desc = (f"data_parallel_replicate_degree={p.data_parallel_replicate_degree} x "
+            f"data_parallel_shard_degree={p.data_parallel_shard_degree} x "
+            f"tensor_parallel_degree={p.tensor_parallel_degree} x "
+            f"context_parallel_degree={p.context_parallel_degree}")
+    if p.data_parallel_shard_degree == -1:
+        if world_size % others:
+            raise ConfigError(
+                f"{cfg.source}: 'parallelism.data_parallel_shard_degree' = -1 cannot fill the "
+                f"world: {desc} does not divide the world size {world_size}; change the "
+                f"degrees or the number of processes")
+    elif others * p.data_parallel_shard_degree != world_size:
+        raise ConfigError(
+            f"{cfg.source}: parallelism degrees multiply to "
+            f"{others * p.data_parallel_shard_degree} ({desc}) but the world size is "
+            f"{world_size}; make the product equal the number of processes or set "
+            f"data_parallel_shard_degree = -1")
+    deg = p.resolved_degrees(world_size)
+    if p.expert_parallel_degree > 1:
+        dp_cp = deg["dp_shard"] * deg["cp"]
+        if dp_cp % p.expert_parallel_degree:
+            raise _err(cfg, "parallelism", "expert_parallel_degree",
+                       f"must divide data_parallel_shard_degree x context_parallel_degree "
+                       f"= {dp_cp}")
+    for key in ("memory_budget_low", "memory_budget_high"):
+        v = getattr(p, key)
+        if v is not None and v < 0:
+            raise _err(cfg, "parallelism", key, "must be >= 0 (or left unset)")
+    if (p.memory_budget_low is not None and p.memory_budget_high is not None
+            and p.memory_budget_low > p.memory_budget_high):
+        raise _err(cfg, "parallelism", "memory_budget_low",
+                   f"must not exceed memory_budget_high = {p.memory_budget_high}")
+
+
+def _validate_model(cfg: JobConfig) -> None:
+    try:
+        from models import get_model_spec
+    except ImportError:  # models package not available: nothing to check against
+        return
+    try:
+        spec = get_model_spec(cfg.model.name)
+    except (ValueError, KeyError) as e:
+        raise _err(cfg, "model", "name", f"unknown model ({e})") from None
+    if cfg.model.flavor not in spec.flavors:
+        raise _err(cfg, "model", "flavor",
+                   f"no such flavor of {cfg.model.name}; flavors: {', '.join(spec.flavors)}")
+
+
+# --------------------------------------------------------------------------- printing
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    raise TypeError(v)
+
+
+def dump_toml(d: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for section, table in d.items():
+        lines.append(f"[{section}]")
+        for key, v in table.items():
+            if v is None:
+                lines.append(f"# {key} = (unset)")
+            else:
+                lines.append(f"{key} = {_toml_value(v)}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,203 @@
+"""The training loop: build model -> parallelize (recipe or auto) -> train.
+
+    cfg = load_config("llama3_debug", ["--training.steps", "10"])
+    Trainer(cfg).train()          # returns {step: loss} of the logged steps
+
+Works with an initialised process group (torchrun) or without one (single process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from models import build_model, cross_entropy_loss
+from parallel.mesh import build_mesh, dp_rank_and_degree
+from .checkpoint import CheckpointManager
+from .config import ConfigError, JobConfig
+from .data import build_dataloader, build_tokenizer
+from .metrics import MetricsLogger, setup_logging
+from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+
+logger = logging.getLogger("autotitan")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parallelize(model: torch.nn.Module, mesh, job_config: JobConfig, sample_batch):
+    """The one place where the model becomes parallel. ``mesh`` is None without a
+    process group (single process): the model is returned as is."""
+    if job_config.parallelism.mode == "auto":
+        try:
+            from parallel.auto.api import auto_parallelize_for_training
+        except ImportError as e:
+            raise ConfigError(
+                f'{job_config.source}: \'parallelism.mode\' = "auto": the automatic planner '
+                f"is not available yet ({e}); use mode = \"manual\"") from None
+        return auto_parallelize_for_training(model, mesh, job_config, sample_batch)
+    if mesh is None:
+        return model
+    from parallel.recipes import apply_recipe
+    return apply_recipe(model, mesh, job_config)
+
+
+def _is_fsdp(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+class Trainer:
+    def __init__(self, job_config: JobConfig):
+        self.cfg = cfg = job_config
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        setup_logging(self.rank)
+        self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
+        self.device = torch.device("cpu")
+
+        # ---- mesh and data-parallel coordinates
+        if self.distributed:
+            self.mesh = build_mesh(cfg.parallelism, self.world_size, self.device.type)
+        else:
+            if self.world_size != 1:  # pragma: no cover
+                raise RuntimeError("no process group")
+            self.mesh = None
+        self.dp_rank, self.dp_degree = dp_rank_and_degree(self.mesh)
+        self.cp_axis = (self.mesh is not None and self.mesh.mesh_dim_names is not None
+                        and "cp" in self.mesh.mesh_dim_names)
+
+        # ---- data
+        t = cfg.training
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        self.dataloader = build_dataloader(
+            cfg.data, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+            dp_rank=self.dp_rank, dp_degree=self.dp_degree, seed=cfg.job.seed,
+            tokenizer=self.tokenizer)
+
+        # ---- model: same full init on every rank, then parallelize
+        vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else self.tokenizer.vocab_size
+        if vocab < self.tokenizer.vocab_size:
+            raise ConfigError(f"{cfg.source}: 'model.vocab_size' = {vocab} is smaller than "
+                              f"the tokenizer's vocabulary {self.tokenizer.vocab_size}")
+        model = build_model(cfg.model.name, cfg.model.flavor, device="meta", vocab_size=vocab)
+        if getattr(model.args, "max_seq_len", t.seq_len) < t.seq_len:
+            model = build_model(cfg.model.name, cfg.model.flavor, device="meta",
+                                vocab_size=vocab, max_seq_len=t.seq_len)
+        self.model_args = model.args
+        model.to_empty(device=self.device)
+        torch.manual_seed(cfg.job.seed)
+        with torch.no_grad():
+            model.init_weights()
+        if t.dtype != "float32":
+            model = model.to(DTYPES[t.dtype])
+        self.num_params = sum(p.numel() for p in model.parameters())
+        sample = (torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long),
+                  torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long))
+        self.model = parallelize(model, self.mesh, cfg, sample)
+        self.model.train()
+        # mixed precision without FSDP (single rank): autocast
+        self.autocast = (t.mixed_precision_param != "float32" and not _is_fsdp(self.model)
+                         and t.dtype == "float32")
+
+        # ---- optimizer, schedule, checkpoints, metrics
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
+        self.checkpointer = CheckpointManager(
+            cfg.checkpoint, self.run_dir / cfg.checkpoint.folder, model=self.model,
+            optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            dataloader=self.dataloader, dp_rank=self.dp_rank)
+        self.step = 0
+        try:
+            fpt = float(self.model_args.flops_per_token(t.seq_len))
+        except (AttributeError, TypeError):
+            fpt = 6.0 * self.num_params
+        self.flops_per_token = fpt
+        compute_dtype = t.mixed_precision_param if t.dtype == "float32" else t.dtype
+        self.compute_dtype = compute_dtype
+        self.metrics: Optional[MetricsLogger] = None
+
+    # ------------------------------------------------------------------ pieces
+
+    def _shard_batch(self, inputs, labels):
+        """Per-rank inputs, labels and positions (context parallel shards the sequence)."""
+        if self.cp_axis:
+            from parallel.recipes.cp import cp_shard_batch
+            return cp_shard_batch(inputs, labels, self.mesh, "cp")
+        return inputs, labels, None
+
+    def _reduce_mean(self, x: float) -> float:
+        if not self.distributed or self.world_size == 1:
+            return x
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.item() / self.world_size
+
+    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns (local loss, total grad norm) as tensors."""
+        inputs, labels, positions = self._shard_batch(inputs, labels)
+        self.optimizer.zero_grad(set_to_none=True)
+        ctx = (torch.autocast(self.device.type, dtype=DTYPES[self.cfg.training.mixed_precision_param])
+               if self.autocast else contextlib.nullcontext())
+        with ctx:
+            logits = (self.model(inputs) if positions is None
+                      else self.model(inputs, positions))
+            loss = cross_entropy_loss(logits, labels)
+        del logits
+        loss.backward()
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        self.lr_used = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        return loss.detach(), grad_norm
+
+    # ------------------------------------------------------------------ loop
+
+    def train(self) -> dict[int, float]:
+        cfg, t = self.cfg, self.cfg.training
+        self.step = self.checkpointer.maybe_load()
+        self.metrics = MetricsLogger(
+            cfg.metrics, self.run_dir, rank=self.rank, world_size=self.world_size,
+            flops_per_token=self.flops_per_token, compute_dtype=self.compute_dtype,
+            start_step=self.step)
+        if self.rank == 0:
+            logger.info(
+                f"job {cfg.job.name}: {cfg.model.name}/{cfg.model.flavor} "
+                f"({self.num_params / 1e6:.2f}M params), world {self.world_size}, mesh "
+                f"{self._mesh_desc()}, global batch {t.local_batch_size * self.dp_degree} x "
+                f"{t.seq_len} tokens, steps {self.step + 1}..{t.steps}, MFU peak from "
+                f"{self.metrics.peak_note or 'n/a'}")
+        logged: dict[int, float] = {}
+        data_iter = iter(self.dataloader)
+        self.metrics.reset_timer()
+        try:
+            while self.step < t.steps:
+                self.step += 1
+                inputs, labels = next(data_iter)
+                loss, grad_norm = self.train_step(inputs, labels)
+                self.metrics.add_tokens(inputs.numel() * self.dp_degree)
+                if self.metrics.should_log(self.step, t.steps):
+                    loss_v = self._reduce_mean(loss.item())
+                    self.metrics.log(self.step, loss_v, grad_norm.item(), self.lr_used)
+                    logged[self.step] = loss_v
+                if self.checkpointer.should_save(self.step, t.steps):
+                    self.checkpointer.save(self.step)
+                    self.metrics.reset_timer()
+        finally:
+            self.metrics.close()
+        return logged
+
+    def _mesh_desc(self) -> str:
+        if self.mesh is None:
+            return "none (single process)"
+        return " x ".join(f"{n}={s}" for n, s in zip(self.mesh.mesh_dim_names, self.mesh.shape))
