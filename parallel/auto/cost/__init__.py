@@ -33,7 +33,9 @@ API (what the planner calls; a user may pass a subclass / any object with these 
     cm.summarize(collectives) / summarize_collectives(...)
         # {(kind, axis_name): {"count", "bytes", "time_us"}} for the Plan's report.
     cm.collective_cost(kind, nbytes, mesh_axis), cm.links[i] (AxisLink), cm.describe(),
-    cm.project(mesh_axis) (1-D model of one axis, for split-dimension seeding).
+    cm.project(mesh_axis) (1-D model of one axis, for split-dimension seeding),
+    cm.local_shape(global_shape, placements), cm.strategy_compute_cost(node, op_spec),
+    CostModel.from_mesh(hw, device_mesh).
 
 Redistribution decomposes per mesh axis like DTensor's redistribute: Shard→Replicate =
 all-gather, Partial→Replicate = all-reduce, Partial→Shard = reduce-scatter,

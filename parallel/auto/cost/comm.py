@@ -118,14 +118,14 @@ def axis_links(hw: HardwareProfile, mesh_shape: Sequence[int],
     for i, n in enumerate(shape):
         inner = math.prod(shape[i + 1:])
         intra = n * inner <= gpn or n == 1
-        intra_bw = dict(hw.intra_node.bus_bandwidth_gbps)
         if intra:
+            intra_bw = {k: hw.intra_node.bandwidth(k, n) for k in COLLECTIVE_KINDS}
             links.append(AxisLink(i, names[i], n, True, n, intra_bw, hw.intra_node.latency_us,
                                   hw.intra_node.hop_latency_us, False, hw.tree_bandwidth_factor))
         else:
             members = max(1, gpn // inner) if inner < gpn else 1
             nic = members * hw.inter_node.bandwidth_gbps
-            bw = {k: min(intra_bw[k], nic) for k in COLLECTIVE_KINDS}
+            bw = {k: min(hw.intra_node.bus_bandwidth_gbps[k], nic) for k in COLLECTIVE_KINDS}
             links.append(AxisLink(i, names[i], n, False, members, bw, hw.inter_node.latency_us,
                                   hw.inter_node.hop_latency_us, True, hw.tree_bandwidth_factor))
     return links

@@ -73,6 +73,16 @@ class IntraNodeLink:
     bus_bandwidth_gbps: Mapping[str, float]
     latency_us: float
     hop_latency_us: float
+    #: bus bandwidth multiplier for small groups ({2: 1.35, 4: 1.15}): NVSwitch rings of
+    #: few GPUs reach more than at full node size. A group of n uses the entry of the
+    #: smallest listed size >= n, or 1.0 when n exceeds them all.
+    group_size_factor: Mapping[int, float] = field(default_factory=dict)
+
+    def bandwidth(self, kind: str, group_size: int) -> float:
+        """Bus bandwidth (GB/s) of ``kind`` for a group of ``group_size`` devices."""
+        bigger = [k for k in self.group_size_factor if k >= group_size]
+        f = self.group_size_factor[min(bigger)] if bigger else 1.0
+        return self.bus_bandwidth_gbps[kind] * f
 
 
 @dataclass(frozen=True)
@@ -253,8 +263,16 @@ def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Hardwa
     mem_eff = _num(eff, "memory", "efficiency.", source, at_most=1.0)
 
     intra = data["intra_node"]
-    _check_keys(intra, {"bus_bandwidth_gbps": True, "latency_us": True, "hop_latency_us": True},
-                "intra_node", source)
+    _check_keys(intra, {"bus_bandwidth_gbps": True, "latency_us": True, "hop_latency_us": True,
+                        "group_size_factor": False}, "intra_node", source)
+    gsf_raw = intra.get("group_size_factor", {})
+    if not isinstance(gsf_raw, Mapping):
+        raise ProfileError(f"{source}: [intra_node.group_size_factor] must be a table like {{2 = 1.35}}")
+    gsf: dict[int, float] = {}
+    for k in gsf_raw:
+        if not str(k).isdigit() or int(k) < 2:
+            raise ProfileError(f"{source}: intra_node.group_size_factor key {k!r} must be a group size >= 2")
+        gsf[int(k)] = _num(gsf_raw, k, "intra_node.group_size_factor.", source)
     bw = intra["bus_bandwidth_gbps"]
     if isinstance(bw, (int, float)) and not isinstance(bw, bool):
         bw_map = {k: _num(intra, "bus_bandwidth_gbps", "intra_node.", source) for k in COLLECTIVE_KINDS}
@@ -265,6 +283,7 @@ def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Hardwa
         bus_bandwidth_gbps=bw_map,
         latency_us=_num(intra, "latency_us", "intra_node.", source, positive=False),
         hop_latency_us=_num(intra, "hop_latency_us", "intra_node.", source, positive=False),
+        group_size_factor=gsf,
     )
 
     inter = data["inter_node"]
@@ -327,6 +346,8 @@ def profile_to_toml(hw: HardwareProfile) -> str:
         f"hop_latency_us = {hw.intra_node.hop_latency_us:.6g}",
         "[intra_node.bus_bandwidth_gbps]",
         *[f"{k} = {ib[k]:.6g}" for k in COLLECTIVE_KINDS],
+        *(["[intra_node.group_size_factor]"] + [f"{k} = {v:.6g}" for k, v in sorted(hw.intra_node.group_size_factor.items())]
+          if hw.intra_node.group_size_factor else []),
         "",
         "[inter_node]",
         f"bandwidth_gbps = {hw.inter_node.bandwidth_gbps:.6g}",

@@ -78,6 +78,11 @@ class CostModel:
         self._cost_cache: dict[Any, float] = {}
         self._op_cost_cache: dict[Any, float] = {}
 
+    @classmethod
+    def from_mesh(cls, hw: "str | os.PathLike[str] | HardwareProfile", mesh: Any, **kwargs: Any) -> "CostModel":
+        """Build from a DeviceMesh (real or fake): its shape and axis names, nothing else."""
+        return cls(hw, tuple(mesh.shape), getattr(mesh, "mesh_dim_names", None), **kwargs)
+
     # ------------------------------------------------------------------ info
     def __repr__(self) -> str:
         return (f"CostModel({self.hw.name!r}, mesh_shape={self.mesh_shape}, "

@@ -78,6 +78,7 @@ def test_user_profile_file_roundtrip(tmp_path) -> None:
     back = load_hardware(str(p))
     assert back.name == "mybox" and back.gpus_per_node == 4
     assert back.intra_node == hw.intra_node and back.inter_node == hw.inter_node
+    assert back.intra_node.group_size_factor == {2: 1.35, 4: 1.15}
     cm = CostModel(str(p), (2, 4))
     assert cm.is_intra_node(1) and not cm.is_intra_node(0)
 
@@ -101,6 +102,15 @@ def test_axis_mapping_h100() -> None:
     assert not cm1.is_intra_node(0) and cm1.links[0].bus_bandwidth_gbps["all_gather"] == 390
     # cpu: everything on one host
     assert all(CostModel("cpu", (2, 2)).is_intra_node(i) for i in range(2))
+
+
+def test_small_intra_groups_are_faster() -> None:
+    cm = CostModel("h100", (2, 4, 2))  # axes 1, 2 intra-node (4*2 = 8), axis 0 inter
+    assert cm.links[2].bus_bandwidth_gbps["all_gather"] == pytest.approx(390 * 1.35)
+    assert cm.links[1].bus_bandwidth_gbps["all_gather"] == pytest.approx(390 * 1.15)
+    assert CostModel("h100", (8,)).links[0].bus_bandwidth_gbps["all_gather"] == 390
+    assert cm.links[0].bus_bandwidth_gbps["all_gather"] == 50
+    assert load_hardware("h100").intra_node.bandwidth("all_reduce", 3) == pytest.approx(270 * 1.15)
 
 
 def test_mesh_name_mismatch() -> None:
@@ -231,7 +241,8 @@ def test_specs_and_tensor_meta_from_torch() -> None:
     with _torch.fake_world(32):
         mesh = init_device_mesh("cpu", (4, 8), mesh_dim_names=("dp", "tp"))
         tm = _torch.TensorMeta(torch.Size((64, 48, 16)), (768, 16, 1), torch.bfloat16)
-        cm = CostModel("h100", (4, 8), ("dp", "tp"))
+        cm = CostModel.from_mesh("h100", mesh)
+        assert cm.mesh_shape == (4, 8) and cm.mesh_axis_names == ("dp", "tp")
 
         def spec(pl):
             return _torch.DTensorSpec(mesh, tuple(pl), tensor_meta=tm)
