@@ -87,6 +87,46 @@ def _regroup_index(counts: torch.Tensor) -> torch.Tensor:
     return seg_starts[seg_id] + within
 
 
+class EPDispatchState:
+    """What :func:`ep_combine_tokens` needs to undo :func:`ep_dispatch_tokens`."""
+
+    __slots__ = ("group", "send_splits", "recv_splits", "inv")
+
+    def __init__(self, group, send_splits, recv_splits, inv):
+        self.group, self.send_splits, self.recv_splits, self.inv = group, send_splits, recv_splits, inv
+
+
+def ep_dispatch_tokens(x_sorted: torch.Tensor, num_tokens_per_expert: torch.Tensor, group,
+                       ep: int) -> tuple[torch.Tensor, torch.Tensor, EPDispatchState]:
+    """First half of the dispatch: returns ``(x_local, counts_local, state)`` where
+    ``x_local`` holds the rows for this rank's experts sorted by local expert."""
+    E = num_tokens_per_expert.numel()
+    validate_ep(E, ep)
+    e_loc = E // ep
+    counts = num_tokens_per_expert.detach().to(torch.long).contiguous()
+    if int(counts.sum()) != x_sorted.shape[0]:
+        raise ValueError(f"EP dispatch: {x_sorted.shape[0]} rows but the counts sum to "
+                         f"{int(counts.sum())} (padding rows are not supported)")
+    # (1) counts: recv[s, j] = rows source rank s sends to my local expert j
+    recv = torch.empty_like(counts)
+    dist.all_to_all_single(recv, counts, group=group)
+    recv = recv.view(ep, e_loc)
+    send_splits = counts.view(ep, e_loc).sum(1).tolist()
+    recv_splits = recv.sum(1).tolist()
+    # (2) tokens out, (3) regroup source-major -> expert-major
+    x_recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group)
+    idx = _regroup_index(recv)
+    inv = torch.empty_like(idx)
+    inv[idx] = torch.arange(idx.numel(), device=idx.device)
+    return x_recv.index_select(0, idx), recv.sum(0), EPDispatchState(group, send_splits, recv_splits, inv)
+
+
+def ep_combine_tokens(y_local: torch.Tensor, state: EPDispatchState) -> torch.Tensor:
+    """Second half: undo the regroup and send the expert outputs back to their source rank."""
+    y_recv = y_local.index_select(0, state.inv)
+    return all_to_all_single_autograd(y_recv, state.send_splits, state.recv_splits, state.group)
+
+
 def expert_parallel_dispatch(x_sorted: torch.Tensor, num_tokens_per_expert: torch.Tensor,
                              expert_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                              mesh: DeviceMesh, axis: Optional[str] = "ep") -> torch.Tensor:
@@ -94,27 +134,100 @@ def expert_parallel_dispatch(x_sorted: torch.Tensor, num_tokens_per_expert: torc
     and bring the results back in the original row order (differentiable w.r.t. ``x_sorted``
     and whatever ``expert_fn`` uses). See the module docstring for the contract."""
     sub, group, ep = _ep_group(mesh, axis)
-    E = num_tokens_per_expert.numel()
-    validate_ep(E, ep)
+    validate_ep(num_tokens_per_expert.numel(), ep)
     if ep == 1:
         return expert_fn(x_sorted, num_tokens_per_expert)
-    e_loc = E // ep
-    counts = num_tokens_per_expert.detach().to(torch.long).contiguous()
-    # (1) counts: recv[s, j] = rows source rank s sends to my local expert j
-    recv = torch.empty_like(counts)
-    dist.all_to_all_single(recv, counts, group=group)
-    recv = recv.view(ep, e_loc)
-    send_splits = counts.view(ep, e_loc).sum(1).tolist()
-    recv_splits = recv.sum(1).tolist()
-    # (2) tokens out
-    x_recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group)
-    # (3) regroup source-major -> expert-major
-    idx = _regroup_index(recv)
-    x_local = x_recv.index_select(0, idx)
-    # (4) local experts
-    y_local = expert_fn(x_local, recv.sum(0))
-    # (5) undo the regroup, send back
-    inv = torch.empty_like(idx)
-    inv[idx] = torch.arange(idx.numel(), device=idx.device)
-    y_recv = y_local.index_select(0, inv)
-    return all_to_all_single_autograd(y_recv, send_splits, recv_splits, group)
+    x_local, counts_local, state = ep_dispatch_tokens(x_sorted, num_tokens_per_expert, group, ep)
+    return ep_combine_tokens(expert_fn(x_local, counts_local), state)
+
+
+# ----------------------------------------------------------------------------- recipe
+def build_ep_meshes(mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
+    """``(experts_dp_mesh, ep_mesh)`` borrowed from the data axes ``dp_shard x cp``.
+
+    The flattened ``dp_shard_cp`` axis (size D) is unflattened into
+    ``(dp_shard_mod_ep = D/ep, ep)``: ep groups are consecutive ranks of the data axis.
+    Expert weights are ``Shard(0)`` on ``ep``; FSDP shards them further over
+    ``dp_shard_mod_ep`` (with ``dp_replicate`` in front for HSDP).
+    """
+    from .hsdp import flatten_axes
+
+    names = tuple(mesh.mesh_dim_names or ())
+    axes = [a for a in ("dp_shard", "cp") if a in names]
+    if not axes:
+        raise ValueError(f"expert_parallel_degree={ep} needs a dp_shard or cp axis to borrow "
+                         f"ranks from; mesh axes are {names}")
+    flat = flatten_axes(mesh, axes, "dp_shard_cp")
+    D = flat.size()
+    if D % ep:
+        raise ValueError(f"expert_parallel_degree={ep} must divide data_parallel_shard_degree x "
+                         f"context_parallel_degree = {D}")
+    two_d = flat._unflatten(0, (D // ep, ep), ("dp_shard_mod_ep", "ep"))
+    exp_dp = two_d["dp_shard_mod_ep"]
+    if "dp_replicate" in names:
+        exp_dp = _with_replicate(mesh, two_d)
+    return exp_dp, two_d["ep"]
+
+
+def _with_replicate(mesh: DeviceMesh, two_d: DeviceMesh) -> DeviceMesh:
+    raise NotImplementedError("expert parallel together with data_parallel_replicate_degree > 1 "
+                              "(HSDP) is not supported by the manual recipe yet")
+
+
+def _pre_hook(module, args):
+    x, counts = args[0], args[1]
+    x_local, counts_local, state = ep_dispatch_tokens(x, counts, module._ep_group, module._ep_size)
+    module._ep_state = state
+    return (x_local, counts_local) + tuple(args[2:])
+
+
+def _post_hook(module, args, out):
+    state, module._ep_state = module._ep_state, None
+    return ep_combine_tokens(out, state)
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
+    """EP recipe: shard every ``moe.experts.{w1,w2,w3}`` as ``Shard(0)`` DTensors on
+    ``ep_mesh`` (FQNs unchanged, so checkpoints stay consistent) and wrap the experts'
+    forward (the narrow seam of models/moe.py) with the all-to-all dispatch/combine.
+    Router and shared experts are untouched: they run on each rank's own tokens."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ep = ep_mesh.size()
+    if ep == 1:
+        return model
+    n = 0
+    for name, mod in model.named_modules():
+        if not name.endswith("moe.experts"):
+            continue
+        validate_ep(mod.w1.shape[0], ep)
+        for pn in ("w1", "w2", "w3"):
+            p = getattr(mod, pn)
+            mod.register_parameter(pn, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)]),
+                                                    requires_grad=p.requires_grad))
+        mod._ep_group, mod._ep_size = ep_mesh.get_group(), ep
+        mod.register_forward_pre_hook(_pre_hook)
+        mod.register_forward_hook(_post_hook)
+        n += 1
+    if n == 0:
+        raise ValueError("expert_parallel_degree > 1 but the model has no 'moe.experts' modules")
+    return model
+
+
+def experts_fsdp_filter(experts_dp_mesh: DeviceMesh, grad_divide_factor: int):
+    """A ``module_filter`` for :func:`parallel.recipes.hsdp.apply_hsdp`: ``fully_shard`` the
+    EP-sharded experts of a block over ``experts_dp_mesh`` before the block itself, dividing
+    their gradients by the *whole* data-parallel size (the all-to-all backward already
+    summed the contributions of the ep ranks)."""
+    from torch.distributed.fsdp import fully_shard
+
+    def fn(block: nn.Module, dp_mesh: DeviceMesh, policy) -> None:
+        moe = getattr(block, "moe", None)
+        if moe is None or not hasattr(moe.experts, "_ep_group"):
+            return
+        fully_shard(moe.experts, mesh=experts_dp_mesh, mp_policy=policy)
+        moe.experts.set_gradient_divide_factor(float(grad_divide_factor))
+        # SUM + explicit scaling instead of PREMUL_SUM (not available on gloo)
+        moe.experts.set_force_sum_reduction_for_comms(True)
+
+    return fn

@@ -24,6 +24,10 @@ def _worker(fn, rank, world_size, port, q, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    import logging
+
+    # full_tensor() of (_StridedShard, Shard) grads warns about 2 sequential all-gathers
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)

@@ -61,8 +61,26 @@ CASES = {
 }
 
 
+def _ep(model, mesh, ep):
+    from parallel.recipes.ep import apply_ep, build_ep_meshes, experts_fsdp_filter
+    from parallel.recipes.hsdp import apply_hsdp, data_parallel_mesh
+
+    exp_dp, ep_mesh = build_ep_meshes(mesh, ep)
+    apply_ep(model, ep_mesh)
+    dp = data_parallel_mesh(mesh)
+    return apply_hsdp(model, dp, module_filter=experts_fsdp_filter(exp_dp, dp.size()))
+
+
+def ep2(model, mesh):
+    return _ep(model, mesh, 2)
+
+
+CASES["deepseek_v3_ep2"] = ("deepseek_v3", (2,), ("dp_shard",), ep2)
+CASES["deepseek_v3_ep2_fsdp4"] = ("deepseek_v3", (4,), ("dp_shard",), ep2)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_recipe_matches_single_rank(case):
     model, shape, names, apply = CASES[case]
     spec = {"model": model, "mesh": (shape, names), "apply": apply}
