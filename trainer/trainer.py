@@ -149,12 +149,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         ctx = (torch.autocast(self.device.type, dtype=DTYPES[self.cfg.training.mixed_precision_param])
                if self.autocast else contextlib.nullcontext())
-        with ctx:
-            logits = (self.model(inputs) if positions is None
-                      else self.model(inputs, positions))
-            loss = cross_entropy_loss(logits, labels)
-        del logits
-        loss.backward()
+        # TP with loss parallel: vocab-sharded logits; loss and backward inside the context
+        from parallel.recipes.tp import loss_parallel_context, loss_value
+        with loss_parallel_context(self.model):
+            with ctx:
+                logits = (self.model(inputs) if positions is None
+                          else self.model(inputs, positions))
+                loss = cross_entropy_loss(logits, labels)
+            del logits
+            loss.backward()
+        loss = loss_value(loss)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         self.lr_used = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()

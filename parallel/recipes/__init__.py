@@ -32,13 +32,20 @@ def apply_recipe(model: nn.Module, mesh: DeviceMesh, job_config) -> nn.Module:
     tp, cp = _axis(mesh, "tp"), _axis(mesh, "cp")
     dp_rep, dp_shard = _axis(mesh, "dp_replicate"), _axis(mesh, "dp_shard")
 
+    # recipes helper: TP(+SP) -> CP -> EP, validated as config errors first
+    ep = par.expert_parallel_degree
+    experts_filter = None
+    _validate_recipe(model, job_config, tp, cp, ep)
     if tp > 1:
-        raise _not_yet("tensor parallel", "tensor_parallel_degree", tp, "tp.py")
+        from .tp import apply_tp
+        apply_tp(model, mesh["tp"], sequence_parallel=par.enable_sequence_parallel)
     if cp > 1:
-        raise _not_yet("context parallel", "context_parallel_degree", cp, "cp.py")
-    if par.expert_parallel_degree > 1:
-        raise _not_yet("expert parallel", "expert_parallel_degree",
-                       par.expert_parallel_degree, "ep.py")
+        from .cp import apply_cp
+        apply_cp(model, mesh, "cp")
+    if ep > 1:
+        from .ep import apply_ep, build_ep_meshes, experts_fsdp_filter
+        experts_dp, ep_mesh = build_ep_meshes(mesh, ep)
+        apply_ep(model, ep_mesh)
 
     if job_config.activation_checkpoint.mode != "none":
         try:
@@ -50,10 +57,36 @@ def apply_recipe(model: nn.Module, mesh: DeviceMesh, job_config) -> nn.Module:
                 f'set mode = "none"') from None
         model = apply_ac(model, job_config.activation_checkpoint) or model
 
-    if dp_rep > 1:
-        raise _not_yet("HSDP / replicated data parallel", "data_parallel_replicate_degree",
-                       dp_rep, "hsdp.py")
+    if dp_rep > 1 or cp > 1 or ep > 1:  # HSDP, and FSDP over dp_shard x cp (recipes helper)
+        from .hsdp import apply_hsdp, data_parallel_mesh
+        dp = data_parallel_mesh(mesh)
+        if ep > 1:
+            experts_filter = experts_fsdp_filter(experts_dp, dp.size())
+        return apply_hsdp(model, dp, param_dtype=job_config.training.mixed_precision_param,
+                          reduce_dtype=job_config.training.mixed_precision_reduce,
+                          module_filter=experts_filter)
     if dp_shard > 1:
         from .fsdp import apply_fsdp, mixed_precision_policy
         model = apply_fsdp(model, mesh["dp_shard"], mixed_precision_policy(job_config.training))
     return model
+
+
+def _validate_recipe(model: nn.Module, job_config, tp: int, cp: int, ep: int) -> None:
+    """Degrees that do not fit the model or the sequence -> ConfigError naming the key."""
+    from trainer.config import ConfigError
+    checks = []
+    if tp > 1:
+        from .tp import validate_tp
+        checks.append(("tensor_parallel_degree", tp, lambda: validate_tp(model.args, tp)))
+    if cp > 1:
+        from .cp import validate_cp
+        checks.append(("context_parallel_degree", cp,
+                       lambda: validate_cp(job_config.training.seq_len, cp)))
+    if ep > 1:
+        from .ep import validate_ep_model
+        checks.append(("expert_parallel_degree", ep, lambda: validate_ep_model(model.args, ep)))
+    for key, value, check in checks:
+        try:
+            check()
+        except ValueError as e:
+            raise ConfigError(f"{job_config.source}: 'parallelism.{key}' = {value}: {e}") from None

@@ -29,7 +29,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["all_to_all_single_autograd", "expert_parallel_dispatch", "validate_ep"]
+__all__ = ["all_to_all_single_autograd", "expert_parallel_dispatch", "ep_dispatch_tokens",
+           "ep_combine_tokens", "validate_ep", "validate_ep_model", "build_ep_meshes", "apply_ep",
+           "experts_fsdp_filter"]
 
 
 class _AllToAllSingle(torch.autograd.Function):
@@ -63,6 +65,14 @@ def validate_ep(num_experts: int, ep_size: int) -> None:
     if ep_size < 1 or num_experts % ep_size != 0:
         raise ValueError(f"expert_parallel_degree={ep_size} does not divide the number of "
                          f"experts ({num_experts})")
+
+
+def validate_ep_model(model_args, ep_size: int) -> None:
+    """``ValueError`` unless the model has routed experts and ``ep_size`` divides their number."""
+    n = getattr(model_args, "n_routed_experts", 0)
+    if not n:
+        raise ValueError(f"expert_parallel_degree={ep_size} but the model has no routed experts")
+    validate_ep(n, ep_size)
 
 
 def _ep_group(mesh: DeviceMesh, axis: Optional[str]):
