@@ -211,20 +211,28 @@ class CostModel:
         return floats[0] if floats else None
 
     # ------------------------------------------------------------------ communication
-    def _steps(self, src: PlacementsLike, dst: PlacementsLike, tensor_meta: TensorMetaLike) -> tuple[Any, tuple[Step, ...]]:
+    def _key(self, src: PlacementsLike, dst: PlacementsLike, tensor_meta: TensorMetaLike) -> tuple:
+        """Cache key (src placements, dst placements, shape, dtype); hot path, kept cheap."""
         if tensor_meta is None:
             tensor_meta = getattr(src, "tensor_meta", None) or getattr(dst, "tensor_meta", None)
-        sd = _as_shape_dtype(tensor_meta) if tensor_meta is not None else None
-        if sd is None:
-            raise ValueError("redistribute needs the tensor's global shape and dtype: pass tensor_meta "
-                             "(TensorMeta or (shape, dtype)) or DTensorSpecs carrying tensor_meta")
-        sp, dp = _placements(src), _placements(dst)
-        key = (sp, dp, sd[0], sd[1])
+        shape, dtype = getattr(tensor_meta, "shape", None), getattr(tensor_meta, "dtype", None)
+        if shape is None or not isinstance(dtype, torch.dtype) or isinstance(tensor_meta, tuple) and len(tensor_meta) == 2:
+            sd = _as_shape_dtype(tensor_meta) if tensor_meta is not None else None
+            if sd is None:
+                raise ValueError("redistribute needs the tensor's global shape and dtype: pass tensor_meta "
+                                 "(TensorMeta or (shape, dtype)) or DTensorSpecs carrying tensor_meta")
+            shape, dtype = sd
+        sp = src.placements if hasattr(src, "placements") else _placements(src)
+        dp = dst.placements if hasattr(dst, "placements") else _placements(dst)
+        return (tuple(sp), tuple(dp), tuple(shape), dtype)
+
+    def _steps(self, key: tuple) -> tuple[Step, ...]:
         steps = self._redist_cache.get(key)
         if steps is None:
-            steps = tuple(decompose_redistribution(sp, dp, sd[0], sd[1].itemsize, self.mesh_shape))
+            sp, dp, shape, dtype = key
+            steps = tuple(decompose_redistribution(sp, dp, shape, dtype.itemsize, self.mesh_shape))
             self._redist_cache[key] = steps
-        return key, steps
+        return steps
 
     def redistribute_collectives(self, src: PlacementsLike, dst: PlacementsLike,
                                  tensor_meta: TensorMetaLike = None) -> list[Collective]:
@@ -232,7 +240,7 @@ class CostModel:
         ``tensor_meta`` from ``src`` to ``dst`` placements, each costed on its axis.
         Raises RedistributionNotAllowed for Replicate/Shard → Partial."""
         out = []
-        for s in self._steps(src, dst, tensor_meta)[1]:
+        for s in self._steps(self._key(src, dst, tensor_meta)):
             if s.kind is None:
                 raise RedistributionNotAllowed(
                     f"{s.src} -> {s.dst} on mesh axis {s.mesh_axis} ('{self.mesh_axis_names[s.mesh_axis]}') "
@@ -245,12 +253,12 @@ class CostModel:
     def redistribute_cost(self, src: PlacementsLike, dst: PlacementsLike,
                           tensor_meta: TensorMetaLike = None) -> float:
         """µs to redistribute; 0 when equal; ``math.inf`` when not allowed."""
-        key, steps = self._steps(src, dst, tensor_meta)
+        key = self._key(src, dst, tensor_meta)
         hit = self._cost_cache.get(key)
         if hit is not None:
             return hit
         total = 0.0
-        for s in steps:
+        for s in self._steps(key):
             if s.kind is None:
                 total = math.inf
                 break
