@@ -16,7 +16,9 @@ axis, i.e. the nccl-tests "size"):
 
 Mesh axis → link: ranks are laid out row-major over the mesh, so the last axis holds
 contiguous ranks. An axis is intra-node when size(axis) · Π size(inner axes) ≤
-gpus_per_node. Otherwise its groups span nodes and the NIC bounds the ring: bandwidth is
+gpus_per_node; it then uses the intra-node bus bandwidth of its collective kind, scaled
+by the profile's ``group_size_factor`` for small groups (NVSwitch rings of 2 GPUs reach
+~530 GB/s vs ~390 at 8). Otherwise its groups span nodes and the NIC bounds the ring: bandwidth is
 min(intra bus bandwidth, m · NIC bandwidth) where m is the number of the group's members
 that share a node (each GPU has its own NIC, rail-optimised), latency is inter-node. So a
 pure inter-node axis (m = 1) runs at NIC speed; an axis that only partly spans nodes
@@ -26,6 +28,9 @@ just with m NICs per node.
 The redistribution decomposition mirrors DTensor's greedy ``redistribute`` (one mesh axis
 at a time; nested/misaligned shards on a tensor dim are first replicated from the
 innermost axis outwards), but is pure placement arithmetic: no mesh, no process group.
+A DTensorSpec's non-default ``shard_order`` is ignored (placements decide); uneven shards
+are priced as the largest shard (collectives pad to it); ``_StridedShard`` counts as a
+shard of its dim (so _StridedShard(d) → Shard(d) is an all-to-all).
 """
 from __future__ import annotations
 
