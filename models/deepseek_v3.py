@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .layers import (
@@ -116,9 +117,15 @@ class MLAttention(nn.Module):
     q: ``wq`` or ``wq_b(q_norm(wq_a x))`` -> [nope | rope] per head.
     kv: ``wkv_a x`` -> [latent (kv_lora_rank) | k_rope (shared by all heads)];
     ``wkv_b(kv_norm(latent))`` -> [k_nope | v] per head. RoPE only on the rope parts.
-    SDPA sees q/k head dim ``qk_nope + qk_rope`` (192) and v head dim ``v_head_dim`` (128):
-    ``F.scaled_dot_product_attention`` accepts a different v head dim on CPU in torch 2.13
-    (checked), so v is not padded. Scale = 1/sqrt(qk_head_dim) (the SDPA default).
+    q/k head dim is ``qk_nope + qk_rope`` (192), v head dim ``v_head_dim`` (128).
+    ``F.scaled_dot_product_attention`` on CPU in torch 2.13 *accepts* a smaller v head dim,
+    but then silently takes the math path (bmm + softmax, materialising the [S, S] scores,
+    and different ATen ops from the other models). So v is zero-padded to the q/k head dim
+    before ``sdpa`` and the output sliced back: the fused
+    ``_scaled_dot_product_flash_attention_for_cpu`` kernel is used (O(S) memory, one op
+    the planner has a sharding rule for) and the ``sdpa`` seam always sees equal head dims.
+    The padded columns of the output are exactly zero and get no gradient.
+    Scale = 1/sqrt(qk_head_dim) (the SDPA default), as in DeepSeek (no YaRN mscale).
     """
 
     def __init__(self, args: DeepSeekV3Args) -> None:
@@ -153,7 +160,11 @@ class MLAttention(nn.Module):
         k_nope, v = torch.split(kv, [self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
 
+        pad = q.shape[-1] - self.v_dim
+        if pad > 0:  # see class docstring: keep SDPA on the fused (flash) CPU kernel
+            v = F.pad(v, (0, pad))
         out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = out[..., : self.v_dim]
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, out_std: float) -> None:

@@ -130,7 +130,8 @@ class SDPA(nn.Module):
     This is the seam a context-parallel recipe replaces (e.g. with ring attention): it
     owns no parameters, takes ``q, k, v`` after RoPE and GQA repetition, and returns
     ``[B, H, S, v_head_dim]``. The softmax scale is the SDPA default, ``1/sqrt(q.size(-1))``.
-    ``v`` may have a different head dim than ``q``/``k`` (MLA); SDPA accepts this on CPU.
+    In this project q, k and v always share one head dim (MLA zero-pads v, see
+    ``models/deepseek_v3.py``), so CPU runs the fused flash kernel.
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
