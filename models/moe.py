@@ -141,9 +141,9 @@ def _experts_grouped_mm(
     h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
     h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
     out = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
-    # rows past offs[-1] (padding) are undefined in grouped_mm: zero them.
+    # rows past offs[-1] (padding) are left uninitialised (may be NaN): select, not multiply.
     valid = torch.arange(x.shape[0], device=x.device) < offs[-1]
-    return out * valid[:, None].to(out.dtype)
+    return torch.where(valid[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
 def _experts_loop(
