@@ -20,9 +20,6 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-# torchdata 0.11 calls a deprecated torch API on every loader construction
-warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
-
 SHIPPED_CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus.txt"
 
 
@@ -188,5 +185,7 @@ def build_dataloader(data_cfg, *, seq_len: int, local_batch_size: int, dp_rank: 
     ds = TokenWindows(tokens, seq_len)
     sampler = DPBatchSampler(len(ds), local_batch_size, dp_rank, dp_degree, seed,
                              shuffle=data_cfg.shuffle)
-    return StatefulDataLoader(ds, batch_sampler=sampler, collate_fn=_collate,
-                              num_workers=data_cfg.num_workers)
+    with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch.set_vital
+        warnings.filterwarnings("ignore", message=".*set_vital.*")
+        return StatefulDataLoader(ds, batch_sampler=sampler, collate_fn=_collate,
+                                  num_workers=data_cfg.num_workers)

@@ -1,0 +1,93 @@
+"""Single-process training: loss falls, LR schedule, clipping, metrics outputs."""
+
+import math
+
+import pytest
+import torch
+
+from trainer.config import load_config
+from trainer.optim import WarmupDecay, clip_grad_norm_, total_grad_norm
+from trainer.trainer import Trainer
+
+from trainer_helpers import read_losses
+
+
+@pytest.mark.parametrize("name", ["llama3_debug", "qwen3_debug", "deepseek_v3_debug"])
+def test_debug_model_loss_falls_over_30_steps(cfg_factory, tmp_path, name):
+    cfg = cfg_factory(name, ["--training.steps", "30", "--metrics.log_freq", "10"])
+    logged = Trainer(cfg).train()
+    assert sorted(logged) == [1, 10, 20, 30]
+    assert math.isfinite(logged[30])
+    assert logged[1] > 5.0  # ~ln(256) = 5.55 at init
+    assert logged[30] < logged[1] - 1.5, logged
+    assert read_losses(tmp_path) == logged
+
+
+def test_deterministic_given_seed(cfg_factory):
+    a = Trainer(cfg_factory(extra=["--training.steps", "3"], job="a")).train()
+    b = Trainer(cfg_factory(extra=["--training.steps", "3"], job="b")).train()
+    c = Trainer(cfg_factory(extra=["--training.steps", "3", "--job.seed", "1"], job="c")).train()
+    assert a == b
+    assert a != c
+
+
+def test_bf16_autocast_single_rank_runs(cfg_factory):
+    logged = Trainer(cfg_factory(extra=["--training.steps", "2",
+                                        "--training.mixed_precision_param", "bfloat16"])).train()
+    assert all(math.isfinite(v) for v in logged.values())
+
+
+def test_warmup_then_decay():
+    f = WarmupDecay(warmup_steps=4, decay_steps=10, decay="linear", min_lr_factor=0.1)
+    assert f(0) == pytest.approx(0.2) and f(3) == pytest.approx(0.8) and f(4) == 1.0
+    assert f(9) == pytest.approx(0.1 + 0.9 * 0.5) and f(14) == pytest.approx(0.1)
+    assert f(100) == pytest.approx(0.1)
+    c = WarmupDecay(0, 10, "cosine", 0.0)
+    assert c(0) == 1.0 and c(5) == pytest.approx(0.5) and c(10) == pytest.approx(0.0)
+    assert WarmupDecay(2, 10, "none", 0.0)(50) == 1.0
+
+
+def test_clip_grad_norm_plain_tensors():
+    ps = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
+    ps[0].grad = torch.tensor([3.0, 0.0, 0.0])
+    ps[1].grad = torch.tensor([[0.0, 4.0], [0.0, 0.0]])
+    assert total_grad_norm(ps).item() == pytest.approx(5.0)
+    assert total_grad_norm(ps, float("inf")).item() == pytest.approx(4.0)
+    n = clip_grad_norm_(ps, 1.0)
+    assert n.item() == pytest.approx(5.0)
+    assert total_grad_norm(ps).item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_metrics_and_tensorboard(cfg_factory, tmp_path):
+    import io
+    import logging
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    logging.getLogger("autotitan").addHandler(handler)
+    try:
+        cfg = cfg_factory(extra=["--training.steps", "2", "--metrics.enable_tensorboard", "true"])
+        Trainer(cfg).train()
+    finally:
+        logging.getLogger("autotitan").removeHandler(handler)
+    line = [l for l in buf.getvalue().splitlines() if l.startswith("step 2 |")][0]
+    for field in ("loss", "grad_norm", "lr", "tok/s", "mfu", "mem"):
+        assert f"| {field} " in line, line
+    tb = list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
+    assert tb
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tb[0].parent))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for t in ("train/loss", "train/grad_norm", "train/lr", "train/tokens_per_s",
+              "train/mfu_pct", "train/memory_gib"):
+        assert t in tags
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2]
+
+
+def test_mode_auto_without_planner_is_clear(cfg_factory, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "parallel.auto.api", None)  # import fails
+    cfg = cfg_factory(extra=["--parallelism.mode", "auto", "--training.steps", "1"])
+    from trainer.config import ConfigError
+    with pytest.raises(ConfigError, match="not available yet"):
+        Trainer(cfg)
