@@ -280,11 +280,19 @@ def test_moe_dispatch_seam_replaceable():
     assert int(seen["counts"].sum()) == 8 and seen["counts"].shape == (8,)
 
 
-def test_fake_tensor_materialise_and_backward():
-    """The planner's path: meta build -> to_empty under FakeTensorMode -> fwd+bwd."""
+@pytest.mark.parametrize(
+    "name,dtype",
+    [("llama3", torch.float32), ("qwen3", torch.float32), ("deepseek_v3", torch.bfloat16)],
+)
+def test_fake_tensor_materialise_and_backward(name, dtype):
+    """The planner's path: meta build -> to_empty under FakeTensorMode -> fwd+bwd.
+
+    MoE under fake tensors needs bf16 (the torch._grouped_mm path); the fp32 expert loop
+    calls ``.tolist()`` on the token counts, which needs real data (see models/moe.py).
+    """
     from parallel.auto._torch import FakeTensorMode  # the one place for private APIs
 
-    m = build_model("llama3", "debug", device="meta")
+    m = build_model(name, "debug", device="meta").to(dtype)
     with FakeTensorMode(allow_non_fake_inputs=True):
         m.to_empty(device="cpu")
         m.init_weights()
