@@ -9,6 +9,7 @@ group (single process).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -27,7 +28,14 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 from .optim import lr_schedule_state, restore_lr_schedule
 
 logger = logging.getLogger("autotitan")
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence DCP's 'assuming the intent is to save in a single process' warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 # Test hook: kill this process with SIGKILL after the files of step N are written but
@@ -98,7 +106,8 @@ class CheckpointManager:
             if tmp.exists():
                 shutil.rmtree(tmp)
         _barrier()
-        dcp.save(self._state(step), checkpoint_id=str(tmp))
+        with _quiet():
+            dcp.save(self._state(step), checkpoint_id=str(tmp))
         _barrier()  # every rank has written its files and .metadata exists
         if os.environ.get(_KILL_ENV) == str(step):
             os.kill(os.getpid(), 9)
@@ -160,7 +169,8 @@ class CheckpointManager:
         have_dl = dl_key in meta
         if not have_dl:
             state.pop("dataloader")
-        dcp.load(state, checkpoint_id=str(path))
+        with _quiet():
+            dcp.load(state, checkpoint_id=str(path))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         restore_lr_schedule(self.lr_scheduler, state["lr_scheduler"])
