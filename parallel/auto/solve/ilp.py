@@ -66,6 +66,12 @@ def _solver(name: str, time_limit: float | None, verbose: bool) -> pulp.LpSolver
     return pulp.PULP_CBC_CMD(msg=verbose, timeLimit=time_limit, threads=1, options=["randomSeed 42", "randomCbcSeed 42"])
 
 
+def _var(lp: pulp.LpProblem, name: str, low: float, up: float, cat: str) -> pulp.LpVariable:
+    if hasattr(lp, "add_variable"):  # pulp >= 3.3
+        return lp.add_variable(name, low, up, cat=cat)
+    return pulp.LpVariable(name, lowBound=low, upBound=up, cat=cat)
+
+
 def solve_ilp(
     prob: Problem, *, solver: str = "auto", time_limit: float | None = 600.0, verbose: bool = False
 ) -> Solution:
@@ -78,7 +84,7 @@ def solve_ilp(
     n_cons = 0
     for g in range(prob.num_groups):
         idx = np.flatnonzero(prob.allowed[g])
-        xs = {int(s): pulp.LpVariable(f"x{g}_{s}", cat=pulp.LpBinary) for s in idx}
+        xs = {int(s): _var(lp, f"x{g}_{s}", 0, 1, pulp.LpBinary) for s in idx}
         x.append(xs)
         lp += pulp.LpAffineExpression([(v, 1.0) for v in xs.values()]) == 1, f"one{g}"
         n_cons += 1
@@ -96,7 +102,7 @@ def solve_ilp(
             for b in sorted(dst_classes):
                 c = e.cost[a, b]
                 if math.isfinite(c):
-                    v = pulp.LpVariable(f"y{ei}_{a}_{b}", lowBound=0, upBound=1)
+                    v = _var(lp, f"y{ei}_{a}_{b}", 0, 1, pulp.LpContinuous)
                     y[(a, b)] = v
                     if c:
                         objective[v] = float(c)

@@ -1,0 +1,261 @@
+"""User API: the AutoParallel context manager (trace -> candidates -> problem -> plan).
+
+    with fake_world(32):
+        mesh = init_device_mesh("cpu", (4, 8), mesh_dim_names=("dp", "tp"))
+        with AutoParallel(model, input_fn, mesh, loss_fn=lm_loss, hardware="h100") as autop:
+            autop.add_input_constraints([(Shard(0), Replicate()), (Shard(0), Replicate())])
+            autop.add_parameter_memory_constraint(low=None, high=None)
+            plan = autop.optimize_placement(verbose=True)
+        print(plan.summary())
+
+`input_fn()` returns GLOBAL-shaped sample inputs (tensors may be meta; DTensor leaves
+contribute their placements as input constraints). The traced forward must return a
+scalar loss: pass `loss_fn(model, *inputs)` around a model that returns logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from parallel.auto import _torch as T
+from parallel.auto._torch import fake_world  # noqa: F401  (re-exported for scripts and tests)
+from parallel.auto.plan import Plan, build_plan
+from parallel.auto.problem import Constraint, PlanningError, build_problem
+from parallel.auto.solve.ilp import solve_ilp
+from parallel.auto.strategies import Candidates, build_candidates, placement_str
+from parallel.auto.trace import JointGraph, trace_joint
+
+log = logging.getLogger("parallel.auto")
+
+__all__ = ["AutoParallel", "PlanningError", "Plan", "fake_world", "lm_loss"]
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Language-model loss around a model returning logits (mean cross-entropy, fp32)."""
+    from models import cross_entropy_loss
+
+    return cross_entropy_loss(model(tokens), labels)
+
+
+def _as_placements(p: Any, ndim: int, what: str) -> tuple | None:
+    if p is None:
+        return None
+    if isinstance(p, T.Placement):
+        p = (p,)
+    p = tuple(p)
+    if len(p) != ndim:
+        raise ValueError(f"{what}: {p} has {len(p)} placements for a {ndim}-D mesh")
+    return p
+
+
+def min_parameter_fraction(cands: Candidates) -> float:
+    """Smallest achievable per-device share of parameter bytes (every param at its most sharded)."""
+    from parallel.auto.problem import shard_factor
+
+    jg = cands.graph
+    shape = tuple(cands.mesh.shape)
+    total = sum(jg.param_bytes.values())
+    if not total:
+        return 0.0
+    need = 0.0
+    for fqn, node in jg.params.items():
+        best = max(shard_factor(s.output_specs.placements, shape) for s in cands.nodes[node.name].specs)
+        need += jg.param_bytes[fqn] / best
+    return need / total
+
+
+class AutoParallel:
+    """Plan SPMD placements for `model` on `mesh` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        input_fn: Callable[[], Any] | tuple,
+        mesh: Any,
+        *,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        mp_policy: Any = None,
+        hardware: Any = "h100",
+        cost_model: Any = None,
+        solver: str = "auto",
+        time_limit: float = 600.0,
+        cluster_layers: bool = True,
+    ) -> None:
+        self.model = model
+        self.input_fn = input_fn
+        self.mesh = mesh
+        self.loss_fn = loss_fn
+        self.mp_policy = mp_policy
+        self.hardware = hardware
+        self.solver = solver
+        self.time_limit = time_limit
+        self.cluster_layers = cluster_layers
+        self.mp_dtype: torch.dtype | None = getattr(mp_policy, "param_dtype", None) if mp_policy is not None else None
+        self._cost_model = cost_model
+        self.graph: JointGraph | None = None
+        self.candidates: Candidates | None = None
+        self.constraints: list[Constraint] = []
+        self.memory_low: float | None = None
+        self.memory_high: float | None = None
+        self._memory_set = False
+        self.timings: dict[str, float] = {}
+        self._input_placements: list[tuple | None] = []
+
+    # ------------------------------------------------------------------ context
+    def __enter__(self) -> "AutoParallel":
+        t0 = time.perf_counter()
+        inputs = self.input_fn() if callable(self.input_fn) else self.input_fn
+        if not isinstance(inputs, tuple):
+            inputs = (inputs,)
+        flat, spec = tree_flatten(inputs)
+        plain = []
+        for x in flat:
+            if isinstance(x, T.DTensor):
+                self._input_placements.append(tuple(x.placements))
+                plain.append(torch.empty(x.shape, dtype=x.dtype, device="meta"))
+            else:
+                self._input_placements.append(None)
+                plain.append(x)
+        inputs = tree_unflatten(plain, spec)
+        self.graph = trace_joint(self.model, inputs, self.loss_fn)
+        self.timings["trace"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.candidates = build_candidates(self.graph, self.mesh)
+        self.timings["candidates"] = time.perf_counter() - t1
+        for i, p in enumerate(self._input_placements):
+            if p is not None:
+                self._add(Constraint("input", f"input constraint on input {i} {placement_str(p)} (from its DTensor)",
+                                     node=self.graph.inputs[i].name, placements=p))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        # the fake-tensor graph is kept on the plan's problem only while the user holds it
+        self.candidates = None
+        self.graph = None
+
+    def _need_graph(self) -> JointGraph:
+        if self.graph is None:
+            raise RuntimeError("use AutoParallel(...) as a context manager: `with AutoParallel(...) as autop:`")
+        return self.graph
+
+    def _add(self, con: Constraint) -> None:
+        self.constraints.append(con)
+
+    # ------------------------------------------------------------------ constraints
+    def add_input_constraints(self, placements: Sequence[Any]) -> None:
+        """One placement tuple per (flattened) user input; None leaves an input free."""
+        jg = self._need_graph()
+        if len(placements) > len(jg.inputs):
+            raise ValueError(f"{len(placements)} input constraints for {len(jg.inputs)} inputs")
+        for i, p in enumerate(placements):
+            p = _as_placements(p, self.mesh.ndim, f"input constraint {i}")
+            if p is None:
+                continue
+            self._add(Constraint("input", f"input constraint on input {i} {placement_str(p)}", node=jg.inputs[i].name, placements=p))
+
+    def add_output_constraints(self, placements: Sequence[Any]) -> None:
+        """One placement tuple per forward output (the loss is a scalar: Replicate)."""
+        jg = self._need_graph()
+        outs = [s for s in jg.slots if s.kind == "output"]
+        if len(placements) > len(outs):
+            raise ValueError(f"{len(placements)} output constraints for {len(outs)} outputs")
+        for i, p in enumerate(placements):
+            p = _as_placements(p, self.mesh.ndim, f"output constraint {i}")
+            if p is None:
+                continue
+            self._add(Constraint("output", f"output constraint on output {i} {placement_str(p)}",
+                                 node=f"output[{outs[i].index}]", placements=p))
+
+    def add_parameter_memory_constraint(self, low: float | None = None, high: float | None = None) -> None:
+        """Byte-weighted parameter storage per device as a fraction of all parameter bytes.
+
+        None for `high` means fully sharded (1 / world_size); None for `low` means no floor.
+        """
+        self._memory_set = True
+        self.memory_low = low
+        self.memory_high = high
+
+    def add_node_constraint(self, node: Any, placements: Any = None, input_placements: Sequence[Any] | None = None) -> None:
+        """Fix a node's output placements (and optionally its inputs').
+
+        `node`: an fx node, a node name, a parameter FQN or "output[i]" slot name.
+        """
+        jg = self._need_graph()
+        name = self._node_name(node)
+        p = _as_placements(placements, self.mesh.ndim, f"node constraint on {name}")
+        ins = None
+        if input_placements is not None:
+            ins = tuple(_as_placements(x, self.mesh.ndim, f"node constraint on {name}") for x in input_placements)
+        label = jg.labels.get(name, name)
+        what = f"node constraint on `{node if isinstance(node, str) else name}` ({label})"
+        if p is not None:
+            what += f" {placement_str(p)}"
+        if ins is not None:
+            what += " inputs " + ", ".join(placement_str(x) if x else "*" for x in ins)
+        self._add(Constraint("node", what, node=name, placements=p, input_placements=ins))
+
+    def _node_name(self, node: Any) -> str:
+        jg = self._need_graph()
+        if isinstance(node, torch.fx.Node):
+            return node.name
+        if node in jg.params:
+            return jg.params[node].name
+        if node in jg.buffers:
+            return jg.buffers[node].name
+        assert self.candidates is not None
+        if node in self.candidates.nodes:
+            return node
+        raise KeyError(f"no node, parameter or buffer named {node!r}")
+
+    # ------------------------------------------------------------------ solve
+    def cost_model(self) -> Any:
+        if self._cost_model is None:
+            from parallel.auto.cost import CostModel
+
+            names = list(self.mesh.mesh_dim_names or [f"axis{i}" for i in range(self.mesh.ndim)])
+            self._cost_model = CostModel(self.hardware, mesh_shape=tuple(self.mesh.shape), mesh_axis_names=names,
+                                         compute_dtype=self.mp_dtype)
+        return self._cost_model
+
+    def _memory_bounds(self) -> tuple[float | None, float | None]:
+        ws = self.mesh.size()
+        if self._memory_set and self.memory_high is not None:
+            return self.memory_low, self.memory_high
+        # default: fully sharded, or as close as the parameters' shapes allow
+        floor = min_parameter_fraction(self.candidates) if self.candidates is not None else 0.0
+        high = max(1.0 / ws, floor)
+        if high > 1.0 / ws * (1 + 1e-9):
+            log.info("memory: parameters cannot all be sharded %d ways; default high raised to %.4g", ws, high)
+        return self.memory_low, high
+
+    def optimize_placement(self, verbose: bool = True) -> Plan:
+        """Build the problem, solve it exactly and return the Plan."""
+        jg = self._need_graph()
+        assert self.candidates is not None
+        level = logging.INFO if verbose else logging.DEBUG
+        low, high = self._memory_bounds()
+        cm = self.cost_model()
+        t0 = time.perf_counter()
+        prob = build_problem(self.candidates, cm, constraints=self.constraints, memory_low=low, memory_high=high,
+                             cluster_layers=self.cluster_layers, mp_dtype=self.mp_dtype)
+        self.timings["build"] = time.perf_counter() - t0
+        sol = solve_ilp(prob, solver=self.solver, time_limit=self.time_limit)
+        self.timings["solve"] = sol.seconds
+        log.log(level, "solve: objective %.1f µs, %s, %.2fs (%s, %d vars)", sol.objective, sol.status, sol.seconds,
+                sol.solver, sol.num_vars)
+        hw = cm.hw.name if hasattr(cm, "hw") else str(self.hardware)
+        plan = build_plan(prob, sol.labels, solver=sol.solver, status=sol.status, timings=self.timings,
+                          num_vars=sol.num_vars, hardware=hw, memory_budget=(low, high),
+                          constraints=[c.description for c in self.constraints])
+        del jg
+        return plan
+
+    def apply_placement(self, plan: Plan) -> nn.Module:  # pragma: no cover - next issue
+        raise NotImplementedError("apply_placement (parallel/auto/apply.py) materialises a plan; not implemented yet")

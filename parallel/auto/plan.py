@@ -1,0 +1,546 @@
+"""Stage 4: the Plan - one strategy per node, its cost breakdown, and how to read it.
+
+A Plan is what the user inspects, saves and replays: chosen placements per node
+(inputs -> outputs), the objective with its breakdown (compute; communication per
+collective kind and mesh axis), solver and timings, plus the identity of what it was
+made for (model fingerprint, input shapes, mesh, hardware, torch version) so that a
+replay on a different model or mesh is refused with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from parallel.auto import _torch as T
+from parallel.auto.strategies import OP, PLACEHOLDER, SLOT, placement_str
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+class PlanMismatchError(ValueError):
+    """A saved plan was made for a different model, inputs or mesh."""
+
+
+@dataclass
+class NodePlan:
+    """Chosen strategy of one node, in words that survive JSON."""
+
+    name: str
+    kind: str  # placeholder | op | getitem | slot
+    target: str  # op name, or the placeholder / output label
+    label: str  # "param layers.0.attention.wq.weight", "grad of param ...", ""
+    phase: str  # fwd | bwd
+    module: str  # innermost module FQN ("" = top level)
+    strategy: int  # index into the node's candidate list
+    inputs: list[str]  # input node names, aligned with input_placements
+    input_placements: list[str]
+    output_placements: list[str]  # one entry per output (tuple outputs have several)
+    compute_us: float = 0.0
+
+
+@dataclass
+class Plan:
+    """A solved placement plan."""
+
+    nodes: dict[str, NodePlan]
+    objective_us: float
+    compute_us: float
+    comm_us: dict[str, float]  # "kind@axis_name" -> µs
+    comm_bytes: dict[str, float]
+    solver: str
+    status: str
+    timings: dict[str, float]  # trace / candidates / build / solve seconds
+    num_vars: int
+    fingerprint: str
+    input_shapes: list
+    mesh_shape: list[int]
+    mesh_axis_names: list[str]
+    hardware: str
+    torch_version: str
+    mp_param_dtype: str | None = None
+    memory_fraction: float = 0.0  # parameter bytes per device / total parameter bytes
+    memory_budget: list = field(default_factory=list)  # [low, high]
+    constraints: list[str] = field(default_factory=list)
+    # in-memory only (not saved): the problem and solution behind the plan
+    problem: Any = field(default=None, repr=False, compare=False)
+    labels: list[int] | None = field(default=None, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ lookup
+    def _resolve(self, node: Any) -> str:
+        if isinstance(node, torch.fx.Node):
+            return node.name
+        if node in self.nodes:
+            return node
+        for n in self.nodes.values():
+            if n.label in (f"param {node}", f"buffer {node}", f"input {node}", node):
+                return n.name
+        raise KeyError(f"no node or parameter named {node!r} in the plan")
+
+    def node(self, node: Any) -> NodePlan:
+        return self.nodes[self._resolve(node)]
+
+    def placement(self, node: Any) -> str:
+        """Output placement of a node or parameter (by FQN), e.g. '(S(0), S(1))'."""
+        return self.node(node).output_placements[0]
+
+    def param_placements(self) -> dict[str, str]:
+        return {n.label[len("param "):]: n.output_placements[0] for n in self.nodes.values() if n.label.startswith("param ")}
+
+    def grad_placement(self, fqn: str) -> str:
+        for n in self.nodes.values():
+            if n.kind == SLOT and n.label == f"grad of param {fqn}":
+                return n.output_placements[0]
+        raise KeyError(f"no gradient output for parameter {fqn!r}")
+
+    def collectives(self) -> list[dict]:
+        """Every redistribution the plan implies (needs the in-memory problem)."""
+        prob = self._need_problem("collectives")
+        cm = prob.cost_model
+        out = []
+        for e in prob.edges:
+            a = e.src_cls[self.labels[e.src]]
+            b = e.dst_cls[self.labels[e.dst]]
+            src, dst = e.src_placements[a], e.dst_placements[b]
+            if src == dst:
+                continue
+            meta = (e.tensor[0], _comm_dtype(e.tensor[1], prob.mp_dtype))
+            for producer, consumer, k in e.members:
+                for c in cm.redistribute_collectives(src, dst, meta):
+                    out.append({
+                        "producer": producer, "consumer": consumer, "input": k,
+                        "src": placement_str(src), "dst": placement_str(dst),
+                        "kind": c.kind, "axis": c.axis_name, "bytes": c.bytes, "time_us": c.time_us,
+                        "phase": self.nodes[consumer].phase if consumer in self.nodes else "",
+                    })
+        # redistributions inside tied groups (a producer and consumer tied together)
+        return out
+
+    # ------------------------------------------------------------------ save / load
+    def to_json(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k not in ("problem", "labels", "nodes")}
+        d["format_version"] = FORMAT_VERSION
+        d["nodes"] = [asdict(n) for n in self.nodes.values()]
+        return d
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Plan":
+        d = dict(d)
+        if d.pop("format_version", None) != FORMAT_VERSION:
+            raise PlanMismatchError(f"plan file format is not version {FORMAT_VERSION}")
+        nodes = {n["name"]: NodePlan(**n) for n in d.pop("nodes")}
+        return cls(nodes=nodes, **d)
+
+    @classmethod
+    def load(cls, path: str, *, model: Any = None, mesh: Any = None, input_shapes: list | None = None) -> "Plan":
+        """Load a plan; refuse it (PlanMismatchError) if made for another model, inputs or mesh."""
+        with open(path) as f:
+            plan = cls.from_json(json.load(f))
+        plan.check_compatible(model=model, mesh=mesh, input_shapes=input_shapes, source=path)
+        return plan
+
+    def check_compatible(self, *, model: Any = None, mesh: Any = None, input_shapes: list | None = None, source: str = "plan") -> None:
+        if model is not None:
+            from parallel.auto.trace import model_fingerprint
+
+            fp = model_fingerprint(model)
+            if fp != self.fingerprint:
+                raise PlanMismatchError(
+                    f"{source} was made for a different model (fingerprint {self.fingerprint}, this model "
+                    f"{fp}: class or parameter names/shapes/dtypes differ); re-plan for this model"
+                )
+        if mesh is not None:
+            shape = list(mesh.shape)
+            names = list(mesh.mesh_dim_names or [])
+            if shape != list(self.mesh_shape) or (names and names != list(self.mesh_axis_names)):
+                raise PlanMismatchError(
+                    f"{source} was made for mesh {tuple(self.mesh_shape)} {tuple(self.mesh_axis_names)}, "
+                    f"not {tuple(shape)} {tuple(names)}; re-plan for this mesh"
+                )
+        if input_shapes is not None and [list(map(list, x)) if isinstance(x, tuple) else x for x in input_shapes] != [
+            list(map(list, x)) if isinstance(x, tuple) else x for x in self.input_shapes
+        ]:
+            raise PlanMismatchError(f"{source} was made for inputs {self.input_shapes}, not {input_shapes}")
+
+    # ------------------------------------------------------------------ reports
+    def breakdown(self) -> str:
+        lines = [f"objective {self.objective_us:,.1f} µs = compute {self.compute_us:,.1f} µs + comm {sum(self.comm_us.values()):,.1f} µs"]
+        for k in sorted(self.comm_us):
+            lines.append(f"  {k:<28} {self.comm_us[k]:>12,.1f} µs  {self.comm_bytes.get(k, 0) / 2**20:>10,.1f} MiB")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """Per-layer table: what each projection does on each mesh axis, in words."""
+        rows = linear_roles(self)
+        by_module: dict[str, list[str]] = defaultdict(list)
+        for fqn, words in rows:
+            layer = _layer_of(fqn)
+            short = fqn[len(layer) + 1:] if layer else fqn
+            by_module[layer].append(f"{short.removesuffix('.weight')}: {words}")
+        lines = [
+            f"Plan for mesh {tuple(self.mesh_shape)} {tuple(self.mesh_axis_names)} on {self.hardware} "
+            f"({self.solver}, {self.status}, {self.timings.get('solve', 0):.2f}s)",
+            self.breakdown(),
+            f"parameter memory per device: {self.memory_fraction:.4f} of all parameter bytes",
+        ]
+        collapsed = _collapse_layers(by_module)
+        for layer, items in collapsed:
+            lines.append(f"{layer or '(top)'}:")
+            lines.extend(f"  {it}" for it in items)
+        return "\n".join(lines)
+
+    def costs_for_node(self, node: Any) -> list[dict]:
+        """Every candidate of a node: compute and redistribution µs given the neighbours' choices."""
+        prob = self._need_problem("costs_for_node")
+        name = self._resolve(node)
+        g = prob.group_of[name]
+        cands = prob.candidates.nodes[name]
+        comm = np.zeros(prob.n_strategies[g])
+        for e in prob.edges:
+            if e.src == g:
+                b = e.dst_cls[self.labels[e.dst]]
+                comm += e.cost[e.src_cls, b]
+            elif e.dst == g:
+                a = e.src_cls[self.labels[e.src]]
+                comm += e.cost[a, e.dst_cls]
+        rows = []
+        for s, spec in enumerate(cands.specs):
+            outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+            rows.append({
+                "strategy": s,
+                "inputs": [placement_str(i.placements) for i in (spec.input_specs or [])],
+                "outputs": [placement_str(o.placements) if o is not None else "-" for o in outs],
+                "compute_us": float(prob.unary[g][s]),
+                "comm_us": float(comm[s]),
+                "total_us": float(prob.unary[g][s] + comm[s]),
+                "allowed": bool(prob.allowed[g][s]),
+                "chosen": s == self.labels[g],
+            })
+        return rows
+
+    def explain(self, node: Any, top: int = 5) -> str:
+        """Why this strategy: its cost vs the best alternatives, all else fixed."""
+        name = self._resolve(node)
+        prob = self._need_problem("explain")
+        g = prob.group_of[name]
+        rows = self.costs_for_node(name)
+        chosen = next(r for r in rows if r["chosen"])
+        others = sorted((r for r in rows if not r["chosen"]), key=lambda r: r["total_us"])
+        n = self.nodes[name]
+        copies = len(prob.groups[g])
+        lines = [
+            f"{name} ({n.label or n.target}, {n.phase}, module {n.module or '-'}): "
+            f"{' , '.join(chosen['inputs']) or '-'} -> {', '.join(chosen['outputs'])}",
+            f"  chosen: compute {chosen['compute_us']:.1f} µs + redistribution {chosen['comm_us']:.1f} µs "
+            f"= {chosen['total_us']:.1f} µs (decided jointly for {copies} tied node(s))",
+        ]
+        for r in others[:top]:
+            why = "forbidden by a constraint" if not r["allowed"] else (
+                "not allowed (needs a Replicate->Partial redistribution)" if not math.isfinite(r["total_us"])
+                else f"+{r['total_us'] - chosen['total_us']:.1f} µs")
+            lines.append(
+                f"  alt {r['strategy']}: {', '.join(r['inputs']) or '-'} -> {', '.join(r['outputs'])}: "
+                f"compute {r['compute_us']:.1f} + comm {r['comm_us']:.1f} = {r['total_us']:.1f} µs ({why})"
+            )
+        if len(others) > top:
+            lines.append(f"  ... {len(others) - top} more")
+        return "\n".join(lines)
+
+    def diff(self, other: "Plan") -> "PlanDiff":
+        changed = []
+        for name, a in self.nodes.items():
+            b = other.nodes.get(name)
+            if b is None:
+                continue
+            if a.output_placements != b.output_placements or a.input_placements != b.input_placements:
+                changed.append((name, a, b))
+        return PlanDiff(self.objective_us, other.objective_us, changed,
+                        sorted(set(other.nodes) - set(self.nodes)), sorted(set(self.nodes) - set(other.nodes)))
+
+    def _need_problem(self, what: str) -> Any:
+        if self.problem is None or self.labels is None:
+            raise RuntimeError(f"Plan.{what} needs the in-memory plan from optimize_placement (a loaded plan has no costs)")
+        return self.problem
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+@dataclass
+class PlanDiff:
+    """Nodes whose placements differ between two plans, and the objective change."""
+
+    objective_a: float
+    objective_b: float
+    changed: list[tuple[str, NodePlan, NodePlan]]
+    only_in_b: list[str]
+    only_in_a: list[str]
+
+    @property
+    def objective_delta(self) -> float:
+        return self.objective_b - self.objective_a
+
+    def __len__(self) -> int:
+        return len(self.changed)
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.changed)} nodes changed; objective {self.objective_a:,.1f} -> {self.objective_b:,.1f} µs "
+                 f"({self.objective_delta:+,.1f})"]
+        for name, a, b in self.changed[:50]:
+            lines.append(f"  {name} [{a.label or a.target}]: {', '.join(a.input_placements) or '-'} -> "
+                         f"{', '.join(a.output_placements)}  =>  {', '.join(b.input_placements) or '-'} -> {', '.join(b.output_placements)}")
+        if len(self.changed) > 50:
+            lines.append(f"  ... {len(self.changed) - 50} more")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Building a Plan from a solved Problem
+# ---------------------------------------------------------------------------
+
+
+def _comm_dtype(dtype: torch.dtype, mp: torch.dtype | None) -> torch.dtype:
+    if mp is not None and dtype.is_floating_point and dtype.itemsize > mp.itemsize:
+        return mp
+    return dtype
+
+
+def build_plan(prob: Any, labels: list[int], *, solver: str, status: str, timings: dict[str, float], num_vars: int,
+               hardware: str, memory_budget: tuple, constraints: list[str]) -> Plan:
+    cands = prob.candidates
+    jg = cands.graph
+    nodes: dict[str, NodePlan] = {}
+    compute_total = 0.0
+    for name, c in cands.nodes.items():
+        g = prob.group_of[name]
+        s = labels[g]
+        spec = c.specs[s]
+        outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+        cu = float(prob.compute[name][s])
+        compute_total += cu
+        if c.kind == SLOT:
+            slot = next(sl for sl in jg.slots if sl.index == c.slot_index)
+            label = {"grad_param": f"grad of param {slot.of}", "grad_input": f"grad of input {slot.of}",
+                     "output": f"output {slot.of}"}.get(slot.kind, slot.kind)
+            target, phase, module = "output", "bwd" if slot.kind != "output" else "fwd", ""
+        else:
+            label = jg.labels.get(name, "") if c.kind == PLACEHOLDER else ""
+            target = str(c.node.target) if c.kind != PLACEHOLDER else "placeholder"
+            phase = jg.phase.get(name, "fwd")
+            module = jg.module_of.get(name, "")
+        nodes[name] = NodePlan(
+            name=name, kind=c.kind, target=target, label=label, phase=phase, module=module, strategy=int(s),
+            inputs=[a.name for a in c.inputs],
+            input_placements=[placement_str(i.placements) for i in (spec.input_specs or [])] if c.kind != PLACEHOLDER else [],
+            output_placements=[placement_str(o.placements) if o is not None else "-" for o in outs],
+            compute_us=cu,
+        )
+    # communication breakdown per collective kind and mesh axis
+    cm = prob.cost_model
+    comm_us: dict[str, float] = defaultdict(float)
+    comm_bytes: dict[str, float] = defaultdict(float)
+    for e in prob.edges:
+        a = e.src_cls[labels[e.src]]
+        b = e.dst_cls[labels[e.dst]]
+        src, dst = e.src_placements[a], e.dst_placements[b]
+        if src == dst:
+            continue
+        meta = (e.tensor[0], _comm_dtype(e.tensor[1], prob.mp_dtype))
+        for c in cm.redistribute_collectives(src, dst, meta):
+            k = f"{c.kind}@{c.axis_name}"
+            if c.kind == "local":
+                continue
+            comm_us[k] += c.time_us * len(e.members)
+            comm_bytes[k] += c.bytes * len(e.members)
+    # redistribution between tied producer/consumer (folded into unary): count it too
+    for name, c in cands.nodes.items():
+        if c.kind == PLACEHOLDER:
+            continue
+        for k, src_node in enumerate(c.inputs):
+            if prob.group_of[src_node.name] != prob.group_of[name]:
+                continue
+            s = labels[prob.group_of[name]]
+            src_spec = cands.nodes[src_node.name].specs[s].output_specs
+            if isinstance(src_spec, tuple):
+                src_spec = src_spec[c.getitem_index or 0]
+            dst_pl = c.specs[s].input_specs[k].placements
+            if src_spec.placements == dst_pl:
+                continue
+            val = src_node.meta["val"]
+            meta = (tuple(val.shape), _comm_dtype(val.dtype, prob.mp_dtype))
+            for col in cm.redistribute_collectives(src_spec.placements, dst_pl, meta):
+                key = f"{col.kind}@{col.axis_name}"
+                if col.kind == "local":
+                    continue
+                comm_us[key] += col.time_us
+                comm_bytes[key] += col.bytes
+    mem = 0.0
+    for g in prob.param_groups:
+        mem += float(prob.param_bytes[g][labels[g]])
+    mesh = cands.mesh
+    return Plan(
+        nodes=nodes,
+        objective_us=float(prob.energy(labels)),
+        compute_us=compute_total,
+        comm_us=dict(comm_us),
+        comm_bytes=dict(comm_bytes),
+        solver=solver,
+        status=status,
+        timings=dict(timings),
+        num_vars=int(num_vars),
+        fingerprint=jg.fingerprint,
+        input_shapes=[[list(s), d] for s, d in jg.input_shapes],
+        mesh_shape=list(mesh.shape),
+        mesh_axis_names=list(mesh.mesh_dim_names or [f"axis{i}" for i in range(mesh.ndim)]),
+        hardware=hardware,
+        torch_version=torch.__version__,
+        mp_param_dtype=str(prob.mp_dtype) if prob.mp_dtype is not None else None,
+        memory_fraction=mem / prob.total_param_bytes if prob.total_param_bytes else 0.0,
+        memory_budget=list(memory_budget),
+        constraints=list(constraints),
+        problem=prob,
+        labels=list(labels),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Words for what a projection does
+# ---------------------------------------------------------------------------
+
+
+_PLACEMENT_RE = re.compile(r"MP(?:\(\w+\))?|P(?:\(\w+\))?|S\(\d+\)|R")
+
+
+def _parse(p: str) -> list[str]:
+    """'(S(0), R)' -> ['S(0)', 'R']"""
+    return _PLACEMENT_RE.findall(p)
+
+
+def parse_placements(p: str) -> tuple:
+    """Placement objects from their plan string (MaskPartial reads back as Partial)."""
+    out = []
+    for x in _parse(p):
+        if x == "R":
+            out.append(T.Replicate())
+        elif x.startswith("S("):
+            out.append(T.Shard(int(x[2:-1])))
+        else:
+            op = x[x.index("(") + 1:-1] if "(" in x else "sum"
+            out.append(T.Partial(op))
+    return tuple(out)
+
+
+def _layer_of(fqn: str) -> str:
+    m = None
+    for m in re.finditer(r"(^|\.)\d+(?=\.)", fqn):
+        pass
+    return fqn[: m.end()] if m else ""
+
+
+def linear_roles(plan: Plan) -> list[tuple[str, str]]:
+    """(param FQN, words) for every parameter, from its forward use.
+
+    A 2-D weight used through `t` by a forward mm: S(out) on an axis is column-parallel,
+    S(in) row-parallel; used Replicate while stored sharded is FSDP (all-gather), stored
+    Replicate with a sharded activation is data parallel (gradient all-reduce).
+    """
+    consumers: dict[str, list[NodePlan]] = defaultdict(list)
+    for n in plan.nodes.values():
+        for i, src in enumerate(n.inputs):
+            consumers[src].append(n)
+    names = plan.mesh_axis_names
+    out = []
+    for n in plan.nodes.values():
+        if not n.label.startswith("param "):
+            continue
+        fqn = n.label[len("param "):]
+        stored = _parse(n.output_placements[0])
+        use, act, weight_dims = _forward_use(n, consumers)
+        words = []
+        for ax, name in enumerate(names):
+            st = stored[ax] if ax < len(stored) else "R"
+            if use is None:
+                words.append(f"{_store_words(st)} on {name}")
+                continue
+            u = use[ax]
+            a = act[ax] if act is not None else "R"
+            if u.startswith("S("):
+                d = int(u[2:-1])
+                role = weight_dims.get(d, f"sharded dim {d}")
+                w = role
+            elif st.startswith("S("):
+                w = "FSDP (all-gather)" if a.startswith("S(") else "gathered, replicated compute"
+            else:
+                w = "data parallel (replicated, grad all-reduce)" if a.startswith("S(") else "replicated"
+            words.append(f"{w} on {name}")
+        out.append((fqn, "; ".join(words)))
+    return out
+
+
+def _store_words(st: str) -> str:
+    return "stored replicated" if st == "R" else f"stored {st}"
+
+
+def _forward_use(param: NodePlan, consumers: dict[str, list[NodePlan]]) -> tuple[list[str] | None, list[str] | None, dict[int, str]]:
+    """Weight placement seen by its first forward matmul/embedding, the activation's, and dim roles."""
+    frontier = [(param.name, False)]
+    seen = set()
+    while frontier:
+        name, transposed = frontier.pop(0)
+        if name in seen:
+            continue
+        seen.add(name)
+        for c in consumers.get(name, []):
+            if c.phase != "fwd":
+                continue
+            op = c.target
+            k = c.inputs.index(name)
+            if op in ("aten.t.default", "aten.transpose.int") and not transposed:
+                frontier.append((c.name, True))
+            elif op in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.matmul.default"):
+                use = _parse(c.input_placements[k])
+                act = _parse(c.input_placements[1 - k]) if len(c.input_placements) > 1 else None
+                # Linear weight [out, in] used as t(W) = [in, out]
+                # Linear weight [out, in] is used as t(W) = [in, out]; X @ W uses W = [in, out]
+                return use, act, {1: "column-parallel", 0: "row-parallel"}
+            elif op == "aten.embedding.default" and k == 0:
+                use = _parse(c.input_placements[0])
+                act = _parse(c.input_placements[1])
+                return use, act, {0: "vocab-parallel", 1: "embedding-dim sharded"}
+            elif op in ("aten._to_copy.default", "aten.view.default", "aten._unsafe_view.default", "aten.detach.default"):
+                frontier.append((c.name, transposed))
+            elif c.kind == "op":
+                use = _parse(c.input_placements[k])
+                others = [p for i, p in enumerate(c.input_placements) if i != k]
+                act = _parse(others[0]) if others else None
+                return use, act, {}
+    return None, None, {}
+
+
+def _collapse_layers(by_layer: dict[str, list[str]]) -> list[tuple[str, list[str]]]:
+    """Merge consecutive layers with identical descriptions ("layers.0-31")."""
+    out: list[tuple[str, list[str]]] = []
+    for layer, items in by_layer.items():
+        m = re.match(r"(.*\.)(\d+)$", layer)
+        if out and m:
+            prev_name, prev_items = out[-1]
+            pm = re.match(r"(.*\.)(\d+)(?:-(\d+))?$", prev_name)
+            if pm and pm.group(1) == m.group(1) and prev_items == items and int(pm.group(3) or pm.group(2)) + 1 == int(m.group(2)):
+                out[-1] = (f"{pm.group(1)}{pm.group(2)}-{m.group(2)}", prev_items)
+                continue
+        out.append((layer, items))
+    return out
