@@ -14,7 +14,8 @@ import logging
 import math
 import re
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -128,7 +129,7 @@ class Plan:
 
     # ------------------------------------------------------------------ save / load
     def to_json(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("problem", "labels", "nodes")}
+        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name not in ("problem", "labels", "nodes")}
         d["format_version"] = FORMAT_VERSION
         d["nodes"] = [asdict(n) for n in self.nodes.values()]
         return d

@@ -202,7 +202,7 @@ def _tie_groups(cands: Candidates, cluster_layers: bool) -> tuple[list[list[str]
                 continue
             instance = path[: m.end()]
             pattern = _LAYER_INDEX.sub(r"\1*", path, count=1)
-            kind_key = (c.kind, str(c.node.target) if c.node is not None else "", repr(c.key) if c.key is not None else "",
+            kind_key = (c.kind, str(c.node.target) if c.kind != PLACEHOLDER else "", repr(c.key) if c.key is not None else "",
                         tuple(c.node.meta["val"].shape) if c.kind == PLACEHOLDER else (), c.getitem_index)
             k = (pattern, kind_key)
             i = ordinal[(instance, k)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,7 +64,9 @@ def available_solver(name: str = "auto") -> str:
 def _solver(name: str, time_limit: float | None, verbose: bool) -> pulp.LpSolver:
     if name == "highs":
         return pulp.HiGHS(msg=verbose, timeLimit=time_limit, threads=1, random_seed=0)
-    return pulp.PULP_CBC_CMD(msg=verbose, timeLimit=time_limit, threads=1, options=["randomSeed 42", "randomCbcSeed 42"])
+    with warnings.catch_warnings():  # the bundled CBC binary works offline; pulp 3.3 warns about 4.0
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(msg=verbose, timeLimit=time_limit, threads=1, options=["randomSeed 42", "randomCbcSeed 42"])
 
 
 def _var(lp: pulp.LpProblem, name: str, low: float, up: float, cat: str) -> pulp.LpVariable:
