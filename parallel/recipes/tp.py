@@ -105,11 +105,16 @@ def _n_required_inputs(module: nn.Module) -> int:
 
 
 def _first_input(module: nn.Module, seq) -> PrepareModuleInput:
-    """Redistribute the first (activation) input from ``seq`` to Replicate; others untouched."""
+    """Redistribute the first (activation) input from ``seq`` to Replicate; others untouched.
+
+    The module receives a Replicate *DTensor* (``use_local_output=False``): the Partial
+    input-gradients of its colwise projections then add up as one DTensor and leave
+    through a single reduce-scatter (SP) / all-reduce, instead of one all-reduce per
+    projection."""
     n = _n_required_inputs(module)
     return PrepareModuleInput(input_layouts=(seq,) + (None,) * (n - 1),
                               desired_input_layouts=(Replicate(),) + (None,) * (n - 1),
-                              use_local_output=True)
+                              use_local_output=False)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True,
@@ -132,8 +137,31 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     parallelize_module(model, tp_mesh, top)
     for block in model.layers:
         parallelize_module(block, tp_mesh, _block_plan(block, sp))
+    if not any(p.is_meta for p in model.parameters()):
+        # on meta, hooks would not survive to_empty: call register_partial_grad_hooks after it
+        register_partial_grad_hooks(model)
     setattr(model, _LOSS_PARALLEL_ATTR, bool(loss_parallel))
     return model
+
+
+def register_partial_grad_hooks(model: nn.Module) -> None:
+    """Replicated weights fed by sharded activations (SP norms, Qwen3 q/k norms) get Partial
+    gradients: reduce them once, when they are produced, so optimizer and clipping see
+    Replicate grads. Idempotent. :func:`apply_tp` calls it unless the model is on ``meta``; then call it
+    after ``to_empty``. FSDP replaces the parameters and handles Partial itself."""
+    for h in getattr(model, "_autotitan_tp_hooks", []):
+        h.remove()
+    handles = []
+    for p in model.parameters():
+        if isinstance(p, DTensor) and all(isinstance(pl, Replicate) for pl in p.placements):
+            handles.append(p.register_post_accumulate_grad_hook(_replicate_partial_grad))
+    model._autotitan_tp_hooks = handles
+
+
+def _replicate_partial_grad(p) -> None:
+    g = p.grad
+    if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+        p.grad = g.redistribute(g.device_mesh, [Replicate()] * g.device_mesh.ndim)
 
 
 def uses_loss_parallel(model: nn.Module) -> bool:

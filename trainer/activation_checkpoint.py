@@ -1,0 +1,117 @@
+"""Activation checkpointing (AC) of transformer blocks, full or selective (SAC).
+
+``[activation_checkpoint] mode``:
+
+* ``"none"``      -- keep every activation.
+* ``"full"``      -- keep only each block's input; recompute the block in backward.
+* ``"selective"`` with ``selective_ac_option``:
+    - an integer ``N`` as a string -- full AC on every N-th block (blocks 0, N, 2N, ...);
+    - ``"op"`` -- per-op SAC inside every block with torch's SAC API
+      (``create_selective_checkpoint_contexts``): save the outputs of attention and of
+      every other matmul (and of reduce-scatters / max), recompute the rest
+      (norms, activations, elementwise ops, all-gathers).
+
+The block's ``forward`` is replaced by a non-reentrant ``torch.utils.checkpoint`` call of
+the original one on the same module object, so parameter names (FQNs), FSDP/TP hooks and
+``state_dict`` are unchanged. Apply before FSDP (as :func:`parallel.recipes.apply_recipe`
+does). Results are bit-identical to ``mode = "none"`` (no dropout, no RNG in the models).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+__all__ = ["apply_ac", "sac_policy_context", "SAC_SAVE_OPS"]
+
+aten = torch.ops.aten
+
+
+def _save_ops() -> set:
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.max.default}
+    for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention"):
+        op = getattr(aten, name, None)
+        if op is not None:
+            ops.add(op.default)
+    for ns in ("_c10d_functional",):
+        rs = getattr(getattr(torch.ops, ns), "reduce_scatter_tensor", None)
+        if rs is not None:
+            ops.add(rs.default)
+    return ops
+
+
+SAC_SAVE_OPS = _save_ops()
+_MM_OPS = {aten.mm.default, aten.addmm.default}
+
+
+def _policy(counts):
+    def policy(ctx, func, *args, **kwargs):
+        if func in _MM_OPS:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            # save every other matmul output (odd ones), recompute the even ones
+            return (CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1
+                    else CheckpointPolicy.PREFER_RECOMPUTE)
+        if func in SAC_SAVE_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def sac_policy_context():
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint``: per-op SAC policy.
+    A fresh matmul counter per call keeps forward and recompute in step."""
+    return create_selective_checkpoint_contexts(_policy(defaultdict(int)))
+
+
+def _checkpointed_forward(orig_forward, context_fn, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return orig_forward(*args, **kwargs)
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    return checkpoint(orig_forward, *args, use_reentrant=False, preserve_rng_state=False,
+                      **extra, **kwargs)
+
+
+def _wrap(block: nn.Module, context_fn=None) -> None:
+    if getattr(block, "_ac_wrapped", False):
+        return
+    orig = block.forward  # bound method of the class' forward
+    block.forward = functools.partial(_checkpointed_forward, orig, context_fn)
+    block._ac_wrapped = True
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    layers = model.layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
+def apply_ac(model: nn.Module, ac_cfg) -> nn.Module:
+    """Apply the configured AC to ``model.layers`` in place; returns the model."""
+    mode = getattr(ac_cfg, "mode", "none")
+    if mode == "none":
+        return model
+    blocks = _blocks(model)
+    if mode == "full":
+        for b in blocks:
+            _wrap(b)
+        return model
+    if mode != "selective":
+        raise ValueError(f"activation_checkpoint.mode must be none|full|selective, got {mode!r}")
+    opt = str(getattr(ac_cfg, "selective_ac_option", "op"))
+    if opt == "op":
+        for b in blocks:
+            _wrap(b, sac_policy_context)
+        return model
+    if not opt.isdigit() or int(opt) < 1:
+        raise ValueError("activation_checkpoint.selective_ac_option must be 'op' or a positive "
+                         f"integer as a string, got {opt!r}")
+    every = int(opt)
+    for i, b in enumerate(blocks):
+        if i % every == 0:
+            _wrap(b)
+    return model
