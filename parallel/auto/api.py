@@ -257,5 +257,42 @@ class AutoParallel:
         del jg
         return plan
 
-    def apply_placement(self, plan: Plan) -> nn.Module:  # pragma: no cover - next issue
-        raise NotImplementedError("apply_placement (parallel/auto/apply.py) materialises a plan; not implemented yet")
+    # ---- materialisation (owner: apply helper; implementation in parallel/auto/apply.py) ----
+    def apply_placement(self, plan: Plan) -> nn.Module:
+        """Materialise `plan` (in-memory or loaded/replayed) as a ParallelModule (apply.py)."""
+        from parallel.auto.apply import apply_plan
+
+        jg = self._need_graph()
+        assert self.candidates is not None
+        return apply_plan(self.model, jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy)
+
+
+# ---------------------------------------------------------------------------
+# apply helper block: the simple API and the trainer entry point (thin wrappers over
+# parallel/auto/apply.py and parallel/auto/training.py)
+# ---------------------------------------------------------------------------
+
+
+def auto_parallel(model: nn.Module, mesh: Any, sample_inputs: Any, out_shardings: Any = None, *,
+                  mp_policy: Any = None, parameter_memory_budget: tuple | None = (None, None),
+                  dynamic: bool = False, loss_fn: Callable[..., torch.Tensor] | None = None,
+                  hardware: Any = "cpu", **kwargs: Any) -> nn.Module:
+    """Plan + materialise in one call: returns the ParallelModule (expects per-rank local inputs).
+
+    sample_inputs: global-shaped pytree (or a callable returning it); plain tensors are
+    replicated on every mesh axis, DTensor leaves give their placements. out_shardings:
+    one placement tuple per forward output (the traced forward returns a scalar loss:
+    pass `loss_fn(model, *inputs)` around a model that returns logits).
+    """
+    from parallel.auto.apply import auto_parallel_impl
+
+    return auto_parallel_impl(model, mesh, sample_inputs, out_shardings, mp_policy=mp_policy,
+                              parameter_memory_budget=parameter_memory_budget, dynamic=dynamic,
+                              loss_fn=loss_fn, hardware=hardware, **kwargs)
+
+
+def auto_parallelize_for_training(model: nn.Module, mesh: Any, job_config: Any, sample_batch: Any) -> nn.Module:
+    """Trainer entry point for `[parallelism] mode = "auto"` (parallel/auto/training.py)."""
+    from parallel.auto.training import auto_parallelize_for_training as _impl
+
+    return _impl(model, mesh, job_config, sample_batch)

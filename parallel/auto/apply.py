@@ -1,0 +1,517 @@
+"""Stage 5: Plan -> ParallelModule (paper §5.1, plan materialisation).
+
+    with AutoParallel(model, input_fn, mesh, loss_fn=lm_loss) as autop:
+        plan = autop.optimize_placement()
+        pmodel = autop.apply_placement(plan)        # -> apply_plan(...)
+    pmodel.to_empty(device="cpu"); torch.manual_seed(0); pmodel.init_weights()
+    loss = pmodel(local_tokens, local_labels)      # per-rank LOCAL inputs
+    loss.backward()                                 # grads: DTensors with the planned placements
+
+The returned module is an instance of a subclass of the user's model class (isinstance
+holds, `named_parameters()` gives the same names); its parameters are
+`nn.Parameter(DTensor)` with the planned placements. Its forward runs the joint graph's
+forward part and autograd runs the backward part (a `torch.autograd.Function`):
+
+  * an interpreter walks the nodes of one phase; for every op it redistributes each
+    input to the placement the chosen strategy expects (all-gather, reduce-scatter,
+    all-reduce, all-to-all, local chunking - DTensor's `redistribute`), then runs the op
+    on those DTensors, so the per-device op sees local shards and DTensor adjusts view
+    and factory shapes to per-device sizes; the op's output placement is checked
+    against the plan (a disagreement is redistributed to the planned placement and
+    counted in `runner.stats["deviations"]`);
+  * forward values the backward needs are kept (only those) between the two phases;
+  * gradients are reduced to the parameter's own placement (plan: tied), in the
+    reduce dtype of the mixed-precision policy.
+
+Mixed precision (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`): parameters
+stay fp32 DTensors (optimizer state fp32); each is cast to bf16 on its own shard before
+any gather, the graph runs under bf16 autocast, and gradients are cast to fp32 before
+their reduction collective.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import operator
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from parallel.auto import _torch as T
+from parallel.auto.plan import Plan, PlanMismatchError
+from parallel.auto.strategies import GETITEM, OP, PLACEHOLDER, SLOT, Candidates, placement_str
+from parallel.auto.trace import BWD, FWD, JointGraph
+
+log = logging.getLogger(__name__)
+
+__all__ = ["apply_plan", "PlanRunner", "ParallelModuleMixin", "InputShapeError", "is_parallel_module"]
+
+
+class InputShapeError(ValueError):
+    """A per-rank input does not have the local shape the plan expects."""
+
+
+def _is_tensor_node(x: Any) -> bool:
+    return isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
+
+
+def _local_shape(shape: tuple[int, ...], placements: tuple, mesh: Any) -> tuple[int, ...]:
+    local = list(shape)
+    for size, p in zip(mesh.shape, placements):
+        if isinstance(p, T.Shard):
+            local[p.dim] = local[p.dim] // size
+    return tuple(local)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+# ---------------------------------------------------------------------------
+# The plan as executable per-node specs
+# ---------------------------------------------------------------------------
+
+
+class PlanRunner:
+    """Executes the joint graph of `graph` with the placements of `plan` on `mesh`.
+
+    Holds, per node, the chosen OpSpec (looked up in `candidates` by the plan's strategy
+    index and checked against the plan's placement strings, so a replayed plan that does
+    not fit this graph is refused).
+    """
+
+    def __init__(self, graph: JointGraph, candidates: Candidates, plan: Plan, mesh: Any, mp_policy: Any = None):
+        self.graph = graph
+        self.mesh = mesh
+        self.plan = plan
+        self.mp_policy = mp_policy
+        self.param_dtype = getattr(mp_policy, "param_dtype", None) if mp_policy is not None else None
+        self.reduce_dtype = getattr(mp_policy, "reduce_dtype", None) if mp_policy is not None else None
+        self.spec: dict[str, Any] = {}
+        self.stats: Counter = Counter()
+        self._check_and_resolve(candidates)
+        gm = graph.gm
+        nodes = list(gm.graph.nodes)
+        self.fwd_nodes = [n for n in nodes if n.op == "call_function" and graph.phase.get(n.name) == FWD]
+        self.bwd_nodes = [n for n in nodes if n.op == "call_function" and graph.phase.get(n.name) == BWD]
+        bwd_names = {n.name for n in self.bwd_nodes}
+        # forward values the backward reads (activations, params, inputs)
+        need: set[str] = set()
+        for n in self.bwd_nodes:
+            for a in n.all_input_nodes:
+                if a.name not in bwd_names and graph.phase.get(a.name) != BWD:
+                    need.add(a.name)
+        self.saved_names = need
+        # slots
+        self.out_slots = [s for s in graph.slots if s.kind == "output"]
+        self.grad_slots = {s.of: s for s in graph.slots if s.kind == "grad_param"}
+        for s in graph.slots:
+            if s.node is not None and graph.phase.get(s.node.name) == BWD and s.kind == "output":
+                raise NotImplementedError(f"forward output {s.index} is computed in the backward phase")
+        self.param_names = list(graph.params)
+        self.buffer_names = list(graph.buffers)
+        self.input_nodes = list(graph.inputs)
+        self.tangent_of = {t.name: i for i, t in graph.output_tangents}
+
+    # -- plan <-> candidates -------------------------------------------------
+    def _check_and_resolve(self, cands: Candidates) -> None:
+        missing = [n for n in cands.nodes if n not in self.plan.nodes]
+        extra = [n for n in self.plan.nodes if n not in cands.nodes]
+        if missing or extra:
+            raise PlanMismatchError(
+                f"the plan does not match this model's joint graph: {len(missing)} nodes without a "
+                f"strategy (e.g. {missing[:3]}), {len(extra)} unknown plan nodes (e.g. {extra[:3]}); re-plan"
+            )
+        for name, c in cands.nodes.items():
+            np_ = self.plan.nodes[name]
+            s = np_.strategy
+            if not 0 <= s < len(c.specs):
+                raise PlanMismatchError(f"plan node {name}: strategy {s} out of range ({len(c.specs)} candidates)")
+            spec = c.specs[s]
+            outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+            got_out = [placement_str(o.placements) if o is not None else "-" for o in outs]
+            if got_out != list(np_.output_placements):
+                raise PlanMismatchError(
+                    f"plan node {name} ({np_.label or np_.target}): strategy {s} gives {got_out} here but "
+                    f"{np_.output_placements} in the plan; the plan was made for a different graph"
+                )
+            if c.kind != PLACEHOLDER:
+                got_in = [placement_str(i.placements) for i in (spec.input_specs or [])]
+                if got_in != list(np_.input_placements):
+                    raise PlanMismatchError(
+                        f"plan node {name}: strategy {s} expects inputs {got_in} here but {np_.input_placements} in the plan"
+                    )
+            self.spec[name] = spec
+
+    def out_placements(self, name: str, idx: int | None = None) -> tuple:
+        o = self.spec[name].output_specs
+        if isinstance(o, tuple):
+            o = o[idx or 0]
+        return tuple(o.placements)
+
+    def param_placements(self, fqn: str) -> tuple:
+        return self.out_placements(self.graph.params[fqn].name)
+
+    def input_placements(self, i: int) -> tuple:
+        return self.out_placements(self.input_nodes[i].name)
+
+    # -- redistribution --------------------------------------------------------
+    def _to(self, x: Any, placements: tuple) -> Any:
+        if not isinstance(x, DTensor):
+            if isinstance(x, torch.Tensor):  # a plain (global) tensor: every rank holds it
+                x = DTensor.from_local(x, self.mesh, [T.Replicate()] * self.mesh.ndim, run_check=False)
+            else:
+                return x
+        if tuple(x.placements) == tuple(placements):
+            return x
+        self.stats["redistributions"] += 1
+        return x.redistribute(self.mesh, placements)
+
+    # -- interpretation ----------------------------------------------------------
+    def _run_node(self, n: fx.Node, env: dict[str, Any]) -> Any:
+        if n.target is operator.getitem:
+            return env[n.args[0].name][n.args[1]]
+        spec = self.spec[n.name]
+        in_specs = list(spec.input_specs or [])
+        leaves, tspec = tree_flatten((n.args, dict(n.kwargs)))
+        k = 0
+        vals = []
+        for a in leaves:
+            if _is_tensor_node(a):
+                v = env[a.name]
+                if k < len(in_specs):
+                    v = self._to(v, tuple(in_specs[k].placements))
+                k += 1
+                vals.append(v)
+            elif isinstance(a, fx.Node):
+                vals.append(env[a.name])
+            else:
+                vals.append(a)
+        args, kwargs = tree_unflatten(vals, tspec)
+        try:
+            out = n.target(*args, **kwargs)
+        except Exception as e:
+            ins = [f"{tuple(v.shape)}@{placement_str(tuple(v.placements))} local {tuple(v.to_local().shape)} "
+                   f"stride {v.to_local().stride()}" for v in vals if isinstance(v, DTensor)]
+            raise RuntimeError(f"apply: node {n.name} ({n.target}) failed on inputs {ins}: {e}") from e
+        # check / enforce the planned output placements
+        o_spec = spec.output_specs
+        if isinstance(out, (tuple, list)):
+            outs = list(out)
+            for i, o in enumerate(outs):
+                if isinstance(o_spec, tuple) and i < len(o_spec) and o_spec[i] is not None and isinstance(o, torch.Tensor):
+                    outs[i] = self._fix(o, tuple(o_spec[i].placements), n)
+            return type(out)(outs) if isinstance(out, tuple) else outs
+        if isinstance(out, torch.Tensor):
+            if isinstance(o_spec, tuple):
+                o_spec = o_spec[0]
+            return self._fix(out, tuple(o_spec.placements), n)
+        return out
+
+    def _fix(self, out: torch.Tensor, planned: tuple, n: fx.Node) -> Any:
+        if not isinstance(out, DTensor):
+            # factory op (no DTensor input): a global value on every rank
+            out = DTensor.from_local(out, self.mesh, [T.Replicate()] * self.mesh.ndim, run_check=False)
+        if tuple(out.placements) != planned:
+            self.stats["deviations"] += 1
+            if self.stats["deviations"] <= 5:
+                log.debug("apply: %s (%s) produced %s, plan says %s; redistributing", n.name, n.target,
+                          placement_str(tuple(out.placements)), placement_str(planned))
+            out = out.redistribute(self.mesh, planned)
+        return out
+
+    def _autocast(self) -> Any:
+        if self.param_dtype is not None and self.param_dtype != torch.float32:
+            return torch.autocast("cpu", dtype=self.param_dtype)
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def run_forward(self, params: list[DTensor], buffers: list[Any], inputs: list[DTensor]) -> tuple[list[Any], dict]:
+        env: dict[str, Any] = {}
+        g = self.graph
+        for fqn, p in zip(self.param_names, params):
+            name = g.params[fqn].name
+            v = p.detach()
+            if self.param_dtype is not None and v.dtype.is_floating_point and v.dtype != self.param_dtype:
+                v = v.to(self.param_dtype)  # cast the shard before any gather
+            env[name] = v
+        for fqn, b in zip(self.buffer_names, buffers):
+            name = g.buffers[fqn].name
+            env[name] = self._to(b, self.out_placements(name))
+        for node, x in zip(self.input_nodes, inputs):
+            env[node.name] = x
+        with torch.no_grad(), self._autocast():
+            for n in self.fwd_nodes:
+                env[n.name] = self._run_node(n, env)
+        outs = []
+        for s in self.out_slots:
+            v = env[s.node.name]
+            v = self._to(v, self.out_placements(f"output[{s.index}]"))
+            outs.append(v)
+        saved = {k: env[k] for k in self.saved_names if k in env}
+        return outs, saved
+
+    def run_backward(self, saved: dict, tangents: list[Any], params: list[DTensor]) -> list[Any]:
+        env = dict(saved)
+        g = self.graph
+        for out_idx, t in g.output_tangents:
+            val = tangents[out_idx] if out_idx < len(tangents) else None
+            if val is None:
+                val = torch.zeros(t.meta["val"].shape, dtype=t.meta["val"].dtype)
+            env[t.name] = self._to(val, self.out_placements(t.name))
+        with torch.no_grad(), self._autocast():
+            for n in self.bwd_nodes:
+                env[n.name] = self._run_node(n, env)
+        grads = []
+        for fqn, p in zip(self.param_names, params):
+            s = self.grad_slots.get(fqn)
+            if s is None or s.node is None:
+                grads.append(None)
+                continue
+            v = env[s.node.name]
+            if self.reduce_dtype is not None and v.dtype != self.reduce_dtype and v.dtype.is_floating_point:
+                v = v.to(self.reduce_dtype)  # reduce gradients in the reduce dtype
+            v = self._to(v, self.out_placements(f"output[{s.index}]"))
+            if v.dtype != p.dtype:
+                v = v.to(p.dtype)
+            if tuple(v.placements) != tuple(p.placements):
+                v = v.redistribute(self.mesh, p.placements)
+            grads.append(v)
+        return grads
+
+
+class _PlanFunction(torch.autograd.Function):
+    """Forward part of the plan in forward, backward part in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, runner: PlanRunner, n_params: int, n_buffers: int, *flat: Any) -> Any:
+        params = list(flat[:n_params])
+        buffers = list(flat[n_params : n_params + n_buffers])
+        inputs = list(flat[n_params + n_buffers :])
+        outs, saved = runner.run_forward(params, buffers, inputs)
+        ctx.runner = runner
+        ctx.saved = saved
+        ctx.n_params = n_params
+        ctx.n_rest = n_buffers + len(inputs)
+        ctx.params = params
+        locals_ = tuple(o.to_local() for o in outs)
+        ctx.out_placements = [tuple(o.placements) for o in outs]
+        ctx.out_meta = [(o.shape, o.stride()) for o in outs]
+        return locals_ if len(locals_) > 1 else locals_[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outs: Any) -> Any:
+        runner: PlanRunner = ctx.runner
+        tangents = []
+        for g, pl, (shape, stride) in zip(grad_outs, ctx.out_placements, ctx.out_meta):
+            if g is None:
+                tangents.append(None)
+                continue
+            tangents.append(DTensor.from_local(g.contiguous(), runner.mesh, pl, run_check=False, shape=shape, stride=stride))
+        grads = runner.run_backward(ctx.saved, tangents, ctx.params)
+        ctx.saved = None
+        return (None, None, None, *grads, *([None] * ctx.n_rest))
+
+
+# ---------------------------------------------------------------------------
+# The ParallelModule
+# ---------------------------------------------------------------------------
+
+
+class ParallelModuleMixin:
+    """Methods of the materialised module (mixed into a subclass of the user's class)."""
+
+    computes_loss: bool = False  # True when the plan's forward returns the loss (traced with loss_fn)
+    handles_mixed_precision: bool = True
+    is_auto_parallel: bool = True
+
+    def forward(self, *inputs: Any) -> Any:  # type: ignore[override]
+        runner: PlanRunner = self._ap_runner
+        flat, _ = tree_flatten(inputs)
+        if len(flat) != len(runner.input_nodes):
+            raise TypeError(f"{type(self).__name__}.forward expects {len(runner.input_nodes)} tensor inputs "
+                            f"(as traced), got {len(flat)}")
+        dts = []
+        for i, (x, node) in enumerate(zip(flat, runner.input_nodes)):
+            val = node.meta["val"]
+            pl = runner.input_placements(i)
+            if isinstance(x, DTensor):
+                if tuple(x.shape) != tuple(val.shape):
+                    raise InputShapeError(f"input {i}: global shape {tuple(x.shape)}, the plan was made for {tuple(val.shape)}")
+                dts.append(runner._to(x, pl))
+                continue
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"input {i}: expected a tensor, got {type(x).__name__}")
+            want = _local_shape(tuple(val.shape), pl, runner.mesh)
+            if tuple(x.shape) != want:
+                raise InputShapeError(
+                    f"input {i}: this rank got local shape {tuple(x.shape)} but the plan expects {want} "
+                    f"(global {tuple(val.shape)} placed {placement_str(pl)} on mesh {tuple(runner.mesh.shape)} "
+                    f"{tuple(runner.mesh.mesh_dim_names or ())}); pass each rank its LOCAL shard"
+                )
+            if x.dtype != val.dtype:
+                raise InputShapeError(f"input {i}: dtype {x.dtype}, the plan was traced with {val.dtype}")
+            # the graph was traced on contiguous inputs (its views assume that layout)
+            dts.append(DTensor.from_local(x.contiguous(), runner.mesh, pl, run_check=False, shape=val.shape,
+                                          stride=_contiguous_stride(tuple(val.shape))))
+        params = [self._ap_param_refs[f]() for f in runner.param_names]
+        buffers = [self._ap_buffer_refs[f]() for f in runner.buffer_names]
+        return _PlanFunction.apply(runner, len(params), len(buffers), *params, *buffers, *dts)
+
+    @torch.no_grad()
+    def init_weights(self, *args: Any, **kwargs: Any) -> None:
+        """The single-device init (same RNG draws), then each rank keeps its shards."""
+        template = copy.deepcopy(self._ap_template)
+        device = self._ap_device()
+        template.to_empty(device=device)
+        template.init_weights(*args, **kwargs)
+        self._ap_load_full(template)
+
+    def _ap_device(self) -> torch.device:
+        for p in self.parameters():
+            loc = p.to_local() if isinstance(p, DTensor) else p
+            return loc.device
+        return torch.device("cpu")
+
+    @torch.no_grad()
+    def _ap_load_full(self, full: nn.Module) -> None:
+        """Copy the shards of a full (single-device) module's weights into this module."""
+        runner: PlanRunner = self._ap_runner
+        full_params = dict(full.named_parameters())
+        for fqn in runner.param_names:
+            p = self._ap_param_refs[fqn]()
+            src = full_params[fqn].detach().to(p.dtype)
+            local = local_shard(src, runner.mesh, tuple(p.placements))
+            p.to_local().copy_(local)
+        for fqn, b in full.named_buffers():
+            mod, _, leaf = fqn.rpartition(".")
+            setattr(self.get_submodule(mod) if mod else self, leaf, b.detach().clone())
+
+    @property
+    def plan(self) -> Plan:
+        return self._ap_runner.plan
+
+
+def local_shard(full: torch.Tensor, mesh: Any, placements: tuple) -> torch.Tensor:
+    """This rank's local shard of a global tensor (no communication)."""
+    dt = DTensor.from_local(full, mesh, [T.Replicate()] * mesh.ndim, run_check=False)
+    return dt.redistribute(mesh, placements).to_local()
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _parallel_class(cls: type) -> type:
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        sub = type(f"AutoParallel{cls.__name__}", (ParallelModuleMixin, cls), {"__module__": cls.__module__})
+        _SUBCLASSES[cls] = sub
+    return sub
+
+
+def is_parallel_module(m: Any) -> bool:
+    return isinstance(m, ParallelModuleMixin)
+
+
+def _all_meta(model: nn.Module) -> bool:
+    ts = list(model.parameters()) + list(model.buffers())
+    return bool(ts) and all(t.device.type == "meta" for t in ts)
+
+
+def apply_plan(model: nn.Module, graph: JointGraph, candidates: Candidates, plan: Plan, mesh: Any, *,
+               mp_policy: Any = None, computes_loss: bool | None = None) -> nn.Module:
+    """Materialise `plan` for `model`: a ParallelModule with DTensor parameters (see module doc).
+
+    `model` may be on meta (then `to_empty` + `init_weights()` later) or materialised (then
+    every rank must hold the same full weights; each keeps its shards).
+    """
+    plan.check_compatible(model=model, mesh=mesh, source="the plan")
+    runner = PlanRunner(graph, candidates, plan, mesh, mp_policy)
+    on_meta = _all_meta(model)
+    pm = copy.deepcopy(model)
+    template = copy.deepcopy(model) if on_meta else copy.deepcopy(model).to("meta")
+    pm.__class__ = _parallel_class(type(model))
+    named = dict(pm.named_parameters())
+    if set(named) != set(runner.param_names):
+        raise PlanMismatchError(f"model parameters {sorted(set(named) ^ set(runner.param_names))[:5]} are not in the plan")
+    param_refs = {}
+    for fqn in runner.param_names:
+        p = named[fqn]
+        pl = runner.param_placements(fqn)
+        if on_meta or p.device.type == "meta":
+            local = torch.empty(_local_shape(tuple(p.shape), pl, mesh), dtype=p.dtype, device="meta")
+        else:
+            local = local_shard(p.detach(), mesh, pl).clone()
+        dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=p.shape, stride=_contiguous_stride(tuple(p.shape)))
+        mod_name, _, leaf = fqn.rpartition(".")
+        mod = pm.get_submodule(mod_name) if mod_name else pm
+        setattr(mod, leaf, nn.Parameter(dt, requires_grad=p.requires_grad))
+        param_refs[fqn] = _ref(mod, leaf, "_parameters")
+    buffer_refs = {}
+    for fqn in runner.buffer_names:
+        mod_name, _, leaf = fqn.rpartition(".")
+        mod = pm.get_submodule(mod_name) if mod_name else pm
+        buffer_refs[fqn] = _ref(mod, leaf, "_buffers")
+    object.__setattr__(pm, "_ap_runner", runner)
+    object.__setattr__(pm, "_ap_template", template)
+    object.__setattr__(pm, "_ap_param_refs", param_refs)
+    object.__setattr__(pm, "_ap_buffer_refs", buffer_refs)
+    if computes_loss is None:
+        computes_loss = True
+    object.__setattr__(pm, "computes_loss", computes_loss)
+    log.info("apply: materialised %s with %d DTensor parameters on mesh %s", type(pm).__name__, len(param_refs),
+             tuple(mesh.shape))
+    return pm
+
+
+def _ref(mod: nn.Module, leaf: str, table: str) -> Any:
+    d = getattr(mod, table)
+    return lambda: d[leaf] if leaf in d else getattr(mod, leaf)
+
+
+# ---------------------------------------------------------------------------
+# The simple API (api.auto_parallel delegates here)
+# ---------------------------------------------------------------------------
+
+
+def _is_placement_tuple(x: Any) -> bool:
+    return isinstance(x, (tuple, list)) and bool(x) and all(isinstance(p, T.Placement) for p in x)
+
+
+def auto_parallel_impl(model: nn.Module, mesh: Any, sample_inputs: Any, out_shardings: Any = None, *,
+                       mp_policy: Any = None, parameter_memory_budget: tuple | None = (None, None),
+                       dynamic: bool = False, loss_fn: Any = None, hardware: Any = "cpu",
+                       verbose: bool = False, **autop_kwargs: Any) -> nn.Module:
+    """Plan and materialise in one call (see api.auto_parallel)."""
+    from parallel.auto.api import AutoParallel
+
+    if dynamic:
+        raise NotImplementedError("dynamic=True (symbolic batch sizes) is not supported: the plan is made for fixed shapes")
+    inputs = sample_inputs() if callable(sample_inputs) else sample_inputs
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,)
+    flat, _ = tree_flatten(inputs)
+    with AutoParallel(model, inputs, mesh, loss_fn=loss_fn, mp_policy=mp_policy, hardware=hardware,
+                      **autop_kwargs) as autop:
+        # plain tensors are replicated on every mesh axis; DTensors bring their placements
+        rep = tuple(T.Replicate() for _ in range(mesh.ndim))
+        autop.add_input_constraints([None if isinstance(x, DTensor) else rep for x in flat
+                                     if isinstance(x, torch.Tensor)])
+        if out_shardings is not None:
+            outs = [tuple(out_shardings)] if _is_placement_tuple(out_shardings) else list(out_shardings)
+            autop.add_output_constraints(outs)
+        if parameter_memory_budget is not None:
+            low, high = parameter_memory_budget
+            autop.add_parameter_memory_constraint(low=low, high=high)
+        plan = autop.optimize_placement(verbose=verbose)
+        return autop.apply_placement(plan)

@@ -1,0 +1,161 @@
+"""Helpers of the plan-materialisation tests (test_apply*.py): plans made once in the
+parent (fake world), replayed and run on gloo ranks, compared with a 1-rank run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+from dist_utils import run_distributed  # noqa: E402,F401
+
+GLOBAL_B, SEQ = 4, 16
+OVERRIDES = {"n_layers": 2}
+LR = 1e-3
+PROJ_COL = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+PROJ_ROW = ("attention.wo", "feed_forward.w2")
+
+
+def batch(vocab: int, step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, vocab, (GLOBAL_B, SEQ + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def build(name: str, device: str = "meta"):
+    from models import build_model
+
+    if device != "meta":
+        torch.manual_seed(0)
+    return build_model(name, "debug", device=device, **OVERRIDES)
+
+
+def _optimizer(params):
+    return torch.optim.AdamW(params, lr=LR, foreach=False)
+
+
+def reference(name: str, steps: int) -> dict:
+    """1 rank: losses per step and the step-0 gradients."""
+    from models import cross_entropy_loss
+
+    model = build(name, "cpu")
+    opt = _optimizer(model.parameters())
+    losses, grads = [], {}
+    for step in range(steps):
+        tok, lab = batch(model.args.vocab_size, step)
+        opt.zero_grad()
+        loss = cross_entropy_loss(model(tok), lab)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads}
+
+
+def add_constraints(autop, kind: str, mesh_ndim: int) -> None:
+    """Constraint sets that force the plan into a DDP-, FSDP- or TP-like shape."""
+    from parallel.auto._torch import Replicate, Shard
+
+    if kind == "default":
+        return
+    data = (Shard(0),) + (Replicate(),) * (mesh_ndim - 1)
+    autop.add_input_constraints([data, data])
+    if kind == "ddp":  # replicated parameters, batch-sharded data: gradient all-reduce
+        autop.add_parameter_memory_constraint(high=1.0)
+        for fqn in autop.graph.params:
+            autop.add_node_constraint(fqn, (Replicate(),) * mesh_ndim)
+    elif kind == "fsdp":  # batch-sharded data, default (fully sharded) parameter budget
+        pass
+    elif kind == "tp":  # 2-D: projections column/row sharded on the second (tp) axis
+        assert mesh_ndim == 2
+        for fqn in autop.graph.params:
+            if any(f".{p}." in f".{fqn}" for p in PROJ_COL):
+                autop.add_node_constraint(fqn, (Shard(1), Shard(0)))
+            elif any(f".{p}." in f".{fqn}" for p in PROJ_ROW):
+                autop.add_node_constraint(fqn, (Shard(0), Shard(1)))
+    else:
+        raise ValueError(kind)
+
+
+def _inputs(name: str):
+    model = build(name)
+    tok = torch.zeros(GLOBAL_B, SEQ, dtype=torch.long)
+    return model, (tok, tok)
+
+
+def make_plan(name: str, shape, names, kind: str, time_limit: float = 15.0) -> dict:
+    """Plan on a fake world in this process; returns the plan JSON."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallel.auto.api import AutoParallel, fake_world, lm_loss
+
+    ws = 1
+    for s in shape:
+        ws *= s
+    with fake_world(ws):
+        mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
+        model, inputs = _inputs(name)
+        with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="cpu", time_limit=time_limit) as autop:
+            add_constraints(autop, kind, len(shape))
+            plan = autop.optimize_placement(verbose=False)
+    return plan.to_json()
+
+
+def run_job(mesh, job: dict) -> dict:
+    """Replay a plan on this rank, train `steps` steps on local shards, gather results."""
+    from parallel.auto.api import AutoParallel, lm_loss
+    from parallel.auto.apply import local_shard
+    from parallel.auto.plan import Plan
+
+    model, inputs = _inputs(job["model"])
+    with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="cpu") as autop:
+        pm = autop.apply_placement(Plan.from_json(job["plan"]))
+    pm.to_empty(device="cpu")
+    torch.manual_seed(0)
+    pm.init_weights()
+    runner = pm._ap_runner
+    opt = _optimizer(pm.parameters())
+    losses, grads = [], {}
+    for step in range(job["steps"]):
+        tok, lab = batch(model.args.vocab_size, step)
+        lt = local_shard(tok, mesh, runner.input_placements(0))
+        ll = local_shard(lab, mesh, runner.input_placements(1))
+        opt.zero_grad()
+        loss = pm(lt, ll)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.full_tensor() for n, p in pm.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads, "deviations": runner.stats["deviations"],
+            "placements": {n: tuple(p.placements) for n, p in pm.named_parameters()}}
+
+
+def worker(rank: int, world_size: int, shape, names, jobs: list[dict]) -> list[dict]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
+    return [run_job(mesh, job) for job in jobs]
+
+
+def compare(out: dict, ref: dict) -> tuple[float, float, float]:
+    """(max abs grad diff, max rel grad diff (vs the grad's max), max loss diff)."""
+    abs_d = rel_d = 0.0
+    for n, g in ref["grads"].items():
+        d = (out["grads"][n] - g).abs().max().item()
+        abs_d = max(abs_d, d)
+        rel_d = max(rel_d, d / max(g.abs().max().item(), 1e-30))
+    n = len(out["losses"])
+    loss_d = max(abs(a - b) for a, b in zip(out["losses"], ref["losses"][:n]))
+    return abs_d, rel_d, loss_d
+
+
+def grads_close(out: dict, ref: dict, rtol: float = 1e-4, atol: float = 1e-6) -> list[str]:
+    bad = []
+    for n, g in ref["grads"].items():
+        if not torch.allclose(out["grads"][n], g, rtol=rtol, atol=atol):
+            bad.append(n)
+    return bad
