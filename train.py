@@ -25,6 +25,11 @@ def parse_args(argv=None):
                     help="a TOML file, or a bare NAME for configs/NAME.toml")
     ap.add_argument("--print-config", action="store_true",
                     help="print the resolved config as TOML and exit")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="simulate one step on a fake world (no GPU, no real memory) and print "
+                         "per-rank memory and collectives (trainer/dry_run.py)")
+    ap.add_argument("--world-size", type=int, default=None,
+                    help="number of ranks to simulate with --dry-run")
     return ap.parse_known_args(argv)
 
 
@@ -40,6 +45,14 @@ def init_distributed():
 def main(argv=None) -> int:
     args, overrides = parse_args(argv)
     from trainer.config import ConfigError, load_config
+    if args.dry_run:  # recipes helper: fake-world simulation, no process group
+        from trainer.dry_run import main as dry_run_main
+        ws = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        try:
+            return dry_run_main(load_config(args.config, overrides, world_size=ws), ws)
+        except (ConfigError, ValueError) as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:

@@ -47,17 +47,18 @@ class MemoryTracker(TorchDispatchMode):
     DTensor counts its local shard); views share their base's storage and are counted
     once; a storage is released when its last reference dies. Storages resized in place
     (FSDP2 frees and re-allocates its unsharded parameters with ``storage.resize_``,
-    which no dispatch mode sees) are re-measured at every op, so the peak is exact at op
-    granularity. Tensors that existed before entering (parameters, inputs) are not counted.
+    which no dispatch mode sees; they come from ``empty``-like ops) are re-measured at
+    every op, so the peak is exact at op granularity. Tensors that existed before entering (parameters, inputs) are not counted.
     """
 
     def __init__(self):
         super().__init__()
         self._live: dict[int, list] = {}  # id(storage) -> [weakref, counted bytes]
+        self._watch: dict[int, list] = {}  # resizable storages (outputs of empty-like ops)
         self.current = 0
         self.peak = 0
 
-    def _add(self, t: torch.Tensor) -> None:
+    def _add(self, t: torch.Tensor, watch: bool) -> None:
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):  # storage-less subclasses
@@ -70,30 +71,36 @@ class MemoryTracker(TorchDispatchMode):
             me = self_ref()
             if me is not None:
                 entry = me._live.pop(key, None)
+                me._watch.pop(key, None)
                 if entry is not None:
                     me.current -= entry[1]
 
         n = st.nbytes()
-        self._live[key] = [weakref.ref(st, _free), n]
+        entry = [weakref.ref(st, _free), n]
+        self._live[key] = entry
+        if watch:
+            self._watch[key] = entry
         self.current += n
 
     def _refresh(self) -> None:
-        cur = 0
-        for entry in self._live.values():
+        """Re-measure the storages that can be resized in place (FSDP2's buffers come
+        from ``empty``-like ops); compute outputs keep their size for life."""
+        for entry in self._watch.values():
             st = entry[0]()
             if st is not None:
                 n = st.nbytes()
-                entry[1] = n
-                cur += n
-        self.current = cur
+                if n != entry[1]:
+                    self.current += n - entry[1]
+                    entry[1] = n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor desugar into local ops + collectives first
         out = func(*args, **(kwargs or {}))
+        watch = "empty" in func._opname
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._add(t)
+                self._add(t, watch)
         self._refresh()
         if self.current > self.peak:
             self.peak = self.current
