@@ -82,6 +82,15 @@ def _shard_groups(g: DTensor) -> tuple:
     return tuple(i for i, p in enumerate(g.placements) if p.is_shard())
 
 
+def _local_norms(tensors: list[torch.Tensor], p: float) -> torch.Tensor:
+    """sum |t|^p (or max |t| for p = inf) over a list of local tensors, fp32 scalar."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch.stack([n.float().cpu() for n in torch._foreach_norm(tensors, p)])
+    return norms.max() if math.isinf(p) else (norms ** p).sum()
+
+
 @torch.no_grad()
 def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all gradients as if they were full tensors on one device.
@@ -92,38 +101,33 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
     gradients are reduced first. Gradients may live on different meshes (FSDP + TP + EP).
     Returns a plain fp32 scalar tensor, equal on every rank.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
     p = float(norm_type)
     is_inf = math.isinf(p)
-    plain = torch.zeros((), dtype=torch.float32)
-    # (mesh id, shard dims) -> [mesh, shard dims, accumulated local value]
+    plain: list[torch.Tensor] = []
+    # (mesh id, shard dims) -> (mesh, shard dims, [local tensors]); insertion order is the
+    # parameter order, the same on every rank, so the collectives below match up.
     groups: dict = {}
-    for g in grads:
+    for prm in parameters:
+        g = prm.grad
+        if g is None:
+            continue
         if isinstance(g, DTensor):
             if any(isinstance(pl, Partial) for pl in g.placements):
                 g = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial)
                                                    else pl for pl in g.placements])
-            local = g.to_local().detach().float()
             dims = _shard_groups(g)
             key = (id(g.device_mesh), dims)
-            if key not in groups:
-                groups[key] = [g.device_mesh, dims, torch.zeros((), dtype=torch.float32)]
-            acc = groups[key]
-            if local.numel():
-                v = local.abs().max() if is_inf else local.norm(p) ** p
-                acc[2] = torch.maximum(acc[2], v.cpu()) if is_inf else acc[2] + v.cpu()
+            groups.setdefault(key, (g.device_mesh, dims, []))[2].append(g.to_local())
         else:
-            local = g.detach().float()
-            if local.numel():
-                v = local.abs().max() if is_inf else local.norm(p) ** p
-                plain = torch.maximum(plain, v.cpu()) if is_inf else plain + v.cpu()
-    total = plain
+            plain.append(g)
+    total = _local_norms(plain, p)
     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
-    for mesh, dims, acc in groups.values():
+    for mesh, dims, locals_ in groups.values():
+        acc = _local_norms(locals_, p)
         for d in dims:
-            dev_acc = acc.to(mesh.device_type) if mesh.device_type != "cpu" else acc
-            dist.all_reduce(dev_acc, op=op, group=mesh.get_group(d))
-            acc = dev_acc.cpu()
+            t = acc.to(mesh.device_type) if mesh.device_type != "cpu" else acc
+            dist.all_reduce(t, op=op, group=mesh.get_group(d))
+            acc = t.cpu()
         total = torch.maximum(total, acc) if is_inf else total + acc
     return total if is_inf else total ** (1.0 / p)
 
@@ -137,8 +141,11 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
     total = total_grad_norm(params, norm_type)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        by_dev: dict = {}
         for prm in params:
             g = prm.grad
             local = g.to_local() if isinstance(g, DTensor) else g
-            local.mul_(coef.to(local.device, local.dtype))
+            by_dev.setdefault((local.device, local.dtype), []).append(local)
+        for (dev, dtype), ts in by_dev.items():
+            torch._foreach_mul_(ts, coef.to(dev, dtype))
     return total

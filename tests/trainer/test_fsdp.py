@@ -59,3 +59,47 @@ def test_two_rank_fsdp_matches_one_rank_and_resumes(cfg_factory, tmp_path):
                                      *ck, *SPLIT], job="fsdp_to_1")).train()
     assert sorted(one) == [3, 4]
     assert max(abs(one[s] - ref[s]) for s in one) < TOL
+
+
+def _norm_worker(rank, world, store_path, out_path):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from trainer.optim import clip_grad_norm_, total_grad_norm
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
+                            world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        torch.manual_seed(0)
+        full = [torch.randn(6, 4), torch.randn(5), torch.randn(3, 3)]
+        params = []
+        for t, pl in zip(full, [Shard(0), Replicate(), None]):
+            p = torch.nn.Parameter(torch.zeros_like(t))
+            if pl is None:
+                p.grad = t.clone()
+            else:
+                p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(t), mesh, [pl]))
+                p.grad = distribute_tensor(t.clone(), mesh, [pl])
+            params.append(p)
+        ref = torch.linalg.vector_norm(torch.cat([t.flatten() for t in full]))
+        ref_inf = max(t.abs().max() for t in full)
+        got = total_grad_norm(params)
+        got_inf = total_grad_norm(params, float("inf"))
+        clip_grad_norm_(params, 1.0)
+        after = total_grad_norm(params)
+        ok = (abs(got - ref) < 1e-5 and abs(got_inf - ref_inf) < 1e-6
+              and abs(after - 1.0) < 1e-4)
+        if rank == 0:
+            Path(out_path).write_text(f"{bool(ok)} {got.item()} {ref.item()} {after.item()}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_grad_norm_of_sharded_and_replicated_dtensors(tmp_path):
+    import torch.multiprocessing as mp
+    out = tmp_path / "out.txt"
+    mp.spawn(_norm_worker, args=(2, str(tmp_path / "store"), str(out)), nprocs=2)
+    assert out.read_text().startswith("True"), out.read_text()
