@@ -231,14 +231,31 @@ def _assign_modules(gm: fx.GraphModule, ranges: list[tuple[int, int, str]]) -> d
     out: dict[str, str] = {}
     # innermost = shortest range containing the seq_nr
     ordered = sorted(ranges, key=lambda r: r[1] - r[0])
+    import bisect
+
+    # ranges nest (module calls), so sort by width and take the first hit
+    by_seq: dict[int, str] = {}
+    direct: set[str] = set()  # nodes whose module comes from their own seq_nr
     for n in gm.graph.nodes:
         seq = n.meta.get("seq_nr")
-        if seq is None:
-            continue
-        for lo, hi, fqn in ordered:
-            if lo <= seq < hi:
-                out[n.name] = fqn
-                break
+        hit = by_seq.get(seq, None) if seq is not None else ""
+        if hit is None:
+            hit = ""
+            for lo, hi, fqn in ordered:
+                if lo <= seq < hi:
+                    hit = fqn
+                    break
+            by_seq[seq] = hit
+        if not hit:
+            # gradient accumulation adds carry no (or a foreign) seq_nr: inherit from an input
+            # (the most specific one: the residual stream's grad would drag "norm" along)
+            cands = [(a.name in direct, out[a.name].count("."), out[a.name]) for a in n.all_input_nodes if out.get(a.name)]
+            hit = max(cands)[2] if cands else ""
+        else:
+            direct.add(n.name)
+        if hit:
+            out[n.name] = hit
+    del bisect
     return out
 
 

@@ -75,52 +75,182 @@ def _var(lp: pulp.LpProblem, name: str, low: float, up: float, cat: str) -> pulp
     return pulp.LpVariable(name, lowBound=low, upBound=up, cat=cat)
 
 
+@dataclass
+class _E:
+    """Working edge of the reduced problem: cost[cu[s_u], cv[s_v]]."""
+
+    u: int
+    v: int
+    cu: np.ndarray
+    cv: np.ndarray
+    cost: np.ndarray
+
+
+class _Reduced:
+    """Exact min-sum elimination of groups with at most two neighbours (MRF variable elimination).
+
+    A group joined to the rest by <= 2 edges (and not in the memory constraint) is
+    minimised out: a leaf folds into its neighbour's unary cost, a chain link becomes
+    one edge between its two neighbours whose cost is the min over the link's strategies.
+    Chains of views/transposes/pointwise ops collapse this way, which shrinks the ILP
+    without changing its optimum; labels are recovered in reverse order afterwards.
+    """
+
+    MAX_TENSOR = 4_000_000  # skip eliminations whose (strategies x classes x classes) table is larger
+
+    def __init__(self, prob: Problem, protect: set[int]):
+        self.unary = [np.where(a, u, np.inf) for u, a in zip(prob.unary, prob.allowed)]
+        self.edges: dict[int, _E] = {}
+        self.adj: list[set[int]] = [set() for _ in range(prob.num_groups)]
+        for i, e in enumerate(prob.edges):
+            self._add(_E(e.src, e.dst, e.src_cls, e.dst_cls, e.cost), i)
+        self.next_id = len(prob.edges)
+        self.alive = [True] * prob.num_groups
+        self.protect = protect
+        self.steps: list[tuple] = []  # recovery records, in elimination order
+        self._run()
+
+    def _add(self, e: _E, i: int | None = None) -> None:
+        if i is None:
+            i = self.next_id
+            self.next_id += 1
+        self.edges[i] = e
+        self.adj[e.u].add(i)
+        self.adj[e.v].add(i)
+
+    def _drop(self, i: int) -> _E:
+        e = self.edges.pop(i)
+        self.adj[e.u].discard(i)
+        self.adj[e.v].discard(i)
+        return e
+
+    def _oriented(self, i: int, g: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """(other group, g's class array, other's class array, cost[g class, other class])."""
+        e = self.edges[i]
+        if e.u == g:
+            return e.v, e.cu, e.cv, e.cost
+        return e.u, e.cv, e.cu, e.cost.T
+
+    def _run(self) -> None:
+        work = [g for g in range(len(self.adj)) if len(self.adj[g]) <= 2]
+        while work:
+            g = work.pop()
+            if not self.alive[g] or g in self.protect or len(self.adj[g]) > 2:
+                continue
+            ok = np.isfinite(self.unary[g])
+            if not ok.any():
+                continue  # infeasible: leave it to the solver (it reports infeasibility)
+            idx = np.flatnonzero(ok)
+            edges = sorted(self.adj[g])
+            if len(edges) == 0:
+                self.steps.append(("free", g, int(idx[np.argmin(self.unary[g][idx])])))
+            elif len(edges) == 1:
+                w, cg, cw, m = self._oriented(edges[0], g)
+                table = self.unary[g][idx][:, None] + m[cg[idx], :]  # [s, class of w]
+                best = table.min(axis=0)
+                arg = idx[table.argmin(axis=0)]
+                self._drop(edges[0])
+                self.unary[w] = self.unary[w] + best[cw]
+                self.steps.append(("leaf", g, w, cw, arg))
+                work.append(w)
+            else:
+                u, cg1, cu, m1 = self._oriented(edges[0], g)
+                w, cg2, cw, m2 = self._oriented(edges[1], g)
+                if u == w:  # two edges to the same neighbour: fold into its unary
+                    t_idx = np.arange(len(cu))
+                    table = (self.unary[g][idx][:, None] + m1[cg1[idx]][:, cu[t_idx]] + m2[cg2[idx]][:, cw[t_idx]])
+                    best = table.min(axis=0)
+                    arg = idx[table.argmin(axis=0)]
+                    self._drop(edges[0])
+                    self._drop(edges[1])
+                    self.unary[u] = self.unary[u] + best
+                    self.steps.append(("fold", g, u, arg))
+                    work.append(u)
+                else:
+                    if len(idx) * m1.shape[1] * m2.shape[1] > self.MAX_TENSOR:
+                        continue
+                    table = (self.unary[g][idx][:, None, None] + m1[cg1[idx]][:, :, None] + m2[cg2[idx]][:, None, :])
+                    best = table.min(axis=0)
+                    arg = idx[table.argmin(axis=0)]
+                    self._drop(edges[0])
+                    self._drop(edges[1])
+                    self._add(_E(u, w, cu, cw, best))
+                    self.steps.append(("link", g, u, w, cu, cw, arg))
+            self.alive[g] = False
+
+    def recover(self, labels: list[int | None]) -> list[int]:
+        for step in reversed(self.steps):
+            kind, g = step[0], step[1]
+            if kind == "free":
+                labels[g] = step[2]
+            elif kind == "leaf":
+                _, _, w, cw, arg = step
+                labels[g] = int(arg[cw[labels[w]]])
+            elif kind == "fold":
+                _, _, u, arg = step
+                labels[g] = int(arg[labels[u]])
+            else:
+                _, _, u, w, cu, cw, arg = step
+                labels[g] = int(arg[cu[labels[u]], cw[labels[w]]])
+        return [int(x) for x in labels]  # type: ignore[arg-type]
+
+
 def solve_ilp(
-    prob: Problem, *, solver: str = "auto", time_limit: float | None = 600.0, verbose: bool = False
+    prob: Problem, *, solver: str = "auto", time_limit: float | None = 600.0, verbose: bool = False,
+    eliminate: bool = True,
 ) -> Solution:
     """Solve `prob` exactly (up to the time limit, whose expiry is reported in `status`)."""
     name = available_solver(solver)
     t0 = time.perf_counter()
+    memory = bool(prob.param_groups) and prob.total_param_bytes > 0 and (
+        prob.memory_high is not None or prob.memory_low is not None)
+    protect = set(prob.param_groups) if memory else set()
+    red = _Reduced(prob, protect) if eliminate else _Reduced(prob, set(range(prob.num_groups)))
+    alive = [g for g in range(prob.num_groups) if red.alive[g]]
     lp = pulp.LpProblem("placement", pulp.LpMinimize)
-    x: list[dict[int, pulp.LpVariable]] = []
+    x: dict[int, dict[int, pulp.LpVariable]] = {}
     objective: dict[pulp.LpVariable, float] = {}
     n_cons = 0
-    for g in range(prob.num_groups):
-        idx = np.flatnonzero(prob.allowed[g])
+    for g in alive:
+        idx = np.flatnonzero(np.isfinite(red.unary[g]))
         xs = {int(s): _var(lp, f"x{g}_{s}", 0, 1, pulp.LpBinary) for s in idx}
-        x.append(xs)
+        x[g] = xs
         lp += pulp.LpAffineExpression([(v, 1.0) for v in xs.values()]) == 1, f"one{g}"
         n_cons += 1
         for s, v in xs.items():
-            c = float(prob.unary[g][s])
+            c = float(red.unary[g][s])
             if c:
                 objective[v] = c
     n_y = 0
-    for ei, e in enumerate(prob.edges):
-        src_x, dst_x = x[e.src], x[e.dst]
-        src_classes = {int(e.src_cls[s]) for s in src_x}
-        dst_classes = {int(e.dst_cls[t]) for t in dst_x}
+    for ei, e in sorted(red.edges.items()):
+        src_x, dst_x = x[e.u], x[e.v]
+        src_classes = sorted({int(e.cu[s]) for s in src_x})
+        dst_classes = sorted({int(e.cv[t]) for t in dst_x})
         y: dict[tuple[int, int], pulp.LpVariable] = {}
-        for a in sorted(src_classes):
-            for b in sorted(dst_classes):
+        by_a: dict[int, list] = {a: [] for a in src_classes}
+        by_b: dict[int, list] = {b: [] for b in dst_classes}
+        for a in src_classes:
+            for b in dst_classes:
                 c = e.cost[a, b]
                 if math.isfinite(c):
                     v = _var(lp, f"y{ei}_{a}_{b}", 0, 1, pulp.LpContinuous)
                     y[(a, b)] = v
+                    by_a[a].append((v, 1.0))
+                    by_b[b].append((v, 1.0))
                     if c:
                         objective[v] = float(c)
         n_y += len(y)
-        for a in sorted(src_classes):
-            terms = [(v, 1.0) for (aa, _), v in y.items() if aa == a]
-            terms += [(xv, -1.0) for s, xv in src_x.items() if e.src_cls[s] == a]
+        for s, xv in src_x.items():
+            by_a[int(e.cu[s])].append((xv, -1.0))
+        for t, xv in dst_x.items():
+            by_b[int(e.cv[t])].append((xv, -1.0))
+        for a, terms in by_a.items():
             lp += pulp.LpAffineExpression(terms) == 0, f"ms{ei}_{a}"
-        for b in sorted(dst_classes):
-            terms = [(v, 1.0) for (_, bb), v in y.items() if bb == b]
-            terms += [(xv, -1.0) for t, xv in dst_x.items() if e.dst_cls[t] == b]
+        for b, terms in by_b.items():
             lp += pulp.LpAffineExpression(terms) == 0, f"md{ei}_{b}"
-        n_cons += len(src_classes) + len(dst_classes)
+        n_cons += len(by_a) + len(by_b)
     total = prob.total_param_bytes
-    if prob.param_groups and total > 0 and (prob.memory_high is not None or prob.memory_low is not None):
+    if memory:
         # in units of the total so coefficients stay O(1)
         terms = [(x[g][s], float(prob.param_bytes[g][s] / total)) for g in prob.param_groups for s in x[g]]
         mem = pulp.LpAffineExpression(terms)
@@ -131,10 +261,11 @@ def solve_ilp(
             lp += mem >= prob.memory_low - 1e-9, "mem_low"
             n_cons += 1
     lp += pulp.LpAffineExpression(list(objective.items()))
-    n_vars = sum(len(xs) for xs in x) + n_y
+    n_vars = sum(len(xs) for xs in x.values()) + n_y
     build_s = time.perf_counter() - t0
-    log.info("ilp: %d vars (%d strategy, %d edge), %d constraints, built in %.2fs, solving with %s",
-             n_vars, n_vars - n_y, n_y, n_cons, build_s, name)
+    log.info("ilp: %d vars (%d strategy, %d edge) over %d of %d groups after elimination, %d constraints, "
+             "built in %.2fs, solving with %s", n_vars, n_vars - n_y, n_y, len(alive), prob.num_groups, n_cons,
+             build_s, name)
     lp.solve(_solver(name, time_limit, verbose))
     seconds = time.perf_counter() - t0
     status = pulp.LpStatus[lp.status]
@@ -143,17 +274,18 @@ def solve_ilp(
             check_feasible(prob)  # names the conflicting constraints when it can
             raise PlanningError(
                 "the ILP is infeasible under the given constraints: "
-                + "; ".join(c.description for c in prob.constraints) or "(no user constraints)"
+                + ("; ".join(c.description for c in prob.constraints) or "(no user constraints)")
             )
         raise PlanningError(f"the {name} solver found no solution (status {status}, "
                             f"time limit {time_limit}s): raise the time limit or relax the constraints")
-    labels = []
-    for g, xs in enumerate(x):
+    labels: list[int | None] = [None] * prob.num_groups
+    for g, xs in x.items():
         best = max(xs.items(), key=lambda kv: (kv[1].varValue or 0.0, -kv[0]))
-        labels.append(best[0])
-    obj = prob.energy(labels)
+        labels[g] = best[0]
+    full = red.recover(labels)
+    obj = prob.energy(full)
     proven = lp.sol_status == pulp.LpSolutionOptimal
-    sol = Solution(labels, obj, name, "optimal" if proven else "time_limit", seconds, n_vars, n_cons)
+    sol = Solution(full, obj, name, "optimal" if proven else "time_limit", seconds, n_vars, n_cons)
     if not proven:
         log.warning("ilp: the %.0fs time limit expired; the plan is feasible but not proven optimal", time_limit)
     log.info("ilp: objective %.1f µs, status %s, %.2fs", obj, sol.status, seconds)

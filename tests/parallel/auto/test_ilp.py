@@ -61,3 +61,10 @@ def test_brute_force_agrees_on_small_problem(prob):
 def test_unknown_solver_name(prob):
     with pytest.raises(ValueError, match="unknown ILP solver"):
         solve_ilp(prob, solver="gurobi")
+
+
+def test_elimination_is_exact(prob):
+    a = solve_ilp(prob, solver="cbc", eliminate=False)
+    b = solve_ilp(prob, solver="cbc", eliminate=True)
+    assert b.objective == pytest.approx(a.objective, rel=1e-9, abs=1e-6)
+    assert b.num_vars < a.num_vars

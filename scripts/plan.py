@@ -1,0 +1,119 @@
+"""Plan a job's model on a fake mesh (no GPU): progress, per-layer summary, objective, JSON plan.
+
+    python scripts/plan.py --config llama3_8b.toml --mesh 4x8 [--hardware h100] [--out plan.json]
+
+The global batch is local_batch_size x the product of the data-parallel axes (axes whose
+name starts with "dp"; all axes if none do), and the token/label inputs are constrained
+to be batch-sharded on those axes (what the trainer's data loader feeds), unless
+--free-inputs is given. Axes of size 1 are dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+from parallel.auto._torch import Replicate, Shard  # noqa: E402
+from parallel.auto.api import AutoParallel, fake_world, lm_loss  # noqa: E402
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_mesh(text: str, names: str | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    sizes = tuple(int(x) for x in text.lower().split("x"))
+    if names:
+        axis_names = tuple(n.strip() for n in names.split(","))
+    else:
+        axis_names = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp", "cp", "tp"), 4: ("dp_replicate", "dp_shard", "cp", "tp")}[len(sizes)]
+    if len(axis_names) != len(sizes):
+        raise SystemExit(f"--axis-names {axis_names} does not match mesh {sizes}")
+    kept = [(s, n) for s, n in zip(sizes, axis_names) if s > 1] or [(sizes[-1], axis_names[-1])]
+    return tuple(s for s, _ in kept), tuple(n for _, n in kept)
+
+
+def data_axes(names: tuple[str, ...]) -> list[int]:
+    axes = [i for i, n in enumerate(names) if n.startswith("dp")]
+    return axes or list(range(len(names)))
+
+
+def plan_job(args: argparse.Namespace) -> tuple:
+    from models import build_model
+    from trainer.config import load_config
+
+    cfg = load_config(args.config, args.overrides, validate=False)
+    sizes, names = parse_mesh(args.mesh, args.axis_names)
+    world = math.prod(sizes)
+    hardware = args.hardware or cfg.parallelism.hardware
+    local_bs = args.local_batch_size or cfg.training.local_batch_size
+    seq = args.seq_len or cfg.training.seq_len
+    dp = data_axes(names)
+    global_bs = local_bs * math.prod(sizes[i] for i in dp)
+    mp = None
+    if cfg.training.mixed_precision_param != "float32":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.training.mixed_precision_param],
+                                  reduce_dtype=_DTYPES[cfg.training.mixed_precision_reduce])
+    model = build_model(cfg.model.name, cfg.model.flavor, device="meta")
+    print(f"planning {cfg.model.name} {cfg.model.flavor} on mesh {sizes} {names} ({world} ranks, {hardware}); "
+          f"global batch {global_bs} x seq {seq}; mixed precision {cfg.training.mixed_precision_param}", flush=True)
+
+    def input_fn():
+        toks = torch.zeros(global_bs, seq, dtype=torch.long)
+        return toks, toks.clone()
+
+    with fake_world(world):
+        mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+        t0 = time.perf_counter()
+        with AutoParallel(model, input_fn, mesh, loss_fn=lm_loss, mp_policy=mp, hardware=hardware,
+                          solver=args.solver or cfg.parallelism.solver, time_limit=args.time_limit) as autop:
+            if not args.free_inputs:
+                p = tuple(Shard(0) if i in dp else Replicate() for i in range(len(sizes)))
+                autop.add_input_constraints([p, p])
+            low, high = cfg.parallelism.memory_budget_low, cfg.parallelism.memory_budget_high
+            if args.memory_high is not None:
+                high = args.memory_high
+            autop.add_parameter_memory_constraint(low=low, high=high)
+            plan = autop.optimize_placement(verbose=True)
+        plan.timings["total"] = time.perf_counter() - t0
+    return plan, autop
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="job TOML (path or name under configs/)")
+    ap.add_argument("--mesh", required=True, help="mesh shape, e.g. 8 or 4x8")
+    ap.add_argument("--axis-names", default=None, help="comma-separated mesh axis names (default dp[,tp])")
+    ap.add_argument("--hardware", default=None, help="hardware profile (default: [parallelism].hardware)")
+    ap.add_argument("--out", default=None, help="write the plan JSON here")
+    ap.add_argument("--local-batch-size", type=int, default=None)
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--memory-high", type=float, default=None, help="parameter memory budget (fraction)")
+    ap.add_argument("--solver", default=None, choices=["auto", "highs", "cbc"])
+    ap.add_argument("--time-limit", type=float, default=600.0)
+    ap.add_argument("--free-inputs", action="store_true", help="do not constrain inputs to batch sharding")
+    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. --training.seq_len 2048")
+    args, extra = ap.parse_known_args(argv)
+    args.overrides = list(args.overrides) + extra
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
+    plan, _ = plan_job(args)
+    print(plan.summary())
+    print(f"objective: {plan.objective_us:,.1f} µs per step ({plan.status}, {plan.solver}); "
+          f"timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in plan.timings.items()))
+    if args.out:
+        plan.save(args.out)
+        print(f"plan written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
