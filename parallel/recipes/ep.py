@@ -113,6 +113,8 @@ def ep_dispatch_tokens(x_sorted: torch.Tensor, num_tokens_per_expert: torch.Tens
     E = num_tokens_per_expert.numel()
     validate_ep(E, ep)
     e_loc = E // ep
+    if _is_fake(num_tokens_per_expert):
+        return _balanced_dispatch(x_sorted, group, ep, e_loc)
     counts = num_tokens_per_expert.detach().to(torch.long).contiguous()
     if int(counts.sum()) != x_sorted.shape[0]:
         raise ValueError(f"EP dispatch: {x_sorted.shape[0]} rows but the counts sum to "
@@ -129,6 +131,28 @@ def ep_dispatch_tokens(x_sorted: torch.Tensor, num_tokens_per_expert: torch.Tens
     inv = torch.empty_like(idx)
     inv[idx] = torch.arange(idx.numel(), device=idx.device)
     return x_recv.index_select(0, idx), recv.sum(0), EPDispatchState(group, send_splits, recv_splits, inv)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from parallel.auto._torch import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _balanced_dispatch(x_sorted, group, ep: int, e_loc: int):
+    """Fake tensors (dry run / planning) have no routing data: assume perfectly balanced
+    routing (``N/ep`` rows to every rank, ``N/E`` per expert) and keep the row order."""
+    n = x_sorted.shape[0]
+    splits = [n // ep + (1 if r < n % ep else 0) for r in range(ep)]
+    # every rank is assumed to send the same splits, so rank r receives splits[r] from each
+    me = dist.get_rank(group)
+    recv_splits = [splits[me]] * ep
+    x_recv = all_to_all_single_autograd(x_sorted, recv_splits, splits, group)
+    m = x_recv.shape[0]
+    counts_local = torch.full((e_loc,), m // e_loc, dtype=torch.long, device=x_sorted.device)
+    counts_local[: m % e_loc] += 1
+    inv = torch.arange(m, device=x_sorted.device)
+    return x_recv, counts_local, EPDispatchState(group, splits, recv_splits, inv)
 
 
 def ep_combine_tokens(y_local: torch.Tensor, state: EPDispatchState) -> torch.Tensor:
@@ -237,7 +261,10 @@ def experts_fsdp_filter(experts_dp_mesh: DeviceMesh, grad_divide_factor: int):
             return
         fully_shard(moe.experts, mesh=experts_dp_mesh, mp_policy=policy)
         moe.experts.set_gradient_divide_factor(float(grad_divide_factor))
-        # SUM + explicit scaling instead of PREMUL_SUM (not available on gloo)
-        moe.experts.set_force_sum_reduction_for_comms(True)
+        if experts_dp_mesh.size() > 1:
+            # SUM + explicit scaling instead of PREMUL_SUM (not available on gloo). Not on a
+            # 1-rank mesh: there torch 2.13 FSDP would divide twice (copy / factor, then
+            # the post-divide).
+            moe.experts.set_force_sum_reduction_for_comms(True)
 
     return fn

@@ -88,9 +88,12 @@ def worker(rank, world, spec):
 
 def compare(ref: dict, got: dict, tol: float = 1e-4) -> dict:
     loss_diff = max(abs(a - b) for a, b in zip(ref["losses"], got["losses"]))
-    grad_diff = 0.0
+    grad_diff = grad_rel = 0.0
     for step, gs in ref["grads"].items():
         assert set(gs) == set(got["grads"][step]), "parameter names differ"
         for n, g in gs.items():
-            grad_diff = max(grad_diff, (g - got["grads"][step][n]).abs().max().item())
-    return {"loss": loss_diff, "grad": grad_diff}
+            d = (g - got["grads"][step][n]).abs().max().item()
+            grad_diff = max(grad_diff, d)
+            # relative to the parameter's largest gradient: catches scale errors in tiny grads
+            grad_rel = max(grad_rel, d / max(g.abs().max().item(), 1e-12))
+    return {"loss": loss_diff, "grad": grad_diff, "grad_rel": grad_rel}
