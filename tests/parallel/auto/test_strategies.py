@@ -78,3 +78,16 @@ def test_coverage_dense_models(mesh2d, name, kw):
         assert all(len(c.specs) > 1 for c in att)
     # identical ops share one enumeration
     assert cands.unique_keys < sum(1 for n in jg.gm.graph.nodes if n.op == "call_function")
+
+
+def test_cpu_attention_flops_registered():
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from parallel.auto._torch import register_planner_ops
+
+    register_planner_ops()
+    q = torch.randn(2, 4, 16, 8)
+    with FlopCounterMode(display=False) as fc:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert fc.get_total_flops() == 2 * (2 * 2 * 4 * 16 * 16 * 8)  # QK^T and AV
