@@ -77,6 +77,27 @@ def ep2(model, mesh):
     return _ep(model, mesh, 2)
 
 
+def cp2_tp2(model, mesh):
+    from parallel.recipes.tp import apply_tp
+
+    apply_tp(model, mesh["tp"])
+    return cp2(model, mesh)
+
+
+def fsdp_tp_sac(model, mesh):
+    import types
+
+    from trainer.activation_checkpoint import apply_ac
+    from parallel.recipes.hsdp import apply_hsdp, data_parallel_mesh
+    from parallel.recipes.tp import apply_tp
+
+    apply_tp(model, mesh["tp"])
+    apply_ac(model, types.SimpleNamespace(mode="selective", selective_ac_option="op"))
+    return apply_hsdp(model, data_parallel_mesh(mesh))
+
+
+CASES["llama3_cp2_tp2"] = ("llama3", (2, 2), ("cp", "tp"), cp2_tp2)
+CASES["llama3_fsdp2_tp2_sac"] = ("llama3", (2, 2), ("dp_shard", "tp"), fsdp_tp_sac)
 CASES["deepseek_v3_ep2"] = ("deepseek_v3", (2,), ("dp_shard",), ep2)
 CASES["deepseek_v3_ep2_fsdp4"] = ("deepseek_v3", (4,), ("dp_shard",), ep2)
 
