@@ -484,9 +484,7 @@ def build_candidates(graph: JointGraph, mesh: Any) -> Candidates:
             prod = nodes[src.name]
             seen: dict[Any, Any] = {}
             for s in prod.specs:
-                o = prod.output_spec_at(prod.specs.index(s), idx) if False else (
-                    s.output_specs[idx] if isinstance(s.output_specs, tuple) else s.output_specs
-                )
+                o = s.output_specs[idx] if isinstance(s.output_specs, tuple) else s.output_specs
                 if o is None or o.placements in seen:
                     continue
                 seen[o.placements] = T.OpSpec(_spec(mesh, o.placements, o.tensor_meta), [_spec(mesh, o.placements, o.tensor_meta)])

@@ -126,18 +126,10 @@ def _fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
     A raw meta module would trace forward only (every grad output None, silently), so
     meta parameters are materialised as fake CPU tensors with to_empty.
     """
-    clone = copy.deepcopy(model) if not _all_meta(model) else _meta_deepcopy(model)
+    clone = copy.deepcopy(model)  # cheap for a meta model (the intended use)
     with fake_mode:
         clone.to_empty(device="cpu")
     return clone
-
-
-def _all_meta(model: nn.Module) -> bool:
-    return all(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
-
-
-def _meta_deepcopy(model: nn.Module) -> nn.Module:
-    return copy.deepcopy(model)
 
 
 def _to_fake(x: Any, fake_mode: Any) -> Any:
@@ -231,8 +223,6 @@ def _assign_modules(gm: fx.GraphModule, ranges: list[tuple[int, int, str]]) -> d
     out: dict[str, str] = {}
     # innermost = shortest range containing the seq_nr
     ordered = sorted(ranges, key=lambda r: r[1] - r[0])
-    import bisect
-
     # ranges nest (module calls), so sort by width and take the first hit
     by_seq: dict[int, str] = {}
     direct: set[str] = set()  # nodes whose module comes from their own seq_nr
@@ -255,7 +245,6 @@ def _assign_modules(gm: fx.GraphModule, ranges: list[tuple[int, int, str]]) -> d
             direct.add(n.name)
         if hit:
             out[n.name] = hit
-    del bisect
     return out
 
 
@@ -300,7 +289,6 @@ def _label(gm: fx.GraphModule, fake_mode: Any) -> JointGraph:
         else:
             labels[n.name] = f"other input {desc}"
             phase[n.name] = FWD
-    input_index = {n.name: i for i, n in enumerate(inputs)}
 
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     out_args = out_node.args[0]
@@ -352,7 +340,6 @@ def _label(gm: fx.GraphModule, fake_mode: Any) -> JointGraph:
             phase[n.name] = FWD
         else:
             phase[n.name] = BWD if any(phase.get(a.name) == BWD for a in n.all_input_nodes) else FWD
-    del input_index
     return JointGraph(
         gm=gm,
         fake_mode=fake_mode,
