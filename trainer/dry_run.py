@@ -274,6 +274,20 @@ def _local_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+@contextlib.contextmanager
+def _explain_data_dependence(cfg):
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - FakeTensor's DataDependentOutputException
+        if type(e).__name__ != "DataDependentOutputException":
+            raise
+        raise ValueError(
+            f"{cfg.source}: the dry run hit an op whose output depends on tensor values "
+            f"({e}); fake tensors have none. For MoE models the fp32 expert loop needs the "
+            f"routing counts: run the dry run with --training.mixed_precision_param bfloat16 "
+            f"(grouped matmuls, traceable)") from None
+
+
 def dry_run(job_config, world_size: int) -> DryRunReport:
     """Build, parallelize and run one fwd+bwd of ``job_config`` on a fake world."""
     from models import build_model, cross_entropy_loss
@@ -323,7 +337,7 @@ def dry_run(job_config, world_size: int) -> DryRunReport:
 
                 tokens, labels, positions = cp_shard_batch(tokens, labels, mesh, "cp")
             mem, comm = MemoryTracker(), CollectiveTracker(axis_names)
-            with mem, comm:
+            with mem, comm, _explain_data_dependence(cfg):
                 with loss_parallel_context(model):
                     logits = model(tokens) if positions is None else model(tokens, positions)
                     loss = cross_entropy_loss(logits, labels)

@@ -68,3 +68,12 @@ def test_dry_run_cli_llama3_8b_4x8():
     params = [line for line in out.stdout.splitlines() if line.strip().startswith("parameters")]
     assert 0.9 < float(params[0].split()[1]) < 1.0  # 8.03e9 params x 4 bytes / 32 in GiB
     assert "all_gather     dp_shard" in out.stdout
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "examples").glob("*.toml")), ids=lambda p: p.stem)
+def test_example_configs_load(path):
+    import re
+
+    world = int(re.search(r"nproc_per_node=(\d+)", path.read_text()).group(1))
+    cfg = load_config(str(path), world_size=world)
+    assert cfg.parallelism.mode == "manual"
