@@ -253,6 +253,8 @@ class _Costs:
         self.mesh_shape = tuple(cands.mesh.shape)
         self.compute_cache: dict[Any, np.ndarray] = {}
         self.redist_cache: dict[Any, np.ndarray] = {}
+        self.pair_cache: dict[tuple, float] = {}  # (shape, dtype, src id, dst id) -> µs
+        self.placement_ids: dict[tuple, int] = {}
 
     def compute(self, c: NodeCandidates) -> np.ndarray:
         if c.kind != OP:
@@ -296,11 +298,27 @@ class _Costs:
             return hit
         meta = (shape, _comm_dtype(dtype, self.mp_dtype))
         m = np.empty((len(src), len(dst)))
+        sid = [self._intern(p) for p in src]
+        did = [self._intern(p) for p in dst]
+        pairs = self.pair_cache
         for a, sp in enumerate(src):
             for b, dp in enumerate(dst):
-                m[a, b] = 0.0 if sp == dp else self.cm.redistribute_cost(sp, dp, meta)
+                if sid[a] == did[b]:
+                    m[a, b] = 0.0
+                    continue
+                k = (shape, dtype, sid[a], did[b])
+                c = pairs.get(k)
+                if c is None:
+                    c = pairs[k] = self.cm.redistribute_cost(sp, dp, meta)
+                m[a, b] = c
         self.redist_cache[key] = m
         return m
+
+    def _intern(self, placements: tuple) -> int:
+        i = self.placement_ids.get(placements)
+        if i is None:
+            i = self.placement_ids[placements] = len(self.placement_ids)
+        return i
 
 
 def _classes(placements: list[tuple]) -> tuple[np.ndarray, list[tuple]]:
