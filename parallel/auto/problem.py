@@ -189,31 +189,16 @@ def _tie_groups(cands: Candidates, cluster_layers: bool) -> tuple[list[list[str]
         if out_idx in out_slot:
             tie(out_slot[out_idx], tangent.name, f"output {out_idx} and its tangent")
 
-    if cluster_layers:
-        param_fqn = {n.name: fqn for fqn, n in jg.params.items()}
-        buckets: dict[tuple, list[str]] = defaultdict(list)
-        ordinal: dict[tuple, int] = defaultdict(int)
-        for name, c in cands.nodes.items():
-            if c.kind == SLOT:
-                continue
-            path = param_fqn.get(name) or jg.module_of.get(name, "")
-            m = _LAYER_INDEX.search(path)
-            if m is None:
-                continue
-            instance = path[: m.end()]
-            pattern = _LAYER_INDEX.sub(r"\1*", path, count=1)
-            kind_key = (c.kind, str(c.node.target) if c.kind != PLACEHOLDER else "", repr(c.key) if c.key is not None else "",
-                        tuple(c.node.meta["val"].shape) if c.kind == PLACEHOLDER else (), c.getitem_index)
-            k = (pattern, kind_key)
-            i = ordinal[(instance, k)]
-            ordinal[(instance, k)] += 1
-            buckets[k + (i,)].append(name)
-        for members in buckets.values():
+    clustering = None
+    if cluster_layers:  # content-hash clustering of repeated layers (solve/cluster.py)
+        from parallel.auto.solve.cluster import find_clusters
+
+        clustering = find_clusters(cands)
+        for members in clustering.clusters + clustering.flow_coupled:
             first = members[0]
             for other in members[1:]:
                 if menu(first) == menu(other):
                     uf.union(first, other)
-
     root_index: dict[str, int] = {}
     groups: list[list[str]] = []
     for n in names:  # topological order of the first member
@@ -223,6 +208,8 @@ def _tie_groups(cands: Candidates, cluster_layers: bool) -> tuple[list[list[str]
             groups.append([])
         groups[root_index[r]].append(n)
     group_of = {n: root_index[uf.find(n)] for n in names}
+    if clustering is not None:
+        log.info("%s", clustering.summary(len(groups)))
     return groups, group_of
 
 

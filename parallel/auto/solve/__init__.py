@@ -1,0 +1,270 @@
+"""Solvers of the placement Problem and the choice between them.
+
+    solve(prob, solver="auto" | "ilp" | "mrf" | "highs" | "cbc", ...) -> Solution
+
+* ``"ilp"``: the exact integer program (solve/ilp.py; backend HiGHS when installed, else
+  CBC; ``"highs"`` / ``"cbc"`` pick the backend and imply the ILP);
+* ``"mrf"``: the pairwise-MRF solver (solve/mrf.py: TRW-S + local search) on the same
+  Problem, with the parameter-memory budget handled as the paper does (§4.3): when the
+  budget is "fully sharded" every parameter group is restricted to its most-sharded
+  strategies, which makes the budget hold whatever else is chosen; a looser budget is
+  enforced by a Lagrangian penalty on parameter bytes (bisection on the multiplier);
+* ``"auto"``: the ILP while it is small (edge variables below ``ILP_MAX_EDGE_VARS``),
+  the MRF otherwise. The choice and why are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+
+from parallel.auto.problem import PlanningError, Problem
+from parallel.auto.solve.ilp import Solution, available_solver, solve_ilp
+
+log = logging.getLogger("parallel.auto.solve")
+
+SOLVERS = ("auto", "ilp", "mrf", "highs", "cbc")
+ILP_MAX_EDGE_VARS = 200_000
+"""`solver="auto"` uses the exact ILP up to this many edge variables, the MRF above."""
+
+__all__ = ["SOLVERS", "ILP_MAX_EDGE_VARS", "Solution", "choose_solver", "solve", "solve_problem_mrf"]
+
+
+def check_solver(name: str) -> str:
+    if name not in SOLVERS:
+        raise ValueError(f"unknown solver {name!r}; use one of {', '.join(SOLVERS)}")
+    return name
+
+
+def choose_solver(prob: Problem, solver: str = "auto", *, max_ilp_edge_vars: int = ILP_MAX_EDGE_VARS) -> tuple[str, str]:
+    """(kind, reason): kind is "ilp" or "mrf"."""
+    check_solver(solver)
+    if solver in ("ilp", "highs", "cbc"):
+        return "ilp", f"solver={solver!r} asked for"
+    if solver == "mrf":
+        return "mrf", "solver='mrf' asked for"
+    n = prob.num_edge_vars()
+    if n <= max_ilp_edge_vars:
+        return "ilp", f"auto: {n:,} edge variables <= {max_ilp_edge_vars:,}: exact ILP"
+    return "mrf", f"auto: {n:,} edge variables > {max_ilp_edge_vars:,}: MRF (TRW-S + local search)"
+
+
+def solve(prob: Problem, solver: str = "auto", *, time_limit: float | None = 600.0, verbose: bool = False,
+          max_ilp_edge_vars: int = ILP_MAX_EDGE_VARS) -> Solution:
+    """Solve `prob` with the chosen solver; the returned Solution names the one used."""
+    kind, why = choose_solver(prob, solver, max_ilp_edge_vars=max_ilp_edge_vars)
+    log.info("solver: %s", why)
+    if kind == "ilp":
+        backend = solver if solver in ("highs", "cbc") else "auto"
+        return solve_ilp(prob, solver=backend, time_limit=time_limit, verbose=verbose)
+    return solve_problem_mrf(prob)
+
+
+# ---------------------------------------------------------------------------
+# Problem -> pairwise MRF
+# ---------------------------------------------------------------------------
+
+
+def _param_masks(prob: Problem) -> dict[int, np.ndarray]:
+    """Per parameter group: its strategies of least local bytes (fully sharded)."""
+    out = {}
+    for g in prob.param_groups:
+        b = np.where(prob.allowed[g], prob.param_bytes[g], np.inf)
+        out[g] = prob.allowed[g] & (b <= b.min() * (1 + 1e-9))
+    return out
+
+
+def _memory_fraction(prob: Problem, labels: list[int]) -> float:
+    if not prob.total_param_bytes:
+        return 0.0
+    return sum(float(prob.param_bytes[g][labels[g]]) for g in prob.param_groups) / prob.total_param_bytes
+
+
+def _within(prob: Problem, frac: float) -> bool:
+    hi = prob.memory_high
+    lo = prob.memory_low
+    return (hi is None or frac <= hi * (1 + 1e-9) + 1e-12) and (lo is None or frac >= lo * (1 - 1e-9) - 1e-12)
+
+
+class ReducedMRF:
+    """The Problem as a PairwiseMRF over allowed, non-dominated strategies.
+
+    Labels of a group are its allowed strategies; two strategies whose placement classes
+    agree on every incident edge differ only in their unary cost, so only the cheaper is
+    kept (exact). `labels_to_strategies` maps an MRF assignment back to strategy indices.
+    """
+
+    def __init__(self, prob: Problem, allowed: list[np.ndarray], extra_unary: dict[int, np.ndarray] | None = None):
+        from parallel.auto.solve.mrf import PairwiseMRF
+
+        self.prob = prob
+        n = prob.num_groups
+        incident: list[list[tuple[int, bool]]] = [[] for _ in range(n)]  # (edge index, as source)
+        for ei, e in enumerate(prob.edges):
+            incident[e.src].append((ei, True))
+            incident[e.dst].append((ei, False))
+        self.keep: list[np.ndarray] = []
+        self.label_of: list[dict[int, int]] = []  # allowed strategy -> label (of its signature)
+        unary = []
+        for g in range(n):
+            u = prob.unary[g] + (extra_unary[g] if extra_unary and g in extra_unary else 0.0)
+            idx = np.flatnonzero(allowed[g] & np.isfinite(u))
+            if idx.size == 0:
+                raise PlanningError(f"node {prob.groups[g][0]} has no allowed strategy")
+            sig = [tuple(int(prob.edges[ei].src_cls[s] if as_src else prob.edges[ei].dst_cls[s])
+                         for ei, as_src in incident[g]) for s in idx]
+            best: dict[tuple, int] = {}
+            for s, k in zip(idx, sig):
+                b = best.get(k)
+                if b is None or u[s] < u[b]:
+                    best[k] = int(s)
+            keep = np.array(sorted(best.values()), dtype=np.int64)
+            pos = {int(x): i for i, x in enumerate(keep)}
+            self.label_of.append({int(s): pos[best[k]] for s, k in zip(idx, sig)})
+            self.keep.append(keep)
+            unary.append(u[keep])
+        self.mrf = PairwiseMRF.from_unary(unary)
+        for e in prob.edges:
+            ks, kd = self.keep[e.src], self.keep[e.dst]
+            self.mrf.add_pairwise(e.src, e.dst, e.cost[np.ix_(e.src_cls[ks], e.dst_cls[kd])])
+
+    def labels_to_strategies(self, labels: np.ndarray) -> list[int]:
+        return [int(self.keep[g][int(a)]) for g, a in enumerate(labels)]
+
+    def strategies_to_labels(self, strategies: list[int], default: np.ndarray | None = None) -> np.ndarray | None:
+        """Labels of a strategy assignment (a dominated strategy maps to its cheaper twin);
+        strategies that are not allowed take `default`'s label, or give None."""
+        out = []
+        for g, s in enumerate(strategies):
+            lab = self.label_of[g].get(int(s))
+            if lab is None:
+                if default is None:
+                    return None
+                lab = int(default[g])
+            out.append(lab)
+        return np.array(out, dtype=np.int64)
+
+    def num_labels(self) -> int:
+        return int(sum(k.size for k in self.keep))
+
+
+def _axis_permutations(ndim: int) -> list[tuple[int, ...]]:
+    import itertools
+
+    ident = tuple(range(ndim))
+    if ndim <= 3:
+        return [p for p in itertools.permutations(ident) if p != ident]
+    out = []
+    for i, j in itertools.combinations(range(ndim), 2):
+        p = list(ident)
+        p[i], p[j] = p[j], p[i]
+        out.append(tuple(p))
+    return out
+
+
+def _spec_key(spec: object) -> tuple:
+    o = spec.output_specs
+    o = tuple(x.placements if x is not None else None for x in o) if isinstance(o, tuple) else o.placements
+    return (o, tuple(i.placements for i in (spec.input_specs or [])))
+
+
+def permute_axes(prob: Problem, strategies: list[int], perm: tuple[int, ...], _cache: dict | None = None) -> list[int]:
+    """The assignment with mesh-axis roles permuted: axis i takes what axis perm[i] had.
+
+    A global move no local search can make (e.g. tensor parallel on the other axis of a
+    2-D mesh: every op of every layer switches at once). Strategies without a permuted
+    twin in their menu (uneven shards on the other axis size) keep their index.
+    """
+    cache = {} if _cache is None else _cache
+    nodes = prob.candidates.nodes
+    out = []
+
+    def perm_pl(pl: object) -> object:
+        if pl is None:
+            return None
+        if pl and isinstance(pl[0], tuple):
+            return tuple(perm_pl(x) for x in pl)
+        return tuple(pl[perm[i]] for i in range(len(pl)))
+
+    for g, s in enumerate(strategies):
+        c = nodes[prob.groups[g][0]]
+        index = cache.get(id(c.specs))
+        if index is None:
+            index = cache[id(c.specs)] = {_spec_key(sp): j for j, sp in enumerate(c.specs)}
+        o, ins = _spec_key(c.specs[s])
+        key = (perm_pl(o), tuple(perm_pl(i) for i in ins))
+        out.append(index.get(key, s))
+    return out
+
+
+def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 300, bisection_steps: int = 12) -> Solution:
+    """Solve `prob` as a pairwise MRF (paper §4.3), honouring the parameter-memory budget."""
+    from parallel.auto.solve.mrf import FORBIDDEN, local_search, solve_mrf
+
+    t0 = time.perf_counter()
+    base = [a.copy() for a in prob.allowed]
+    masks = _param_masks(prob)
+    min_frac = sum(float(prob.param_bytes[g][masks[g]].max()) for g in prob.param_groups) / prob.total_param_bytes \
+        if prob.total_param_bytes else 0.0
+    tight = prob.memory_high is not None and min_frac >= prob.memory_high * (1 - 1e-9)
+    if prob.memory_high is not None and min_frac > prob.memory_high * (1 + 1e-9):
+        raise PlanningError(f"parameters need at least {min_frac:.4g} of their bytes per device, "
+                            f"above high={prob.memory_high:.4g}")
+
+    def run(allowed: list[np.ndarray], lam: float = 0.0) -> tuple[list[int], float]:
+        extra = None
+        if lam:
+            extra = {g: lam * prob.param_bytes[g] / prob.total_param_bytes for g in prob.param_groups}
+        red = ReducedMRF(prob, allowed, extra)
+        sol = solve_mrf(red.mrf, max_sweeps=max_sweeps)
+        ndim = len(prob.candidates.mesh.shape)
+        if ndim > 1:  # axis-role swaps: global moves out of a consistent but wrong mode
+            cache: dict = {}
+            base_labels = sol.labels
+            base_strats = red.labels_to_strategies(base_labels)
+            for perm in _axis_permutations(ndim):
+                lab = red.strategies_to_labels(permute_axes(prob, base_strats, perm, cache), default=base_labels)
+                lab = local_search(red.mrf, lab)
+                e = red.mrf.energy(lab)
+                if e < sol.energy - 1e-9 * max(1.0, abs(sol.energy)):
+                    log.debug("mrf: axis permutation %s improves %.1f -> %.1f", perm, sol.energy, e)
+                    sol.labels, sol.energy = lab, e
+        if sol.energy >= FORBIDDEN:
+            raise PlanningError("the MRF solver found no feasible assignment (every plan needs a forbidden "
+                                "redistribution, e.g. Replicate -> Partial); check the constraints")
+        labels = red.labels_to_strategies(sol.labels)
+        return labels, prob.energy(labels)
+
+    how = ""
+    if tight or not prob.param_groups:
+        # fully sharded parameters (paper §4.3): storage is fixed, the rest is a pure MRF
+        allowed = [base[g] & masks[g] if g in masks else base[g] for g in range(prob.num_groups)]
+        labels, obj = run(allowed)
+        how = "parameters fully sharded"
+    else:
+        labels, obj = run(base)
+        how = "memory budget not binding"
+        if not _within(prob, _memory_fraction(prob, labels)):
+            # Lagrangian penalty on parameter bytes; the fully sharded plan is always feasible
+            fallback = run([base[g] & masks[g] if g in masks else base[g] for g in range(prob.num_groups)])
+            best = fallback
+            lo, hi = 0.0, max(1.0, obj)
+            sign = 1.0 if prob.memory_high is not None and _memory_fraction(prob, labels) > prob.memory_high else -1.0
+            for _ in range(bisection_steps):
+                lam = (lo + hi) / 2 if hi < math.inf else lo * 2
+                cand = run(base, sign * lam)
+                if _within(prob, _memory_fraction(prob, cand[0])):
+                    hi = lam
+                    if cand[1] < best[1]:
+                        best = cand
+                else:
+                    lo = lam
+            labels, obj = best
+            how = "memory budget by Lagrangian bisection"
+    seconds = time.perf_counter() - t0
+    n_labels = int(sum(a.sum() for a in prob.allowed))
+    log.info("mrf: objective %.1f µs (%s), %d groups, %.2fs", obj, how, prob.num_groups, seconds)
+    return Solution(labels, obj, "mrf", "approximate", seconds, n_labels, len(prob.edges))

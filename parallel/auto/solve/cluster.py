@@ -1,0 +1,164 @@
+"""Graph clustering (paper §4.3): identical copies of repeated layers share one decision.
+
+A transformer's L layers produce L copies of the same sub-problem. Copies are found by
+content hashing, not by names: every node gets a hash of
+
+  * its own content: phase (forward / backward, never mixed), node kind, op target, the
+    enumeration key (op, input shapes/strides/dtypes, static args), the tensor shape of
+    placeholders, the getitem index and its candidate menu (output and input placements
+    of every strategy, in order, so copies share strategy indices);
+  * the structure of its inputs relative to its layer: an input produced inside the same
+    layer instance contributes its own (recursive) hash, an input from outside the layer
+    only its tensor shape and dtype (so layer 0, fed by the embedding, and layer i, fed
+    by layer i-1, still hash alike).
+
+The layer instance of a node is the first ``.<index>`` prefix of its module path (or of
+its parameter FQN), e.g. ``layers.3``; nodes outside indexed modules are never clustered.
+Within one instance, equal hashes are told apart by their order of appearance, and nodes
+with the same (hash, ordinal) in different instances form one cluster of copies.
+
+Flow-coupled producers: the producers feeding the same input position of the copies of a
+cluster (e.g. the embedding and layers 0..L-2 feeding layer i's first norm) are merged
+too when their candidate menus are identical, so the clustered consumer sees one
+producer decision (paper: "flow-coupled producers ... share one placement decision").
+
+`find_clusters(cands)` returns the clusters; `problem.build_problem(cluster_layers=True)`
+unions them with the forward/backward ties, so the exact ILP and the MRF solve the same
+reduced problem. `Clustering.summary()` reports how many decisions remain.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from parallel.auto.strategies import PLACEHOLDER, SLOT, Candidates, NodeCandidates
+
+_LAYER_INDEX = re.compile(r"(^|\.)(\d+)(?=\.|$)")
+
+
+@dataclass
+class Clustering:
+    """Clusters of identical copies (each a list of node names, >= 2 members)."""
+
+    clusters: list[list[str]]
+    flow_coupled: list[list[str]] = field(default_factory=list)  # producer sets merged
+    num_nodes: int = 0
+    num_instances: int = 0  # layer instances seen (e.g. 32 for LLaMA 3 8B)
+
+    @property
+    def num_clustered_nodes(self) -> int:
+        return sum(len(c) for c in self.clusters)
+
+    def summary(self, num_decisions: int | None = None) -> str:
+        saved = self.num_clustered_nodes - len(self.clusters)
+        s = (f"clustering: {len(self.clusters)} clusters of repeated-layer copies over {self.num_instances} "
+             f"layer instances ({self.num_clustered_nodes} nodes share {len(self.clusters)} decisions, "
+             f"{saved} decisions saved), {len(self.flow_coupled)} flow-coupled producer sets")
+        if num_decisions is not None:
+            s = f"{self.num_nodes:,} nodes -> {num_decisions:,} decisions; " + s
+        return s
+
+
+def menu_of(c: NodeCandidates) -> tuple:
+    """(output placements, input placements) of every strategy, in order."""
+    out = []
+    for s in c.specs:
+        o = s.output_specs
+        o = tuple(x.placements if x is not None else None for x in o) if isinstance(o, tuple) else o.placements
+        out.append((o, tuple(i.placements for i in (s.input_specs or []))))
+    return tuple(out)
+
+
+def output_menu_of(c: NodeCandidates) -> tuple:
+    return tuple(m[0] for m in menu_of(c))
+
+
+def layer_instance(cands: Candidates, name: str, param_fqn: dict[str, str] | None = None) -> str | None:
+    """'layers.3' for a node of layer 3 (module path or parameter FQN), else None."""
+    jg = cands.graph
+    if param_fqn is None:
+        param_fqn = {n.name: fqn for fqn, n in jg.params.items()}
+    path = param_fqn.get(name) or jg.module_of.get(name, "")
+    m = _LAYER_INDEX.search(path)
+    return None if m is None else path[: m.end()]
+
+
+def _tensor_sig(node: Any, idx: int | None = None) -> tuple:
+    v = node.meta.get("val")
+    if isinstance(v, (tuple, list)):
+        v = v[idx or 0] if v else None
+    if v is None or not hasattr(v, "shape"):
+        return ("?",)
+    return (tuple(v.shape), str(v.dtype))
+
+
+def find_clusters(cands: Candidates, *, flow_coupling: bool = True) -> Clustering:
+    """Content-hash the nodes and group identical copies across layer instances."""
+    jg = cands.graph
+    nodes = cands.nodes
+    param_fqn = {n.name: fqn for fqn, n in jg.params.items()}
+    menu_hash: dict[int, int] = {}  # id(specs) -> hash (enumeration shares spec lists between copies)
+    menus: dict[int, tuple] = {}
+
+    def menu_h(c: NodeCandidates) -> int:
+        k = id(c.specs)
+        h = menu_hash.get(k)
+        if h is None:
+            menus[k] = menu_of(c)
+            h = menu_hash[k] = hash(menus[k])
+        return h
+
+    instance: dict[str, str | None] = {}
+    content: dict[str, int] = {}
+    struct: dict[str, int] = {}
+    buckets: dict[tuple, list[str]] = defaultdict(list)
+    ordinal: dict[tuple, int] = defaultdict(int)
+    instances: set[str] = set()
+    for name, c in nodes.items():
+        if c.kind == SLOT:
+            continue
+        inst = layer_instance(cands, name, param_fqn)
+        instance[name] = inst
+        target = str(c.node.target) if c.kind != PLACEHOLDER else ""
+        own = (jg.phase.get(name, ""), c.kind, target, repr(c.key) if c.key is not None else "",
+               _tensor_sig(c.node) if c.kind == PLACEHOLDER else (), c.getitem_index, menu_h(c), len(c.inputs))
+        h0 = hash(own)
+        content[name] = h0
+        ins = []
+        for k, a in enumerate(c.inputs):
+            if inst is not None and instance.get(a.name) == inst:
+                ins.append(("L", struct[a.name]))
+            else:
+                ins.append(("X", _tensor_sig(a, c.getitem_index)))
+        h = hash((h0, tuple(ins)))
+        struct[name] = h
+        if inst is None:
+            continue
+        instances.add(inst)
+        i = ordinal[(inst, h)]
+        ordinal[(inst, h)] += 1
+        buckets[(h, i)].append(name)
+
+    clusters = [m for m in buckets.values() if len(m) > 1 and len({instance[n] for n in m}) == len(m)]
+    coupled: list[list[str]] = []
+    cluster_id = {n: i for i, m in enumerate(clusters) for n in m}
+    if flow_coupling:
+        for members in clusters:
+            rep = nodes[members[0]]
+            for k in range(len(rep.inputs)):
+                by_menu: dict[tuple, list[str]] = defaultdict(list)
+                for n in members:
+                    p = nodes[n].inputs[k].name
+                    pc = nodes[p]
+                    # sharing a strategy index needs the same menu; never mix fwd and bwd
+                    key = (jg.phase.get(p, ""), menu_h(pc))
+                    if p not in by_menu[key]:
+                        by_menu[key].append(p)
+                for producers in by_menu.values():
+                    ids = {cluster_id.get(p, p) for p in producers}
+                    if len(ids) > 1 and producers not in coupled:  # not already one cluster
+                        coupled.append(producers)
+    return Clustering(clusters, coupled, num_nodes=len(nodes), num_instances=len(instances))
