@@ -56,6 +56,9 @@ class InputShapeError(ValueError):
     """A per-rank input does not have the local shape the plan expects."""
 
 
+_VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
 def _is_tensor_node(x: Any) -> bool:
     return isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
 
@@ -74,6 +77,54 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(s, 1)
     return tuple(reversed(stride))
+
+
+def redistribute(x: DTensor, mesh: Any, target: tuple) -> DTensor:
+    """`x` with placements `target`, including Partial targets.
+
+    DTensor's public `redistribute` refuses X -> Partial; plans use it (e.g. a Replicate
+    value entering an op that expects Partial, P(sum) -> P(avg)). Partial targets are
+    reached with local math only: P(sum) <-> P(avg) rescale by the axis size, a
+    Replicate value is partitioned (`Partial._partition_value`), anything else is first
+    made Replicate on that axis (all-reduce / all-gather).
+    """
+    cur = tuple(x.placements)
+    if cur == target:
+        return x
+    if not any(isinstance(p, T.Partial) for p in target):
+        return x.redistribute(mesh, target)
+    inter = list(target)
+    scale = 1.0
+    relabel = list(cur)
+    for ax, (c, t) in enumerate(zip(cur, target)):
+        if not isinstance(t, T.Partial):
+            continue
+        if c == t:
+            continue
+        if isinstance(c, T.Partial) and type(t) is T.Partial and c.reduce_op in ("sum", "avg") and t.reduce_op in ("sum", "avg"):
+            n = mesh.size(ax)
+            if c.reduce_op == "sum" and t.reduce_op == "avg":
+                scale *= n
+            elif c.reduce_op == "avg" and t.reduce_op == "sum":
+                scale /= n
+            relabel[ax] = t  # same partial values, relabelled after scaling
+            inter[ax] = t
+        else:
+            inter[ax] = T.Replicate()
+    if relabel != list(cur):
+        local = x.to_local()
+        if scale != 1.0:
+            local = local * scale
+        x = DTensor.from_local(local, mesh, relabel, run_check=False, shape=x.shape, stride=x.stride())
+    if tuple(x.placements) != tuple(inter):
+        x = x.redistribute(mesh, tuple(inter))
+    if tuple(inter) == tuple(target):
+        return x
+    local = x.to_local()
+    for ax, (i, t) in enumerate(zip(inter, target)):
+        if isinstance(i, T.Replicate) and isinstance(t, T.Partial):
+            local = t._partition_value(local, mesh, ax)
+    return DTensor.from_local(local, mesh, target, run_check=False, shape=x.shape, stride=x.stride())
 
 
 # ---------------------------------------------------------------------------
@@ -174,7 +225,7 @@ class PlanRunner:
         if tuple(x.placements) == tuple(placements):
             return x
         self.stats["redistributions"] += 1
-        return x.redistribute(self.mesh, placements)
+        return redistribute(x, self.mesh, tuple(placements))
 
     # -- interpretation ----------------------------------------------------------
     def _run_node(self, n: fx.Node, env: dict[str, Any]) -> Any:
@@ -190,6 +241,11 @@ class PlanRunner:
                 v = env[a.name]
                 if k < len(in_specs):
                     v = self._to(v, tuple(in_specs[k].placements))
+                if n.target in _VIEW_OPS and isinstance(v, DTensor) and not v.to_local().is_contiguous():
+                    # the joint graph is functional: a copy is as good as a view, and local
+                    # shards (after a redistribution) need not keep the global layout
+                    v = DTensor.from_local(v.to_local().contiguous(), v.device_mesh, v.placements,
+                                           run_check=False, shape=v.shape, stride=v.stride())
                 k += 1
                 vals.append(v)
             elif isinstance(a, fx.Node):
@@ -226,7 +282,7 @@ class PlanRunner:
             if self.stats["deviations"] <= 5:
                 log.debug("apply: %s (%s) produced %s, plan says %s; redistributing", n.name, n.target,
                           placement_str(tuple(out.placements)), placement_str(planned))
-            out = out.redistribute(self.mesh, planned)
+            out = redistribute(out, self.mesh, planned)
         return out
 
     def _autocast(self) -> Any:
@@ -285,7 +341,7 @@ class PlanRunner:
             if v.dtype != p.dtype:
                 v = v.to(p.dtype)
             if tuple(v.placements) != tuple(p.placements):
-                v = v.redistribute(self.mesh, p.placements)
+                v = redistribute(v, self.mesh, tuple(p.placements))
             grads.append(v)
         return grads
 

@@ -90,7 +90,7 @@ def make_plan(name: str, shape, names, kind: str, time_limit: float = 15.0) -> d
     """Plan on a fake world in this process; returns the plan JSON."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parallel.auto.api import AutoParallel, fake_world, lm_loss
+    from parallel.auto.api import AutoParallel, PlanningError, fake_world, lm_loss
 
     ws = 1
     for s in shape:
@@ -98,9 +98,16 @@ def make_plan(name: str, shape, names, kind: str, time_limit: float = 15.0) -> d
     with fake_world(ws):
         mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
         model, inputs = _inputs(name)
-        with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="cpu", time_limit=time_limit) as autop:
-            add_constraints(autop, kind, len(shape))
-            plan = autop.optimize_placement(verbose=False)
+        for attempt in range(3):  # a short time limit may end before any feasible point
+            with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="cpu",
+                              time_limit=time_limit * 2**attempt) as autop:
+                add_constraints(autop, kind, len(shape))
+                try:
+                    plan = autop.optimize_placement(verbose=False)
+                    break
+                except PlanningError as e:
+                    if "found no solution" not in str(e) or attempt == 2:
+                        raise
     return plan.to_json()
 
 
