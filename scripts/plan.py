@@ -101,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--solver", default=None, choices=["auto", "highs", "cbc"])
     ap.add_argument("--time-limit", type=float, default=600.0)
     ap.add_argument("--free-inputs", action="store_true", help="do not constrain inputs to batch sharding")
-    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. --training.seq_len 2048")
+    # anything else is a config override, e.g. --training.seq_len 2048
     args, extra = ap.parse_known_args(argv)
-    args.overrides = list(args.overrides) + extra
+    args.overrides = extra
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
     plan, _ = plan_job(args)
     print(plan.summary())
