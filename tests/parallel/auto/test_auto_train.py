@@ -1,0 +1,75 @@
+"""Trainer with `[parallelism] mode = "auto"` on 2 gloo ranks (torchrun): the plan is
+logged and saved, losses equal a 1-rank run on the same global batch, a DCP checkpoint
+resumes (replaying the saved plan with `parallelism.plan_file`), and a plan made for
+another model is refused."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "tests" / "trainer"))
+from trainer_helpers import FAST, make_config, read_grad_norms, read_losses  # noqa: E402
+
+SPLIT = ["--lr_scheduler.decay_steps", "6"]
+TOL = 1e-4
+CK = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
+
+
+def torchrun(tmp_path, job, extra, nproc=2, config="llama3_debug", check=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "train.py"), "--config", config, *FAST, "--training.local_batch_size", "2", *SPLIT,
+           "--parallelism.mode", "auto", "--job.dump_folder", str(tmp_path), "--job.name", job, *extra]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    if check:
+        assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    return r
+
+
+@pytest.mark.slow
+def test_auto_mode_matches_one_rank_resumes_and_replays(tmp_path):
+    from trainer.trainer import Trainer
+
+    # reference: 1 rank, local batch 4 = the 2-rank global batch (2 x 2)
+    ref = Trainer(make_config(tmp_path, extra=["--training.steps", "6"] + SPLIT, job="ref")).train()
+    ref_gn = read_grad_norms(tmp_path, "ref")
+
+    r = torchrun(tmp_path, "auto", ["--training.steps", "4", *CK])
+    out = r.stdout + r.stderr
+    assert "auto-parallel plan solved by" in out and "parameter memory per device" in out
+    assert out.index("auto-parallel plan") < out.index("step 1 |")  # plan summary, then the log
+    plan_path = tmp_path / "auto" / "plan.json"
+    plan = json.loads(plan_path.read_text())
+    assert plan["mesh_shape"] == [2] and plan["mesh_axis_names"] == ["dp_shard"]
+    two = read_losses(tmp_path, "auto")
+    assert sorted(two) == [1, 2, 3, 4]
+    diff = max(abs(two[s] - ref[s]) for s in two)
+    print(f"auto 2 ranks vs 1 rank: max |dloss| = {diff:.2e} over 4 steps")
+    assert diff < TOL, (two, ref)
+    gn = read_grad_norms(tmp_path, "auto")
+    assert max(abs(gn[s] - ref_gn[s]) for s in gn) < 1e-3 * max(ref_gn.values())
+
+    # resume from the step-4 checkpoint, replaying the saved plan (no solve)
+    saved = tmp_path / "saved_plan.json"
+    shutil.copy(plan_path, saved)
+    r = torchrun(tmp_path, "auto", ["--training.steps", "6", *CK, "--parallelism.plan_file", str(saved)])
+    out = r.stdout + r.stderr
+    assert f"replayed from {saved}" in out and "solved by" not in out
+    resumed = read_losses(tmp_path, "auto")
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    diff = max(abs(resumed[s] - ref[s]) for s in resumed)
+    print(f"auto resumed at step 4: max |dloss| = {diff:.2e} over 6 steps")
+    assert diff < TOL, (resumed, ref)
+
+    # a plan made for another model is refused
+    r = torchrun(tmp_path, "qwen", ["--training.steps", "1", "--parallelism.plan_file", str(saved)],
+                 config="qwen3_debug", check=False)
+    assert r.returncode != 0
+    assert "different model" in r.stdout + r.stderr
