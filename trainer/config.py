@@ -445,6 +445,8 @@ def _validate_parallelism(cfg: JobConfig, world_size: int) -> None:
             raise _err(cfg, "parallelism", "expert_parallel_degree",
                        f"must divide data_parallel_shard_degree x context_parallel_degree "
                        f"= {dp_cp}")
+    if p.solver not in ("auto", "ilp", "mrf", "highs", "cbc"):  # planner solver (parallel/auto/solve)
+        raise _err(cfg, "parallelism", "solver", "must be one of auto, ilp, mrf (or highs, cbc: the ILP backend)")
     for key in ("memory_budget_low", "memory_budget_high"):
         v = getattr(p, key)
         if v is not None and v < 0:

@@ -87,6 +87,8 @@ class AutoParallel:
         solver: str = "auto",
         time_limit: float = 600.0,
         cluster_layers: bool = True,
+        seed: bool | None = None,
+        seed_radius: int = 2,
     ) -> None:
         self.model = model
         self.input_fn = input_fn
@@ -94,7 +96,13 @@ class AutoParallel:
         self.loss_fn = loss_fn
         self.mp_policy = mp_policy
         self.hardware = hardware
-        self.solver = solver
+        from parallel.auto.solve import check_solver
+
+        self.solver = check_solver(solver)  # "auto" | "ilp" | "mrf" (| "highs" | "cbc": ILP backend)
+        # split-dimension seeding (solve/seed.py): None = on from 3-D meshes
+        self.seed = seed
+        self.seed_radius = seed_radius
+        self.seed_info: Any = None
         self.time_limit = time_limit
         self.cluster_layers = cluster_layers
         self.mp_dtype: torch.dtype | None = getattr(mp_policy, "param_dtype", None) if mp_policy is not None else None
@@ -127,7 +135,8 @@ class AutoParallel:
         self.graph = trace_joint(self.model, inputs, self.loss_fn)
         self.timings["trace"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        self.candidates = build_candidates(self.graph, self.mesh)
+        if not self._seeded():  # seeded candidates are enumerated in optimize_placement
+            self.candidates = build_candidates(self.graph, self.mesh)
         self.timings["candidates"] = time.perf_counter() - t1
         for i, p in enumerate(self._input_placements):
             if p is not None:
@@ -209,8 +218,9 @@ class AutoParallel:
             return jg.params[node].name
         if node in jg.buffers:
             return jg.buffers[node].name
-        assert self.candidates is not None
-        if node in self.candidates.nodes:
+        if self.candidates is not None and node in self.candidates.nodes:
+            return node
+        if self.candidates is None and (node.startswith("output[") or any(n.name == node for n in jg.gm.graph.nodes)):
             return node
         raise KeyError(f"no node, parameter or buffer named {node!r}")
 
@@ -238,15 +248,27 @@ class AutoParallel:
     def optimize_placement(self, verbose: bool = True) -> Plan:
         """Build the problem, solve it exactly and return the Plan."""
         jg = self._need_graph()
-        assert self.candidates is not None
         level = logging.INFO if verbose else logging.DEBUG
-        low, high = self._memory_bounds()
         cm = self.cost_model()
+        if self._seeded():
+            from parallel.auto.solve.seed import seeded_candidates
+
+            t0 = time.perf_counter()
+            self.candidates, self.seed_info = seeded_candidates(
+                jg, self.mesh, cm, self.constraints, radius=self.seed_radius, mp_dtype=self.mp_dtype,
+                cluster_layers=self.cluster_layers)
+            self.timings["seed"] = time.perf_counter() - t0
+            log.log(level, "%s", self.seed_info.summary())
+        assert self.candidates is not None
+        low, high = self._memory_bounds()
         t0 = time.perf_counter()
         prob = build_problem(self.candidates, cm, constraints=self.constraints, memory_low=low, memory_high=high,
                              cluster_layers=self.cluster_layers, mp_dtype=self.mp_dtype)
         self.timings["build"] = time.perf_counter() - t0
-        sol = solve_ilp(prob, solver=self.solver, time_limit=self.time_limit)
+        from parallel.auto.solve import choose_solver, solve
+
+        log.log(level, "%s; solver: %s", prob.summary(), choose_solver(prob, self.solver)[1])
+        sol = solve(prob, self.solver, time_limit=self.time_limit)
         self.timings["solve"] = sol.seconds
         log.log(level, "solve: objective %.1f µs, %s, %.2fs (%s, %d vars)", sol.objective, sol.status, sol.seconds,
                 sol.solver, sol.num_vars)
@@ -256,6 +278,11 @@ class AutoParallel:
                           constraints=[c.description for c in self.constraints])
         del jg
         return plan
+
+    def _seeded(self) -> bool:
+        from parallel.auto.solve.seed import use_seeding
+
+        return use_seeding(self.mesh.ndim, self.seed)
 
     # ---- materialisation (owner: apply helper; implementation in parallel/auto/apply.py) ----
     def apply_placement(self, plan: Plan) -> nn.Module:

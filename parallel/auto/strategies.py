@@ -455,8 +455,13 @@ def _pstr(p: Any) -> str:
 CONSTANT_REASON = "constant built without data inputs (causal mask, scalar): replicated on every rank by design"
 
 
-def build_candidates(graph: JointGraph, mesh: Any) -> Candidates:
-    """Enumerate the candidate strategies of every node of `graph` on `mesh`."""
+def build_candidates(graph: JointGraph, mesh: Any, restrict: dict[str, list[tuple]] | None = None) -> Candidates:
+    """Enumerate the candidate strategies of every node of `graph` on `mesh`.
+
+    `restrict` (split-dimension seeding, solve/seed.py): node name -> the only strategy
+    keys (output placements, input placements per tensor input) that node may take; the
+    full product over the mesh is then never expanded for it (see `_restricted_specs`).
+    """
     T.register_planner_ops()
     t0 = time.perf_counter()
     en = _Enumerator(mesh)
@@ -478,6 +483,10 @@ def build_candidates(graph: JointGraph, mesh: Any) -> Candidates:
         if n.op == "placeholder":
             val = n.meta["val"]
             shard = val.ndim > 0
+            if restrict and n.name in restrict and shard:
+                specs = _restricted_placeholder(mesh, val, restrict[n.name], placeholder_cache)
+                nodes[n.name] = NodeCandidates(n.name, PLACEHOLDER, n, [], specs, key=None, source=PLACEHOLDER)
+                continue
             nodes[n.name] = NodeCandidates(n.name, PLACEHOLDER, n, [], placeholder_specs(val, shard), key=None, source=PLACEHOLDER)
         elif n.op == "call_function" and n.target is operator.getitem:
             src, idx = n.args[0], n.args[1]
@@ -500,6 +509,10 @@ def build_candidates(graph: JointGraph, mesh: Any) -> Candidates:
                 specs = en._replicate_only(n, [_meta(a.meta["val"]) for a in ins], _out_meta(val))
                 nodes[n.name] = NodeCandidates(n.name, OP, n, ins, specs, key=en.key(n), source="constant")
                 continue
+            if restrict and n.name in restrict:
+                specs, source = _restricted_specs(en, n, restrict[n.name])
+                nodes[n.name] = NodeCandidates(n.name, OP, n, en.tensor_inputs(n), specs, key=en.key(n), source=source)
+                continue
             specs, source = en.enumerate(n)
             nodes[n.name] = NodeCandidates(n.name, OP, n, en.tensor_inputs(n), specs, key=en.key(n), source=source)
         elif n.op == "output":
@@ -512,7 +525,9 @@ def build_candidates(graph: JointGraph, mesh: Any) -> Candidates:
             continue
         val = slot.node.meta["val"]
         name = f"output[{slot.index}]"
-        if slot.kind == "grad_param":
+        if restrict and name in restrict and val.ndim > 0:
+            specs = _restricted_placeholder(mesh, val, restrict[name], placeholder_cache)
+        elif slot.kind == "grad_param":
             specs = placeholder_specs(val)  # same menu as the parameter itself
         elif val.ndim == 0:
             specs = placeholder_specs(val, shard=False)
@@ -526,3 +541,95 @@ def build_candidates(graph: JointGraph, mesh: Any) -> Candidates:
     if not en.coverage.ok:
         log.info("%s", en.coverage)
     return cands
+
+
+# ---------------------------------------------------------------------------
+# Seeded (restricted) enumeration, for split-dimension seeding (solve/seed.py;
+# owner: scalable-solver helper). Only the given strategy keys are built, so a 3-4D
+# mesh never expands the (1 + n)^D product of placements.
+# ---------------------------------------------------------------------------
+
+
+def _restricted_placeholder(mesh: Any, val: torch.Tensor, keys: list[tuple], cache: dict) -> list[Any]:
+    mesh_shape = tuple(mesh.shape)
+    outs = tuple(dict.fromkeys(k[0] for k in keys))
+    ck = ("restricted", tuple(val.shape), tuple(val.stride()), val.dtype, outs)
+    if ck not in cache:
+        meta = _meta(val)
+        cache[ck] = [T.OpSpec(_spec(mesh, p, meta), []) for p in outs if evenly_divisible(tuple(val.shape), p, mesh_shape)]
+    return cache[ck]
+
+
+def _restricted_specs(en: _Enumerator, node: fx.Node, keys: list[tuple]) -> tuple[list[Any], str]:
+    """The strategies of `node` whose (output, inputs) placements are among `keys`.
+
+    Single-dim rules expand over the mesh as a per-axis product (what
+    `expand_to_full_mesh_op_strategy` does), so their strategies are built directly from
+    the keys; strategy-function and decomposition rules are asked once per distinct
+    input placement of the keys and only their answers inside `keys` are kept. Nothing
+    left -> replicate-only (counted in the coverage report).
+    """
+    ck = ("restricted", en.key(node), tuple(keys))
+    hit = en.cache.get(ck)
+    if hit is None:
+        hit = _restricted_uncached(en, node, keys)
+        en.cache[ck] = hit
+    specs, source, why = hit
+    if why is not None:
+        name = str(node.target)
+        en.coverage.fallback.setdefault(name, why)
+        en.coverage.counts[name] += 1
+    return specs, source
+
+
+def _restricted_uncached(en: _Enumerator, node: fx.Node, keys: list[tuple]) -> tuple[list[Any], str, str | None]:
+    op = node.target
+    inputs = en.tensor_inputs(node)
+    in_metas = [_meta(a.meta["val"]) for a in inputs]
+    out_meta = _out_meta(node.meta.get("val"))
+    mesh = en.mesh
+    wanted = set(keys)
+    specs: list[Any] = []
+    source = ""
+    errors: list[str] = []
+    if op in en.prop.op_single_dim_strategy_funcs:
+        source = "single_dim"
+        for o, ins in keys:
+            if len(ins) != len(in_metas):
+                continue
+            if _multi(out_meta):
+                outs = tuple(_spec(mesh, p, m) if (p is not None and m is not None) else None for p, m in zip(o, out_meta))
+            else:
+                outs = _spec(mesh, o, out_meta)
+            specs.append(T.OpSpec(outs, [_spec(mesh, p, m) for p, m in zip(ins, in_metas)]))
+    else:
+        if op in en.prop.op_strategy_funcs:
+            source = "strategy_func"
+            func = en.prop.op_strategy_funcs[op]
+        else:
+            source = "decomp"
+            ds = en.prop.decomp_strategy
+            if hasattr(ds, "has_decomp") and ds.has_decomp(op):
+                ds.ensure_schema_info(op)
+                func = ds.propagate_strategy
+            else:
+                func = None
+                errors.append("no sharding rule and no decomposition")
+        if func is not None:
+            for ins in dict.fromkeys(k[1] for k in keys):
+                try:
+                    strat = func(en._schema(node, list(ins)))
+                except Exception as e:  # noqa: BLE001 - invalid combination for this op
+                    errors.append(f"{source}: {type(e).__name__}: {e}"[:200])
+                    continue
+                if isinstance(strat, T.OpStrategy):
+                    specs.extend(strat.strategies)
+    specs = en._finalize(specs, in_metas, out_meta)
+    specs = [s for s in specs if _spec_key(s.output_specs, s.input_specs) in wanted]
+    # stable order: the order of `keys`
+    order = {k: i for i, k in enumerate(keys)}
+    specs.sort(key=lambda s: order[_spec_key(s.output_specs, s.input_specs)])
+    if not specs:
+        why = "; ".join(errors[-1:]) if errors else "no strategy inside the seeded Hamming ball"
+        return en._replicate_only(node, in_metas, out_meta), "replicate_fallback", why
+    return specs, source, None
