@@ -98,7 +98,8 @@ def main():
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: stable on a shared machine; 0: torch default)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

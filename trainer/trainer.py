@@ -43,6 +43,9 @@ def parallelize(model: torch.nn.Module, mesh, job_config: JobConfig, sample_batc
                 f"is not available yet ({e}); use mode = \"manual\"") from None
         return auto_parallelize_for_training(model, mesh, job_config, sample_batch)
     if mesh is None:
+        if job_config.training.compile:
+            from parallel.recipes import apply_compile
+            apply_compile(model)
         return model
     from parallel.recipes import apply_recipe
     return apply_recipe(model, mesh, job_config)
@@ -108,7 +111,7 @@ class Trainer:
         self.model.train()
         # mixed precision without FSDP (single rank): autocast
         self.autocast = (t.mixed_precision_param != "float32" and not _is_fsdp(self.model)
-                         and t.dtype == "float32")
+                         and t.dtype == "float32" and cfg.parallelism.mode == "manual")
 
         # ---- optimizer, schedule, checkpoints, metrics
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -153,10 +156,13 @@ class Trainer:
         from parallel.recipes.tp import loss_parallel_context, loss_value
         with loss_parallel_context(self.model):
             with ctx:
-                logits = (self.model(inputs) if positions is None
-                          else self.model(inputs, positions))
-                loss = cross_entropy_loss(logits, labels)
-            del logits
+                if getattr(self.model, "computes_loss", False):  # auto-mode ParallelModule
+                    loss = self.model(inputs, labels)
+                else:
+                    logits = (self.model(inputs) if positions is None
+                              else self.model(inputs, positions))
+                    loss = cross_entropy_loss(logits, labels)
+                    del logits
             loss.backward()
         loss = loss_value(loss)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)

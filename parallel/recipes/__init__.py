@@ -56,6 +56,8 @@ def apply_recipe(model: nn.Module, mesh: DeviceMesh, job_config) -> nn.Module:
                 f"{job_config.activation_checkpoint.mode!r}) is not available yet ({e}); "
                 f'set mode = "none"') from None
         model = apply_ac(model, job_config.activation_checkpoint) or model
+    if job_config.training.compile:
+        apply_compile(model)
 
     if dp_rep > 1 or cp > 1 or ep > 1:  # HSDP, and FSDP over dp_shard x cp (recipes helper)
         from .hsdp import apply_hsdp, data_parallel_mesh
@@ -68,6 +70,21 @@ def apply_recipe(model: nn.Module, mesh: DeviceMesh, job_config) -> nn.Module:
     if dp_shard > 1:
         from .fsdp import apply_fsdp, mixed_precision_policy
         model = apply_fsdp(model, mesh["dp_shard"], mixed_precision_policy(job_config.training))
+    return model
+
+
+def apply_compile(model: nn.Module) -> nn.Module:
+    """``torch.compile`` each transformer block in place (after TP/AC, before FSDP), as
+    TorchTitan does: repeated blocks share one compiled graph."""
+    import torch
+    from .fsdp import transformer_blocks
+    layers = model.layers
+    for i, block in enumerate(transformer_blocks(model)):
+        compiled = torch.compile(block, fullgraph=False)
+        if isinstance(layers, nn.ModuleDict):
+            layers[list(layers.keys())[i]] = compiled
+        else:
+            layers[i] = compiled
     return model
 
 

@@ -46,7 +46,7 @@ def test_killed_save_is_not_used_on_restart(cfg_factory, tmp_path):
     args = FAST + SPLIT + ["--job.dump_folder", str(tmp_path), "--job.name", "killed",
                            "--training.steps", "6", "--checkpoint.enable", "true",
                            "--checkpoint.interval", "2"]
-    env = {**os.environ, "AUTOTITAN_TEST_KILL_DURING_SAVE": "4"}
+    env = {**os.environ, "AUTOTITAN_TEST_KILL_DURING_SAVE": "4", "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "llama3_debug",
                         *args], env=env, capture_output=True, text=True, timeout=300)

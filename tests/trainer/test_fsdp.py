@@ -24,6 +24,7 @@ def torchrun(tmp_path, job, extra, nproc=2):
            "--job.dump_folder", str(tmp_path), "--job.name", job, *extra]
     env = {k: v for k, v in os.environ.items()
            if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     return r
@@ -98,8 +99,9 @@ def _norm_worker(rank, world, store_path, out_path):
 
 
 @pytest.mark.slow
-def test_grad_norm_of_sharded_and_replicated_dtensors(tmp_path):
+def test_grad_norm_of_sharded_and_replicated_dtensors(tmp_path, monkeypatch):
     import torch.multiprocessing as mp
     out = tmp_path / "out.txt"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     mp.spawn(_norm_worker, args=(2, str(tmp_path / "store"), str(out)), nprocs=2)
     assert out.read_text().startswith("True"), out.read_text()
