@@ -29,11 +29,14 @@ Loss parallel: the logits stay vocab-sharded; the trainer computes the loss *and
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+
+import torch
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                PrepareModuleInputOutput, RowwiseParallel,
                                                SequenceParallel, loss_parallel,
@@ -69,7 +72,9 @@ def _block_plan(block: nn.Module, sp: bool) -> dict:
             plan["ffn_norm"] = SequenceParallel()
     attn = block.attention
     # attention(x, cos, sin): only the first input is an activation
-    plan["attention"] = _first_input(attn, seq)
+    # MLA's replicated low-rank projections (wq_a, wkv_a) are plain Linears: give the
+    # module a local tensor (one all-reduce per colwise projection in backward)
+    plan["attention"] = _first_input(attn, seq, local=hasattr(attn, "wkv_a"))
     if hasattr(attn, "wkv_a"):  # DeepSeek-V3 MLA: shard heads of wq/wq_b and wkv_b
         plan["attention.wq_b" if getattr(attn, "wq_b", None) is not None else "attention.wq"] = ColwiseParallel()
         plan["attention.wkv_b"] = ColwiseParallel()
@@ -104,7 +109,7 @@ def _n_required_inputs(module: nn.Module) -> int:
                       and p.default is p.empty))
 
 
-def _first_input(module: nn.Module, seq) -> PrepareModuleInput:
+def _first_input(module: nn.Module, seq, local: bool = False) -> PrepareModuleInput:
     """Redistribute the first (activation) input from ``seq`` to Replicate; others untouched.
 
     The module receives a Replicate *DTensor* (``use_local_output=False``): the Partial
@@ -114,7 +119,7 @@ def _first_input(module: nn.Module, seq) -> PrepareModuleInput:
     n = _n_required_inputs(module)
     return PrepareModuleInput(input_layouts=(seq,) + (None,) * (n - 1),
                               desired_input_layouts=(Replicate(),) + (None,) * (n - 1),
-                              use_local_output=False)
+                              use_local_output=local)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True,
@@ -137,6 +142,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     parallelize_module(model, tp_mesh, top)
     for block in model.layers:
         parallelize_module(block, tp_mesh, _block_plan(block, sp))
+        attn = block.attention
+        if hasattr(attn, "wkv_a"):
+            attn.wkv_a.register_forward_hook(functools.partial(
+                _mla_shared_rope_grad_hook, tp_mesh=tp_mesh, kv_lora_rank=attn.kv_lora_rank))
     if not any(p.is_meta for p in model.parameters()):
         # on meta, hooks would not survive to_empty: call register_partial_grad_hooks after it
         register_partial_grad_hooks(model)
@@ -162,6 +171,30 @@ def _replicate_partial_grad(p) -> None:
     g = p.grad
     if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
         p.grad = g.redistribute(g.device_mesh, [Replicate()] * g.device_mesh.ndim)
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient of the columns ``[start:]``
+    over the tp mesh (expressed as a Partial -> Replicate DTensor redistribution)."""
+
+    @staticmethod
+    def forward(ctx, y, tp_mesh, start):
+        ctx.tp_mesh, ctx.start = tp_mesh, start
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        head, tail = g[..., :ctx.start], g[..., ctx.start:].contiguous()
+        tail = DTensor.from_local(tail, ctx.tp_mesh, [Partial()], run_check=False)
+        tail = tail.redistribute(ctx.tp_mesh, [Replicate()]).to_local()
+        return torch.cat([head, tail], dim=-1), None, None
+
+
+def _mla_shared_rope_grad_hook(module, args, out, *, tp_mesh, kv_lora_rank):
+    """MLA: ``wkv_a`` yields ``[latent | k_rope]``; ``k_rope`` is shared by all heads, so
+    with heads sharded each rank only sees its heads' share of its gradient. (The latent
+    part is complete: ``wkv_b``'s colwise input already all-reduces it.)"""
+    return _SumGradOverTP.apply(out, tp_mesh, kv_lora_rank)
 
 
 def uses_loss_parallel(model: nn.Module) -> bool:

@@ -98,6 +98,15 @@ def fsdp_tp_sac(model, mesh):
 
 CASES["llama3_cp2_tp2"] = ("llama3", (2, 2), ("cp", "tp"), cp2_tp2)
 CASES["llama3_fsdp2_tp2_sac"] = ("llama3", (2, 2), ("dp_shard", "tp"), fsdp_tp_sac)
+def ep2_tp2(model, mesh):
+    from parallel.recipes.tp import apply_tp
+
+    apply_tp(model, mesh["tp"])
+    return _ep(model, mesh, 2)
+
+
+CASES["deepseek_v3_tp2"] = ("deepseek_v3", (2,), ("tp",), tp2)
+CASES["deepseek_v3_ep2_tp2"] = ("deepseek_v3", (2, 2), ("dp_shard", "tp"), ep2_tp2)
 CASES["deepseek_v3_ep2"] = ("deepseek_v3", (2,), ("dp_shard",), ep2)
 CASES["deepseek_v3_ep2_fsdp4"] = ("deepseek_v3", (4,), ("dp_shard",), ep2)
 
