@@ -109,6 +109,7 @@ class _Reduced:
         self.protect = protect
         self.steps: list[tuple] = []  # recovery records, in elimination order
         self._run()
+        self._prune_duplicates(prob)
 
     def _add(self, e: _E, i: int | None = None) -> None:
         if i is None:
@@ -177,6 +178,35 @@ class _Reduced:
                     self._add(_E(u, w, cu, cw, best))
                     self.steps.append(("link", g, u, w, cu, cw, arg))
             self.alive[g] = False
+
+    def _prune_duplicates(self, prob: Problem) -> None:
+        """Keep one strategy per (classes on every remaining edge, parameter bytes) signature.
+
+        Two strategies of a group that look the same to every neighbour (and to the memory
+        constraint) differ only in their unary cost, so the dearer one can never be
+        needed: exact.
+        """
+        for g in range(len(self.adj)):
+            if not self.alive[g]:
+                continue
+            u = self.unary[g]
+            ok = np.flatnonzero(np.isfinite(u))
+            if len(ok) < 2:
+                continue
+            cols = []
+            for i in sorted(self.adj[g]):
+                e = self.edges[i]
+                cols.append(e.cu if e.u == g else e.cv)
+            pb = prob.param_bytes.get(g) if g in self.protect else None
+            best: dict[tuple, int] = {}
+            for s in ok:
+                sig = tuple(int(c[s]) for c in cols) + ((float(pb[s]),) if pb is not None else ())
+                b = best.get(sig)
+                if b is None or u[s] < u[b]:
+                    best[sig] = int(s)
+            keep = np.zeros(len(u), dtype=bool)
+            keep[list(best.values())] = True
+            self.unary[g] = np.where(keep, u, np.inf)
 
     def recover(self, labels: list[int | None]) -> list[int]:
         for step in reversed(self.steps):
