@@ -102,6 +102,12 @@ def _validate_recipe(model: nn.Module, job_config, tp: int, cp: int, ep: int) ->
     if ep > 1:
         from .ep import validate_ep_model
         checks.append(("expert_parallel_degree", ep, lambda: validate_ep_model(model.args, ep)))
+        if job_config.parallelism.data_parallel_replicate_degree > 1:
+            def _no_hsdp():
+                raise ValueError("expert parallel with data_parallel_replicate_degree > 1 (HSDP) "
+                                 "is not supported by the manual recipes; use "
+                                 "data_parallel_shard_degree instead")
+            checks.append(("expert_parallel_degree", ep, _no_hsdp))
     for key, value, check in checks:
         try:
             check()

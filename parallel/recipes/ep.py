@@ -197,15 +197,10 @@ def build_ep_meshes(mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
         raise ValueError(f"expert_parallel_degree={ep} must divide data_parallel_shard_degree x "
                          f"context_parallel_degree = {D}")
     two_d = flat._unflatten(0, (D // ep, ep), ("dp_shard_mod_ep", "ep"))
-    exp_dp = two_d["dp_shard_mod_ep"]
     if "dp_replicate" in names:
-        exp_dp = _with_replicate(mesh, two_d)
-    return exp_dp, two_d["ep"]
-
-
-def _with_replicate(mesh: DeviceMesh, two_d: DeviceMesh) -> DeviceMesh:
-    raise NotImplementedError("expert parallel together with data_parallel_replicate_degree > 1 "
-                              "(HSDP) is not supported by the manual recipe yet")
+        raise ValueError("expert parallel together with data_parallel_replicate_degree > 1 "
+                         "(HSDP) is not supported by the manual recipes")
+    return two_d["dp_shard_mod_ep"], two_d["ep"]
 
 
 def _pre_hook(module, args):

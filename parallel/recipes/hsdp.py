@@ -61,14 +61,9 @@ def data_parallel_mesh(mesh: DeviceMesh) -> Optional[DeviceMesh]:
         shard = flatten_axes(mesh, shard_axes, "dp_shard_cp")
         if not has_rep:
             return shard
-        shard_name = _names(shard)[0]
-        return mesh["dp_replicate", shard_name] if len(shard_axes) == 1 else _hsdp_mesh(mesh, shard_name)
+        # a flattened axis (dp_shard_cp) can be sliced together with an original one by name
+        return mesh["dp_replicate", _names(shard)[0]]
     return mesh["dp_replicate"] if mesh.ndim > 1 else mesh
-
-
-def _hsdp_mesh(mesh: DeviceMesh, shard_name: str) -> DeviceMesh:
-    # slicing a flattened axis together with an original axis is supported by name
-    return mesh["dp_replicate", shard_name]
 
 
 def mp_policy(param_dtype="float32", reduce_dtype="float32") -> MixedPrecisionPolicy:
