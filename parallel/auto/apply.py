@@ -25,7 +25,8 @@ forward part and autograd runs the backward part (a `torch.autograd.Function`):
 
 Mixed precision (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`): parameters
 stay fp32 DTensors (optimizer state fp32); each is cast to bf16 on its own shard before
-any gather, the graph runs under bf16 autocast, and gradients are cast to fp32 before
+any gather, an op whose floating inputs mix bf16 and fp32 computes in bf16 (ops fed
+one dtype run as traced, so the loss stays fp32), and gradients are cast to fp32 before
 their reduction collective.
 """
 
@@ -57,6 +58,10 @@ class InputShapeError(ValueError):
 
 
 _VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+_CAST_OPS = (torch.ops.aten._to_copy.default,)
+# inputs that keep their dtype under mixed precision (flattened argument positions):
+# the CPU flash-attention backward takes an fp32 logsumexp with bf16 q/k/v
+_KEEP_DTYPE = {T.CPU_ATTENTION_BWD: (5,)}
 
 
 def _is_tensor_node(x: Any) -> bool:
@@ -252,6 +257,8 @@ class PlanRunner:
                 vals.append(env[a.name])
             else:
                 vals.append(a)
+        if self.param_dtype is not None:
+            vals = self._harmonize(vals, n)
         args, kwargs = tree_unflatten(vals, tspec)
         try:
             out = n.target(*args, **kwargs)
@@ -285,9 +292,25 @@ class PlanRunner:
             out = redistribute(out, self.mesh, planned)
         return out
 
+    def _harmonize(self, vals: list[Any], n: fx.Node) -> list[Any]:
+        """Mixed precision: an op whose floating inputs mix dtypes computes in param_dtype.
+
+        The graph was traced in fp32; parameters enter it in bf16, so fp32 values (RoPE
+        tables, the fp32 loss branch meeting a bf16 matmul in backward) are cast down
+        where they meet bf16 ones. Ops with a single float dtype run as traced (the
+        loss stays fp32).
+        """
+        if n.target in _CAST_OPS:
+            return vals
+        dts = {v.dtype for v in vals if isinstance(v, torch.Tensor) and v.dtype.is_floating_point}
+        if len(dts) <= 1:
+            return vals
+        pd = self.param_dtype
+        keep = _KEEP_DTYPE.get(n.target, ())
+        return [v.to(pd) if isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.dtype != pd
+                and i not in keep else v for i, v in enumerate(vals)]
+
     def _autocast(self) -> Any:
-        if self.param_dtype is not None and self.param_dtype != torch.float32:
-            return torch.autocast("cpu", dtype=self.param_dtype)
         import contextlib
 
         return contextlib.nullcontext()
