@@ -48,16 +48,12 @@ _LOSS_PARALLEL_ATTR = "_autotitan_loss_parallel"
 
 
 def validate_tp(model_args, tp: int) -> None:
-    """Raise ``ValueError`` when ``tp`` does not divide the sharded dimensions."""
+    """Raise ``ValueError`` when ``tp`` does not divide a dimension the recipe shards:
+    attention heads (and kv heads), the dense FFN hidden size, the vocabulary."""
     if tp <= 1:
         return
-    checks = {"n_heads": getattr(model_args, "n_heads", None),
-              "n_kv_heads": getattr(model_args, "n_kv_heads", None),
-              "ffn_hidden_dim": getattr(model_args, "ffn_hidden_dim", None),
-              "inter_dim": getattr(model_args, "inter_dim", None),
-              "moe_inter_dim": None,
-              "vocab_size": getattr(model_args, "vocab_size", None)}
-    for name, val in checks.items():
+    for name in ("n_heads", "n_kv_heads", "ffn_hidden_dim", "inter_dim", "vocab_size"):
+        val = getattr(model_args, name, None)
         if val and val % tp:
             raise ValueError(f"tensor_parallel_degree={tp} does not divide {name}={val} "
                              f"of the model; choose a degree that divides it")
