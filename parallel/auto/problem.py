@@ -147,7 +147,19 @@ class _UnionFind:
             self.parent[rb] = ra
 
 
-def _menu(c: NodeCandidates) -> tuple:
+def _menu(c: NodeCandidates, cache: dict[int, tuple[list, tuple]] | None = None) -> tuple:
+    """(output placements, input placements) per strategy; cached per shared specs list."""
+    if cache is None:
+        return _menu_uncached(c)
+    hit = cache.get(id(c.specs))
+    if hit is not None and hit[0] is c.specs:
+        return hit[1]
+    menu = _menu_uncached(c)
+    cache[id(c.specs)] = (c.specs, menu)
+    return menu
+
+
+def _menu_uncached(c: NodeCandidates) -> tuple:
     out = []
     for s in c.specs:
         o = s.output_specs
@@ -165,9 +177,11 @@ def _tie_groups(cands: Candidates, cluster_layers: bool) -> tuple[list[list[str]
         uf.find(n)
     menus: dict[str, tuple] = {}
 
+    by_specs: dict[int, tuple[list, tuple]] = {}
+
     def menu(n: str) -> tuple:
         if n not in menus:
-            menus[n] = _menu(cands.nodes[n])
+            menus[n] = _menu(cands.nodes[n], by_specs)
         return menus[n]
 
     def tie(a: str, b: str, why: str) -> None:
@@ -365,6 +379,7 @@ def build_problem(
 
     # edges, merged across copies of repeated layers
     merged: dict[tuple, Edge] = {}
+    edge_cache: dict[tuple, tuple] = {}  # holds the specs lists so their ids stay unique
     for name, c in nodes.items():
         if c.kind == PLACEHOLDER:
             continue
@@ -373,27 +388,33 @@ def build_problem(
             src_name = src_node.name
             src_c = nodes[src_name]
             idx = c.getitem_index if c.kind == GETITEM else None
-            src_pl = _output_placements(src_c, idx)
-            dst_pl = [s.input_specs[k].placements for s in c.specs]
             val = src_node.meta["val"]
             if isinstance(val, (tuple, list)):
                 val = val[idx or 0]
             shape, dtype = tuple(val.shape), val.dtype
             src_g = group_of[src_name]
+            # copies of one op in repeated layers share their specs lists: cost the edge once
+            ek = (id(src_c.specs), idx, id(c.specs), k, shape, dtype)
+            hit = edge_cache.get(ek)
+            if hit is None:
+                src_pl = _output_placements(src_c, idx)
+                dst_pl = [s.input_specs[k].placements for s in c.specs]
+                src_cls, src_uniq = _classes(src_pl)
+                dst_cls, dst_uniq = _classes(dst_pl)
+                m = costs.redistribution(shape, dtype, src_uniq, dst_uniq)
+                hit = edge_cache[ek] = (src_cls, src_uniq, dst_cls, dst_uniq, m, src_c.specs, c.specs)
+            src_cls, src_uniq, dst_cls, dst_uniq, m = hit[:5]
             if src_g == dst_g:  # tied producer/consumer: cost on the diagonal
-                m = np.array([costs.redistribution(shape, dtype, [src_pl[i]], [dst_pl[i]])[0, 0] for i in range(len(src_pl))])
-                unary[dst_g] += m
+                unary[dst_g] += m[src_cls, dst_cls]
                 continue
             # members of a group share one menu, so copies of this edge share class arrays
             key = (src_g, dst_g, idx, k)
             e = merged.get(key)
             if e is None:
-                src_cls, src_uniq = _classes(src_pl)
-                dst_cls, dst_uniq = _classes(dst_pl)
                 e = Edge(src_g, dst_g, src_cls, dst_cls, src_uniq, dst_uniq,
                          np.zeros((len(src_uniq), len(dst_uniq))), [], (shape, dtype))
                 merged[key] = e
-            e.cost = e.cost + costs.redistribution(shape, dtype, e.src_placements, e.dst_placements)
+            e.cost = e.cost + m
             e.members.append((src_name, name, k))
     # merge edges between the same pair of groups with identical class structure
     edges = list(merged.values())
