@@ -36,7 +36,10 @@ def parse_args(argv=None):
 def init_distributed():
     """gloo process group from torchrun's env vars; none for a plain single process."""
     import torch.distributed as dist
-    if "WORLD_SIZE" not in os.environ or dist.is_initialized():
+    if dist.is_initialized():
+        return False
+    if "WORLD_SIZE" not in os.environ or (
+            os.environ["WORLD_SIZE"] == "1" and "MASTER_ADDR" not in os.environ):
         return False
     dist.init_process_group("gloo", timeout=timedelta(minutes=10))
     return True

@@ -188,6 +188,14 @@ class Trainer:
                 f"{t.seq_len} tokens, steps {self.step + 1}..{t.steps}, MFU peak from "
                 f"{self.metrics.peak_note or 'n/a'}")
         logged: dict[int, float] = {}
+        if self.step >= t.steps:
+            if self.rank == 0:
+                logger.info(f"already at step {self.step} of training.steps = {t.steps} (resumed "
+                            f"from {self.checkpointer.folder}): nothing to train. Raise "
+                            f"--training.steps, or start fresh with another --job.name or "
+                            f"--job.dump_folder")
+            self.metrics.close()
+            return logged
         data_iter = iter(self.dataloader)
         self.metrics.reset_timer()
         try:
