@@ -359,6 +359,13 @@ def _err(cfg: JobConfig, section: str, key: str, msg: str) -> ConfigError:
     return ConfigError(f"{cfg.source}: '{section}.{key}' = {value!r}: {msg}")
 
 
+def hardware_profile_path(name: str) -> Path:
+    """A profile name -> configs/hardware/NAME.toml; a path (with / or .toml) as is."""
+    if name.endswith(".toml") or "/" in name or os.sep in name:
+        return Path(name)
+    return CONFIGS_DIR / "hardware" / f"{name}.toml"
+
+
 def env_world_size() -> int:
     try:
         return int(os.environ.get("WORLD_SIZE", "1"))
@@ -401,7 +408,7 @@ def validate_config(cfg: JobConfig, world_size: Optional[int] = None) -> None:
 
     for section in ("metrics", "parallelism"):
         hw = getattr(cfg, section).hardware
-        if hw != "cpu" and not (CONFIGS_DIR / "hardware" / f"{hw}.toml").is_file():
+        if hw != "cpu" and not hardware_profile_path(hw).is_file():
             known = sorted(p.stem for p in (CONFIGS_DIR / "hardware").glob("*.toml"))
             raise _err(cfg, section, "hardware",
                        f"no hardware profile configs/hardware/{hw}.toml; known: "

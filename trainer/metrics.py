@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .config import PROJECT_ROOT
+from .config import hardware_profile_path
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -65,11 +65,11 @@ def peak_flops(hardware: str, dtype: str = "float32") -> tuple[Optional[float], 
     """Peak FLOP/s per device for a hardware profile and compute dtype, and a note.
 
     ``cpu`` is measured (fp32 matmul, once). Other names read
-    ``configs/hardware/NAME.toml``: ``[peak_tflops] bf16 / fp32`` (or a ``[compute]``
+    ``configs/hardware/NAME.toml`` (or a path to a .toml): ``[peak_tflops] bf16 / fp32`` (or a ``[compute]``
     table with ``peak_tflops_bf16 / peak_tflops_fp32``). Unknown: (None, reason)."""
     if hardware == "cpu":
         return measure_cpu_peak_flops(), "cpu: measured fp32 matmul peak"
-    path = PROJECT_ROOT / "configs" / "hardware" / f"{hardware}.toml"
+    path = hardware_profile_path(hardware)
     if not path.is_file():
         return None, f"no hardware profile {path}"
     with open(path, "rb") as f:
