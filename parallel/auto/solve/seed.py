@@ -92,6 +92,21 @@ def _combine(keys: list[tuple]) -> tuple:
     return (out, ins)
 
 
+def _mixed_partial(key: tuple) -> bool:
+    """True when a tensor is Partial with a min/max reduction on one axis and a different
+    one on another (e.g. Partial(min) x Partial(max)): valid per axis, but DTensor's own
+    mesh expansion never produces it, so seeded menus leave it out too."""
+    o, ins = key
+    outs = o if (o and (isinstance(o[0], tuple) or o[0] is None)) else (o,)
+    for pl in list(outs) + list(ins):
+        if pl is None:
+            continue
+        ops = {getattr(p, "reduce_op", None) for p in pl if type(p).__name__ == "Partial"}
+        if len(ops) > 1 and not ops <= {"sum", "avg"}:  # linear reductions commute; min/max do not
+            return True
+    return False
+
+
 def hamming_ball(options: list[list[Any]], seed: list[int], radius: int) -> list[tuple[int, ...]]:
     """Index tuples (one option per axis) differing from `seed` on at most `radius` axes.
 
@@ -183,7 +198,8 @@ def seeded_candidates(graph: Any, mesh: Any, cost_model: Any, constraints: list[
         ball_keys = menu_cache.get(ck)
         if ball_keys is None:  # copies of a layer share menus and seeds: one ball, one list object
             ball = hamming_ball(options, seed, radius)
-            ball_keys = menu_cache[ck] = [_combine([options[a][t[a]] for a in range(len(options))]) for t in ball]
+            ball_keys = [_combine([options[a][t[a]] for a in range(len(options))]) for t in ball]
+            ball_keys = menu_cache[ck] = [k for k in ball_keys if not _mixed_partial(k)]
         restrict[name] = ball_keys
         sizes.append(len(ball_keys))
     cands = build_candidates(graph, mesh, restrict=restrict)
