@@ -105,6 +105,7 @@ def ep2_tp2(model, mesh):
     return _ep(model, mesh, 2)
 
 
+CASES["deepseek_v3_cp2"] = ("deepseek_v3", (2,), ("cp",), cp2)
 CASES["deepseek_v3_tp2"] = ("deepseek_v3", (2,), ("tp",), tp2)
 CASES["deepseek_v3_ep2_tp2"] = ("deepseek_v3", (2, 2), ("dp_shard", "tp"), ep2_tp2)
 CASES["deepseek_v3_ep2"] = ("deepseek_v3", (2,), ("dp_shard",), ep2)
