@@ -132,6 +132,60 @@ def redistribute(x: DTensor, mesh: Any, target: tuple) -> DTensor:
     return DTensor.from_local(local, mesh, target, run_check=False, shape=x.shape, stride=x.stride())
 
 
+def _bucketable(src: tuple, dst: tuple) -> bool:
+    """Placement pairs a flat-buffer collective handles: per axis (S(0)|R -> R), or
+    (P(sum) -> S(0)|R), or unchanged (R->R, S(0)->S(0)); at least one axis changes."""
+    changed = False
+    gather = reduce = False
+    for a, b in zip(src, dst):
+        if a == b and (isinstance(a, T.Replicate) or (type(a) is T.Shard and a.dim == 0)):
+            continue
+        if type(a) is T.Shard and a.dim == 0 and isinstance(b, T.Replicate):
+            gather = changed = True
+        elif type(a) is T.Partial and a.reduce_op == "sum" and (isinstance(b, T.Replicate) or (type(b) is T.Shard and b.dim == 0)):
+            reduce = changed = True
+        else:
+            return False
+    return changed and not (gather and reduce)
+
+
+def _n_chunks(placements: tuple, mesh: Any) -> int:
+    k = 1
+    for ax, p in enumerate(placements):
+        if type(p) is T.Shard:
+            k *= mesh.size(ax)
+    return k
+
+
+def bucketed_redistribute(items: list[DTensor], mesh: Any, target: tuple) -> list[DTensor]:
+    """Redistribute DTensors sharing one placement to `target` with ONE collective per
+    mesh axis on a flat buffer (FSDP-style bucketing) instead of one per tensor.
+
+    Only for `_bucketable` pairs: dim-0 shards and Partial(sum); the flat buffer is laid
+    out chunk-major (chunk r of every tensor, then chunk r+1, ...) so that DTensor's own
+    Shard(0) of the buffer coincides with every tensor's Shard(0).
+    """
+    src = tuple(items[0].placements)
+    k_src, k_dst = _n_chunks(src, mesh), _n_chunks(target, mesh)
+    # the finest split of dim 0 has max(k_src, k_dst) chunks; this rank's source local tensor
+    # holds q of them (q > 1 only when reducing onto a finer Shard(0))
+    q = k_dst // k_src if k_dst > k_src else 1
+    parts = [x.to_local().contiguous().reshape(q, -1) for x in items]
+    widths = [pt.shape[1] for pt in parts]
+    buf = torch.cat(parts, dim=1).reshape(-1)  # [q blocks of L], block b = chunk b of every tensor
+    L = sum(widths)
+    dt = DTensor.from_local(buf, mesh, src, run_check=False, shape=(buf.numel() * k_src,), stride=(1,))
+    blocks = redistribute(dt, mesh, target).to_local().reshape(-1, L)
+    res = []
+    off = 0
+    for x, w in zip(items, widths):
+        piece = blocks[:, off:off + w].reshape(-1, *x.shape[1:])
+        off += w
+        res.append(DTensor.from_local(piece, mesh, target, run_check=False, shape=x.shape,
+                                      stride=_contiguous_stride(tuple(x.shape))))
+    return res
+
+
 # ---------------------------------------------------------------------------
 # The plan as executable per-node specs
 # ---------------------------------------------------------------------------
@@ -145,7 +199,8 @@ class PlanRunner:
     not fit this graph is refused).
     """
 
-    def __init__(self, graph: JointGraph, candidates: Candidates, plan: Plan, mesh: Any, mp_policy: Any = None):
+    def __init__(self, graph: JointGraph, candidates: Candidates, plan: Plan, mesh: Any, mp_policy: Any = None,
+                 bucket: bool = True):
         self.graph = graph
         self.mesh = mesh
         self.plan = plan
@@ -177,6 +232,23 @@ class PlanRunner:
         self.buffer_names = list(graph.buffers)
         self.input_nodes = list(graph.inputs)
         self.tangent_of = {t.name: i for i, t in graph.output_tangents}
+        # collective bucketing (gathers of parameters, gradient reductions)
+        self.bucket = bucket
+        self._cache: dict[str, Any] = {}
+        param_nodes = {graph.params[f].name for f in self.param_names}
+        self._gather_params: list[str] = []
+        for n in nodes:
+            if n.op != "call_function" or n.name not in self.spec or n.target is operator.getitem:
+                continue
+            ins = list(self.spec[n.name].input_specs or [])
+            leaves, _ = tree_flatten((n.args, dict(n.kwargs)))
+            k = 0
+            for a in leaves:
+                if _is_tensor_node(a):
+                    if a.name in param_nodes and k < len(ins) and all(isinstance(p, T.Replicate) for p in ins[k].placements):
+                        if a.name not in self._gather_params:
+                            self._gather_params.append(a.name)
+                    k += 1
 
     # -- plan <-> candidates -------------------------------------------------
     def _check_and_resolve(self, cands: Candidates) -> None:
@@ -245,7 +317,12 @@ class PlanRunner:
             if _is_tensor_node(a):
                 v = env[a.name]
                 if k < len(in_specs):
-                    v = self._to(v, tuple(in_specs[k].placements))
+                    tgt = tuple(in_specs[k].placements)
+                    cached = self._cache.get(a.name)
+                    if cached is not None and tuple(cached.placements) == tgt:
+                        v = cached
+                    else:
+                        v = self._to(v, tgt)
                 if n.target in _VIEW_OPS and isinstance(v, DTensor) and not v.to_local().is_contiguous():
                     # the joint graph is functional: a copy is as good as a view, and local
                     # shards (after a redistribution) need not keep the global layout
@@ -329,6 +406,9 @@ class PlanRunner:
             env[name] = self._to(b, self.out_placements(name))
         for node, x in zip(self.input_nodes, inputs):
             env[node.name] = x
+        self._cache = {}
+        if self.bucket:
+            self._prefetch(env)
         with torch.no_grad(), self._autocast():
             for n in self.fwd_nodes:
                 env[n.name] = self._run_node(n, env)
@@ -338,10 +418,13 @@ class PlanRunner:
             v = self._to(v, self.out_placements(f"output[{s.index}]"))
             outs.append(v)
         saved = {k: env[k] for k in self.saved_names if k in env}
+        saved["__cache__"] = self._cache
+        self._cache = {}
         return outs, saved
 
     def run_backward(self, saved: dict, tangents: list[Any], params: list[DTensor]) -> list[Any]:
         env = dict(saved)
+        self._cache = env.pop("__cache__", {})
         g = self.graph
         for out_idx, t in g.output_tangents:
             val = tangents[out_idx] if out_idx < len(tangents) else None
@@ -351,7 +434,9 @@ class PlanRunner:
         with torch.no_grad(), self._autocast():
             for n in self.bwd_nodes:
                 env[n.name] = self._run_node(n, env)
-        grads = []
+        self._cache = {}
+        grads: list[Any] = []
+        pending: dict[tuple, list[int]] = {}  # (src, dst, dtype) -> indices into grads
         for fqn, p in zip(self.param_names, params):
             s = self.grad_slots.get(fqn)
             if s is None or s.node is None:
@@ -360,13 +445,42 @@ class PlanRunner:
             v = env[s.node.name]
             if self.reduce_dtype is not None and v.dtype != self.reduce_dtype and v.dtype.is_floating_point:
                 v = v.to(self.reduce_dtype)  # reduce gradients in the reduce dtype
-            v = self._to(v, self.out_placements(f"output[{s.index}]"))
+            dst = self.out_placements(f"output[{s.index}]")
+            src = tuple(v.placements)
+            if self.bucket and src != dst and _bucketable(src, dst):
+                pending.setdefault((src, dst, v.dtype), []).append(len(grads))
+            else:
+                v = self._to(v, dst)
+            grads.append(v)
+        for (src, dst, _), idx in pending.items():  # one collective per bucket and mesh axis
+            self.stats["bucketed_grad_reductions"] += 1
+            for i, r in zip(idx, bucketed_redistribute([grads[i] for i in idx], self.mesh, dst)):
+                grads[i] = r
+        for i, (v, p) in enumerate(zip(grads, params)):
+            if v is None:
+                continue
             if v.dtype != p.dtype:
                 v = v.to(p.dtype)
             if tuple(v.placements) != tuple(p.placements):
                 v = redistribute(v, self.mesh, tuple(p.placements))
-            grads.append(v)
+            grads[i] = v
         return grads
+
+    def _prefetch(self, env: dict[str, Any]) -> None:
+        """Gather every parameter that some op uses replicated with one bucketed collective
+        per (placement, dtype) group; fwd and bwd uses then read the gathered copy."""
+        groups: dict[tuple, list[str]] = {}
+        for name in self._gather_params:
+            v = env[name]
+            src = tuple(v.placements)
+            rep = tuple(T.Replicate() for _ in src)
+            if _bucketable(src, rep):
+                groups.setdefault((src, v.dtype), []).append(name)
+        for (src, _), names in groups.items():
+            rep = tuple(T.Replicate() for _ in src)
+            self.stats["bucketed_param_gathers"] += 1
+            for name, full in zip(names, bucketed_redistribute([env[n] for n in names], self.mesh, rep)):
+                self._cache[name] = full
 
 
 class _PlanFunction(torch.autograd.Function):

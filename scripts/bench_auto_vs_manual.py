@@ -1,0 +1,181 @@
+"""Auto-parallel plan vs the hand recipes, side by side: tokens/s of the same job.
+
+    python scripts/bench_auto_vs_manual.py                  # 4 CPU ranks, debug LLaMA
+    python scripts/bench_auto_vs_manual.py --nproc 4 --steps 10 --warmup 3 --variants fsdp auto_1d
+
+Spawns `--nproc` gloo ranks; each variant builds the trainer (same model, data, global
+batch, optimizer, mesh shape) and times `train_step` for `--steps` steps after
+`--warmup` steps. Variants (those whose recipe exists):
+  fsdp     manual FSDP on a 1-D mesh (dp_shard = nproc)
+  auto_1d  auto-parallel plan on the same 1-D mesh
+  fsdp_tp  manual FSDP + TP on a 2-D mesh (dp_shard = nproc/2, tp = 2)
+  auto_2d  auto-parallel plan on the same 2-D mesh
+Prints tokens/s per variant and the ratios auto / recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import queue
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = ("fsdp", "auto_1d", "fsdp_tp", "auto_2d")
+
+
+def _overrides(variant: str, args: argparse.Namespace, tmp: str) -> list[str]:
+    n = args.nproc
+    glob = args.global_batch
+    if variant in ("fsdp", "auto_1d"):
+        par = ["--parallelism.data_parallel_shard_degree", str(n), "--parallelism.tensor_parallel_degree", "1"]
+        dp = n
+    else:
+        par = ["--parallelism.data_parallel_shard_degree", str(n // 2), "--parallelism.tensor_parallel_degree", "2"]
+        dp = n // 2
+    mode = "auto" if variant.startswith("auto") else "manual"
+    return [*par, "--parallelism.mode", mode, "--parallelism.hardware", args.hardware,
+            "--training.local_batch_size", str(glob // dp), "--training.seq_len", str(args.seq_len),
+            "--training.steps", str(args.warmup + args.steps), "--checkpoint.enable", "false",
+            "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1000",
+            "--job.dump_folder", tmp, "--job.name", f"bench_{variant}"]
+
+
+def _run_variant(variant: str, args: argparse.Namespace, tmp: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from trainer.config import load_config
+    from trainer.trainer import Trainer
+
+    cfg = load_config(args.config, _overrides(variant, args, tmp), world_size=args.nproc)
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg)
+    setup_s = time.perf_counter() - t0
+    it = iter(trainer.dataloader)
+    times = []
+    tokens = None
+    for step in range(args.warmup + args.steps):
+        inputs, labels = next(it)
+        dist.barrier()
+        t = time.perf_counter()
+        loss, _ = trainer.train_step(inputs, labels)
+        loss = float(loss)
+        dist.barrier()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t)
+        tokens = inputs.numel() * trainer.dp_degree
+    del trainer
+    torch.distributed.barrier()
+    return {"variant": variant, "setup_s": setup_s, "step_s": statistics.median(times), "mean_s": statistics.mean(times),
+            "tokens": tokens, "loss": loss}
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, q, tmp: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank))
+    torch.set_num_threads(args.threads)
+    import logging
+
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=args.nproc)
+        out = []
+        for v in args.variants:
+            try:
+                out.append(_run_variant(v, args, tmp))
+            except NotImplementedError as e:  # a recipe that does not exist (yet)
+                out.append({"variant": v, "error": str(e)})
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        q.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # noqa: BLE001
+        q.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="llama3_debug")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--hardware", default="cpu")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--timeout", type=float, default=1800)
+    args = p.parse_args(argv)
+
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_worker, args=(r, args, port, q, tmp), daemon=True) for r in range(args.nproc)]
+        for pr in procs:
+            pr.start()
+        results = {}
+        try:
+            for _ in range(args.nproc):
+                rank, status, payload = q.get(timeout=args.timeout)
+                if status != "ok":
+                    print(f"rank {rank} failed:\n{payload}", file=sys.stderr)
+                    return 1
+                import torch
+
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        except queue.Empty:
+            print("timed out", file=sys.stderr)
+            return 1
+        finally:
+            for pr in procs:
+                pr.join(timeout=5)
+                if pr.is_alive():
+                    pr.kill()
+    rows = {r["variant"]: r for r in results[0]}
+    print(f"\n{args.config}: {args.nproc} CPU ranks, global batch {args.global_batch} x {args.seq_len} tokens, "
+          f"{args.steps} timed steps after {args.warmup} warm-up, hardware profile {args.hardware}")
+    print(f"{'variant':<9} {'mesh':<22} {'step (median)':>14} {'tokens/s':>10} {'setup':>8}  loss")
+    tps = {}
+    for v in args.variants:
+        r = rows[v]
+        mesh = f"dp_shard={args.nproc}" if v in ("fsdp", "auto_1d") else f"dp_shard={args.nproc // 2} x tp=2"
+        if "error" in r:
+            print(f"{v:<9} {mesh:<22} not available: {r['error'][:80]}")
+            continue
+        tps[v] = r["tokens"] / r["step_s"]
+        print(f"{v:<9} {mesh:<22} {r['step_s'] * 1e3:>11.1f} ms {tps[v]:>10.0f} {r['setup_s']:>7.1f}s  {r['loss']:.4f}")
+    recipes = [v for v in ("fsdp", "fsdp_tp") if v in tps]
+    for a, m in (("auto_1d", "fsdp"), ("auto_2d", "fsdp_tp"), ("auto_2d", "fsdp")):
+        if a in tps and m in tps:
+            print(f"ratio {a} / {m}: {tps[a] / tps[m]:.2f}")
+    autos = [v for v in ("auto_1d", "auto_2d") if v in tps]
+    if autos and recipes:
+        best_auto = max(tps[v] for v in autos)
+        best_recipe = max(tps[v] for v in recipes)
+        print(f"best auto / best recipe: {best_auto / best_recipe:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
