@@ -127,9 +127,16 @@ class ReducedMRF:
             self.keep.append(keep)
             unary.append(u[keep])
         self.mrf = PairwiseMRF.from_unary(unary)
+        count: dict[tuple[int, int], int] = {}
         for e in prob.edges:
             ks, kd = self.keep[e.src], self.keep[e.dst]
             self.mrf.add_pairwise(e.src, e.dst, e.cost[np.ix_(e.src_cls[ks], e.dst_cls[kd])])
+            pair = (min(e.src, e.dst), max(e.src, e.dst))
+            count[pair] = count.get(pair, 0) + 1
+            if count[pair] == 1:  # class structure for fast messages (only for single-edge pairs)
+                self.mrf.set_factor(e.src, e.dst, e.cost, e.src_cls[ks], e.dst_cls[kd])
+            else:
+                self.mrf.factors.pop(pair, None)
 
     def labels_to_strategies(self, labels: np.ndarray) -> list[int]:
         return [int(self.keep[g][int(a)]) for g, a in enumerate(labels)]
@@ -200,7 +207,8 @@ def permute_axes(prob: Problem, strategies: list[int], perm: tuple[int, ...], _c
     return out
 
 
-def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 300, bisection_steps: int = 12) -> Solution:
+def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 1000, bisection_steps: int = 12,
+                      time_budget: float | None = 60.0) -> Solution:
     """Solve `prob` as a pairwise MRF (paper §4.3), honouring the parameter-memory budget."""
     from parallel.auto.solve.mrf import FORBIDDEN, local_search, solve_mrf
 
@@ -219,7 +227,7 @@ def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 300, bisection_steps: 
         if lam:
             extra = {g: lam * prob.param_bytes[g] / prob.total_param_bytes for g in prob.param_groups}
         red = ReducedMRF(prob, allowed, extra)
-        sol = solve_mrf(red.mrf, max_sweeps=max_sweeps)
+        sol = solve_mrf(red.mrf, max_sweeps=max_sweeps, time_budget=time_budget)
         ndim = len(prob.candidates.mesh.shape)
         if ndim > 1:  # axis-role swaps: global moves out of a consistent but wrong mode
             cache: dict = {}
