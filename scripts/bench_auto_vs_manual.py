@@ -4,8 +4,9 @@
     python scripts/bench_auto_vs_manual.py --nproc 4 --steps 10 --warmup 3 --variants fsdp auto_1d
 
 Spawns `--nproc` gloo ranks; each variant builds the trainer (same model, data, global
-batch, optimizer, mesh shape) and times `train_step` for `--steps` steps after
-`--warmup` steps. Variants (those whose recipe exists):
+batch, optimizer, mesh shape); `train_step` is timed round-robin over the variants
+(so the shared cores' background load hits all alike) for `--steps` steps after
+`--warmup` steps; tokens/s uses the median step time. Variants (those whose recipe exists):
   fsdp     manual FSDP on a 1-D mesh (dp_shard = nproc)
   auto_1d  auto-parallel plan on the same 1-D mesh
   fsdp_tp  manual FSDP + TP on a 2-D mesh (dp_shard = nproc/2, tp = 2)
@@ -42,6 +43,8 @@ def _overrides(variant: str, args: argparse.Namespace, tmp: str) -> list[str]:
         par = ["--parallelism.data_parallel_shard_degree", str(n // 2), "--parallelism.tensor_parallel_degree", "2"]
         dp = n // 2
     mode = "auto" if variant.startswith("auto") else "manual"
+    if mode == "auto" and args.memory_high is not None:
+        par += ["--parallelism.memory_budget_high", str(args.memory_high)]
     return [*par, "--parallelism.mode", mode, "--parallelism.hardware", args.hardware,
             "--training.local_batch_size", str(glob // dp), "--training.seq_len", str(args.seq_len),
             "--training.steps", str(args.warmup + args.steps), "--checkpoint.enable", "false",
@@ -49,34 +52,46 @@ def _overrides(variant: str, args: argparse.Namespace, tmp: str) -> list[str]:
             "--job.dump_folder", tmp, "--job.name", f"bench_{variant}"]
 
 
-def _run_variant(variant: str, args: argparse.Namespace, tmp: str) -> dict:
-    import torch
-    import torch.distributed as dist
-
+def _build(variant: str, args: argparse.Namespace, tmp: str):
     from trainer.config import load_config
     from trainer.trainer import Trainer
 
     cfg = load_config(args.config, _overrides(variant, args, tmp), world_size=args.nproc)
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
-    setup_s = time.perf_counter() - t0
-    it = iter(trainer.dataloader)
-    times = []
-    tokens = None
+    return trainer, time.perf_counter() - t0
+
+
+def _run_variants(args: argparse.Namespace, tmp: str) -> list[dict]:
+    """Build every variant's trainer, then time their steps round-robin (step i of every
+    variant before step i+1), so background load on the shared cores hits all alike."""
+    import torch.distributed as dist
+
+    built, out = {}, {}
+    for v in args.variants:
+        try:
+            built[v] = _build(v, args, tmp)
+        except NotImplementedError as e:  # a recipe that does not exist (yet)
+            out[v] = {"variant": v, "error": str(e)}
+    iters = {v: iter(tr.dataloader) for v, (tr, _) in built.items()}
+    times: dict[str, list[float]] = {v: [] for v in built}
+    last: dict[str, float] = {}
+    tokens: dict[str, int] = {}
     for step in range(args.warmup + args.steps):
-        inputs, labels = next(it)
-        dist.barrier()
-        t = time.perf_counter()
-        loss, _ = trainer.train_step(inputs, labels)
-        loss = float(loss)
-        dist.barrier()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t)
-        tokens = inputs.numel() * trainer.dp_degree
-    del trainer
-    torch.distributed.barrier()
-    return {"variant": variant, "setup_s": setup_s, "step_s": statistics.median(times), "mean_s": statistics.mean(times),
-            "tokens": tokens, "loss": loss}
+        for v, (trainer, _) in built.items():
+            inputs, labels = next(iters[v])
+            dist.barrier()
+            t = time.perf_counter()
+            loss, _ = trainer.train_step(inputs, labels)
+            last[v] = float(loss)
+            dist.barrier()
+            if step >= args.warmup:
+                times[v].append(time.perf_counter() - t)
+            tokens[v] = inputs.numel() * trainer.dp_degree
+    for v, (trainer, setup_s) in built.items():
+        out[v] = {"variant": v, "setup_s": setup_s, "step_s": statistics.median(times[v]),
+                  "mean_s": statistics.mean(times[v]), "tokens": tokens[v], "loss": last[v]}
+    return [out[v] for v in args.variants]
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, q, tmp: str) -> None:
@@ -91,12 +106,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, q, tmp: str) -> None
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=args.nproc)
-        out = []
-        for v in args.variants:
-            try:
-                out.append(_run_variant(v, args, tmp))
-            except NotImplementedError as e:  # a recipe that does not exist (yet)
-                out.append({"variant": v, "error": str(e)})
+        out = _run_variants(args, tmp)
         buf = io.BytesIO()
         torch.save(out, buf)
         q.put((rank, "ok", buf.getvalue()))
@@ -117,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--hardware", default="cpu")
+    p.add_argument("--memory-high", type=float, default=None,
+                   help="parallelism.memory_budget_high for the auto variants (default: fully sharded)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--timeout", type=float, default=1800)
     args = p.parse_args(argv)
@@ -154,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                     pr.kill()
     rows = {r["variant"]: r for r in results[0]}
     print(f"\n{args.config}: {args.nproc} CPU ranks, global batch {args.global_batch} x {args.seq_len} tokens, "
-          f"{args.steps} timed steps after {args.warmup} warm-up, hardware profile {args.hardware}")
+          f"{args.steps} timed steps after {args.warmup} warm-up, hardware profile {args.hardware}"
+          + (f", auto memory_budget_high {args.memory_high}" if args.memory_high is not None else ""))
     print(f"{'variant':<9} {'mesh':<22} {'step (median)':>14} {'tokens/s':>10} {'setup':>8}  loss")
     tps = {}
     for v in args.variants:
