@@ -36,7 +36,7 @@ There are two nested, replaceable seams; pick the one that fits the recipe.
    signature, no ``self``), or wrap it in ``local_map``. The default permutes with a
    stable ``argsort`` of the expert ids, so the result is deterministic.
 
-Expert computation: ``torch._grouped_mm`` when the activations are bf16 (its CPU kernel
+Expert computation: ``F.grouped_mm`` when the activations are bf16 (its CPU kernel
 and its meta/fake kernel in torch 2.13 require bf16 and 16-byte aligned strides — then it
 also traces under FakeTensorMode), otherwise a Python loop over experts on contiguous
 slices (needs ``num_tokens_per_expert.tolist()``, i.e. real tensors; under FakeTensorMode
@@ -138,9 +138,9 @@ def _experts_grouped_mm(
     x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
 ) -> torch.Tensor:
     offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-    out = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+    h = F.silu(F.grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+    h = h * F.grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    out = F.grouped_mm(h, w2.transpose(-2, -1), offs=offs)
     # rows past offs[-1] (padding) are left uninitialised (may be NaN): select, not multiply.
     valid = torch.arange(x.shape[0], device=x.device) < offs[-1]
     return torch.where(valid[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))

@@ -33,8 +33,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from parallel.auto._torch import TorchDispatchMode, tree_flatten
 
 __all__ = ["MemoryTracker", "CollectiveTracker", "DryRunReport", "dry_run", "format_report", "main"]
 

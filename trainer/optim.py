@@ -12,6 +12,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.optim.lr_scheduler import LambdaLR
 
+from parallel.auto import _torch as T
+
 
 def build_optimizer(model: torch.nn.Module, opt_cfg) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
@@ -87,7 +89,7 @@ def _local_norms(tensors: list[torch.Tensor], p: float) -> torch.Tensor:
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch.stack([n.float().cpu() for n in torch._foreach_norm(tensors, p)])
+    norms = torch.stack([n.float().cpu() for n in T.foreach_norm(tensors, p)])
     return norms.max() if math.isinf(p) else (norms ** p).sum()
 
 
@@ -147,5 +149,5 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
             local = g.to_local() if isinstance(g, DTensor) else g
             by_dev.setdefault((local.device, local.dtype), []).append(local)
         for (dev, dtype), ts in by_dev.items():
-            torch._foreach_mul_(ts, coef.to(dev, dtype))
+            T.foreach_mul_(ts, coef.to(dev, dtype))
     return total

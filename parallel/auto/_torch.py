@@ -176,3 +176,25 @@ def register_planner_ops() -> None:
 from torch.distributed.tensor._redistribute import (  # noqa: E402,F401
     _gen_transform_infos_non_cached as gen_transform_infos,
 )
+
+
+# ---------------------------------------------------------------------------
+# Private torch APIs used outside the planner (trainer, recipes, cost model). They are
+# re-exported here so that a torch upgrade touches this file only.
+# ---------------------------------------------------------------------------
+from torch._ops import OpOverload, OpOverloadPacket  # noqa: E402,F401
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402,F401
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: E402,F401
+
+foreach_norm = torch._foreach_norm
+foreach_mul_ = torch._foreach_mul_
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """A 1-D mesh over all axes of ``mesh`` (torch 2.13 has no public flatten)."""
+    return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: Any, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """Split axis ``dim`` of ``mesh`` into named axes of ``sizes`` (no public API in 2.13)."""
+    return mesh._unflatten(dim, sizes, names)

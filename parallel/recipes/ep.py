@@ -29,6 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallel.auto import _torch as T
+
 __all__ = ["all_to_all_single_autograd", "expert_parallel_dispatch", "ep_dispatch_tokens",
            "ep_combine_tokens", "validate_ep", "validate_ep_model", "build_ep_meshes", "apply_ep",
            "experts_fsdp_filter"]
@@ -196,7 +198,7 @@ def build_ep_meshes(mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
     if D % ep:
         raise ValueError(f"expert_parallel_degree={ep} must divide data_parallel_shard_degree x "
                          f"context_parallel_degree = {D}")
-    two_d = flat._unflatten(0, (D // ep, ep), ("dp_shard_mod_ep", "ep"))
+    two_d = T.unflatten_mesh(flat, 0, (D // ep, ep), ("dp_shard_mod_ep", "ep"))
     if "dp_replicate" in names:
         raise ValueError("expert parallel together with data_parallel_replicate_degree > 1 "
                          "(HSDP) is not supported by the manual recipes")

@@ -22,6 +22,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from parallel.auto import _torch as T
+
 __all__ = ["flatten_axes", "data_parallel_mesh", "apply_hsdp", "mp_policy"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,8 +36,8 @@ def _names(mesh: DeviceMesh) -> tuple[str, ...]:
 def flatten_axes(mesh: DeviceMesh, axes: Sequence[str], name: str) -> DeviceMesh:
     """1-D mesh over the named ``axes`` of ``mesh`` (flattened in order; one axis: the slice).
 
-    Uses ``DeviceMesh._flatten`` (the only way torch 2.13 offers); call it outside any fake
-    mode. Once flattened, ``mesh[name]`` also works.
+    Uses ``DeviceMesh._flatten`` through ``parallel.auto._torch`` (torch 2.13 has no public
+    way); call it outside any fake mode. Once flattened, ``mesh[name]`` also works.
     """
     axes = [a for a in axes if a in _names(mesh)]
     if not axes:
@@ -45,7 +47,7 @@ def flatten_axes(mesh: DeviceMesh, axes: Sequence[str], name: str) -> DeviceMesh
     try:
         return mesh[name]
     except (KeyError, RuntimeError, ValueError):
-        return mesh[tuple(axes)]._flatten(name)
+        return T.flatten_mesh(mesh[tuple(axes)], name)
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> Optional[DeviceMesh]:

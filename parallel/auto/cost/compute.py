@@ -24,6 +24,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from .hardware import HardwareProfile
+from .. import _torch as T
 
 __all__ = [
     "ZERO_COST_OPS",
@@ -58,9 +59,9 @@ def op_name(op: Any) -> str:
     """Short name of an OpOverload / packet / callable / fx node target ("mm", "view", ...)."""
     if op is operator.getitem:
         return "getitem"
-    if isinstance(op, torch._ops.OpOverload):
+    if isinstance(op, T.OpOverload):
         return op._opname
-    if isinstance(op, torch._ops.OpOverloadPacket):
+    if isinstance(op, T.OpOverloadPacket):
         return op._qualified_op_name.split("::")[-1]
     if isinstance(op, str):
         return op.split("::")[-1].split(".")[0]
