@@ -86,7 +86,7 @@ def _inputs(name: str):
     return model, (tok, tok)
 
 
-def make_plan(name: str, shape, names, kind: str, time_limit: float = 15.0) -> dict:
+def make_plan(name: str, shape, names, kind: str, time_limit: float = 15.0, solver: str = "auto") -> dict:
     """Plan on a fake world in this process; returns the plan JSON."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -99,7 +99,7 @@ def make_plan(name: str, shape, names, kind: str, time_limit: float = 15.0) -> d
         mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
         model, inputs = _inputs(name)
         for attempt in range(3):  # a short time limit may end before any feasible point
-            with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="cpu",
+            with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="cpu", solver=solver,
                               time_limit=time_limit * 2**attempt) as autop:
                 add_constraints(autop, kind, len(shape))
                 try:
