@@ -44,6 +44,7 @@ class SeedInfo:
     ball_mean: float = 0.0
     strategies: int = 0
     seconds: float = 0.0
+    unseeded_vars_estimate: int = 0  # ILP variables of the unseeded problem, from the 1-D menus (upper bound)
 
     def summary(self) -> str:
         parts = []
@@ -202,12 +203,40 @@ def seeded_candidates(graph: Any, mesh: Any, cost_model: Any, constraints: list[
             ball_keys = menu_cache[ck] = [k for k in ball_keys if not _mixed_partial(k)]
         restrict[name] = ball_keys
         sizes.append(len(ball_keys))
+    est = _unseeded_vars_estimate(axes)
     cands = build_candidates(graph, mesh, restrict=restrict)
     n_specs = sum(len(c.specs) for c in cands.nodes.values())
     si = SeedInfo(radius, info, max(sizes) if sizes else 0, (sum(sizes) / len(sizes)) if sizes else 0.0, n_specs,
-                  time.perf_counter() - t0)
+                  time.perf_counter() - t0, est)
     log.info("%s", si.summary())
     return cands, si
+
+
+def _unseeded_vars_estimate(axes: list[tuple[Candidates, list[int], Any]]) -> int:
+    """Strategy + edge variables the unseeded D-dim problem would have (per-axis products of
+    the 1-D menu and class counts: an upper bound, before divisibility filtering)."""
+    p0 = axes[0][2]
+    total = 0
+    for g in p0.groups:
+        prod = 1
+        for cands, _, prob in axes:
+            prod *= len(cands.nodes[g[0]].specs)
+        total += prod
+    per_axis = []
+    for _, _, prob in axes:
+        d = {}
+        for e in prob.edges:
+            for m in e.members:
+                d[m] = e.cost.shape
+        per_axis.append(d)
+    for e in p0.edges:
+        m = e.members[0]
+        prod = 1
+        for d in per_axis:
+            shp = d.get(m)
+            prod *= shp[0] * shp[1] if shp else e.cost.size
+        total += prod
+    return int(total)
 
 
 def use_seeding(mesh_ndim: int, seed: bool | None) -> bool:
