@@ -59,6 +59,9 @@ class InputShapeError(ValueError):
 
 _VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 _CAST_OPS = (torch.ops.aten._to_copy.default,)
+_LAYOUT_OPS = (torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.view.default,
+               torch.ops.aten._unsafe_view.default, torch.ops.aten._to_copy.default, torch.ops.aten.detach.default,
+               torch.ops.aten.clone.default)
 # inputs that keep their dtype under mixed precision (flattened argument positions):
 # the CPU flash-attention backward takes an fp32 logsumexp with bf16 q/k/v
 _KEEP_DTYPE = {T.CPU_ATTENTION_BWD: (5,)}
@@ -132,56 +135,83 @@ def redistribute(x: DTensor, mesh: Any, target: tuple) -> DTensor:
     return DTensor.from_local(local, mesh, target, run_check=False, shape=x.shape, stride=x.stride())
 
 
-def _bucketable(src: tuple, dst: tuple) -> bool:
-    """Placement pairs a flat-buffer collective handles: per axis (S(0)|R -> R), or
-    (P(sum) -> S(0)|R), or unchanged (R->R, S(0)->S(0)); at least one axis changes."""
-    changed = False
-    gather = reduce = False
-    for a, b in zip(src, dst):
-        if a == b and (isinstance(a, T.Replicate) or (type(a) is T.Shard and a.dim == 0)):
+def _shard_dim(src: tuple, dst: tuple) -> int | None:
+    """The one tensor dim the Shard placements of src and dst split (0 if none), else None."""
+    dims = {p.dim for p in src + dst if isinstance(p, T.Shard)}
+    if any(isinstance(p, T.Shard) and type(p) is not T.Shard for p in src + dst):
+        return None  # _StridedShard
+    if len(dims) > 1:
+        return None
+    return dims.pop() if dims else 0
+
+
+def _as_dim0(placements: tuple) -> tuple:
+    return tuple(T.Shard(0) if isinstance(p, T.Shard) else p for p in placements)
+
+
+def bucket_key(src: tuple, dst: tuple) -> tuple | None:
+    """Normalised (src, dst) when a flat-buffer collective can do src -> dst, else None.
+
+    Per mesh axis: (S(d) -> R) gathers, or (P(sum) -> S(d) | R) reductions, or unchanged
+    R / S(d); one tensor dim d per tensor (moved to the front in the buffer); gathers and
+    reductions are not mixed; at least one axis changes.
+    """
+    d = _shard_dim(src, dst)
+    if d is None:
+        return None
+    a_, b_ = _as_dim0(src), _as_dim0(dst)
+    changed = gather = reduce = False
+    for a, b in zip(a_, b_):
+        if a == b and isinstance(a, (T.Replicate, T.Shard)) and not isinstance(a, T.Partial):
             continue
-        if type(a) is T.Shard and a.dim == 0 and isinstance(b, T.Replicate):
+        if isinstance(a, T.Shard) and isinstance(b, T.Replicate):
             gather = changed = True
-        elif type(a) is T.Partial and a.reduce_op == "sum" and (isinstance(b, T.Replicate) or (type(b) is T.Shard and b.dim == 0)):
+        elif type(a) is T.Partial and a.reduce_op == "sum" and isinstance(b, (T.Replicate, T.Shard)):
             reduce = changed = True
         else:
-            return False
-    return changed and not (gather and reduce)
+            return None
+    if not changed or (gather and reduce):
+        return None
+    return (a_, b_)
 
 
 def _n_chunks(placements: tuple, mesh: Any) -> int:
     k = 1
     for ax, p in enumerate(placements):
-        if type(p) is T.Shard:
+        if isinstance(p, T.Shard):
             k *= mesh.size(ax)
     return k
 
 
-def bucketed_redistribute(items: list[DTensor], mesh: Any, target: tuple) -> list[DTensor]:
-    """Redistribute DTensors sharing one placement to `target` with ONE collective per
-    mesh axis on a flat buffer (FSDP-style bucketing) instead of one per tensor.
+def bucketed_redistribute(items: list[DTensor], targets: list[tuple], mesh: Any) -> list[DTensor]:
+    """Redistribute tensors sharing one `bucket_key` with ONE collective per mesh axis on a
+    flat buffer (FSDP-style bucketing) instead of one per tensor.
 
-    Only for `_bucketable` pairs: dim-0 shards and Partial(sum); the flat buffer is laid
-    out chunk-major (chunk r of every tensor, then chunk r+1, ...) so that DTensor's own
-    Shard(0) of the buffer coincides with every tensor's Shard(0).
+    Each tensor's sharded dim is moved to the front; the buffer is laid out chunk-major
+    (chunk r of every tensor, then chunk r+1, ...) so that DTensor's own Shard(0) of the
+    buffer coincides with every tensor's shards.
     """
-    src = tuple(items[0].placements)
-    k_src, k_dst = _n_chunks(src, mesh), _n_chunks(target, mesh)
-    # the finest split of dim 0 has max(k_src, k_dst) chunks; this rank's source local tensor
-    # holds q of them (q > 1 only when reducing onto a finer Shard(0))
+    src, dst = bucket_key(tuple(items[0].placements), targets[0])
+    k_src, k_dst = _n_chunks(src, mesh), _n_chunks(dst, mesh)
+    # the finest split has max(k_src, k_dst) chunks; this rank's source local tensor holds q
+    # of them (q > 1 only when reducing onto a finer shard)
     q = k_dst // k_src if k_dst > k_src else 1
-    parts = [x.to_local().contiguous().reshape(q, -1) for x in items]
+    dims = [_shard_dim(tuple(x.placements), t) for x, t in zip(items, targets)]
+    moved = [x.to_local().movedim(d, 0) if d else x.to_local() for x, d in zip(items, dims)]
+    parts = [m.contiguous().reshape(q, -1) for m in moved]
     widths = [pt.shape[1] for pt in parts]
     buf = torch.cat(parts, dim=1).reshape(-1)  # [q blocks of L], block b = chunk b of every tensor
     L = sum(widths)
     dt = DTensor.from_local(buf, mesh, src, run_check=False, shape=(buf.numel() * k_src,), stride=(1,))
-    blocks = redistribute(dt, mesh, target).to_local().reshape(-1, L)
+    blocks = redistribute(dt, mesh, dst).to_local().reshape(-1, L)
     res = []
     off = 0
-    for x, w in zip(items, widths):
-        piece = blocks[:, off:off + w].reshape(-1, *x.shape[1:])
+    for x, t, d, m, w in zip(items, targets, dims, moved, widths):
+        piece = blocks[:, off:off + w].reshape(-1, *m.shape[1:])
         off += w
-        res.append(DTensor.from_local(piece, mesh, target, run_check=False, shape=x.shape,
+        if d:
+            piece = piece.movedim(0, d).contiguous()
+        res.append(DTensor.from_local(piece, mesh, t, run_check=False, shape=x.shape,
                                       stride=_contiguous_stride(tuple(x.shape))))
     return res
 
@@ -234,6 +264,19 @@ class PlanRunner:
         self.tangent_of = {t.name: i for i, t in graph.output_tangents}
         # collective bucketing (gathers of parameters, gradient reductions)
         self.bucket = bucket
+        # layout-only ops between a weight-gradient matmul and its gradient output: run them
+        # on the Partial value and reduce once, bucketed, at the output (sum commutes with
+        # transposes, views and casts), instead of one reduce-scatter per gradient
+        self.defer: set[str] = set()
+        if bucket:
+            grad_nodes = {s.node.name for s in self.grad_slots.values() if s.node is not None}
+            for n in reversed(self.bwd_nodes):
+                if n.target not in _LAYOUT_OPS:
+                    continue
+                users = list(n.users)
+                if users and all(u.op == "output" or u.name in self.defer for u in users) and (
+                        n.name in grad_nodes or any(u.name in self.defer for u in users)):
+                    self.defer.add(n.name)
         self._cache: dict[str, Any] = {}
         param_nodes = {graph.params[f].name for f in self.param_names}
         self._gather_params: list[str] = []
@@ -316,7 +359,7 @@ class PlanRunner:
         for a in leaves:
             if _is_tensor_node(a):
                 v = env[a.name]
-                if k < len(in_specs):
+                if k < len(in_specs) and n.name not in self.defer:
                     tgt = tuple(in_specs[k].placements)
                     cached = self._cache.get(a.name)
                     if cached is not None and tuple(cached.placements) == tgt:
@@ -343,6 +386,8 @@ class PlanRunner:
             ins = [f"{tuple(v.shape)}@{placement_str(tuple(v.placements))} local {tuple(v.to_local().shape)} "
                    f"stride {v.to_local().stride()}" for v in vals if isinstance(v, DTensor)]
             raise RuntimeError(f"apply: node {n.name} ({n.target}) failed on inputs {ins}: {e}") from e
+        if n.name in self.defer:
+            return out
         # check / enforce the planned output placements
         o_spec = spec.output_specs
         if isinstance(out, (tuple, list)):
@@ -447,14 +492,17 @@ class PlanRunner:
                 v = v.to(self.reduce_dtype)  # reduce gradients in the reduce dtype
             dst = self.out_placements(f"output[{s.index}]")
             src = tuple(v.placements)
-            if self.bucket and src != dst and _bucketable(src, dst):
-                pending.setdefault((src, dst, v.dtype), []).append(len(grads))
+            key = bucket_key(src, dst) if self.bucket and src != dst else None
+            if key is not None:
+                pending.setdefault((key, v.dtype), []).append((len(grads), dst))
             else:
                 v = self._to(v, dst)
             grads.append(v)
-        for (src, dst, _), idx in pending.items():  # one collective per bucket and mesh axis
+        for members in pending.values():  # one collective per bucket and mesh axis
             self.stats["bucketed_grad_reductions"] += 1
-            for i, r in zip(idx, bucketed_redistribute([grads[i] for i in idx], self.mesh, dst)):
+            idx = [i for i, _ in members]
+            outs = bucketed_redistribute([grads[i] for i in idx], [d for _, d in members], self.mesh)
+            for i, r in zip(idx, outs):
                 grads[i] = r
         for i, (v, p) in enumerate(zip(grads, params)):
             if v is None:
@@ -474,12 +522,14 @@ class PlanRunner:
             v = env[name]
             src = tuple(v.placements)
             rep = tuple(T.Replicate() for _ in src)
-            if _bucketable(src, rep):
-                groups.setdefault((src, v.dtype), []).append(name)
-        for (src, _), names in groups.items():
-            rep = tuple(T.Replicate() for _ in src)
+            key = bucket_key(src, rep)
+            if key is not None:
+                groups.setdefault((key, v.dtype), []).append(name)
+        for names in groups.values():
+            rep = tuple(T.Replicate() for _ in range(self.mesh.ndim))
             self.stats["bucketed_param_gathers"] += 1
-            for name, full in zip(names, bucketed_redistribute([env[n] for n in names], self.mesh, rep)):
+            outs = bucketed_redistribute([env[n] for n in names], [rep] * len(names), self.mesh)
+            for name, full in zip(names, outs):
                 self._cache[name] = full
 
 
