@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from parallel.auto import _torch as T
 from parallel.auto._torch import fake_world  # noqa: F401  (re-exported for scripts and tests)
@@ -122,7 +121,7 @@ class AutoParallel:
         inputs = self.input_fn() if callable(self.input_fn) else self.input_fn
         if not isinstance(inputs, tuple):
             inputs = (inputs,)
-        flat, spec = tree_flatten(inputs)
+        flat, spec = T.tree_flatten(inputs)
         plain = []
         for x in flat:
             if isinstance(x, T.DTensor):
@@ -131,7 +130,7 @@ class AutoParallel:
             else:
                 self._input_placements.append(None)
                 plain.append(x)
-        inputs = tree_unflatten(plain, spec)
+        inputs = T.tree_unflatten(plain, spec)
         self.graph = trace_joint(self.model, inputs, self.loss_fn)
         self.timings["trace"] = time.perf_counter() - t0
         t1 = time.perf_counter()

@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_map
 
 from parallel.auto import _torch as T
 from parallel.auto.strategies import GETITEM, OP, PLACEHOLDER, SLOT, Candidates, NodeCandidates, placement_str
@@ -277,8 +276,8 @@ class _Costs:
                     return a.meta.get("val")
                 return a
 
-            args = tree_map(conv, node.args)
-            kwargs = tree_map(conv, dict(node.kwargs))
+            args = T.tree_map(conv, node.args)
+            kwargs = T.tree_map(conv, dict(node.kwargs))
             outs = s.output_specs
             if isinstance(outs, tuple):
                 out_meta = [(_local_shape(tuple(o.tensor_meta.shape), o.placements, self.mesh_shape), o.tensor_meta.dtype)

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_flatten, tree_map
 
 from parallel.auto import _torch as T
 from parallel.auto.trace import JointGraph
@@ -213,8 +212,8 @@ class _Enumerator:
                 return str(a)
             return a
 
-        args = tree_map(conv, node.args)
-        kwargs = tuple(sorted((k, tree_map(conv, v)) for k, v in node.kwargs.items()))
+        args = T.tree_map(conv, node.args)
+        kwargs = tuple(sorted((k, T.tree_map(conv, v)) for k, v in node.kwargs.items()))
         try:
             k = (node.target, args, kwargs)
             hash(k)
@@ -237,7 +236,7 @@ class _Enumerator:
         def top(a: Any) -> Any:
             if isinstance(a, (list, tuple)) and a and all(_is_tensor_node(x) for x in a):
                 return T.TupleStrategy([conv(x) for x in a])  # tensor lists (cat, stack)
-            return tree_map(conv, a)
+            return T.tree_map(conv, a)
 
         args = [top(a) for a in node.args]
         kwargs = {k: top(v) for k, v in node.kwargs.items()}
@@ -247,7 +246,7 @@ class _Enumerator:
 
     @staticmethod
     def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-        leaves, _ = tree_flatten((node.args, dict(node.kwargs)))
+        leaves, _ = T.tree_flatten((node.args, dict(node.kwargs)))
         return [a for a in leaves if _is_tensor_node(a)]
 
     # -- enumeration ------------------------------------------------------
@@ -498,7 +497,7 @@ def build_candidates(graph: JointGraph, mesh: Any, restrict: dict[str, list[tupl
                     continue
                 seen[o.placements] = T.OpSpec(_spec(mesh, o.placements, o.tensor_meta), [_spec(mesh, o.placements, o.tensor_meta)])
             nodes[n.name] = NodeCandidates(n.name, GETITEM, n, [src], list(seen.values()), source=GETITEM, getitem_index=idx)
-        elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        elif n.op == "call_function" and isinstance(n.target, T.OpOverload):
             val = n.meta.get("val")
             if not isinstance(val, (torch.Tensor, tuple, list)):
                 raise NotImplementedError(f"node {n.name} ({n.target}) has a non-tensor output {type(val)}")

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten
 
 from parallel.auto import _torch as T
 
@@ -163,11 +162,10 @@ def trace_joint(
     fake_mode = T.FakeTensorMode(allow_non_fake_inputs=True)
     fake_model = _fake_copy(model, fake_mode)
     wrapper = _LossModule(fake_model, loss_fn)
-    flat, spec = tree_flatten(sample_inputs)
+    flat, spec = T.tree_flatten(sample_inputs)
     fake_flat = [_to_fake(x, fake_mode) for x in flat]
-    from torch.utils._pytree import tree_unflatten
 
-    fake_inputs = tree_unflatten(fake_flat, spec)
+    fake_inputs = T.tree_unflatten(fake_flat, spec)
     ranges: list[tuple[int, int, str]] = []
     handles = _record_module_ranges(fake_model, ranges)
     try:
