@@ -19,11 +19,9 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .optim import lr_schedule_state, restore_lr_schedule
 

@@ -28,7 +28,6 @@ import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -321,7 +320,6 @@ def dry_run(job_config, world_size: int) -> DryRunReport:
         axis_names = group_axis_names(model, mesh)
         mesh_desc = " x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape))
         cp = mesh["cp"].size() if "cp" in names else 1
-        cp_rank = mesh["cp"].get_local_rank() if "cp" in names else 0
         with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
             model.to_empty(device="cpu")
             if uses_tp:

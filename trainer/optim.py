@@ -4,12 +4,11 @@ sharded (DTensor) gradients on any mix of meshes."""
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.optim.lr_scheduler import LambdaLR
 
 from parallel.auto import _torch as T

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import time
 from pathlib import Path
 from typing import Optional
 

@@ -27,7 +27,6 @@ from parallel.auto import _torch as T
 from parallel.auto._torch import fake_world  # noqa: F401  (re-exported for scripts and tests)
 from parallel.auto.plan import Plan, build_plan
 from parallel.auto.problem import Constraint, PlanningError, build_problem
-from parallel.auto.solve.ilp import solve_ilp
 from parallel.auto.strategies import Candidates, build_candidates, placement_str
 from parallel.auto.trace import JointGraph, trace_joint
 

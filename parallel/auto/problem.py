@@ -16,7 +16,6 @@ import logging
 import math
 import re
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 
 from parallel.auto import _torch as T
-from parallel.auto.strategies import GETITEM, OP, PLACEHOLDER, SLOT, Candidates, NodeCandidates, placement_str
+from parallel.auto.strategies import GETITEM, OP, PLACEHOLDER, Candidates, NodeCandidates, placement_str
 
 log = logging.getLogger(__name__)
 
