@@ -87,6 +87,20 @@ def auto_parallelize_for_training(model: nn.Module, mesh: Any, job_config: Any, 
     from parallel.auto.plan import Plan
 
     par = job_config.parallelism
+    names = tuple(mesh.mesh_dim_names or ())
+    if "cp" in names:
+        from trainer.config import ConfigError
+
+        raise ConfigError(
+            f"{getattr(job_config, 'source', 'config')}: 'parallelism.context_parallel_degree' > 1 with mode = "
+            f'"auto": the trainer splits the sequence into load-balanced CP chunks, which the planner\'s '
+            "inputs cannot express; use the degree as a data/tensor axis (data_parallel_shard_degree or "
+            "tensor_parallel_degree) and let the planner choose, or mode = \"manual\"")
+    if job_config.activation_checkpoint.mode != "none":
+        logger.warning("activation_checkpoint.mode = %r is ignored in auto mode (the plan runs the traced joint graph)",
+                       job_config.activation_checkpoint.mode)
+    if job_config.training.compile:
+        logger.warning("training.compile is ignored in auto mode: the ParallelModule runs eagerly")
     tokens, labels = sample_batch
     dp = data_degree(mesh)
     gshape = (tokens.shape[0] * dp, *tokens.shape[1:])
