@@ -230,7 +230,7 @@ class PlanRunner:
     """
 
     def __init__(self, graph: JointGraph, candidates: Candidates, plan: Plan, mesh: Any, mp_policy: Any = None,
-                 bucket: bool = True):
+                 bucket: bool = True, local_graphs: bool = True):
         self.graph = graph
         self.mesh = mesh
         self.plan = plan
@@ -262,6 +262,10 @@ class PlanRunner:
         self.buffer_names = list(graph.buffers)
         self.input_nodes = list(graph.inputs)
         self.tangent_of = {t.name: i for i, t in graph.output_tangents}
+        # per-device graphs (LocalGraphs), built on the first call; None = interpret eagerly
+        self.use_local_graphs = local_graphs
+        self._local_graphs: Any = None
+        self._local_graphs_key: Any = None
         # collective bucketing (gathers of parameters, gradient reductions)
         self.bucket = bucket
         # layout-only ops between a weight-gradient matmul and its gradient output: run them
@@ -292,6 +296,23 @@ class PlanRunner:
                         if a.name not in self._gather_params:
                             self._gather_params.append(a.name)
                     k += 1
+
+    def local_graphs(self, params: list[DTensor], buffers: list[Any], inputs: list[DTensor]) -> Any:
+        """The LocalGraphs for these argument specs (built on first use), or None (eager)."""
+        if not self.use_local_graphs:
+            return None
+        key = tuple(_dspec(x) if isinstance(x, DTensor) else (tuple(x.shape), x.dtype)
+                    for x in params + buffers + inputs) + tuple(x.dtype for x in params + inputs)
+        if self._local_graphs is None or self._local_graphs_key != key:
+            try:
+                self._local_graphs = LocalGraphs(self, params, buffers, inputs)
+                self._local_graphs_key = key
+            except Exception as e:  # noqa: BLE001 - the interpreter is always correct
+                log.warning("apply: could not lower the plan to local graphs (%s: %s); interpreting eagerly",
+                            type(e).__name__, str(e)[:300])
+                self.use_local_graphs = False
+                return None
+        return self._local_graphs
 
     # -- plan <-> candidates -------------------------------------------------
     def _check_and_resolve(self, cands: Candidates) -> None:
@@ -533,6 +554,88 @@ class PlanRunner:
                 self._cache[name] = full
 
 
+def _local(x: Any) -> Any:
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _dspec(x: DTensor) -> tuple:
+    return (tuple(x.placements), tuple(x.shape), tuple(x.stride()))
+
+
+class LocalGraphs:
+    """The plan lowered to two per-device FX graphs (paper §5.1): plain ATen ops on local
+    shards with explicit functional collectives where placements change.
+
+    Built once by tracing the DTensor interpreter (`make_fx`, fake tensors) on this rank's
+    local shapes: `fwd(param locals, buffers, input locals) -> (output locals, saved locals)`
+    and `bwd(saved locals, tangent locals) -> gradient locals`. Running them skips DTensor's
+    per-op dispatch; the results are those of the interpreter, op for op.
+    """
+
+    def __init__(self, runner: PlanRunner, params: list[DTensor], buffers: list[Any], inputs: list[DTensor]):
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        mesh = runner.mesh
+        self.pspecs = [_dspec(p) for p in params]
+        ispecs = [_dspec(x) for x in inputs]
+        bspecs = [_dspec(b) if isinstance(b, DTensor) else None for b in buffers]
+        self.param_dtypes = [p.dtype for p in params]
+        meta: dict[str, Any] = {}
+
+        def wrap(locs: list[Any], specs: list[Any]) -> list[Any]:
+            return [DTensor.from_local(l, mesh, sp[0], run_check=False, shape=sp[1], stride=sp[2])
+                    if sp is not None else l for l, sp in zip(locs, specs)]
+
+        def fwd(plocs: list[torch.Tensor], blocs: list[torch.Tensor], ilocs: list[torch.Tensor]) -> Any:
+            outs, saved = runner.run_forward(wrap(plocs, self.pspecs), wrap(blocs, bspecs), wrap(ilocs, ispecs))
+            cache = saved.pop("__cache__", {})
+            keys = sorted(saved)
+            ckeys = sorted(cache)
+            meta["keys"], meta["ckeys"] = keys, ckeys
+            meta["saved"] = [_dspec(saved[k]) if isinstance(saved[k], DTensor) else None for k in keys]
+            meta["cache"] = [_dspec(cache[k]) for k in ckeys]
+            meta["outs"] = [_dspec(o) for o in outs]
+            return [o.to_local() for o in outs], [_local(saved[k]) for k in keys] + [cache[k].to_local() for k in ckeys]
+
+        plocs = [p.to_local() for p in params]
+        blocs = [_local(b) for b in buffers]
+        ilocs = [x.to_local() for x in inputs]
+        self.fwd = make_fx(fwd, tracing_mode="fake")(plocs, blocs, ilocs)
+        self.out_specs = meta["outs"]
+        keys, ckeys = meta["keys"], meta["ckeys"]
+        sspecs = meta["saved"] + meta["cache"]
+        n_saved = len(keys)
+        param_specs = self.pspecs
+
+        def bwd(slocs: list[torch.Tensor], tlocs: list[torch.Tensor]) -> Any:
+            vals = wrap(slocs, sspecs)
+            saved = dict(zip(keys, vals[:n_saved]))
+            saved["__cache__"] = dict(zip(ckeys, vals[n_saved:]))
+            tangents = wrap(tlocs, self.out_specs)
+            grads = runner.run_backward(saved, tangents, [_ParamMeta(sp, dt) for sp, dt in zip(param_specs, self.param_dtypes)])
+            meta["has_grad"] = [g is not None for g in grads]
+            return [g.to_local() for g in grads if g is not None]
+
+        _, slocs = self.fwd(plocs, blocs, ilocs)
+        tlocs = [torch.ones(sp[1], dtype=o.dtype) if not sp[1] else torch.ones(
+            _local_shape(sp[1], sp[0], mesh), dtype=o.dtype) for sp, o in zip(self.out_specs, self.fwd(plocs, blocs, ilocs)[0])]
+        self.bwd = make_fx(bwd, tracing_mode="fake")(slocs, tlocs)
+        self.has_grad = meta["has_grad"]
+        n_coll = sum(1 for g in (self.fwd, self.bwd) for n in g.graph.nodes if "_c10d_functional" in str(n.target)
+                     and "wait" not in str(n.target))
+        runner.stats["local_graph_collectives"] = n_coll
+        log.info("apply: local graphs built (%d forward, %d backward nodes, %d collectives)",
+                 len(self.fwd.graph.nodes), len(self.bwd.graph.nodes), n_coll)
+
+
+class _ParamMeta:
+    """What run_backward reads of a parameter: dtype and placements."""
+
+    def __init__(self, spec: tuple, dtype: torch.dtype):
+        self.placements = spec[0]
+        self.dtype = dtype
+
+
 class _PlanFunction(torch.autograd.Function):
     """Forward part of the plan in forward, backward part in backward."""
 
@@ -541,11 +644,20 @@ class _PlanFunction(torch.autograd.Function):
         params = list(flat[:n_params])
         buffers = list(flat[n_params : n_params + n_buffers])
         inputs = list(flat[n_params + n_buffers :])
-        outs, saved = runner.run_forward(params, buffers, inputs)
-        ctx.runner = runner
-        ctx.saved = saved
+        lg = runner.local_graphs(params, buffers, inputs)
         ctx.n_params = n_params
         ctx.n_rest = n_buffers + len(inputs)
+        ctx.runner = runner
+        if lg is not None:
+            outs_l, saved_l = lg.fwd([p.to_local() for p in params], [_local(b) for b in buffers],
+                                     [x.to_local() for x in inputs])
+            ctx.lg, ctx.saved = lg, saved_l
+            ctx.out_placements = [sp[0] for sp in lg.out_specs]
+            ctx.out_meta = [(sp[1], sp[2]) for sp in lg.out_specs]
+            return tuple(outs_l) if len(outs_l) > 1 else outs_l[0]
+        ctx.lg = None
+        outs, saved = runner.run_forward(params, buffers, inputs)
+        ctx.saved = saved
         ctx.params = params
         locals_ = tuple(o.to_local() for o in outs)
         ctx.out_placements = [tuple(o.placements) for o in outs]
@@ -555,6 +667,17 @@ class _PlanFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outs: Any) -> Any:
         runner: PlanRunner = ctx.runner
+        if ctx.lg is not None:
+            lg: LocalGraphs = ctx.lg
+            tl = [g.contiguous() if g is not None else torch.zeros(_local_shape(sp[1], sp[0], runner.mesh))
+                  for g, sp in zip(grad_outs, lg.out_specs)]
+            gl = iter(lg.bwd(ctx.saved, tl))
+            ctx.saved = None
+            grads = []
+            for has, sp in zip(lg.has_grad, lg.pspecs):
+                grads.append(DTensor.from_local(next(gl), runner.mesh, sp[0], run_check=False, shape=sp[1],
+                                                stride=sp[2]) if has else None)
+            return (None, None, None, *grads, *([None] * ctx.n_rest))
         tangents = []
         for g, pl, (shape, stride) in zip(grad_outs, ctx.out_placements, ctx.out_meta):
             if g is None:

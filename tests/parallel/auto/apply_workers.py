@@ -138,6 +138,7 @@ def run_job(mesh, job: dict) -> dict:
         opt.step()
         losses.append(loss.item())
     return {"losses": losses, "grads": grads, "deviations": runner.stats["deviations"],
+            "local_graphs": runner._local_graphs is not None, "stats": dict(runner.stats),
             "placements": {n: tuple(p.placements) for n, p in pm.named_parameters()}}
 
 

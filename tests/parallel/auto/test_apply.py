@@ -34,8 +34,10 @@ def test_matches_one_rank(results, model, kind, steps):
     for rank, out in enumerate(results[(model, kind)]):
         abs_d, rel_d, loss_d = compare(out, ref)
         print(f"{model} {kind} rank {rank}: max |dgrad| {abs_d:.2e} (rel {rel_d:.2e}), max |dloss| {loss_d:.2e} "
-              f"over {steps} steps, deviations {out['deviations']}")
+              f"over {steps} steps, deviations {out['deviations']}, local graphs {out['local_graphs']} "
+              f"({out['stats'].get('local_graph_collectives', '-')} collectives)")
         assert not grads_close(out, ref), grads_close(out, ref)
+        assert out["local_graphs"]  # the plan ran as per-device graphs with explicit collectives
         assert loss_d <= 1e-4 * max(ref["losses"]), (out["losses"], ref["losses"])
     placements = results[(model, kind)][0]["placements"]
     if kind == "ddp":

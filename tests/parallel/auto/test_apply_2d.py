@@ -35,8 +35,10 @@ def test_matches_one_rank_2x2(results, model, kind, steps):
     for rank, out in enumerate(results[(model, kind)]):
         abs_d, rel_d, loss_d = compare(out, ref)
         print(f"{model} {kind} 2x2 rank {rank}: max |dgrad| {abs_d:.2e} (rel {rel_d:.2e}), "
-              f"max |dloss| {loss_d:.2e} over {steps} steps, deviations {out['deviations']}")
+              f"max |dloss| {loss_d:.2e} over {steps} steps, deviations {out['deviations']}, "
+              f"local graphs {out['local_graphs']} ({out['stats'].get('local_graph_collectives', '-')} collectives)")
         assert not grads_close(out, ref), grads_close(out, ref)
+        assert out["local_graphs"]  # the plan ran as per-device graphs with explicit collectives
         assert loss_d <= 1e-4 * max(ref["losses"]), (out["losses"], ref["losses"])
     placements = results[(model, kind)][0]["placements"]
     if kind == "tp":
