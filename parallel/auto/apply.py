@@ -21,7 +21,15 @@ forward part and autograd runs the backward part (a `torch.autograd.Function`):
     counted in `runner.stats["deviations"]`);
   * forward values the backward needs are kept (only those) between the two phases;
   * gradients are reduced to the parameter's own placement (plan: tied), in the
-    reduce dtype of the mixed-precision policy.
+    reduce dtype of the mixed-precision policy;
+  * collective bucketing: parameters that ops use replicated are gathered once per
+    step with one flat all-gather per placement group (kept for the backward), and
+    gradient reductions are one flat reduce-scatter / all-reduce per group (layout ops
+    between a weight-gradient matmul and its output run on the Partial value);
+  * on the first call the interpreter is traced (`make_fx`, fake tensors) into two
+    per-device FX graphs (LocalGraphs): plain ATen ops on local shards with explicit
+    functional collectives, which later calls run without DTensor dispatch (eager
+    interpretation stays as the fallback, `PlanRunner(local_graphs=False)`).
 
 Mixed precision (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`): parameters
 stay fp32 DTensors (optimizer state fp32); each is cast to bf16 on its own shard before
