@@ -210,7 +210,7 @@ def permute_axes(prob: Problem, strategies: list[int], perm: tuple[int, ...], _c
 def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 1000, bisection_steps: int = 12,
                       time_budget: float | None = 60.0) -> Solution:
     """Solve `prob` as a pairwise MRF (paper §4.3), honouring the parameter-memory budget."""
-    from parallel.auto.solve.mrf import FORBIDDEN, local_search, solve_mrf
+    from parallel.auto.solve.mrf import FORBIDDEN, coordinate_descent, local_search, solve_mrf
 
     t0 = time.perf_counter()
     base = [a.copy() for a in prob.allowed]
@@ -233,12 +233,18 @@ def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 1000, bisection_steps:
             cache: dict = {}
             base_labels = sol.labels
             base_strats = red.labels_to_strategies(base_labels)
+            best_perm = None  # cheap screening (coordinate descent), full local search on the best only
             for perm in _axis_permutations(ndim):
                 lab = red.strategies_to_labels(permute_axes(prob, base_strats, perm, cache), default=base_labels)
-                lab = local_search(red.mrf, lab)
+                lab = coordinate_descent(red.mrf, lab)
+                e = red.mrf.energy(lab)
+                if best_perm is None or e < best_perm[0]:
+                    best_perm = (e, lab, perm)
+            if best_perm is not None and best_perm[0] < sol.energy * 1.05:
+                lab = local_search(red.mrf, best_perm[1])
                 e = red.mrf.energy(lab)
                 if e < sol.energy - 1e-9 * max(1.0, abs(sol.energy)):
-                    log.debug("mrf: axis permutation %s improves %.1f -> %.1f", perm, sol.energy, e)
+                    log.info("mrf: axis permutation %s improves %.1f -> %.1f", best_perm[2], sol.energy, e)
                     sol.labels, sol.energy = lab, e
         if sol.energy >= FORBIDDEN:
             raise PlanningError("the MRF solver found no feasible assignment (every plan needs a forbidden "

@@ -306,6 +306,19 @@ def edge_search(mrf: PairwiseMRF, labels: np.ndarray, max_rounds: int = 10) -> n
     return labels
 
 
+def _energy_delta(mrf: PairwiseMRF, adj, old: np.ndarray, new: np.ndarray, changed: list[int]) -> float:
+    """energy(new) - energy(old) when only the nodes in `changed` differ (local terms only)."""
+    inside = set(changed)
+    d = 0.0
+    for i in inside:
+        d += float(mrf.unary[i][new[i]]) - float(mrf.unary[i][old[i]])
+        for j, cost in adj[i]:
+            if j in inside and j < i:
+                continue  # counted from j's side
+            d += float(cost[new[i], new[j]]) - float(cost[old[i], old[j]])
+    return d
+
+
 def star_search(mrf: PairwiseMRF, labels: np.ndarray, top: int = 32, max_neighbours: int = 64) -> np.ndarray:
     """Re-decide each high-degree node jointly with its neighbours.
 
@@ -321,17 +334,17 @@ def star_search(mrf: PairwiseMRF, labels: np.ndarray, top: int = 32, max_neighbo
         nbrs = [j for j, _ in adj[centre]][:max_neighbours]
         if not nbrs:
             continue
-        current = mrf.energy(labels)
-        best_move, best_energy = None, current
+        changed = [centre] + nbrs
+        best_move, best_delta = None, 0.0
         for a in range(mrf.num_labels(centre)):
             trial = labels.copy()
             trial[centre] = a
             for j in nbrs:
                 costs = _local_costs(adj, mrf.unary, trial, j)
                 trial[j] = int(np.argmin(costs))
-            e = mrf.energy(trial)
-            if e < best_energy - 1e-9:
-                best_move, best_energy = trial, e
+            d = _energy_delta(mrf, adj, labels, trial, changed)
+            if d < best_delta - 1e-9:
+                best_move, best_delta = trial, d
         if best_move is not None:
             labels = best_move
     return labels
