@@ -49,11 +49,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from parallel.auto import _torch as T
+from parallel.auto._torch import tree_flatten, tree_unflatten
 from parallel.auto.plan import Plan, PlanMismatchError
-from parallel.auto.strategies import GETITEM, OP, PLACEHOLDER, SLOT, Candidates, placement_str
+from parallel.auto.strategies import PLACEHOLDER, Candidates, placement_str
 from parallel.auto.trace import BWD, FWD, JointGraph
 
 log = logging.getLogger(__name__)

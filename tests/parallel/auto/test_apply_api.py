@@ -5,7 +5,7 @@ the single-device init, per-rank local inputs validated, and bf16 mixed precisio
 
 import pytest
 
-from apply_workers import GLOBAL_B, SEQ, batch, build, reference, run_distributed
+from apply_workers import GLOBAL_B, batch, build, reference, run_distributed
 
 
 def _api_worker(rank, world_size):
