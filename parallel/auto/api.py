@@ -87,6 +87,7 @@ class AutoParallel:
         cluster_layers: bool = True,
         seed: bool | None = None,
         seed_radius: int = 2,
+        seed_rounds: int = 1,
     ) -> None:
         self.model = model
         self.input_fn = input_fn
@@ -100,6 +101,7 @@ class AutoParallel:
         # split-dimension seeding (solve/seed.py): None = on from 3-D meshes
         self.seed = seed
         self.seed_radius = seed_radius
+        self.seed_rounds = seed_rounds  # > 1: re-seed around the solved plan while it improves
         self.seed_info: Any = None
         self.time_limit = time_limit
         self.cluster_layers = cluster_layers
@@ -268,6 +270,21 @@ class AutoParallel:
         log.log(level, "%s; solver: %s", prob.summary(), choose_solver(prob, self.solver)[1])
         sol = solve(prob, self.solver, time_limit=self.time_limit)
         self.timings["solve"] = sol.seconds
+        for _ in range((self.seed_rounds if self._seeded() else 1) - 1):  # re-seed around the plan (seed.py)
+            from parallel.auto.solve.seed import reseeded_candidates
+
+            t1 = time.perf_counter()
+            chosen = {n: self.candidates.nodes[n].specs[sol.labels[prob.group_of[n]]] for n in self.seed_info.options}
+            cands2 = reseeded_candidates(jg, self.mesh, self.seed_info, chosen)
+            prob2 = build_problem(cands2, cm, constraints=self.constraints, memory_low=low, memory_high=high,
+                                  cluster_layers=self.cluster_layers, mp_dtype=self.mp_dtype)
+            sol2 = solve(prob2, self.solver, time_limit=self.time_limit)
+            self.timings["reseed"] = self.timings.get("reseed", 0.0) + time.perf_counter() - t1
+            log.log(level, "re-seeding round %d: objective %.1f -> %.1f µs", self.seed_info.rounds, sol.objective,
+                    sol2.objective)
+            if not sol2.objective < sol.objective - 1e-9 * abs(sol.objective):
+                break
+            self.candidates, prob, sol = cands2, prob2, sol2
         log.log(level, "solve: objective %.1f µs, %s, %.2fs (%s, %d vars)", sol.objective, sol.status, sol.seconds,
                 sol.solver, sol.num_vars)
         hw = cm.hw.name if hasattr(cm, "hw") else str(self.hardware)

@@ -45,6 +45,9 @@ class SeedInfo:
     strategies: int = 0
     seconds: float = 0.0
     unseeded_vars_estimate: int = 0  # ILP variables of the unseeded problem, from the 1-D menus (upper bound)
+    rounds: int = 1  # re-seeding rounds run (see `reseeded_candidates`)
+    options: dict = field(default_factory=dict, repr=False)  # node -> per-axis 1-D option keys
+    seeds: dict = field(default_factory=dict, repr=False)  # node -> per-axis option index of the seed
 
     def summary(self) -> str:
         parts = []
@@ -182,6 +185,8 @@ def seeded_candidates(graph: Any, mesh: Any, cost_model: Any, constraints: list[
     restrict: dict[str, list[tuple]] = {}
     ref = axes[0][0]
     menu_cache: dict[tuple, list[tuple]] = {}
+    options_by_node: dict[str, list[list[tuple]]] = {}
+    seeds_by_node: dict[str, list[int]] = {}
     sizes = []
     for name, c0 in ref.nodes.items():
         if c0.kind not in (PLACEHOLDER, "op", "slot"):
@@ -203,13 +208,57 @@ def seeded_candidates(graph: Any, mesh: Any, cost_model: Any, constraints: list[
             ball_keys = menu_cache[ck] = [k for k in ball_keys if not _mixed_partial(k)]
         restrict[name] = ball_keys
         sizes.append(len(ball_keys))
+        options_by_node[name] = options
+        seeds_by_node[name] = seed
     est = _unseeded_vars_estimate(axes)
     cands = build_candidates(graph, mesh, restrict=restrict)
     n_specs = sum(len(c.specs) for c in cands.nodes.values())
     si = SeedInfo(radius, info, max(sizes) if sizes else 0, (sum(sizes) / len(sizes)) if sizes else 0.0, n_specs,
-                  time.perf_counter() - t0, est)
+                  time.perf_counter() - t0, est, 1, options_by_node, seeds_by_node)
     log.info("%s", si.summary())
     return cands, si
+
+
+def _project_key(key: tuple, axis: int) -> tuple:
+    o, ins = key
+    if o and (isinstance(o[0], tuple) or o[0] is None):
+        po = tuple(None if x is None else (x[axis],) for x in o)
+    else:
+        po = (o[axis],)
+    return (po, tuple((i[axis],) for i in ins))
+
+
+def reseeded_candidates(graph: Any, mesh: Any, info: SeedInfo, strategy_of: dict[str, Any], *,
+                        radius: int | None = None) -> Candidates:
+    """Candidates in the Hamming ball around a solved plan (one more seeding round).
+
+    `strategy_of`: node name -> the chosen D-dim OpSpec. Each node's new seed is the
+    per-axis projection of its chosen strategy (nodes whose choice has no projection in
+    the 1-D menus keep their seed), so the previous plan stays inside the new menus.
+    """
+    radius = info.radius if radius is None else radius
+    restrict: dict[str, list[tuple]] = {}
+    cache: dict[tuple, list[tuple]] = {}
+    for name, options in info.options.items():
+        seed = list(info.seeds[name])
+        spec = strategy_of.get(name)
+        if spec is not None:
+            key = _key(spec)
+            for a in range(len(options)):
+                try:
+                    seed[a] = options[a].index(_project_key(key, a))
+                except ValueError:
+                    pass
+        info.seeds[name] = seed
+        ck = (tuple(tuple(o) for o in options), tuple(seed))
+        ball_keys = cache.get(ck)
+        if ball_keys is None:
+            ball = hamming_ball(options, seed, radius)
+            ball_keys = [_combine([options[a][t[a]] for a in range(len(options))]) for t in ball]
+            ball_keys = cache[ck] = [k for k in ball_keys if not _mixed_partial(k)]
+        restrict[name] = ball_keys
+    info.rounds += 1
+    return build_candidates(graph, mesh, restrict=restrict)
 
 
 def _unseeded_vars_estimate(axes: list[tuple[Candidates, list[int], Any]]) -> int:

@@ -110,12 +110,13 @@ def test_api_seeds_3d_by_default_and_solver_choice(jg):
     model = build_model("llama3", "debug", device="meta", **TINY)
     with fake_world(8):
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
-        with AutoParallel(model, _inputs, mesh, loss_fn=lm_loss, solver="mrf") as autop:
+        with AutoParallel(model, _inputs, mesh, loss_fn=lm_loss, solver="mrf", seed_rounds=2) as autop:
             assert autop.candidates is None  # no full 3-D enumeration up front
             p = (Shard(0), Replicate(), Replicate())
             autop.add_input_constraints([p, p])
             plan = autop.optimize_placement(verbose=False)
         assert autop.seed_info is not None and "seed" in plan.timings
+        assert autop.seed_info.rounds == 2 and "reseed" in plan.timings  # one re-seeding round ran
         assert plan.solver == "mrf"
         assert plan.param_placements()  # every parameter placed
     with pytest.raises(ValueError, match="unknown solver"):
