@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--local-batch-size", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--memory-high", type=float, default=None, help="parameter memory budget (fraction)")
-    ap.add_argument("--solver", default=None, choices=["auto", "highs", "cbc"])
+    ap.add_argument("--solver", default=None, choices=["auto", "ilp", "mrf", "highs", "cbc"])
     ap.add_argument("--time-limit", type=float, default=600.0)
     ap.add_argument("--free-inputs", action="store_true", help="do not constrain inputs to batch sharding")
     # anything else is a config override, e.g. --training.seq_len 2048
