@@ -62,6 +62,8 @@ def add_constraints(autop, kind: str, mesh_ndim: int) -> None:
     if kind == "default":
         return
     data = (Shard(0),) + (Replicate(),) * (mesh_ndim - 1)
+    if kind == "tp" and mesh_ndim == 1:  # pure TP: every rank sees the whole batch
+        data = (Replicate(),)
     autop.add_input_constraints([data, data])
     if kind == "ddp":  # replicated parameters, batch-sharded data: gradient all-reduce
         autop.add_parameter_memory_constraint(high=1.0)
@@ -69,13 +71,13 @@ def add_constraints(autop, kind: str, mesh_ndim: int) -> None:
             autop.add_node_constraint(fqn, (Replicate(),) * mesh_ndim)
     elif kind == "fsdp":  # batch-sharded data, default (fully sharded) parameter budget
         pass
-    elif kind == "tp":  # 2-D: projections column/row sharded on the second (tp) axis
-        assert mesh_ndim == 2
+    elif kind == "tp":  # projections column/row sharded on the last (tp) axis; 2-D: FSDP on dp
+        col, row = ((Shard(0),), (Shard(1),)) if mesh_ndim == 1 else ((Shard(1), Shard(0)), (Shard(0), Shard(1)))
         for fqn in autop.graph.params:
             if any(f".{p}." in f".{fqn}" for p in PROJ_COL):
-                autop.add_node_constraint(fqn, (Shard(1), Shard(0)))
+                autop.add_node_constraint(fqn, col)
             elif any(f".{p}." in f".{fqn}" for p in PROJ_ROW):
-                autop.add_node_constraint(fqn, (Shard(0), Shard(1)))
+                autop.add_node_constraint(fqn, row)
     else:
         raise ValueError(kind)
 

@@ -1,5 +1,5 @@
 """Plan materialisation numerics (paper App. D) on 2 gloo ranks (1-D mesh): for the debug
-LLaMA and Qwen3, the default plan and plans forced into DDP- and FSDP-like shapes give
+LLaMA and Qwen3, the default plan and plans forced into DDP-, FSDP- and TP-like shapes give
 the loss and every parameter gradient of a 1-rank run (fp32, rtol 1e-4, atol 1e-6), and
 ten AdamW steps track the 1-rank losses."""
 
@@ -10,9 +10,8 @@ import pytest
 from apply_workers import compare, grads_close, make_plan, reference, run_distributed, worker
 
 SHAPE, NAMES = (2,), ("dp",)
-# (the suite's time budget: DDP-like for LLaMA only; Qwen3's TP-like plan is in test_apply_2d.py)
-JOBS = [("llama3", "default", 10), ("llama3", "ddp", 1), ("llama3", "fsdp", 1),
-        ("qwen3", "default", 10), ("qwen3", "fsdp", 1)]
+JOBS = [("llama3", "default", 10), ("llama3", "ddp", 1), ("llama3", "fsdp", 1), ("llama3", "tp", 1),
+        ("qwen3", "default", 10), ("qwen3", "ddp", 1), ("qwen3", "fsdp", 1), ("qwen3", "tp", 1)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,3 +43,6 @@ def test_matches_one_rank(results, model, kind, steps):
         assert all(str(p) == "(Replicate(),)" for p in placements.values()), placements
     if kind == "fsdp":
         assert sum(str(p) != "(Replicate(),)" for p in placements.values()) >= len(placements) // 2
+    if kind == "tp":
+        assert str(placements["layers.0.attention.wq.weight"]) == "(Shard(dim=0),)"
+        assert str(placements["layers.0.feed_forward.w2.weight"]) == "(Shard(dim=1),)"
