@@ -147,23 +147,16 @@ class _UnionFind:
 
 def _menu(c: NodeCandidates, cache: dict[int, tuple[list, tuple]] | None = None) -> tuple:
     """(output placements, input placements) per strategy; cached per shared specs list."""
+    from parallel.auto.solve.cluster import menu_of  # solve/ imports this module
+
     if cache is None:
-        return _menu_uncached(c)
+        return menu_of(c)
     hit = cache.get(id(c.specs))
     if hit is not None and hit[0] is c.specs:
         return hit[1]
-    menu = _menu_uncached(c)
+    menu = menu_of(c)
     cache[id(c.specs)] = (c.specs, menu)
     return menu
-
-
-def _menu_uncached(c: NodeCandidates) -> tuple:
-    out = []
-    for s in c.specs:
-        o = s.output_specs
-        o = tuple(x.placements if x is not None else None for x in o) if isinstance(o, tuple) else o.placements
-        out.append((o, tuple(i.placements for i in (s.input_specs or []))))
-    return tuple(out)
 
 
 def _tie_groups(cands: Candidates, cluster_layers: bool) -> tuple[list[list[str]], dict[str, int]]:

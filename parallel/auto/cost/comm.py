@@ -224,15 +224,8 @@ def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shap
     uneven shards are priced as the largest one, which collectives pad to), ignoring the
     sharding on ``skip_axis`` (= the tensor gathered on that axis)."""
     local = list(shape)
-    ndim = len(local)
-    for i, p in enumerate(placements):
-        if i == skip_axis:
-            continue
-        d = shard_dim(p)
-        if d is not None:
-            d = d + ndim if d < 0 else d
-            if 0 <= d < ndim:
-                local[d] = -(-local[d] // mesh_shape[i])
+    for d, size in _divisors(placements, len(local), mesh_shape, skip_axis):
+        local[d] = -(-local[d] // size)
     return tuple(local)
 
 
