@@ -24,13 +24,17 @@ logger = logging.getLogger("autotitan")
 
 
 def setup_logging(rank: int) -> None:
+    """Console logging for the trainer and the planner (whose progress — tracing,
+    candidates, problem size, solve with objective — is long work worth seeing)."""
     if logger.handlers:
         return
     h = logging.StreamHandler(sys.stdout)
     h.setFormatter(logging.Formatter("[rank%d] %%(message)s" % rank if rank else "%(message)s"))
-    logger.addHandler(h)
-    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    logger.propagate = False
+    for name in (logger.name, "parallel.auto"):
+        log = logging.getLogger(name)
+        log.addHandler(h)
+        log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+        log.propagate = False
 
 
 # --------------------------------------------------------------------------- hardware
