@@ -70,6 +70,9 @@ def main(argv=None) -> int:
         from trainer.trainer import Trainer
         try:
             Trainer(cfg).train()
+            if started:  # every rank done with its collectives before gloo is torn down
+                import torch.distributed as dist
+                dist.barrier()
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2
