@@ -30,11 +30,12 @@ def setup_logging(rank: int) -> None:
         return
     h = logging.StreamHandler(sys.stdout)
     h.setFormatter(logging.Formatter("[rank%d] %%(message)s" % rank if rank else "%(message)s"))
-    for name in (logger.name, "parallel.auto"):
-        log = logging.getLogger(name)
-        log.addHandler(h)
-        log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-        log.propagate = False
+    logger.addHandler(h)
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False
+    planner = logging.getLogger("parallel.auto")  # keeps propagating: callers' handlers still see it
+    planner.addHandler(h)
+    planner.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
 # --------------------------------------------------------------------------- hardware
