@@ -257,11 +257,15 @@ class _Enumerator:
             hit = self._enumerate_uncached(node)
             self.cache[key] = hit
         specs, source, why = hit
+        self.record_fallback(node, why)
+        return specs, source
+
+    def record_fallback(self, node: fx.Node, why: str | None) -> None:
+        """Count a node whose op fell back (replicate-only or failed) in the coverage report."""
         if why is not None:
             name = str(node.target)
             self.coverage.fallback.setdefault(name, why)
             self.coverage.counts[name] += 1
-        return specs, source
 
     def _enumerate_uncached(self, node: fx.Node) -> tuple[list[Any], str, str | None]:
         op = node.target
@@ -575,10 +579,7 @@ def _restricted_specs(en: _Enumerator, node: fx.Node, keys: list[tuple]) -> tupl
         hit = _restricted_uncached(en, node, keys)
         en.cache[ck] = hit
     specs, source, why = hit
-    if why is not None:
-        name = str(node.target)
-        en.coverage.fallback.setdefault(name, why)
-        en.coverage.counts[name] += 1
+    en.record_fallback(node, why)
     return specs, source
 
 
