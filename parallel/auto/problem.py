@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 from parallel.auto import _torch as T
+from parallel.auto.cost.comm import placement_ids
+from parallel.auto.cost.model import CostModel
 from parallel.auto.strategies import GETITEM, OP, PLACEHOLDER, Candidates, NodeCandidates, placement_str
 
 log = logging.getLogger(__name__)
@@ -247,6 +249,11 @@ class _Costs:
         self.redist_cache: dict[Any, np.ndarray] = {}
         self.pair_cache: dict[tuple, float] = {}  # (shape, dtype, src id, dst id) -> µs
         self.placement_ids: dict[tuple, int] = {}
+        self.id_cache: dict[tuple[int, int], tuple[int, ...]] = {}
+        # the id-based fast path prices exactly like redistribute_cost; a cost model that
+        # overrides redistribute_cost is asked through it
+        self.fast_pricing = (hasattr(cm, "redistribute_cost_ids") and
+                             getattr(type(cm), "redistribute_cost", None) is CostModel.redistribute_cost)
 
     def compute(self, c: NodeCandidates) -> np.ndarray:
         if c.kind != OP:
@@ -288,11 +295,17 @@ class _Costs:
         hit = self.redist_cache.get(key)
         if hit is not None:
             return hit
-        meta = (shape, _comm_dtype(dtype, self.mp_dtype))
+        cdt = _comm_dtype(dtype, self.mp_dtype)
+        meta = (shape, cdt)
         m = np.empty((len(src), len(dst)))
         sid = [self._intern(p) for p in src]
         did = [self._intern(p) for p in dst]
         pairs = self.pair_cache
+        by_ids = self.fast_pricing  # interned placement ids: no placement hashing in the hot loop
+        if by_ids:
+            ndim = len(shape)
+            s_ids = [self._ids(i, p, ndim) for i, p in zip(sid, src)]
+            d_ids = [self._ids(i, p, ndim) for i, p in zip(did, dst)]
         for a, sp in enumerate(src):
             for b, dp in enumerate(dst):
                 if sid[a] == did[b]:
@@ -301,10 +314,21 @@ class _Costs:
                 k = (shape, dtype, sid[a], did[b])
                 c = pairs.get(k)
                 if c is None:
-                    c = pairs[k] = self.cm.redistribute_cost(sp, dp, meta)
+                    if by_ids:
+                        c = self.cm.redistribute_cost_ids(s_ids[a], d_ids[b], shape, cdt.itemsize)
+                    else:
+                        c = self.cm.redistribute_cost(sp, dp, meta)
+                    pairs[k] = c
                 m[a, b] = c
         self.redist_cache[key] = m
         return m
+
+    def _ids(self, sid: int, placements: tuple, ndim: int) -> tuple[int, ...]:
+        k = (sid, ndim)
+        hit = self.id_cache.get(k)
+        if hit is None:
+            hit = self.id_cache[k] = placement_ids(placements, ndim)
+        return hit
 
     def _intern(self, placements: tuple) -> int:
         i = self.placement_ids.get(placements)

@@ -234,33 +234,6 @@ def _local_numel(shape: Sequence[int], placements: Sequence[Placement], mesh_sha
     return math.prod(local_shape(shape, placements, mesh_shape, skip_axis))
 
 
-def _greedy_transitions(src: Sequence[Placement], dst: Sequence[Placement]) -> list[tuple[int, Placement, Placement]]:
-    """Per-axis transitions in DTensor's greedy order (generate_greedy_transform_infos)."""
-    cur, tgt = list(src), list(dst)
-    steps: list[tuple[int, Placement, Placement]] = []
-    if len(cur) == 1:
-        return [(0, cur[0], tgt[0])] if cur[0] != tgt[0] else []
-    if any(shard_dim(p) is not None for p in cur):
-        # inner → outer: a target shard on a tensor dim that is sharded differently on the
-        # outer axes (nested / misaligned) must be replicated first
-        for ax in reversed(range(len(cur))):
-            c, t = cur[ax], tgt[ax]
-            td = shard_dim(t)
-            if td is not None:
-                cur_axes = [i for i in range(ax) if shard_dim(cur[i]) == td]
-                tgt_axes = [i for i in range(ax) if shard_dim(tgt[i]) == td]
-                if cur_axes != tgt_axes:
-                    t = Replicate()
-            if c != t:
-                steps.append((ax, c, t))
-                cur[ax] = t
-    for ax in range(len(cur)):
-        if cur[ax] != tgt[ax]:
-            steps.append((ax, cur[ax], tgt[ax]))
-            cur[ax] = tgt[ax]
-    return steps
-
-
 def decompose_redistribution(src: Sequence[Placement], dst: Sequence[Placement],
                              shape: Sequence[int], itemsize: int,
                              mesh_shape: Sequence[int]) -> list[Step]:
@@ -268,48 +241,118 @@ def decompose_redistribution(src: Sequence[Placement], dst: Sequence[Placement],
     tensor of global ``shape``. A step with ``kind=None`` is not allowed (→ inf cost)."""
     if len(src) != len(mesh_shape) or len(dst) != len(mesh_shape):
         raise ValueError(f"placements {tuple(src)} -> {tuple(dst)} do not match a {len(mesh_shape)}-D mesh {tuple(mesh_shape)}")
+    ndim = len(shape)
+    s_ids, d_ids = placement_ids(src, ndim), placement_ids(dst, ndim)
+    cur = list(s_ids)
     out: list[Step] = []
-    for ax, c, t, kind, divisors in _transition_template(tuple(src), tuple(dst), len(shape), tuple(mesh_shape)):
+    for ax, kind, divisors, via_replicate in transition_template(s_ids, d_ids, ndim, tuple(mesh_shape)):
+        t = _REPLICATE_ID if via_replicate else d_ids[ax]
         local = list(shape)
         for d, size in divisors:
             local[d] = -(-local[d] // size)
-        out.append(Step(ax, c, t, kind, math.prod(local) * itemsize))
+        out.append(Step(ax, _PLACEMENTS[cur[ax]], _PLACEMENTS[t], kind, math.prod(local) * itemsize))
+        cur[ax] = t
     return out
 
 
+# Placements interned as small ints: the template below runs ~10^5-10^6 times on 3-4-D
+# meshes, and hashing / isinstance on torch 2.13's placement types dominate otherwise.
+_IDS: dict[tuple[Placement, int], int] = {}
+_PLACEMENTS: list[Placement] = []
+_INFO: list[tuple[int | None, bool, bool]] = []  # per id: (shard dim, is partial, is replicate)
+
+
+def _placement_id(p: Placement, ndim: int) -> int:
+    key = (p, ndim)
+    i = _IDS.get(key)
+    if i is None:
+        q = _normalize((p,), ndim)[0]
+        j = _IDS.get((q, -1))  # one id per normalised placement, whatever ndim it came from
+        if j is None:
+            j = _IDS[(q, -1)] = len(_PLACEMENTS)
+            _PLACEMENTS.append(q)
+            _INFO.append(_classify(q))
+        i = _IDS[key] = j
+    return i
+
+
+def placement_ids(placements: Sequence[Placement], ndim: int) -> tuple[int, ...]:
+    """Interned ids of (normalised) placements: equal ids ⇔ equal placements."""
+    return tuple(_placement_id(p, ndim) for p in placements)
+
+
+_REPLICATE_ID = _placement_id(Replicate(), 1)
+
+
 @functools.lru_cache(maxsize=None)
-def _transition_template(src: tuple[Placement, ...], dst: tuple[Placement, ...], ndim: int,
-                         mesh_shape: tuple[int, ...]) -> tuple[tuple[int, Placement, Placement, str | None,
-                                                                   tuple[tuple[int, int], ...]], ...]:
-    """The shape-independent part of a redistribution: per step its axis, placements,
-    collective kind and the (tensor dim, mesh-axis size) divisions that give the bytes it
-    moves. Planning prices ~10^6 (src, dst, shape) triples over a few thousand placement
-    pairs, so this is computed once per pair."""
-    src_n, dst_n = _normalize(src, ndim), _normalize(dst, ndim)
-    cur = list(src_n)
+def transition_template(src: tuple[int, ...], dst: tuple[int, ...], ndim: int,
+                        mesh_shape: tuple[int, ...]) -> tuple[tuple[int, str | None, tuple[tuple[int, int], ...], bool], ...]:
+    """The shape-independent part of a redistribution between placement ids: per step its
+    axis, collective kind, the (tensor dim, mesh-axis size) divisions that give the bytes
+    it moves, and whether it goes to Replicate first (a nested shard, see below).
+    Planning prices ~10^6 (src, dst, shape) triples over ~10^5 placement pairs, so this
+    is computed once per pair."""
+    info = _INFO
+    cur = list(src)
+    moves: list[tuple[int, int, int, bool]] = []  # (axis, from id, to id, via replicate)
+    if len(cur) == 1:
+        if cur[0] != dst[0]:
+            moves.append((0, cur[0], dst[0], False))
+    else:
+        # DTensor's greedy order (generate_greedy_transform_infos): when anything is sharded,
+        # inner → outer first: a target shard on a tensor dim sharded differently on the
+        # outer axes (nested / misaligned) is replicated first ...
+        if any(info[c][0] is not None for c in cur):
+            for ax in reversed(range(len(cur))):
+                c, t = cur[ax], dst[ax]
+                via = False
+                td = info[t][0]
+                if td is not None:
+                    if [i for i in range(ax) if info[cur[i]][0] == td] != [i for i in range(ax) if info[dst[i]][0] == td]:
+                        t, via = _REPLICATE_ID, True
+                if c != t:
+                    moves.append((ax, c, t, via))
+                    cur[ax] = t
+        # ... then outer → inner to the targets
+        for ax in range(len(cur)):
+            if cur[ax] != dst[ax]:
+                moves.append((ax, cur[ax], dst[ax], False))
+                cur[ax] = dst[ax]
+    cur = list(src)
     out = []
-    for ax, c, t in _greedy_transitions(src_n, dst_n):
-        cd, td = shard_dim(c), shard_dim(t)
+    for ax, c, t, via in moves:
+        cd, cp, _ = info[c]
+        td, tp, tr = info[t]
         counted, skip = cur, None
-        if cd is not None and _is_replicate(t):
+        if cd is not None and tr:
             kind, skip = "all_gather", ax
         elif cd is not None and td is not None:
             kind = "all_to_all"
-        elif _is_partial(c) and _is_replicate(t):
+        elif cp and tr:
             kind = "all_reduce"
-        elif _is_partial(c) and td is not None:
+        elif cp and td is not None:
             kind = "reduce_scatter"
-        elif _is_partial(c) and _is_partial(t):
+        elif cp and tp:
             # e.g. Partial(sum) → Partial(avg): priced as reducing it (an all-reduce)
             kind = "all_reduce"
-        elif _is_replicate(c) and td is not None:
+        elif info[c][2] and td is not None:
             kind = "local"
             counted = list(cur)
             counted[ax] = t
         else:  # Replicate/Shard → Partial
             kind = None
-        out.append((ax, c, t, kind, _divisors(counted, ndim, mesh_shape, skip)))
+        out.append((ax, kind, _id_divisors(counted, ndim, mesh_shape, skip), via))
         cur[ax] = t
+    return tuple(out)
+
+
+def _id_divisors(ids: Sequence[int], ndim: int, mesh_shape: Sequence[int],
+                 skip_axis: int | None) -> tuple[tuple[int, int], ...]:
+    out = []
+    for i, pid in enumerate(ids):
+        d = _INFO[pid][0]
+        if i != skip_axis and d is not None and 0 <= d < ndim:
+            out.append((d, mesh_shape[i]))
     return tuple(out)
 
 
