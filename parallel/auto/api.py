@@ -305,7 +305,10 @@ class AutoParallel:
         from parallel.auto.apply import apply_plan
 
         jg = self._need_graph()
-        assert self.candidates is not None
+        if self.candidates is None:  # seeded mesh and nothing solved here: a replayed or received plan
+            from parallel.auto.solve.seed import plan_candidates
+
+            self.candidates = plan_candidates(jg, self.mesh, plan)
         return apply_plan(self.model, jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy)
 
 

@@ -335,21 +335,27 @@ class PlanRunner:
             np_ = self.plan.nodes[name]
             s = np_.strategy
             if not 0 <= s < len(c.specs):
-                raise PlanMismatchError(f"plan node {name}: strategy {s} out of range ({len(c.specs)} candidates)")
-            spec = c.specs[s]
-            outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
-            got_out = [placement_str(o.placements) if o is not None else "-" for o in outs]
-            if got_out != list(np_.output_placements):
+                s = None
+            # the plan's index first; by its placement strings when the menus differ (candidates
+            # rebuilt from the plan on a seeded mesh hold one strategy per node)
+            order = ([s] if s is not None else []) + [i for i in range(len(c.specs)) if i != s]
+            spec = None
+            got_out = got_in = None
+            for i in order:
+                cand = c.specs[i]
+                outs = cand.output_specs if isinstance(cand.output_specs, tuple) else (cand.output_specs,)
+                got_out = [placement_str(o.placements) if o is not None else "-" for o in outs]
+                got_in = [placement_str(x.placements) for x in (cand.input_specs or [])]
+                if got_out == list(np_.output_placements) and (
+                        c.kind == PLACEHOLDER or got_in == list(np_.input_placements)):
+                    spec = cand
+                    break
+            if spec is None:
                 raise PlanMismatchError(
-                    f"plan node {name} ({np_.label or np_.target}): strategy {s} gives {got_out} here but "
-                    f"{np_.output_placements} in the plan; the plan was made for a different graph"
+                    f"plan node {name} ({np_.label or np_.target}): no candidate here gives outputs "
+                    f"{np_.output_placements} from inputs {np_.input_placements} (strategy {np_.strategy} of "
+                    f"{len(c.specs)} gives {got_out} from {got_in}); the plan was made for a different graph"
                 )
-            if c.kind != PLACEHOLDER:
-                got_in = [placement_str(i.placements) for i in (spec.input_specs or [])]
-                if got_in != list(np_.input_placements):
-                    raise PlanMismatchError(
-                        f"plan node {name}: strategy {s} expects inputs {got_in} here but {np_.input_placements} in the plan"
-                    )
             self.spec[name] = spec
 
     def out_placements(self, name: str, idx: int | None = None) -> tuple:

@@ -13,7 +13,7 @@ from parallel.auto.api import AutoParallel, fake_world, lm_loss, min_parameter_f
 from parallel.auto.cost import CostModel
 from parallel.auto.problem import Constraint, build_problem
 from parallel.auto.solve import choose_solver, solve
-from parallel.auto.solve.seed import _key, hamming_ball, project_constraint, seeded_candidates, solve_axes
+from parallel.auto.solve.seed import FULL_MENU_MAX, _key, hamming_ball, project_constraint, seeded_candidates, solve_axes
 from parallel.auto.strategies import build_candidates
 from parallel.auto.trace import trace_joint
 
@@ -84,10 +84,16 @@ def test_3d_enumeration_is_restricted_to_the_ball(jg, monkeypatch):
         for radius in (1, 2):
             cands, info = seeded_candidates(jg, mesh, cm, radius=radius)
             m = max(len({_key(s) for s in c.specs}) for c in axes[0][0].nodes.values()) - 1
-            assert info.ball_max <= 1 + 3 * m + (3 * m * m if radius == 2 else 0) < m ** 3
+            full_nodes = 0
             for name, c in cands.nodes.items():
                 if c.kind not in ("op", "placeholder", "slot"):
                     continue
+                product = math.prod(len(o) for o in info.options[name])
+                if product <= FULL_MENU_MAX:  # small menus: the whole per-axis product
+                    assert len(c.specs) <= product
+                    full_nodes += c.kind == "placeholder" and len(c.specs) == product
+                    continue
+                assert len(c.specs) <= 1 + 3 * m + (3 * m * m if radius == 2 else 0) < m ** 3
                 seed = []
                 for cands1, labels, prob in axes:
                     c1 = cands1.nodes[name]
@@ -98,6 +104,7 @@ def test_3d_enumeration_is_restricted_to_the_ball(jg, monkeypatch):
                         continue
                     dist = sum(_axis(k, a) != _axis(seed[a], 0) for a in range(3))
                     assert dist <= radius, (name, k, seed)
+            assert full_nodes > 0  # e.g. every weight: (R, S(0), S(1)) on each axis -> 27 strategies
 
 
 def _axis(key, a):
@@ -139,3 +146,51 @@ def test_config_rejects_unknown_solver():
 
     with pytest.raises(ConfigError, match="solver"):
         load_config("llama3_debug", ["--parallelism.solver", "gurobi"])
+
+
+def test_saved_plan_applies_on_a_seeded_mesh_without_solving(tmp_path):
+    """A 3-D plan replayed from a file (or received from rank 0) is materialised without
+    enumerating the full 3-D menus: each node gets exactly the saved strategy."""
+    from parallel.auto.plan import Plan
+    from parallel.auto.strategies import placement_str
+
+    shape, names = (2, 2, 2), ("dp", "cp", "tp")
+    dp = (Shard(0), Replicate(), Replicate())
+    with fake_world(8):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        with AutoParallel(build_model("llama3", "debug", device="meta", **TINY), _inputs, mesh, loss_fn=lm_loss,
+                          hardware="h100") as autop:
+            autop.add_input_constraints([dp, dp])
+            plan = autop.optimize_placement(verbose=False)
+        path = tmp_path / "plan.json"
+        plan.save(str(path))
+        model = build_model("llama3", "debug", device="meta", **TINY)
+        with AutoParallel(model, _inputs, mesh, loss_fn=lm_loss, hardware="h100") as autop:
+            assert autop.candidates is None  # seeded mesh: nothing enumerated before solving
+            pm = autop.apply_placement(Plan.load(str(path), model=model, mesh=mesh))
+            assert all(len(c.specs) == 1 for c in autop.candidates.nodes.values() if c.kind != "getitem")
+    runner = pm._ap_runner
+    assert set(runner.spec) == set(plan.nodes)
+    for name, spec in runner.spec.items():
+        outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+        assert [placement_str(o.placements) if o is not None else "-" for o in outs] == plan.nodes[name].output_placements
+        if plan.nodes[name].kind != "placeholder":
+            assert [placement_str(i.placements) for i in spec.input_specs] == plan.nodes[name].input_placements
+    params = plan.param_placements()
+    assert {n: placement_str(p.placements) for n, p in pm.named_parameters()} == params
+
+
+def test_saved_placements_no_axis_menu_has_are_refused_on_a_seeded_mesh():
+    from parallel.auto.plan import PlanMismatchError
+    from parallel.auto.solve.seed import plan_candidates
+
+    shape, names = (2, 2, 2), ("dp", "cp", "tp")
+    with fake_world(8):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        with AutoParallel(build_model("llama3", "debug", device="meta", **TINY), _inputs, mesh, loss_fn=lm_loss,
+                          hardware="h100") as autop:
+            plan = autop.optimize_placement(verbose=False)
+            wq = next(n for n, p in plan.nodes.items() if p.label == "param layers.0.attention.wq.weight")
+            plan.nodes[wq].output_placements = ["(S(7), R, R)"]  # no such dim
+            with pytest.raises(PlanMismatchError, match="layers.0.attention.wq.weight"):
+                plan_candidates(autop.graph, mesh, plan)
