@@ -437,6 +437,80 @@ def local_search(mrf: PairwiseMRF, labels: np.ndarray, max_rounds: int = 5) -> n
     return labels
 
 
+def budgeted_search(mrf: PairwiseMRF, labels: np.ndarray, weight: dict[int, np.ndarray], low: float | None,
+                    high: float | None, max_rounds: int = 50) -> np.ndarray:
+    """Local search that keeps a linear resource within [low, high].
+
+    `weight[i][l]` is what label l of node i uses (nodes not in `weight` use nothing); the
+    start must already be within the bounds. Moves: single nodes (coordinate descent),
+    then pairs of weighted nodes re-decided together, which trade the resource between
+    them (e.g. un-shard one parameter and shard another further). Repairs the duality gap
+    a Lagrangian penalty leaves when the budget lies between two of its plans.
+    """
+    adj = mrf.neighbours()
+    labels = labels.copy()
+    lo = -np.inf if low is None else low - 1e-12
+    hi = np.inf if high is None else high + 1e-12
+    used = sum(float(w[labels[i]]) for i, w in weight.items())
+    heavy = sorted(weight)
+    for _ in range(max_rounds):
+        improved = False
+        for i in range(mrf.num_nodes):
+            costs = _local_costs(adj, mrf.unary, labels, i)
+            if i in weight:
+                after = used - float(weight[i][labels[i]]) + weight[i]
+                costs = np.where((after >= lo) & (after <= hi), costs, np.inf)
+            best = int(np.argmin(costs))
+            if costs[best] < costs[labels[i]] - 1e-12:
+                if i in weight:
+                    used += float(weight[i][best] - weight[i][labels[i]])
+                labels[i] = best
+                improved = True
+        for i in heavy:  # star moves: a weighted node and its (unweighted) neighbours switch together
+            nbrs = [j for j, _ in adj[i] if j not in weight]
+            best_move, best_delta = None, 0.0
+            for a in range(mrf.num_labels(i)):
+                after = used - float(weight[i][labels[i]]) + float(weight[i][a])
+                if a == labels[i] or not lo <= after <= hi:
+                    continue
+                trial = labels.copy()
+                trial[i] = a
+                for j in nbrs:
+                    trial[j] = int(np.argmin(_local_costs(adj, mrf.unary, trial, j)))
+                d = _energy_delta(mrf, adj, labels, trial, [i] + nbrs)
+                if d < best_delta - 1e-9:
+                    best_move, best_delta = (trial, after), d
+            if best_move is not None:
+                labels, used = best_move
+                improved = True
+        for a_pos, i in enumerate(heavy):
+            for j in heavy[a_pos + 1:]:
+                base = used - float(weight[i][labels[i]]) - float(weight[j][labels[j]])
+                ok = base + weight[i][:, None] + weight[j][None, :]
+                ok = (ok >= lo) & (ok <= hi)
+                ci = mrf.unary[i].copy()
+                for k, cost in adj[i]:
+                    if k != j:
+                        ci = ci + cost[:, labels[k]]
+                cj = mrf.unary[j].copy()
+                for k, cost in adj[j]:
+                    if k != i:
+                        cj = cj + cost[:, labels[k]]
+                total = ci[:, None] + cj[None, :]
+                for k, cost in adj[i]:
+                    if k == j:
+                        total = total + cost
+                total = np.where(ok, np.minimum(total, FORBIDDEN), np.inf)
+                a, b = np.unravel_index(int(np.argmin(total)), total.shape)
+                if total[a, b] < total[labels[i], labels[j]] - 1e-9:
+                    used = base + float(weight[i][a]) + float(weight[j][b])
+                    labels[i], labels[j] = int(a), int(b)
+                    improved = True
+        if not improved:
+            break
+    return labels
+
+
 def solve_mrf(mrf: PairwiseMRF, max_sweeps: int = 1000, refine: bool = True, patience: int = 250,
               time_budget: float | None = None) -> MRFSolution:
     """TRW-S, then local search from its best few decoded assignments; the best wins."""
