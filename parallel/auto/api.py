@@ -257,17 +257,15 @@ class AutoParallel:
             self.candidates, self.seed_info = seeded_candidates(
                 jg, self.mesh, cm, self.constraints, radius=self.seed_radius, mp_dtype=self.mp_dtype,
                 cluster_layers=self.cluster_layers)
-            self.timings["seed"] = time.perf_counter() - t0
-            log.log(level, "%s", self.seed_info.summary())
+            self.timings["seed"] = time.perf_counter() - t0  # seed.py logs its summary
         assert self.candidates is not None
         low, high = self._memory_bounds()
         t0 = time.perf_counter()
         prob = build_problem(self.candidates, cm, constraints=self.constraints, memory_low=low, memory_high=high,
                              cluster_layers=self.cluster_layers, mp_dtype=self.mp_dtype)
         self.timings["build"] = time.perf_counter() - t0
-        from parallel.auto.solve import choose_solver, solve
+        from parallel.auto.solve import solve
 
-        log.log(level, "%s; solver: %s", prob.summary(), choose_solver(prob, self.solver)[1])
         sol = solve(prob, self.solver, time_limit=self.time_limit)
         self.timings["solve"] = sol.seconds
         for _ in range((self.seed_rounds if self._seeded() else 1) - 1):  # re-seed around the plan (seed.py)
