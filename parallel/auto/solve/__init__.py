@@ -4,8 +4,8 @@
 
 * ``"ilp"``: the exact integer program (solve/ilp.py; backend HiGHS when installed, else
   CBC; ``"highs"`` / ``"cbc"`` pick the backend and imply the ILP);
-* ``"mrf"``: the pairwise-MRF solver (solve/mrf.py: TRW-S + local search) on the same
-  Problem, with the parameter-memory budget handled as the paper does (§4.3): when the
+* ``"mrf"``: the pairwise-MRF solver (solve/mrf.py: TRW-S + local search, then the
+  repeated layers re-solved jointly with the rest fixed) on the same Problem, with the parameter-memory budget handled as the paper does (§4.3): when the
   budget is "fully sharded" every parameter group is restricted to its most-sharded
   strategies, which makes the budget hold whatever else is chosen; a looser budget is
   enforced by a Lagrangian penalty on parameter bytes (bisection on the multiplier);
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 
 import numpy as np
@@ -228,12 +229,23 @@ def _repair_within_budget(prob: Problem, allowed: list[np.ndarray], strategies: 
     return strategies, prob.energy(strategies)
 
 
+_NUMBERED_MODULE = re.compile(r"(^|\.)\d+(\.|$)")
+
+
+def repeated_layer_groups(prob: Problem) -> list[int]:
+    """Groups computed inside numbered submodules (the entries of an nn.ModuleList: the
+    repeated transformer layers), forward and backward."""
+    module_of = getattr(prob.candidates.graph, "module_of", {}) or {}
+    return [g for g, members in enumerate(prob.groups) if _NUMBERED_MODULE.search(module_of.get(members[0], ""))]
+
+
 def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 1000, bisection_steps: int = 12,
                       time_budget: float | None = 60.0) -> Solution:
     """Solve `prob` as a pairwise MRF (paper §4.3), honouring the parameter-memory budget."""
-    from parallel.auto.solve.mrf import FORBIDDEN, coordinate_descent, local_search, solve_mrf
+    from parallel.auto.solve.mrf import FORBIDDEN, block_resolve, coordinate_descent, local_search, solve_mrf
 
     t0 = time.perf_counter()
+    layers = repeated_layer_groups(prob)
     base = [a.copy() for a in prob.allowed]
     masks = _param_masks(prob)
     min_frac = sum(float(prob.param_bytes[g][masks[g]].max()) for g in prob.param_groups) / prob.total_param_bytes \
@@ -243,7 +255,7 @@ def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 1000, bisection_steps:
         raise PlanningError(f"parameters need at least {min_frac:.4g} of their bytes per device, "
                             f"above high={prob.memory_high:.4g}")
 
-    def run(allowed: list[np.ndarray], lam: float = 0.0) -> tuple[list[int], float]:
+    def run(allowed: list[np.ndarray], lam: float = 0.0, polish: bool = False) -> tuple[list[int], float]:
         extra = None
         if lam:
             extra = {g: lam * prob.param_bytes[g] / prob.total_param_bytes for g in prob.param_groups}
@@ -267,6 +279,12 @@ def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 1000, bisection_steps:
                 if e < sol.energy - 1e-9 * max(1.0, abs(sol.energy)):
                     log.info("mrf: axis permutation %s improves %.1f -> %.1f", best_perm[2], sol.energy, e)
                     sol.labels, sol.energy = lab, e
+        if polish and layers and len(layers) < prob.num_groups:
+            lab = block_resolve(red.mrf, sol.labels, layers, time_budget=time_budget)
+            e = red.mrf.energy(lab)
+            if e < sol.energy - 1e-9 * max(1.0, abs(sol.energy)):
+                log.info("mrf: re-solving the repeated layers with the rest fixed improves %.1f -> %.1f", sol.energy, e)
+                sol.labels, sol.energy = lab, e
         if sol.energy >= FORBIDDEN:
             raise PlanningError("the MRF solver found no feasible assignment (every plan needs a forbidden "
                                 "redistribution, e.g. Replicate -> Partial); check the constraints")
@@ -277,10 +295,10 @@ def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 1000, bisection_steps:
     if tight or not prob.param_groups:
         # fully sharded parameters (paper §4.3): storage is fixed, the rest is a pure MRF
         allowed = [base[g] & masks[g] if g in masks else base[g] for g in range(prob.num_groups)]
-        labels, obj = run(allowed)
+        labels, obj = run(allowed, polish=True)
         how = "parameters fully sharded"
     else:
-        labels, obj = run(base)
+        labels, obj = run(base, polish=True)
         how = "memory budget not binding"
         if not _within(prob, _memory_fraction(prob, labels)):
             # Lagrangian penalty on parameter bytes; the fully sharded plan is always feasible
