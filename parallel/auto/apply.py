@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor
 from parallel.auto import _torch as T
 from parallel.auto._torch import tree_flatten, tree_unflatten
 from parallel.auto.plan import Plan, PlanMismatchError
-from parallel.auto.strategies import PLACEHOLDER, Candidates, placement_str
+from parallel.auto.strategies import PLACEHOLDER, Candidates, placement_str, spec_placement_strs
 from parallel.auto.trace import BWD, FWD, JointGraph
 
 log = logging.getLogger(__name__)
@@ -333,28 +333,24 @@ class PlanRunner:
             )
         for name, c in cands.nodes.items():
             np_ = self.plan.nodes[name]
+            want = (list(np_.output_placements), list(np_.input_placements))
+
+            def matches(spec: Any) -> bool:
+                outs, ins = spec_placement_strs(spec)
+                return outs == want[0] and (c.kind == PLACEHOLDER or ins == want[1])
+
+            # the plan's index first; by placements when the menus differ (candidates rebuilt
+            # from the plan on a seeded mesh hold one strategy per node)
             s = np_.strategy
-            if not 0 <= s < len(c.specs):
-                s = None
-            # the plan's index first; by its placement strings when the menus differ (candidates
-            # rebuilt from the plan on a seeded mesh hold one strategy per node)
-            order = ([s] if s is not None else []) + [i for i in range(len(c.specs)) if i != s]
-            spec = None
-            got_out = got_in = None
-            for i in order:
-                cand = c.specs[i]
-                outs = cand.output_specs if isinstance(cand.output_specs, tuple) else (cand.output_specs,)
-                got_out = [placement_str(o.placements) if o is not None else "-" for o in outs]
-                got_in = [placement_str(x.placements) for x in (cand.input_specs or [])]
-                if got_out == list(np_.output_placements) and (
-                        c.kind == PLACEHOLDER or got_in == list(np_.input_placements)):
-                    spec = cand
-                    break
+            if 0 <= s < len(c.specs) and matches(c.specs[s]):
+                spec = c.specs[s]
+            else:
+                spec = next((sp for sp in c.specs if matches(sp)), None)
             if spec is None:
                 raise PlanMismatchError(
                     f"plan node {name} ({np_.label or np_.target}): no candidate here gives outputs "
-                    f"{np_.output_placements} from inputs {np_.input_placements} (strategy {np_.strategy} of "
-                    f"{len(c.specs)} gives {got_out} from {got_in}); the plan was made for a different graph"
+                    f"{want[0]} from inputs {want[1]} ({len(c.specs)} candidates); the plan was made "
+                    "for a different graph"
                 )
             self.spec[name] = spec
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from parallel.auto import _torch as T
-from parallel.auto.strategies import OP, PLACEHOLDER, SLOT, placement_str
+from parallel.auto.strategies import OP, PLACEHOLDER, SLOT, placement_str, spec_placement_strs
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +330,7 @@ def build_plan(prob: Any, labels: list[int], *, solver: str, status: str, timing
         g = prob.group_of[name]
         s = labels[g]
         spec = c.specs[s]
-        outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+        out_strs, in_strs = spec_placement_strs(spec)
         cu = float(prob.compute[name][s])
         compute_total += cu
         if c.kind == SLOT:
@@ -346,8 +346,8 @@ def build_plan(prob: Any, labels: list[int], *, solver: str, status: str, timing
         nodes[name] = NodePlan(
             name=name, kind=c.kind, target=target, label=label, phase=phase, module=module, strategy=int(s),
             inputs=[a.name for a in c.inputs],
-            input_placements=[placement_str(i.placements) for i in (spec.input_specs or [])] if c.kind != PLACEHOLDER else [],
-            output_placements=[placement_str(o.placements) if o is not None else "-" for o in outs],
+            input_placements=in_strs if c.kind != PLACEHOLDER else [],
+            output_placements=out_strs,
             compute_us=cu,
         )
     # communication breakdown per collective kind and mesh axis

@@ -438,6 +438,14 @@ def placement_str(placements: Placements) -> str:
     return "(" + ", ".join(_pstr(p) for p in placements) + ")"
 
 
+def spec_placement_strs(spec: Any) -> tuple[list[str], list[str]]:
+    """(output placements, input placements) of an OpSpec as the plan writes them ("-" for
+    an output that is not a tensor): what a saved plan is matched against."""
+    outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+    return ([placement_str(o.placements) if o is not None else "-" for o in outs],
+            [placement_str(i.placements) for i in (spec.input_specs or [])])
+
+
 def _pstr(p: Any) -> str:
     if isinstance(p, T.Replicate):
         return "R"

@@ -52,6 +52,9 @@ __all__ = [
     "axis_links",
     "collective_time",
     "decompose_redistribution",
+    "placement_ids",
+    "step_bytes",
+    "transition_template",
     "local_shape",
     "summarize_collectives",
 ]
@@ -247,12 +250,17 @@ def decompose_redistribution(src: Sequence[Placement], dst: Sequence[Placement],
     out: list[Step] = []
     for ax, kind, divisors, via_replicate in transition_template(s_ids, d_ids, ndim, tuple(mesh_shape)):
         t = _REPLICATE_ID if via_replicate else d_ids[ax]
-        local = list(shape)
-        for d, size in divisors:
-            local[d] = -(-local[d] // size)
-        out.append(Step(ax, _PLACEMENTS[cur[ax]], _PLACEMENTS[t], kind, math.prod(local) * itemsize))
+        out.append(Step(ax, _PLACEMENTS[cur[ax]], _PLACEMENTS[t], kind, step_bytes(shape, divisors, itemsize)))
         cur[ax] = t
     return out
+
+
+def step_bytes(shape: Sequence[int], divisors: Sequence[tuple[int, int]], itemsize: int) -> int:
+    """Bytes a template step moves: the tensor's local size after its (dim, axis size) divisions."""
+    local = list(shape)
+    for d, size in divisors:
+        local[d] = -(-local[d] // size)
+    return math.prod(local) * itemsize
 
 
 # Placements interned as small ints: the template below runs ~10^5-10^6 times on 3-4-D

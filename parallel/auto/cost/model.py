@@ -21,9 +21,11 @@ from .comm import (
     axis_links,
     collective_time,
     decompose_redistribution,
-    transition_template,
     local_shape,
+    placement_ids,
+    step_bytes,
     summarize_collectives,
+    transition_template,
 )
 from .compute import FlopCache, _as_shape_dtype, _freeze, _nbytes, _tensor_list, is_zero_cost, roofline_us
 from .hardware import HardwareProfile, load_hardware
@@ -258,13 +260,9 @@ class CostModel:
         hit = self._cost_cache.get(key)
         if hit is not None:
             return hit
-        total = 0.0
-        for s in self._steps(key):
-            if s.kind is None:
-                total = math.inf
-                break
-            total += collective_time(s.kind, s.bytes, self.links[s.mesh_axis])[0]
-        self._cost_cache[key] = total
+        sp, dp, shape, dtype = key
+        total = self._cost_cache[key] = self.redistribute_cost_ids(
+            placement_ids(sp, len(shape)), placement_ids(dp, len(shape)), shape, dtype.itemsize)
         return total
 
     def redistribute_cost_ids(self, src: tuple[int, ...], dst: tuple[int, ...], shape: tuple[int, ...],
@@ -275,10 +273,7 @@ class CostModel:
         for ax, kind, divisors, _ in transition_template(src, dst, len(shape), self.mesh_shape):
             if kind is None:
                 return math.inf
-            local = list(shape)
-            for d, size in divisors:
-                local[d] = -(-local[d] // size)
-            total += collective_time(kind, math.prod(local) * itemsize, self.links[ax])[0]
+            total += collective_time(kind, step_bytes(shape, divisors, itemsize), self.links[ax])[0]
         return total
 
     def collective_cost(self, kind: str, nbytes: float, mesh_axis: int) -> float:

@@ -5,7 +5,8 @@
 * ``"ilp"``: the exact integer program (solve/ilp.py; backend HiGHS when installed, else
   CBC; ``"highs"`` / ``"cbc"`` pick the backend and imply the ILP);
 * ``"mrf"``: the pairwise-MRF solver (solve/mrf.py: TRW-S + local search, then the
-  repeated layers re-solved jointly with the rest fixed) on the same Problem, with the parameter-memory budget handled as the paper does (§4.3): when the
+  repeated layers re-solved jointly with the rest fixed) on the same Problem, with the
+  parameter-memory budget handled as the paper does (§4.3): when the
   budget is "fully sharded" every parameter group is restricted to its most-sharded
   strategies, which makes the budget hold whatever else is chosen; a looser budget is
   enforced by a Lagrangian penalty on parameter bytes (bisection on the multiplier);
@@ -214,19 +215,19 @@ def _repair_within_budget(prob: Problem, allowed: list[np.ndarray], strategies: 
     from parallel.auto.solve.mrf import budgeted_search
 
     red = ReducedMRF(prob, allowed)
+    before = prob.energy(strategies)
     start = red.strategies_to_labels(strategies)
     if start is None:
-        return strategies, prob.energy(strategies)
+        return strategies, before
     total = prob.total_param_bytes
     weight = {g: prob.param_bytes[g][red.keep[g]] / total for g in prob.param_groups}
     labels = red.labels_to_strategies(budgeted_search(red.mrf, start, weight, prob.memory_low, prob.memory_high))
-    if not _within(prob, _memory_fraction(prob, labels)):  # cannot happen; keep the proven-feasible start
-        return strategies, prob.energy(strategies)
-    obj = prob.energy(labels)
-    if obj < prob.energy(strategies):
-        log.info("mrf: budgeted local search %.1f -> %.1f µs", prob.energy(strategies), obj)
-        return labels, obj
-    return strategies, prob.energy(strategies)
+    after = prob.energy(labels)
+    # the search keeps the budget; the check guards the mapping back from dominance-pruned labels
+    if after < before and _within(prob, _memory_fraction(prob, labels)):
+        log.info("mrf: budgeted local search %.1f -> %.1f µs", before, after)
+        return labels, after
+    return strategies, before
 
 
 _NUMBERED_MODULE = re.compile(r"(^|\.)\d+(\.|$)")

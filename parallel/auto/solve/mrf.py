@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -293,10 +294,8 @@ def edge_search(mrf: PairwiseMRF, labels: np.ndarray, max_rounds: int = 10) -> n
     labels = labels.copy()
     for _ in range(max_rounds):
         improved = False
-        for (i, j), pair in mrf.pairwise.items():
-            cost_i = _local_costs(adj, mrf.unary, labels, i) - pair[:, labels[j]]
-            cost_j = _local_costs(adj, mrf.unary, labels, j) - pair[labels[i], :]
-            total = cost_i[:, None] + cost_j[None, :] + pair
+        for i, j in mrf.pairwise:
+            total = _pair_costs(mrf, adj, labels, i, j)
             a, b = np.unravel_index(int(np.argmin(total)), total.shape)
             if total[a, b] < total[labels[i], labels[j]] - 1e-9:
                 labels[i], labels[j] = int(a), int(b)
@@ -304,6 +303,37 @@ def edge_search(mrf: PairwiseMRF, labels: np.ndarray, max_rounds: int = 10) -> n
         if not improved:
             break
     return labels
+
+
+def _pair_costs(mrf: PairwiseMRF, adj, labels: np.ndarray, i: int, j: int) -> np.ndarray:
+    """The energy terms touching i or j for every (label of i, label of j), the rest fixed (i < j)."""
+
+    def without(node: int, other: int) -> np.ndarray:  # unary + edges to fixed neighbours, not to `other`
+        costs = mrf.unary[node].copy()
+        for k, cost in adj[node]:
+            if k != other:
+                costs += cost[:, labels[k]]
+        return costs
+
+    total = without(i, j)[:, None] + without(j, i)[None, :]
+    pair = mrf.pairwise.get((i, j))
+    return np.minimum(total if pair is None else total + pair, FORBIDDEN)
+
+
+def _best_star(mrf: PairwiseMRF, adj, labels: np.ndarray, centre: int, nbrs: list[int],
+               centre_labels: Iterable[int]) -> tuple[np.ndarray | None, float]:
+    """Best move of `centre` to one of `centre_labels`, each neighbour then taking its best
+    label given the rest: (new labels, energy change), or (None, 0.0) when none improves."""
+    best_move, best_delta = None, 0.0
+    for a in centre_labels:
+        trial = labels.copy()
+        trial[centre] = a
+        for j in nbrs:
+            trial[j] = int(np.argmin(_local_costs(adj, mrf.unary, trial, j)))
+        d = _energy_delta(mrf, adj, labels, trial, [centre] + nbrs)
+        if d < best_delta - 1e-9:
+            best_move, best_delta = trial, d
+    return best_move, best_delta
 
 
 def _energy_delta(mrf: PairwiseMRF, adj, old: np.ndarray, new: np.ndarray, changed: list[int]) -> float:
@@ -334,17 +364,7 @@ def star_search(mrf: PairwiseMRF, labels: np.ndarray, top: int = 32, max_neighbo
         nbrs = [j for j, _ in adj[centre]][:max_neighbours]
         if not nbrs:
             continue
-        changed = [centre] + nbrs
-        best_move, best_delta = None, 0.0
-        for a in range(mrf.num_labels(centre)):
-            trial = labels.copy()
-            trial[centre] = a
-            for j in nbrs:
-                costs = _local_costs(adj, mrf.unary, trial, j)
-                trial[j] = int(np.argmin(costs))
-            d = _energy_delta(mrf, adj, labels, trial, changed)
-            if d < best_delta - 1e-9:
-                best_move, best_delta = trial, d
+        best_move, _ = _best_star(mrf, adj, labels, centre, nbrs, range(mrf.num_labels(centre)))
         if best_move is not None:
             labels = best_move
     return labels
@@ -504,42 +524,20 @@ def budgeted_search(mrf: PairwiseMRF, labels: np.ndarray, weight: dict[int, np.n
                 improved = True
         for i in heavy:  # star moves: a weighted node and its (unweighted) neighbours switch together
             nbrs = [j for j, _ in adj[i] if j not in weight]
-            best_move, best_delta = None, 0.0
-            for a in range(mrf.num_labels(i)):
-                after = used - float(weight[i][labels[i]]) + float(weight[i][a])
-                if a == labels[i] or not lo <= after <= hi:
-                    continue
-                trial = labels.copy()
-                trial[i] = a
-                for j in nbrs:
-                    trial[j] = int(np.argmin(_local_costs(adj, mrf.unary, trial, j)))
-                d = _energy_delta(mrf, adj, labels, trial, [i] + nbrs)
-                if d < best_delta - 1e-9:
-                    best_move, best_delta = (trial, after), d
-            if best_move is not None:
-                labels, used = best_move
+            others = used - float(weight[i][labels[i]])
+            fits = [a for a in range(mrf.num_labels(i)) if a != labels[i] and lo <= others + weight[i][a] <= hi]
+            move, _ = _best_star(mrf, adj, labels, i, nbrs, fits)
+            if move is not None:
+                labels, used = move, others + float(weight[i][move[i]])
                 improved = True
-        for a_pos, i in enumerate(heavy):
+        for a_pos, i in enumerate(heavy):  # pair moves: two weighted nodes trade the resource
             for j in heavy[a_pos + 1:]:
-                base = used - float(weight[i][labels[i]]) - float(weight[j][labels[j]])
-                ok = base + weight[i][:, None] + weight[j][None, :]
-                ok = (ok >= lo) & (ok <= hi)
-                ci = mrf.unary[i].copy()
-                for k, cost in adj[i]:
-                    if k != j:
-                        ci = ci + cost[:, labels[k]]
-                cj = mrf.unary[j].copy()
-                for k, cost in adj[j]:
-                    if k != i:
-                        cj = cj + cost[:, labels[k]]
-                total = ci[:, None] + cj[None, :]
-                for k, cost in adj[i]:
-                    if k == j:
-                        total = total + cost
-                total = np.where(ok, np.minimum(total, FORBIDDEN), np.inf)
+                others = used - float(weight[i][labels[i]]) - float(weight[j][labels[j]])
+                after = others + weight[i][:, None] + weight[j][None, :]
+                total = np.where((after >= lo) & (after <= hi), _pair_costs(mrf, adj, labels, i, j), np.inf)
                 a, b = np.unravel_index(int(np.argmin(total)), total.shape)
                 if total[a, b] < total[labels[i], labels[j]] - 1e-9:
-                    used = base + float(weight[i][a]) + float(weight[j][b])
+                    used = float(after[a, b])
                     labels[i], labels[j] = int(a), int(b)
                     improved = True
         if not improved:

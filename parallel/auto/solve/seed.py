@@ -151,6 +151,32 @@ def _menu(options: list[list[Any]], seed: list[int], radius: int) -> list[tuple[
     return hamming_ball(options, seed, radius)
 
 
+def _ball_keys(options: list[list[tuple]], seed: list[int], radius: int, cache: dict) -> list[tuple]:
+    """The D-dim strategy keys of a node's menu (`_menu`), without mixed min/max partials.
+    Copies of a layer share menus and seeds: one list object per distinct (menus, seed),
+    which the restricted enumeration also caches by."""
+    ck = (tuple(tuple(o) for o in options), tuple(seed))
+    keys = cache.get(ck)
+    if keys is None:
+        combined = (_combine([options[a][t[a]] for a in range(len(options))]) for t in _menu(options, seed, radius))
+        keys = cache[ck] = [k for k in combined if not _mixed_partial(k)]
+    return keys
+
+
+def _axis_candidates(graph: Any, mesh: Any) -> list[Candidates]:
+    """Per mesh axis, the full 1-D candidates on that axis's sub-mesh (built once per axis size)."""
+    by_size: dict[int, Candidates] = {}
+    for a, size in enumerate(mesh.shape):
+        if size not in by_size:
+            by_size[size] = build_candidates(graph, _axis_submesh(mesh, a))
+    return [by_size[size] for size in mesh.shape]
+
+
+def _options(cands: Candidates, name: str) -> list[tuple]:
+    """A node's distinct 1-D strategy keys, in menu order."""
+    return list(dict.fromkeys(_key(s) for s in cands.nodes[name].specs))
+
+
 def _axis_submesh(mesh: Any, axis: int) -> Any:
     names = getattr(mesh, "mesh_dim_names", None)
     if not names:
@@ -167,7 +193,7 @@ def solve_axes(graph: Any, mesh: Any, cost_model: Any, constraints: list[Constra
 
     shape = tuple(mesh.shape)
     names = list(getattr(mesh, "mesh_dim_names", None) or [f"axis{i}" for i in range(len(shape))])
-    cands_by_size: dict[int, Candidates] = {}
+    axis_cands = _axis_candidates(graph, mesh)
     solved: dict[tuple, int] = {}
     results: list[tuple[Candidates, list[int], Any]] = []
     info: list[dict] = []
@@ -180,9 +206,7 @@ def solve_axes(graph: Any, mesh: Any, cost_model: Any, constraints: list[Constra
             results.append(results[solved[ident]])
             info.append({"axis": a, "name": names[a], "size": size, "reused_from": solved[ident]})
             continue
-        if size not in cands_by_size:
-            cands_by_size[size] = build_candidates(graph, _axis_submesh(mesh, a))
-        cands = cands_by_size[size]
+        cands = axis_cands[a]
         cons = [project_constraint(c, a) for c in (constraints or []) if c.kind != "memory"]
         high = max(1.0 / size, min_parameter_fraction(cands))
         prob = build_problem(cands, cm_a, constraints=cons, memory_high=high, cluster_layers=cluster_layers,
@@ -216,18 +240,10 @@ def seeded_candidates(graph: Any, mesh: Any, cost_model: Any, constraints: list[
         options: list[list[tuple]] = []
         seed: list[int] = []
         for cands, labels, prob in axes:
-            c = cands.nodes[name]
-            keys = [_key(s) for s in c.specs]
-            chosen = keys[labels[prob.group_of[name]]]
-            uniq = list(dict.fromkeys(keys))
+            uniq = _options(cands, name)
             options.append(uniq)
-            seed.append(uniq.index(chosen))
-        ck = (tuple(tuple(o) for o in options), tuple(seed))
-        ball_keys = menu_cache.get(ck)
-        if ball_keys is None:  # copies of a layer share menus and seeds: one ball, one list object
-            ball = _menu(options, seed, radius)
-            ball_keys = [_combine([options[a][t[a]] for a in range(len(options))]) for t in ball]
-            ball_keys = menu_cache[ck] = [k for k in ball_keys if not _mixed_partial(k)]
+            seed.append(uniq.index(_key(cands.nodes[name].specs[labels[prob.group_of[name]]])))
+        ball_keys = _ball_keys(options, seed, radius, menu_cache)
         restrict[name] = ball_keys
         sizes.append(len(ball_keys))
         options_by_node[name] = options
@@ -272,13 +288,7 @@ def reseeded_candidates(graph: Any, mesh: Any, info: SeedInfo, strategy_of: dict
                 except ValueError:
                     pass
         info.seeds[name] = seed
-        ck = (tuple(tuple(o) for o in options), tuple(seed))
-        ball_keys = cache.get(ck)
-        if ball_keys is None:
-            ball = _menu(options, seed, radius)
-            ball_keys = [_combine([options[a][t[a]] for a in range(len(options))]) for t in ball]
-            ball_keys = cache[ck] = [k for k in ball_keys if not _mixed_partial(k)]
-        restrict[name] = ball_keys
+        restrict[name] = _ball_keys(options, seed, radius, cache)
     info.rounds += 1
     return build_candidates(graph, mesh, restrict=restrict)
 
@@ -301,16 +311,10 @@ def plan_candidates(graph: Any, mesh: Any, plan: Any) -> Candidates:
     menu can produce raises PlanMismatchError.
     """
     from parallel.auto.plan import PlanMismatchError
-    from parallel.auto.strategies import placement_str
+    from parallel.auto.strategies import spec_placement_strs
 
     t0 = time.perf_counter()
-    shape = tuple(mesh.shape)
-    by_size: dict[int, Candidates] = {}
-    axis_cands = []
-    for a, size in enumerate(shape):
-        if size not in by_size:
-            by_size[size] = build_candidates(graph, _axis_submesh(mesh, a))
-        axis_cands.append(by_size[size])
+    axis_cands = _axis_candidates(graph, mesh)
     restrict: dict[str, list[tuple]] = {}
     for name, c0 in axis_cands[0].nodes.items():
         if c0.kind not in (PLACEHOLDER, "op", "slot"):
@@ -322,13 +326,11 @@ def plan_candidates(graph: Any, mesh: Any, plan: Any) -> Candidates:
         ins = _axis_tokens(list(np_.input_placements)) if c0.kind != PLACEHOLDER else None
         per_axis = []
         for a, cands in enumerate(axis_cands):
-            want_o = [None if t is None else "(" + t[a] + ")" for t in outs]
-            want_i = None if ins is None else [None if t is None else "(" + t[a] + ")" for t in ins]
+            want_o = ["-" if t is None else f"({t[a]})" for t in outs]
+            want_i = None if ins is None else [f"({t[a]})" for t in ins]
             found = None
             for spec in cands.nodes[name].specs:
-                o = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
-                got_o = [None if x is None else placement_str(x.placements) for x in o]
-                got_i = [placement_str(i.placements) for i in (spec.input_specs or [])]
+                got_o, got_i = spec_placement_strs(spec)
                 if got_o == want_o and (want_i is None or got_i == want_i):
                     found = _key(spec)
                     break
