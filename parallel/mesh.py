@@ -12,7 +12,17 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+DP_REPLICATE = "dp_replicate"
+DP_SHARD = "dp_shard"
+CP = "cp"
+TP = "tp"
+EP = "ep"
+DP_SHARD_CP = "dp_shard_cp"  # dp_shard x cp flattened: where FSDP shards (recipes)
+DP_SHARD_MOD_EP = "dp_shard_mod_ep"  # what is left of dp_shard_cp once ep is carved out
+AXES = (DP_REPLICATE, DP_SHARD, CP, TP)
+"""The mesh axes the trainer builds, outermost first (defined once; use these names)."""
+DATA_AXES = (DP_REPLICATE, DP_SHARD)
+"""Axes over which ranks read different batches."""
 
 
 def mesh_shape(parallelism_cfg, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:

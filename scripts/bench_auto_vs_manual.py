@@ -66,10 +66,10 @@ def _fsdp_plan(cfg, path: Path) -> None:
 
     from models import build_model
     from parallel.auto.api import AutoParallel, lm_loss
-    from parallel.auto._torch import Replicate, Shard
+    from parallel._torch import Replicate, Shard
     from parallel.auto.trace import FWD
     from parallel.mesh import build_mesh
-    from parallel.auto.training import data_degree, data_placements
+    from trainer.auto import data_degree, data_placements
 
     mesh = build_mesh(cfg.parallelism, dist.get_world_size())
     if dist.get_rank() == 0:

@@ -3,7 +3,7 @@
     python train.py --config llama3_8b --dry-run --world-size 32
 
 No GPU and no real memory: a fake process group of ``world_size`` ranks
-(``parallel.auto._torch.fake_world``), the model built on ``meta``, the configured manual
+(``parallel._torch.fake_world``), the model built on ``meta``, the configured manual
 recipe applied on the fake mesh (``parallel.recipes.apply_recipe``), then ``to_empty``
 under ``FakeTensorMode`` and one forward + backward on a fake batch of
 ``[training] local_batch_size x seq_len`` tokens. Measured for the simulated rank (rank 0;
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from parallel.auto._torch import TorchDispatchMode, tree_flatten
+from parallel._torch import TorchDispatchMode, tree_flatten
 
 __all__ = ["MemoryTracker", "CollectiveTracker", "DryRunReport", "dry_run", "format_report", "main"]
 
@@ -290,7 +290,7 @@ def _explain_data_dependence(cfg):
 def dry_run(job_config, world_size: int) -> DryRunReport:
     """Build, parallelize and run one fwd+bwd of ``job_config`` on a fake world."""
     from models import build_model, cross_entropy_loss
-    from parallel.auto._torch import FakeTensorMode, fake_world
+    from parallel._torch import FakeTensorMode, fake_world
     from parallel.mesh import build_mesh
     from parallel.recipes import apply_recipe
     from parallel.recipes.tp import loss_parallel_context, register_partial_grad_hooks

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.optim.lr_scheduler import LambdaLR
 
-from parallel.auto import _torch as T
+from parallel import _torch as T
 
 
 def build_optimizer(model: torch.nn.Module, opt_cfg) -> torch.optim.Optimizer:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from models import build_model, cross_entropy_loss
 from parallel.mesh import build_mesh, dp_rank_and_degree
+from .auto import auto_parallelize_for_training
 from .checkpoint import CheckpointManager
 from .config import ConfigError, JobConfig
 from .data import build_dataloader, build_tokenizer
@@ -33,12 +34,6 @@ def parallelize(model: torch.nn.Module, mesh, job_config: JobConfig, sample_batc
     """The one place where the model becomes parallel. ``mesh`` is None without a
     process group (single process): the model is returned as is."""
     if job_config.parallelism.mode == "auto":
-        try:
-            from parallel.auto.api import auto_parallelize_for_training
-        except ImportError as e:
-            raise ConfigError(
-                f'{job_config.source}: \'parallelism.mode\' = "auto": the automatic planner '
-                f"is not available yet ({e}); use mode = \"manual\"") from None
         return auto_parallelize_for_training(model, mesh, job_config, sample_batch)
     if mesh is None:
         if job_config.training.compile:

@@ -23,11 +23,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.auto import _torch as T
-from parallel.auto._torch import fake_world  # noqa: F401  (re-exported for scripts and tests)
+from torch.distributed.tensor import DTensor, Placement, Replicate
+
+from models import cross_entropy_loss
+from parallel import _torch as T
+from parallel._torch import fake_world
+from parallel.auto.apply import apply_plan
+from parallel.auto.cost import DEFAULT_HARDWARE, CostModel
+from parallel.auto.formulation import build_problem
+from parallel.auto.placements import placement_str
 from parallel.auto.plan import Plan, build_plan
-from parallel.auto.problem import Constraint, PlanningError, build_problem
-from parallel.auto.strategies import Candidates, build_candidates, placement_str
+from parallel.auto.problem import Constraint, PlanningError, min_parameter_fraction
+from parallel.auto.solve import check_solver, solve
+from parallel.auto.solve.seed import plan_candidates, reseeded_candidates, seeded_candidates, use_seeding
+from parallel.auto.strategies import Candidates, build_candidates
 from parallel.auto.trace import JointGraph, trace_joint
 
 log = logging.getLogger("parallel.auto")
@@ -37,36 +46,18 @@ __all__ = ["AutoParallel", "PlanningError", "Plan", "fake_world", "lm_loss"]
 
 def lm_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Language-model loss around a model returning logits (mean cross-entropy, fp32)."""
-    from models import cross_entropy_loss
-
     return cross_entropy_loss(model(tokens), labels)
 
 
 def _as_placements(p: Any, ndim: int, what: str) -> tuple | None:
     if p is None:
         return None
-    if isinstance(p, T.Placement):
+    if isinstance(p, Placement):
         p = (p,)
     p = tuple(p)
     if len(p) != ndim:
         raise ValueError(f"{what}: {p} has {len(p)} placements for a {ndim}-D mesh")
     return p
-
-
-def min_parameter_fraction(cands: Candidates) -> float:
-    """Smallest achievable per-device share of parameter bytes (every param at its most sharded)."""
-    from parallel.auto.problem import shard_factor
-
-    jg = cands.graph
-    shape = tuple(cands.mesh.shape)
-    total = sum(jg.param_bytes.values())
-    if not total:
-        return 0.0
-    need = 0.0
-    for fqn, node in jg.params.items():
-        best = max(shard_factor(s.output_specs.placements, shape) for s in cands.nodes[node.name].specs)
-        need += jg.param_bytes[fqn] / best
-    return need / total
 
 
 class AutoParallel:
@@ -80,7 +71,7 @@ class AutoParallel:
         *,
         loss_fn: Callable[..., torch.Tensor] | None = None,
         mp_policy: Any = None,
-        hardware: Any = "h100",
+        hardware: Any = DEFAULT_HARDWARE,
         cost_model: Any = None,
         solver: str = "auto",
         time_limit: float = 600.0,
@@ -95,8 +86,6 @@ class AutoParallel:
         self.loss_fn = loss_fn
         self.mp_policy = mp_policy
         self.hardware = hardware
-        from parallel.auto.solve import check_solver
-
         self.solver = check_solver(solver)  # "auto" | "ilp" | "mrf" (| "highs" | "cbc": ILP backend)
         # split-dimension seeding (solve/seed.py): None = on from 3-D meshes
         self.seed = seed
@@ -125,7 +114,7 @@ class AutoParallel:
         flat, spec = T.tree_flatten(inputs)
         plain = []
         for x in flat:
-            if isinstance(x, T.DTensor):
+            if isinstance(x, DTensor):
                 self._input_placements.append(tuple(x.placements))
                 plain.append(torch.empty(x.shape, dtype=x.dtype, device="meta"))
             else:
@@ -227,8 +216,6 @@ class AutoParallel:
     # ------------------------------------------------------------------ solve
     def cost_model(self) -> Any:
         if self._cost_model is None:
-            from parallel.auto.cost import CostModel
-
             names = list(self.mesh.mesh_dim_names or [f"axis{i}" for i in range(self.mesh.ndim)])
             self._cost_model = CostModel(self.hardware, mesh_shape=tuple(self.mesh.shape), mesh_axis_names=names,
                                          compute_dtype=self.mp_dtype)
@@ -251,8 +238,6 @@ class AutoParallel:
         level = logging.INFO if verbose else logging.DEBUG
         cm = self.cost_model()
         if self._seeded():
-            from parallel.auto.solve.seed import seeded_candidates
-
             t0 = time.perf_counter()
             self.candidates, self.seed_info = seeded_candidates(
                 jg, self.mesh, cm, self.constraints, radius=self.seed_radius, mp_dtype=self.mp_dtype,
@@ -264,13 +249,9 @@ class AutoParallel:
         prob = build_problem(self.candidates, cm, constraints=self.constraints, memory_low=low, memory_high=high,
                              cluster_layers=self.cluster_layers, mp_dtype=self.mp_dtype)
         self.timings["build"] = time.perf_counter() - t0
-        from parallel.auto.solve import solve
-
         sol = solve(prob, self.solver, time_limit=self.time_limit)
         self.timings["solve"] = sol.seconds
         for _ in range((self.seed_rounds if self._seeded() else 1) - 1):  # re-seed around the plan (seed.py)
-            from parallel.auto.solve.seed import reseeded_candidates
-
             t1 = time.perf_counter()
             chosen = {n: self.candidates.nodes[n].specs[sol.labels[prob.group_of[n]]] for n in self.seed_info.options}
             cands2 = reseeded_candidates(jg, self.mesh, self.seed_info, chosen)
@@ -293,33 +274,30 @@ class AutoParallel:
         return plan
 
     def _seeded(self) -> bool:
-        from parallel.auto.solve.seed import use_seeding
-
         return use_seeding(self.mesh.ndim, self.seed)
 
     # ---- materialisation (owner: apply helper; implementation in parallel/auto/apply.py) ----
     def apply_placement(self, plan: Plan) -> nn.Module:
         """Materialise `plan` (in-memory or loaded/replayed) as a ParallelModule (apply.py)."""
-        from parallel.auto.apply import apply_plan
-
         jg = self._need_graph()
         if self.candidates is None:  # seeded mesh and nothing solved here: a replayed or received plan
-            from parallel.auto.solve.seed import plan_candidates
-
             self.candidates = plan_candidates(jg, self.mesh, plan)
         return apply_plan(self.model, jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy)
 
 
 # ---------------------------------------------------------------------------
-# apply helper block: the simple API and the trainer entry point (thin wrappers over
-# parallel/auto/apply.py and parallel/auto/training.py)
+# The one-call API
 # ---------------------------------------------------------------------------
 
 
+def _is_placement_tuple(x: Any) -> bool:
+    return isinstance(x, (tuple, list)) and bool(x) and all(isinstance(p, Placement) for p in x)
+
+
 def auto_parallel(model: nn.Module, mesh: Any, sample_inputs: Any, out_shardings: Any = None, *,
-                  mp_policy: Any = None, parameter_memory_budget: tuple | None = (None, None),
-                  dynamic: bool = False, loss_fn: Callable[..., torch.Tensor] | None = None,
-                  hardware: Any = "cpu", **kwargs: Any) -> nn.Module:
+                       mp_policy: Any = None, parameter_memory_budget: tuple | None = (None, None),
+                       dynamic: bool = False, loss_fn: Any = None, hardware: Any = DEFAULT_HARDWARE,
+                       verbose: bool = False, **autop_kwargs: Any) -> nn.Module:
     """Plan + materialise in one call: returns the ParallelModule (expects per-rank local inputs).
 
     sample_inputs: global-shaped pytree (or a callable returning it); plain tensors are
@@ -327,15 +305,23 @@ def auto_parallel(model: nn.Module, mesh: Any, sample_inputs: Any, out_shardings
     one placement tuple per forward output (the traced forward returns a scalar loss:
     pass `loss_fn(model, *inputs)` around a model that returns logits).
     """
-    from parallel.auto.apply import auto_parallel_impl
-
-    return auto_parallel_impl(model, mesh, sample_inputs, out_shardings, mp_policy=mp_policy,
-                              parameter_memory_budget=parameter_memory_budget, dynamic=dynamic,
-                              loss_fn=loss_fn, hardware=hardware, **kwargs)
-
-
-def auto_parallelize_for_training(model: nn.Module, mesh: Any, job_config: Any, sample_batch: Any) -> nn.Module:
-    """Trainer entry point for `[parallelism] mode = "auto"` (parallel/auto/training.py)."""
-    from parallel.auto.training import auto_parallelize_for_training as _impl
-
-    return _impl(model, mesh, job_config, sample_batch)
+    if dynamic:
+        raise NotImplementedError("dynamic=True (symbolic batch sizes) is not supported: the plan is made for fixed shapes")
+    inputs = sample_inputs() if callable(sample_inputs) else sample_inputs
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,)
+    flat, _ = T.tree_flatten(inputs)
+    with AutoParallel(model, inputs, mesh, loss_fn=loss_fn, mp_policy=mp_policy, hardware=hardware,
+                      **autop_kwargs) as autop:
+        # plain tensors are replicated on every mesh axis; DTensors bring their placements
+        rep = tuple(Replicate() for _ in range(mesh.ndim))
+        autop.add_input_constraints([None if isinstance(x, DTensor) else rep for x in flat
+                                     if isinstance(x, torch.Tensor)])
+        if out_shardings is not None:
+            outs = [tuple(out_shardings)] if _is_placement_tuple(out_shardings) else list(out_shardings)
+            autop.add_output_constraints(outs)
+        if parameter_memory_budget is not None:
+            low, high = parameter_memory_budget
+            autop.add_parameter_memory_constraint(low=low, high=high)
+        plan = autop.optimize_placement(verbose=verbose)
+        return autop.apply_placement(plan)

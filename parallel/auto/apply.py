@@ -50,10 +50,12 @@ import torch
 from torch import fx, nn
 from torch.distributed.tensor import DTensor
 
-from parallel.auto import _torch as T
-from parallel.auto._torch import tree_flatten, tree_unflatten
+from torch.distributed.tensor import Partial, Replicate, Shard
+from parallel import _torch as T
+from parallel._torch import tree_flatten, tree_unflatten
 from parallel.auto.plan import Plan, PlanMismatchError
-from parallel.auto.strategies import PLACEHOLDER, Candidates, placement_str, spec_placement_strs
+from parallel.auto.placements import placement_str, spec_placement_strs
+from parallel.auto.strategies import PLACEHOLDER, Candidates
 from parallel.auto.trace import BWD, FWD, JointGraph
 
 log = logging.getLogger(__name__)
@@ -79,14 +81,6 @@ def _is_tensor_node(x: Any) -> bool:
     return isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
 
 
-def _local_shape(shape: tuple[int, ...], placements: tuple, mesh: Any) -> tuple[int, ...]:
-    local = list(shape)
-    for size, p in zip(mesh.shape, placements):
-        if isinstance(p, T.Shard):
-            local[p.dim] = local[p.dim] // size
-    return tuple(local)
-
-
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1
     for s in reversed(shape):
@@ -107,17 +101,17 @@ def redistribute(x: DTensor, mesh: Any, target: tuple) -> DTensor:
     cur = tuple(x.placements)
     if cur == target:
         return x
-    if not any(isinstance(p, T.Partial) for p in target):
+    if not any(isinstance(p, Partial) for p in target):
         return x.redistribute(mesh, target)
     inter = list(target)
     scale = 1.0
     relabel = list(cur)
     for ax, (c, t) in enumerate(zip(cur, target)):
-        if not isinstance(t, T.Partial):
+        if not isinstance(t, Partial):
             continue
         if c == t:
             continue
-        if isinstance(c, T.Partial) and type(t) is T.Partial and c.reduce_op in ("sum", "avg") and t.reduce_op in ("sum", "avg"):
+        if isinstance(c, Partial) and type(t) is Partial and c.reduce_op in ("sum", "avg") and t.reduce_op in ("sum", "avg"):
             n = mesh.size(ax)
             if c.reduce_op == "sum" and t.reduce_op == "avg":
                 scale *= n
@@ -126,7 +120,7 @@ def redistribute(x: DTensor, mesh: Any, target: tuple) -> DTensor:
             relabel[ax] = t  # same partial values, relabelled after scaling
             inter[ax] = t
         else:
-            inter[ax] = T.Replicate()
+            inter[ax] = Replicate()
     if relabel != list(cur):
         local = x.to_local()
         if scale != 1.0:
@@ -138,15 +132,15 @@ def redistribute(x: DTensor, mesh: Any, target: tuple) -> DTensor:
         return x
     local = x.to_local()
     for ax, (i, t) in enumerate(zip(inter, target)):
-        if isinstance(i, T.Replicate) and isinstance(t, T.Partial):
+        if isinstance(i, Replicate) and isinstance(t, Partial):
             local = t._partition_value(local, mesh, ax)
     return DTensor.from_local(local, mesh, target, run_check=False, shape=x.shape, stride=x.stride())
 
 
 def _shard_dim(src: tuple, dst: tuple) -> int | None:
     """The one tensor dim the Shard placements of src and dst split (0 if none), else None."""
-    dims = {p.dim for p in src + dst if isinstance(p, T.Shard)}
-    if any(isinstance(p, T.Shard) and type(p) is not T.Shard for p in src + dst):
+    dims = {p.dim for p in src + dst if isinstance(p, Shard)}
+    if any(isinstance(p, Shard) and type(p) is not Shard for p in src + dst):
         return None  # _StridedShard
     if len(dims) > 1:
         return None
@@ -154,7 +148,7 @@ def _shard_dim(src: tuple, dst: tuple) -> int | None:
 
 
 def _as_dim0(placements: tuple) -> tuple:
-    return tuple(T.Shard(0) if isinstance(p, T.Shard) else p for p in placements)
+    return tuple(Shard(0) if isinstance(p, Shard) else p for p in placements)
 
 
 def bucket_key(src: tuple, dst: tuple) -> tuple | None:
@@ -170,11 +164,11 @@ def bucket_key(src: tuple, dst: tuple) -> tuple | None:
     a_, b_ = _as_dim0(src), _as_dim0(dst)
     changed = gather = reduce = False
     for a, b in zip(a_, b_):
-        if a == b and isinstance(a, (T.Replicate, T.Shard)) and not isinstance(a, T.Partial):
+        if a == b and isinstance(a, (Replicate, Shard)) and not isinstance(a, Partial):
             continue
-        if isinstance(a, T.Shard) and isinstance(b, T.Replicate):
+        if isinstance(a, Shard) and isinstance(b, Replicate):
             gather = changed = True
-        elif type(a) is T.Partial and a.reduce_op == "sum" and isinstance(b, (T.Replicate, T.Shard)):
+        elif type(a) is Partial and a.reduce_op == "sum" and isinstance(b, (Replicate, Shard)):
             reduce = changed = True
         else:
             return None
@@ -186,7 +180,7 @@ def bucket_key(src: tuple, dst: tuple) -> tuple | None:
 def _n_chunks(placements: tuple, mesh: Any) -> int:
     k = 1
     for ax, p in enumerate(placements):
-        if isinstance(p, T.Shard):
+        if isinstance(p, Shard):
             k *= mesh.size(ax)
     return k
 
@@ -300,7 +294,7 @@ class PlanRunner:
             k = 0
             for a in leaves:
                 if _is_tensor_node(a):
-                    if a.name in param_nodes and k < len(ins) and all(isinstance(p, T.Replicate) for p in ins[k].placements):
+                    if a.name in param_nodes and k < len(ins) and all(isinstance(p, Replicate) for p in ins[k].placements):
                         if a.name not in self._gather_params:
                             self._gather_params.append(a.name)
                     k += 1
@@ -370,7 +364,7 @@ class PlanRunner:
     def _to(self, x: Any, placements: tuple) -> Any:
         if not isinstance(x, DTensor):
             if isinstance(x, torch.Tensor):  # a plain (global) tensor: every rank holds it
-                x = DTensor.from_local(x, self.mesh, [T.Replicate()] * self.mesh.ndim, run_check=False)
+                x = DTensor.from_local(x, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
             else:
                 return x
         if tuple(x.placements) == tuple(placements):
@@ -436,7 +430,7 @@ class PlanRunner:
     def _fix(self, out: torch.Tensor, planned: tuple, n: fx.Node) -> Any:
         if not isinstance(out, DTensor):
             # factory op (no DTensor input): a global value on every rank
-            out = DTensor.from_local(out, self.mesh, [T.Replicate()] * self.mesh.ndim, run_check=False)
+            out = DTensor.from_local(out, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
         if tuple(out.placements) != planned:
             self.stats["deviations"] += 1
             if self.stats["deviations"] <= 5:
@@ -552,12 +546,12 @@ class PlanRunner:
         for name in self._gather_params:
             v = env[name]
             src = tuple(v.placements)
-            rep = tuple(T.Replicate() for _ in src)
+            rep = tuple(Replicate() for _ in src)
             key = bucket_key(src, rep)
             if key is not None:
                 groups.setdefault((key, v.dtype), []).append(name)
         for names in groups.values():
-            rep = tuple(T.Replicate() for _ in range(self.mesh.ndim))
+            rep = tuple(Replicate() for _ in range(self.mesh.ndim))
             self.stats["bucketed_param_gathers"] += 1
             outs = bucketed_redistribute([env[n] for n in names], [rep] * len(names), self.mesh)
             for name, full in zip(names, outs):
@@ -628,7 +622,7 @@ class LocalGraphs:
 
         _, slocs = self.fwd(plocs, blocs, ilocs)
         tlocs = [torch.ones(sp[1], dtype=o.dtype) if not sp[1] else torch.ones(
-            _local_shape(sp[1], sp[0], mesh), dtype=o.dtype) for sp, o in zip(self.out_specs, self.fwd(plocs, blocs, ilocs)[0])]
+            local_shape(sp[1], sp[0], tuple(mesh.shape)), dtype=o.dtype) for sp, o in zip(self.out_specs, self.fwd(plocs, blocs, ilocs)[0])]
         self.bwd = make_fx(bwd, tracing_mode="fake")(slocs, tlocs)
         self.has_grad = meta["has_grad"]
         n_coll = sum(1 for g in (self.fwd, self.bwd) for n in g.graph.nodes if "_c10d_functional" in str(n.target)
@@ -679,7 +673,7 @@ class _PlanFunction(torch.autograd.Function):
         runner: PlanRunner = ctx.runner
         if ctx.lg is not None:
             lg: LocalGraphs = ctx.lg
-            tl = [g.contiguous() if g is not None else torch.zeros(_local_shape(sp[1], sp[0], runner.mesh))
+            tl = [g.contiguous() if g is not None else torch.zeros(local_shape(sp[1], sp[0], tuple(runner.mesh.shape)))
                   for g, sp in zip(grad_outs, lg.out_specs)]
             gl = iter(lg.bwd(ctx.saved, tl))
             ctx.saved = None
@@ -728,7 +722,7 @@ class ParallelModuleMixin:
                 continue
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"input {i}: expected a tensor, got {type(x).__name__}")
-            want = _local_shape(tuple(val.shape), pl, runner.mesh)
+            want = local_shape(tuple(val.shape), pl, tuple(runner.mesh.shape))
             if tuple(x.shape) != want:
                 raise InputShapeError(
                     f"input {i}: this rank got local shape {tuple(x.shape)} but the plan expects {want} "
@@ -780,7 +774,7 @@ class ParallelModuleMixin:
 
 def local_shard(full: torch.Tensor, mesh: Any, placements: tuple) -> torch.Tensor:
     """This rank's local shard of a global tensor (no communication)."""
-    dt = DTensor.from_local(full, mesh, [T.Replicate()] * mesh.ndim, run_check=False)
+    dt = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return dt.redistribute(mesh, placements).to_local()
 
 
@@ -825,7 +819,7 @@ def apply_plan(model: nn.Module, graph: JointGraph, candidates: Candidates, plan
         p = named[fqn]
         pl = runner.param_placements(fqn)
         if on_meta or p.device.type == "meta":
-            local = torch.empty(_local_shape(tuple(p.shape), pl, mesh), dtype=p.dtype, device="meta")
+            local = torch.empty(local_shape(tuple(p.shape), pl, tuple(mesh.shape)), dtype=p.dtype, device="meta")
         else:
             local = local_shard(p.detach(), mesh, pl).clone()
         dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=p.shape, stride=_contiguous_stride(tuple(p.shape)))
@@ -853,41 +847,3 @@ def apply_plan(model: nn.Module, graph: JointGraph, candidates: Candidates, plan
 def _ref(mod: nn.Module, leaf: str, table: str) -> Any:
     d = getattr(mod, table)
     return lambda: d[leaf] if leaf in d else getattr(mod, leaf)
-
-
-# ---------------------------------------------------------------------------
-# The simple API (api.auto_parallel delegates here)
-# ---------------------------------------------------------------------------
-
-
-def _is_placement_tuple(x: Any) -> bool:
-    return isinstance(x, (tuple, list)) and bool(x) and all(isinstance(p, T.Placement) for p in x)
-
-
-def auto_parallel_impl(model: nn.Module, mesh: Any, sample_inputs: Any, out_shardings: Any = None, *,
-                       mp_policy: Any = None, parameter_memory_budget: tuple | None = (None, None),
-                       dynamic: bool = False, loss_fn: Any = None, hardware: Any = "cpu",
-                       verbose: bool = False, **autop_kwargs: Any) -> nn.Module:
-    """Plan and materialise in one call (see api.auto_parallel)."""
-    from parallel.auto.api import AutoParallel
-
-    if dynamic:
-        raise NotImplementedError("dynamic=True (symbolic batch sizes) is not supported: the plan is made for fixed shapes")
-    inputs = sample_inputs() if callable(sample_inputs) else sample_inputs
-    if not isinstance(inputs, tuple):
-        inputs = (inputs,)
-    flat, _ = tree_flatten(inputs)
-    with AutoParallel(model, inputs, mesh, loss_fn=loss_fn, mp_policy=mp_policy, hardware=hardware,
-                      **autop_kwargs) as autop:
-        # plain tensors are replicated on every mesh axis; DTensors bring their placements
-        rep = tuple(T.Replicate() for _ in range(mesh.ndim))
-        autop.add_input_constraints([None if isinstance(x, DTensor) else rep for x in flat
-                                     if isinstance(x, torch.Tensor)])
-        if out_shardings is not None:
-            outs = [tuple(out_shardings)] if _is_placement_tuple(out_shardings) else list(out_shardings)
-            autop.add_output_constraints(outs)
-        if parameter_memory_budget is not None:
-            low, high = parameter_memory_budget
-            autop.add_parameter_memory_constraint(low=low, high=high)
-        plan = autop.optimize_placement(verbose=verbose)
-        return autop.apply_placement(plan)

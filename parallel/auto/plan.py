@@ -10,6 +10,7 @@ replay on a different model or mesh is refused with a clear message.
 from __future__ import annotations
 
 import json
+import os
 import logging
 import math
 import re
@@ -21,8 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from parallel.auto import _torch as T
-from parallel.auto.strategies import OP, PLACEHOLDER, SLOT, placement_str, spec_placement_strs
+from parallel.auto.placements import placement_str, placement_words, spec_placement_strs
+from parallel.auto.trace import layer_prefix
+from parallel.auto.strategies import PLACEHOLDER, SLOT
 
 log = logging.getLogger(__name__)
 
@@ -135,22 +137,37 @@ class Plan:
         return d
 
     def save(self, path: str) -> None:
-        with open(path, "w") as f:
+        """Write the plan as JSON (to `path.tmp`, then renamed: never half-written)."""
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
             json.dump(self.to_json(), f, indent=1)
+        os.replace(tmp, path)
 
     @classmethod
-    def from_json(cls, d: dict) -> "Plan":
+    def from_json(cls, d: dict, source: str = "the plan") -> "Plan":
+        if not isinstance(d, dict):
+            raise PlanMismatchError(f"{source} is not a plan (a JSON object was expected); re-plan")
         d = dict(d)
         if d.pop("format_version", None) != FORMAT_VERSION:
-            raise PlanMismatchError(f"plan file format is not version {FORMAT_VERSION}")
-        nodes = {n["name"]: NodePlan(**n) for n in d.pop("nodes")}
-        return cls(nodes=nodes, **d)
+            raise PlanMismatchError(f"{source}: plan file format is not version {FORMAT_VERSION}; re-plan")
+        try:
+            nodes = {n["name"]: NodePlan(**n) for n in d.pop("nodes")}
+            return cls(nodes=nodes, **d)
+        except (KeyError, TypeError) as e:
+            raise PlanMismatchError(f"{source} is not a complete plan ({type(e).__name__}: {e}); re-plan") from None
 
     @classmethod
     def load(cls, path: str, *, model: Any = None, mesh: Any = None, input_shapes: list | None = None) -> "Plan":
-        """Load a plan; refuse it (PlanMismatchError) if made for another model, inputs or mesh."""
-        with open(path) as f:
-            plan = cls.from_json(json.load(f))
+        """Load a plan; refuse it (PlanMismatchError) if unreadable or made for another model, inputs or mesh."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as e:
+            raise PlanMismatchError(f"cannot read the plan file {path}: {e.strerror or e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanMismatchError(f"{path} is not a plan file (invalid JSON: {e}); "
+                                    "point plan_file at a plan.json written by the planner, or re-plan") from None
+        plan = cls.from_json(data, source=path)
         plan.check_compatible(model=model, mesh=mesh, input_shapes=input_shapes, source=path)
         return plan
 
@@ -189,7 +206,7 @@ class Plan:
         rows = linear_roles(self)
         by_module: dict[str, list[str]] = defaultdict(list)
         for fqn, words in rows:
-            layer = _layer_of(fqn)
+            layer = layer_prefix(fqn.rpartition(".")[0], innermost=True) or ""
             short = fqn[len(layer) + 1:] if layer else fqn
             by_module[layer].append(f"{short.removesuffix('.weight')}: {words}")
         lines = [
@@ -423,35 +440,6 @@ def build_plan(prob: Any, labels: list[int], *, solver: str, status: str, timing
 # ---------------------------------------------------------------------------
 
 
-_PLACEMENT_RE = re.compile(r"MP(?:\(\w+\))?|P(?:\(\w+\))?|S\(\d+\)|R")
-
-
-def _parse(p: str) -> list[str]:
-    """'(S(0), R)' -> ['S(0)', 'R']"""
-    return _PLACEMENT_RE.findall(p)
-
-
-def parse_placements(p: str) -> tuple:
-    """Placement objects from their plan string (MaskPartial reads back as Partial)."""
-    out = []
-    for x in _parse(p):
-        if x == "R":
-            out.append(T.Replicate())
-        elif x.startswith("S("):
-            out.append(T.Shard(int(x[2:-1])))
-        else:
-            op = x[x.index("(") + 1:-1] if "(" in x else "sum"
-            out.append(T.Partial(op))
-    return tuple(out)
-
-
-def _layer_of(fqn: str) -> str:
-    m = None
-    for m in re.finditer(r"(^|\.)\d+(?=\.)", fqn):
-        pass
-    return fqn[: m.end()] if m else ""
-
-
 def linear_roles(plan: Plan) -> list[tuple[str, str]]:
     """(param FQN, words) for every parameter, from its forward use.
 
@@ -469,7 +457,7 @@ def linear_roles(plan: Plan) -> list[tuple[str, str]]:
         if not n.label.startswith("param "):
             continue
         fqn = n.label[len("param "):]
-        stored = _parse(n.output_placements[0])
+        stored = placement_words(n.output_placements[0])
         use, act, weight_dims = _forward_use(n, consumers)
         words = []
         for ax, name in enumerate(names):
@@ -513,21 +501,21 @@ def _forward_use(param: NodePlan, consumers: dict[str, list[NodePlan]]) -> tuple
             if op in ("aten.t.default", "aten.transpose.int") and not transposed:
                 frontier.append((c.name, True))
             elif op in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.matmul.default"):
-                use = _parse(c.input_placements[k])
-                act = _parse(c.input_placements[1 - k]) if len(c.input_placements) > 1 else None
+                use = placement_words(c.input_placements[k])
+                act = placement_words(c.input_placements[1 - k]) if len(c.input_placements) > 1 else None
                 # Linear weight [out, in] used as t(W) = [in, out]
                 # Linear weight [out, in] is used as t(W) = [in, out]; X @ W uses W = [in, out]
                 return use, act, {1: "column-parallel", 0: "row-parallel"}
             elif op == "aten.embedding.default" and k == 0:
-                use = _parse(c.input_placements[0])
-                act = _parse(c.input_placements[1])
+                use = placement_words(c.input_placements[0])
+                act = placement_words(c.input_placements[1])
                 return use, act, {0: "vocab-parallel", 1: "embedding-dim sharded"}
             elif op in ("aten._to_copy.default", "aten.view.default", "aten._unsafe_view.default", "aten.detach.default"):
                 frontier.append((c.name, transposed))
             elif c.kind == "op":
-                use = _parse(c.input_placements[k])
+                use = placement_words(c.input_placements[k])
                 others = [p for i, p in enumerate(c.input_placements) if i != k]
-                act = _parse(others[0]) if others else None
+                act = placement_words(others[0]) if others else None
                 return use, act, {}
     return None, None, {}
 

@@ -18,7 +18,6 @@ decided, so a Partial gradient can be reduce-scattered or all-reduced into it.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import operator
 import time
@@ -29,12 +28,18 @@ from typing import Any
 import torch
 from torch import fx
 
-from parallel.auto import _torch as T
+from torch.distributed.tensor import Replicate, Shard
+from parallel import _torch as T
+from parallel.auto.placements import (
+    Placements,
+    evenly_divisible,
+    strategy_key,
+    tensor_placements,
+)
 from parallel.auto.trace import JointGraph
 
 log = logging.getLogger(__name__)
 
-Placements = tuple  # tuple[Placement, ...], one entry per mesh axis
 
 PLACEHOLDER = "placeholder"
 OP = "op"
@@ -133,33 +138,6 @@ class Candidates:
 # ---------------------------------------------------------------------------
 # Placement enumeration
 # ---------------------------------------------------------------------------
-
-
-def evenly_divisible(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...]) -> bool:
-    """True if every Shard in `placements` splits its dim evenly (in mesh-axis order)."""
-    local = list(shape)
-    for size, p in zip(mesh_shape, placements):
-        if isinstance(p, T._StridedShard):
-            return False
-        if isinstance(p, T.Shard):
-            if p.dim >= len(local) or local[p.dim] % size != 0:
-                return False
-            local[p.dim] //= size
-    return True
-
-
-def tensor_placements(
-    shape: tuple[int, ...], mesh_shape: tuple[int, ...], *, partial: bool = False
-) -> list[Placements]:
-    """Every placement tuple (Replicate / Shard(d) [/ Partial]) whose shards divide evenly."""
-    per_axis = [T.Replicate()] + [T.Shard(d) for d in range(len(shape))]
-    if partial:
-        per_axis.append(T.Partial())
-    out = []
-    for combo in itertools.product(per_axis, repeat=len(mesh_shape)):
-        if evenly_divisible(tuple(shape), combo, mesh_shape):
-            out.append(tuple(combo))
-    return out
 
 
 def _meta(val: torch.Tensor) -> Any:
@@ -302,10 +280,10 @@ class _Enumerator:
     def _all_replicate(spec: Any) -> bool:
         outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
         all_specs = [s for s in outs if s is not None] + list(spec.input_specs or [])
-        return all(isinstance(p, T.Replicate) for s in all_specs for p in s.placements)
+        return all(isinstance(p, Replicate) for s in all_specs for p in s.placements)
 
     def _replicate_only(self, node: fx.Node, in_metas: list[Any], out_meta: Any) -> list[Any]:
-        rep = tuple(T.Replicate() for _ in self.mesh_shape)
+        rep = tuple(Replicate() for _ in self.mesh_shape)
         if _multi(out_meta):
             outs = tuple(_spec(self.mesh, rep, m) if m is not None else None for m in out_meta)
         else:
@@ -315,21 +293,21 @@ class _Enumerator:
     def _single_dim(self, node: fx.Node, inputs: list[fx.Node], out_meta: Any) -> list[Any]:
         op = node.target
         info = self.prop.op_single_dim_strategy_funcs[op]
-        rep = tuple(T.Replicate() for _ in self.mesh_shape)
+        rep = tuple(Replicate() for _ in self.mesh_shape)
         schema = self._schema(node, [rep] * len(inputs))
-        func = info.func if isinstance(info, T._SingleDimStrategyInfo) else info
+        func = info.func if isinstance(info, T.SingleDimStrategyInfo) else info
         rules = func(op, schema.args_meta, schema.kwargs_meta)
         n_in = len(inputs)
         n_out = len(rules[0]) - n_in if rules else (len(out_meta) if _multi(out_meta) else 1)
         filled: list[list[Any]] = []
         seen = set()
-        rep_rule = [T.Replicate()] * (n_out + n_in)
+        rep_rule = [Replicate()] * (n_out + n_in)
         if _multi(out_meta):
             for i, m in enumerate(out_meta):
                 if m is None and i < n_out:
                     rep_rule[i] = None
         for r in [rep_rule] + list(rules):
-            rr = [T.Shard(p.dim) if isinstance(p, T._ShardingPlaceholder) else p for p in r]
+            rr = [Shard(p.dim) if isinstance(p, T.ShardingPlaceholder) else p for p in r]
             k = tuple(repr(p) for p in rr)
             if k not in seen:
                 seen.add(k)
@@ -341,7 +319,7 @@ class _Enumerator:
 
     def _strategy_func(self, node: fx.Node, inputs: list[fx.Node]) -> tuple[list[Any], str | None]:
         func = self.prop.op_strategy_funcs[node.target]
-        rep = tuple(T.Replicate() for _ in self.mesh_shape)
+        rep = tuple(Replicate() for _ in self.mesh_shape)
         combos: list[list[Placements]] = []
         for k, a in enumerate(inputs):
             shape = tuple(a.meta["val"].shape)
@@ -371,7 +349,7 @@ class _Enumerator:
             raise RuntimeError("no sharding rule and no decomposition")
         ds.ensure_schema_info(node.target)
         specs: list[Any] = []
-        rep = tuple(T.Replicate() for _ in self.mesh_shape)
+        rep = tuple(Replicate() for _ in self.mesh_shape)
         for k, a in enumerate(inputs):
             for p in tensor_placements(tuple(a.meta["val"].shape), self.mesh_shape):
                 c = [rep] * len(inputs)
@@ -408,7 +386,7 @@ class _Enumerator:
             all_specs = all_specs + new_ins
             bad = False
             for sp in all_specs:
-                if any(isinstance(p, T._StridedShard) for p in sp.placements):
+                if any(isinstance(p, T.StridedShard) for p in sp.placements):
                     self.coverage.dropped_strided += 1
                     bad = True
                     break
@@ -418,44 +396,12 @@ class _Enumerator:
                     break
             if bad:
                 continue
-            k = _spec_key(new_outs, new_ins)
+            k = strategy_key(T.OpSpec(new_outs, new_ins))
             if k in seen:
                 continue
             seen.add(k)
             out.append(T.OpSpec(new_outs, new_ins))
         return out
-
-
-def _spec_key(outs: Any, ins: list[Any]) -> tuple:
-    if isinstance(outs, tuple):
-        o = tuple(None if x is None else x.placements for x in outs)
-    else:
-        o = outs.placements
-    return (o, tuple(i.placements for i in ins))
-
-
-def placement_str(placements: Placements) -> str:
-    return "(" + ", ".join(_pstr(p) for p in placements) + ")"
-
-
-def spec_placement_strs(spec: Any) -> tuple[list[str], list[str]]:
-    """(output placements, input placements) of an OpSpec as the plan writes them ("-" for
-    an output that is not a tensor): what a saved plan is matched against."""
-    outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
-    return ([placement_str(o.placements) if o is not None else "-" for o in outs],
-            [placement_str(i.placements) for i in (spec.input_specs or [])])
-
-
-def _pstr(p: Any) -> str:
-    if isinstance(p, T.Replicate):
-        return "R"
-    if isinstance(p, T.Shard) and not isinstance(p, T._StridedShard):
-        return f"S({p.dim})"
-    if isinstance(p, T.Partial):
-        op = getattr(p, "reduce_op", "sum")
-        name = "MP" if type(p).__name__ == "_MaskPartial" else "P"
-        return name if op == "sum" else f"{name}({op})"
-    return repr(p)
 
 
 # ---------------------------------------------------------------------------
@@ -477,7 +423,7 @@ def build_candidates(graph: JointGraph, mesh: Any, restrict: dict[str, list[tupl
     t0 = time.perf_counter()
     en = _Enumerator(mesh)
     mesh_shape = tuple(mesh.shape)
-    rep = tuple(T.Replicate() for _ in mesh_shape)
+    rep = tuple(Replicate() for _ in mesh_shape)
     nodes: dict[str, NodeCandidates] = {}
     placeholder_cache: dict[Any, list[Any]] = {}
     constants: set[str] = set()  # nodes computed from no data input at all
@@ -634,10 +580,10 @@ def _restricted_uncached(en: _Enumerator, node: fx.Node, keys: list[tuple]) -> t
                 if isinstance(strat, T.OpStrategy):
                     specs.extend(strat.strategies)
     specs = en._finalize(specs, in_metas, out_meta)
-    specs = [s for s in specs if _spec_key(s.output_specs, s.input_specs) in wanted]
+    specs = [s for s in specs if strategy_key(s) in wanted]
     # stable order: the order of `keys`
     order = {k: i for i, k in enumerate(keys)}
-    specs.sort(key=lambda s: order[_spec_key(s.output_specs, s.input_specs)])
+    specs.sort(key=lambda s: order[strategy_key(s)])
     if not specs:
         why = "; ".join(errors[-1:]) if errors else "no strategy inside the seeded Hamming ball"
         return en._replicate_only(node, in_metas, out_meta), "replicate_fallback", why

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import re
 import logging
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from parallel.auto import _torch as T
+from parallel import _torch as T
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,20 @@ _PREFIX = "model."
 
 FWD = "fwd"
 BWD = "bwd"
+
+_LAYER_INDEX = re.compile(r"(^|\.)\d+(?=\.|$)")
+
+
+def layer_prefix(path: str, *, innermost: bool = False) -> str | None:
+    """The module path up to a numbered entry ('layers.3' for 'layers.3.attention.wq'):
+    the instance of a repeated layer a module or parameter belongs to. The outermost
+    numbered entry by default, the innermost one (e.g. an expert) if asked; None outside
+    numbered modules."""
+    hits = list(_LAYER_INDEX.finditer(path))
+    if not hits:
+        return None
+    m = hits[-1] if innermost else hits[0]
+    return path[: m.end()]
 
 
 @dataclass

@@ -14,6 +14,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 
+class RecipeError(ValueError):
+    """A parallelism degree that does not fit the model or the job (the message names the
+    `[parallelism]` key and its value); the trainer reports it as a config error."""
+
+
 def _axis(mesh: DeviceMesh, name: str) -> int:
     names = mesh.mesh_dim_names or ()
     return mesh.shape[names.index(name)] if name in names else 1
@@ -49,7 +54,7 @@ def apply_recipe(model: nn.Module, mesh: DeviceMesh, job_config) -> nn.Module:
 
     if job_config.activation_checkpoint.mode != "none":
         try:
-            from trainer.activation_checkpoint import apply_ac
+            from parallel.activation_checkpoint import apply_ac
         except ImportError as e:
             raise NotImplementedError(
                 f"activation checkpointing ([activation_checkpoint] mode = "

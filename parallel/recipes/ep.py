@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallel.auto import _torch as T
+from parallel import _torch as T
 
 __all__ = ["all_to_all_single_autograd", "expert_parallel_dispatch", "ep_dispatch_tokens",
            "ep_combine_tokens", "validate_ep", "validate_ep_model", "build_ep_meshes", "apply_ep",
@@ -136,7 +136,7 @@ def ep_dispatch_tokens(x_sorted: torch.Tensor, num_tokens_per_expert: torch.Tens
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from parallel.auto._torch import FakeTensor
+    from parallel._torch import FakeTensor
 
     return isinstance(t, FakeTensor)
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from parallel.auto import _torch as T
+from parallel import _torch as T
 
 __all__ = ["flatten_axes", "data_parallel_mesh", "apply_hsdp", "mp_policy"]
 
@@ -36,7 +36,7 @@ def _names(mesh: DeviceMesh) -> tuple[str, ...]:
 def flatten_axes(mesh: DeviceMesh, axes: Sequence[str], name: str) -> DeviceMesh:
     """1-D mesh over the named ``axes`` of ``mesh`` (flattened in order; one axis: the slice).
 
-    Uses ``DeviceMesh._flatten`` through ``parallel.auto._torch`` (torch 2.13 has no public
+    Uses ``DeviceMesh._flatten`` through ``parallel._torch`` (torch 2.13 has no public
     way); call it outside any fake mode. Once flattened, ``mesh[name]`` also works.
     """
     axes = [a for a in axes if a in _names(mesh)]

@@ -290,7 +290,7 @@ def test_fake_tensor_materialise_and_backward(name, dtype):
     MoE under fake tensors needs bf16 (the torch._grouped_mm path); the fp32 expert loop
     calls ``.tolist()`` on the token counts, which needs real data (see models/moe.py).
     """
-    from parallel.auto._torch import FakeTensorMode  # the one place for private APIs
+    from parallel._torch import FakeTensorMode  # the one place for private APIs
 
     m = build_model(name, "debug", device="meta").to(dtype)
     with FakeTensorMode(allow_non_fake_inputs=True):

@@ -61,6 +61,7 @@ from .comm import (
 from .compute import ZERO_COST_OPS, FlopCache, is_zero_cost, op_name, roofline_us
 from .hardware import (
     COLLECTIVE_KINDS,
+    DEFAULT_HARDWARE,
     HardwareProfile,
     InterNodeLink,
     IntraNodeLink,
@@ -76,6 +77,7 @@ from .model import CostModel
 __all__ = [
     "AxisLink",
     "COLLECTIVE_KINDS",
+    "DEFAULT_HARDWARE",
     "Collective",
     "CostModel",
     "FlopCache",

@@ -40,7 +40,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, Replicate
+
+from parallel.auto.placements import classify, normalize
 
 from .hardware import COLLECTIVE_KINDS, HardwareProfile
 
@@ -55,7 +57,6 @@ __all__ = [
     "placement_ids",
     "step_bytes",
     "transition_template",
-    "local_shape",
     "summarize_collectives",
 ]
 
@@ -170,73 +171,6 @@ def collective_time(kind: str, nbytes: float, link: AxisLink) -> tuple[float, st
     return ring, "ring"
 
 
-# ------------------------------------------------------------------ placements
-def shard_dim(p: Placement) -> int | None:
-    """Tensor dim a placement shards (Shard, _StridedShard, any shard-like), else None."""
-    return _classify(p)[0]
-
-
-def _is_partial(p: Placement) -> bool:
-    return _classify(p)[1]
-
-
-def _is_replicate(p: Placement) -> bool:
-    return _classify(p)[2]
-
-
-_CLASSES: dict[Placement, tuple[int | None, bool, bool]] = {}
-
-
-def _classify(p: Placement) -> tuple[int | None, bool, bool]:
-    """(shard dim or None, is partial, is replicate), memoised per placement: a failing
-    ``isinstance`` on torch 2.13's C++-backed placement types costs ~1.5 µs, and planning
-    asks tens of millions of times."""
-    hit = _CLASSES.get(p)
-    if hit is None:
-        if isinstance(p, Shard):
-            dim = p.dim
-        elif p.is_shard() or type(p).__name__ == "_StridedShard":
-            dim = getattr(p, "dim", None)
-        else:
-            dim = None
-        hit = _CLASSES[p] = (dim, isinstance(p, Partial) or p.is_partial(),
-                             isinstance(p, Replicate) or p.is_replicate())
-    return hit
-
-
-def _normalize(placements: Sequence[Placement], ndim: int) -> tuple[Placement, ...]:
-    """Make negative shard dims positive so Shard(-1) == Shard(ndim-1)."""
-    out = []
-    for p in placements:
-        d = shard_dim(p)
-        if d is not None and d < 0:
-            if isinstance(p, Shard) and type(p) is Shard:
-                p = Shard(d + ndim)
-            else:  # _StridedShard and friends
-                try:
-                    p = type(p)(d + ndim, split_factor=p.split_factor)  # type: ignore[attr-defined]
-                except Exception:  # pragma: no cover
-                    pass
-        out.append(p)
-    return tuple(out)
-
-
-def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int],
-                skip_axis: int | None = None) -> tuple[int, ...]:
-    """Per-rank shape of a tensor of global ``shape`` placed by ``placements`` (ceil:
-    uneven shards are priced as the largest one, which collectives pad to), ignoring the
-    sharding on ``skip_axis`` (= the tensor gathered on that axis)."""
-    local = list(shape)
-    for d, size in _divisors(placements, len(local), mesh_shape, skip_axis):
-        local[d] = -(-local[d] // size)
-    return tuple(local)
-
-
-def _local_numel(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int],
-                 skip_axis: int | None = None) -> int:
-    return math.prod(local_shape(shape, placements, mesh_shape, skip_axis))
-
-
 def decompose_redistribution(src: Sequence[Placement], dst: Sequence[Placement],
                              shape: Sequence[int], itemsize: int,
                              mesh_shape: Sequence[int]) -> list[Step]:
@@ -274,12 +208,12 @@ def _placement_id(p: Placement, ndim: int) -> int:
     key = (p, ndim)
     i = _IDS.get(key)
     if i is None:
-        q = _normalize((p,), ndim)[0]
+        q = normalize((p,), ndim)[0]
         j = _IDS.get((q, -1))  # one id per normalised placement, whatever ndim it came from
         if j is None:
             j = _IDS[(q, -1)] = len(_PLACEMENTS)
             _PLACEMENTS.append(q)
-            _INFO.append(_classify(q))
+            _INFO.append(classify(q))
         i = _IDS[key] = j
     return i
 
@@ -361,21 +295,6 @@ def _id_divisors(ids: Sequence[int], ndim: int, mesh_shape: Sequence[int],
         d = _INFO[pid][0]
         if i != skip_axis and d is not None and 0 <= d < ndim:
             out.append((d, mesh_shape[i]))
-    return tuple(out)
-
-
-def _divisors(placements: Sequence[Placement], ndim: int, mesh_shape: Sequence[int],
-              skip_axis: int | None) -> tuple[tuple[int, int], ...]:
-    """(tensor dim, mesh-axis size) for each sharded axis, in axis order, as local_shape applies them."""
-    out = []
-    for i, p in enumerate(placements):
-        if i == skip_axis:
-            continue
-        d = shard_dim(p)
-        if d is not None:
-            d = d + ndim if d < 0 else d
-            if 0 <= d < ndim:
-                out.append((d, mesh_shape[i]))
     return tuple(out)
 
 

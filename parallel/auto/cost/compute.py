@@ -9,7 +9,7 @@ output bytes. View-like ops (view, reshape, t, transpose, getitem, detach, ...) 
 kernel and cost 0.
 
 CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward)
-counts 0 FLOPs in FlopCounterMode unless ``parallel.auto._torch.register_planner_ops()``
+counts 0 FLOPs in FlopCounterMode unless ``parallel._torch.register_planner_ops()``
 registered a formula; when it counts 0 we use torch's own SDPA formulas, with the same
 convention (causal masking not discounted) so both paths agree.
 """
@@ -24,7 +24,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from .hardware import HardwareProfile
-from .. import _torch as T
+from parallel import _torch as T
 
 __all__ = [
     "ZERO_COST_OPS",

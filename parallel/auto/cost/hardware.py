@@ -25,6 +25,7 @@ except ModuleNotFoundError:  # pragma: no cover - 3.10
 import torch
 
 __all__ = [
+    "DEFAULT_HARDWARE",
     "COLLECTIVE_KINDS",
     "HardwareProfile",
     "InterNodeLink",
@@ -54,6 +55,11 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
 # what a missing entry falls back to (fp8 runs at least as fast as bf16, etc.)
 _PEAK_FALLBACK = {"fp8": "bf16", "fp16": "bf16", "bf16": "fp32", "tf32": "fp32", "fp64": "fp32"}
 _PEAK_KEYS = ("bf16", "fp16", "fp32", "fp8", "tf32", "fp64")
+
+
+DEFAULT_HARDWARE = "cpu"
+"""The profile used when none is named: the API, `auto_parallel`, the trainer's
+`[parallelism] hardware` and `[metrics] hardware`, and the scripts all read this one."""
 
 
 class ProfileError(ValueError):

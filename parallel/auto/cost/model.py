@@ -21,12 +21,14 @@ from .comm import (
     axis_links,
     collective_time,
     decompose_redistribution,
-    local_shape,
+
     placement_ids,
     step_bytes,
     summarize_collectives,
     transition_template,
 )
+from parallel.auto.placements import local_shape
+
 from .compute import FlopCache, _as_shape_dtype, _freeze, _nbytes, _tensor_list, is_zero_cost, roofline_us
 from .hardware import HardwareProfile, load_hardware
 

@@ -22,26 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
-from parallel.auto.problem import PlanningError, Problem, check_feasible
+from parallel.auto.feasibility import check_feasible
+from parallel.auto.problem import PlanningError, Problem
+from parallel.auto.solve.solution import Solution
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Solution:
-    """One strategy index per group, with how it was obtained."""
-
-    labels: list[int]
-    objective: float
-    solver: str
-    status: str  # "optimal" | "time_limit" (feasible, optimality not proven)
-    seconds: float
-    num_vars: int
-    num_constraints: int
-
-    @property
-    def optimal(self) -> bool:
-        return self.status == "optimal"
 
 
 def available_solver(name: str = "auto") -> str:

@@ -29,7 +29,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from parallel.auto.problem import Constraint, build_problem
+from parallel.auto.placements import placement_words, spec_placement_strs, strategy_key
+from parallel.auto.formulation import build_problem
+from parallel.auto.plan import PlanMismatchError
+from parallel.auto.problem import Constraint, min_parameter_fraction
+from parallel.auto.solve import solve
 from parallel.auto.strategies import PLACEHOLDER, Candidates, build_candidates
 
 log = logging.getLogger("parallel.auto.seed")
@@ -64,12 +68,6 @@ class SeedInfo:
         return (f"seeding: radius {self.radius}; " + "; ".join(parts) +
                 f"; Hamming-ball menus: max {self.ball_max}, mean {self.ball_mean:.1f} strategies per node "
                 f"({self.strategies:,} in all), {self.seconds:.1f}s")
-
-
-def _key(spec: Any) -> tuple:
-    o = spec.output_specs
-    o = tuple(x.placements if x is not None else None for x in o) if isinstance(o, tuple) else o.placements
-    return (o, tuple(i.placements for i in (spec.input_specs or [])))
 
 
 def _project_placements(p: Any, axis: int) -> Any:
@@ -174,7 +172,7 @@ def _axis_candidates(graph: Any, mesh: Any) -> list[Candidates]:
 
 def _options(cands: Candidates, name: str) -> list[tuple]:
     """A node's distinct 1-D strategy keys, in menu order."""
-    return list(dict.fromkeys(_key(s) for s in cands.nodes[name].specs))
+    return list(dict.fromkeys(strategy_key(s) for s in cands.nodes[name].specs))
 
 
 def _axis_submesh(mesh: Any, axis: int) -> Any:
@@ -188,9 +186,6 @@ def solve_axes(graph: Any, mesh: Any, cost_model: Any, constraints: list[Constra
                mp_dtype: Any = None, cluster_layers: bool = True, solver: str = "auto",
                time_limit: float | None = 120.0) -> tuple[list[tuple[Candidates, list[int], Any]], list[dict]]:
     """One 1-D plan per mesh axis: [(1-D candidates, strategy index per node name... as labels, problem)]."""
-    from parallel.auto.api import min_parameter_fraction
-    from parallel.auto.solve import solve
-
     shape = tuple(mesh.shape)
     names = list(getattr(mesh, "mesh_dim_names", None) or [f"axis{i}" for i in range(len(shape))])
     axis_cands = _axis_candidates(graph, mesh)
@@ -242,7 +237,7 @@ def seeded_candidates(graph: Any, mesh: Any, cost_model: Any, constraints: list[
         for cands, labels, prob in axes:
             uniq = _options(cands, name)
             options.append(uniq)
-            seed.append(uniq.index(_key(cands.nodes[name].specs[labels[prob.group_of[name]]])))
+            seed.append(uniq.index(strategy_key(cands.nodes[name].specs[labels[prob.group_of[name]]])))
         ball_keys = _ball_keys(options, seed, radius, menu_cache)
         restrict[name] = ball_keys
         sizes.append(len(ball_keys))
@@ -281,7 +276,7 @@ def reseeded_candidates(graph: Any, mesh: Any, info: SeedInfo, strategy_of: dict
         seed = list(info.seeds[name])
         spec = strategy_of.get(name)
         if spec is not None:
-            key = _key(spec)
+            key = strategy_key(spec)
             for a in range(len(options)):
                 try:
                     seed[a] = options[a].index(_project_key(key, a))
@@ -295,9 +290,7 @@ def reseeded_candidates(graph: Any, mesh: Any, info: SeedInfo, strategy_of: dict
 
 def _axis_tokens(strings: list[str]) -> list[list[str]]:
     """Per tensor, its per-axis placement tokens: ["(S(0), R)", "-"] -> [["S(0)", "R"], None]."""
-    from parallel.auto.plan import _parse
-
-    return [None if s == "-" else _parse(s) for s in strings]
+    return [None if s == "-" else placement_words(s) for s in strings]
 
 
 def plan_candidates(graph: Any, mesh: Any, plan: Any) -> Candidates:
@@ -310,9 +303,6 @@ def plan_candidates(graph: Any, mesh: Any, plan: Any) -> Candidates:
     and enumeration is restricted to that one key. A node whose saved placements no 1-D
     menu can produce raises PlanMismatchError.
     """
-    from parallel.auto.plan import PlanMismatchError
-    from parallel.auto.strategies import spec_placement_strs
-
     t0 = time.perf_counter()
     axis_cands = _axis_candidates(graph, mesh)
     restrict: dict[str, list[tuple]] = {}
@@ -332,7 +322,7 @@ def plan_candidates(graph: Any, mesh: Any, plan: Any) -> Candidates:
             for spec in cands.nodes[name].specs:
                 got_o, got_i = spec_placement_strs(spec)
                 if got_o == want_o and (want_i is None or got_i == want_i):
-                    found = _key(spec)
+                    found = strategy_key(spec)
                     break
             if found is None:
                 raise PlanMismatchError(

@@ -57,7 +57,7 @@ def reference(name: str, steps: int) -> dict:
 
 def add_constraints(autop, kind: str, mesh_ndim: int) -> None:
     """Constraint sets that force the plan into a DDP-, FSDP- or TP-like shape."""
-    from parallel.auto._torch import Replicate, Shard
+    from parallel._torch import Replicate, Shard
 
     if kind == "default":
         return

@@ -5,9 +5,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
-from parallel.auto._torch import Partial, Replicate, Shard
+from parallel._torch import Partial, Replicate, Shard
 from parallel.auto.api import AutoParallel, PlanningError, fake_world, lm_loss
-from parallel.auto.plan import parse_placements
+from parallel.auto.placements import parse_placements
 
 WQ = "layers.0.attention.wq.weight"
 

@@ -15,7 +15,7 @@ def _api_worker(rank, world_size):
     from torch.distributed.tensor import DTensor
 
     from models import Llama3Model
-    from parallel.auto._torch import Replicate, Shard
+    from parallel._torch import Replicate, Shard
     from parallel.auto.api import auto_parallel, lm_loss
     from parallel.auto.apply import InputShapeError, is_parallel_module
 
@@ -72,7 +72,7 @@ def results():
 def test_parallel_module_contract(results):
     import torch
 
-    from parallel.auto._torch import Shard
+    from parallel._torch import Shard
 
     ref = reference("llama3", 1)
     for out in results:

@@ -235,7 +235,7 @@ def test_summary_breakdown() -> None:
 
 def test_specs_and_tensor_meta_from_torch() -> None:
     """DTensorSpec / TensorMeta inputs, and agreement with DTensor's own plan."""
-    _torch = pytest.importorskip("parallel.auto._torch")
+    _torch = pytest.importorskip("parallel._torch")
     from torch.distributed.device_mesh import init_device_mesh
 
     with _torch.fake_world(32):

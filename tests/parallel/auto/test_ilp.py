@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from parallel.auto.cost import CostModel
 from parallel.auto.api import fake_world
-from parallel.auto.problem import build_problem
+from parallel.auto.formulation import build_problem
 from parallel.auto.solve.ilp import available_solver, solve_ilp
 from parallel.auto.strategies import build_candidates
 from parallel.auto.trace import trace_joint

@@ -13,9 +13,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
-from parallel.auto.api import fake_world, lm_loss, min_parameter_fraction
+from parallel.auto.api import fake_world, lm_loss
+from parallel.auto.problem import min_parameter_fraction
 from parallel.auto.cost import CostModel
-from parallel.auto.problem import build_problem
+from parallel.auto.formulation import build_problem
 from parallel.auto.solve import ReducedMRF, solve
 from parallel.auto.solve.mrf import brute_force, greedy, solve_mrf
 from parallel.auto.solve.seed import seeded_candidates

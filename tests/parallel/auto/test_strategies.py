@@ -6,8 +6,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model, cross_entropy_loss
-from parallel.auto._torch import Partial, Replicate, Shard, fake_world
-from parallel.auto.strategies import build_candidates, tensor_placements
+from parallel._torch import Partial, Replicate, Shard, fake_world
+from parallel.auto.placements import tensor_placements
+from parallel.auto.strategies import build_candidates
 from parallel.auto.trace import trace_joint
 
 R, P = Replicate(), Partial()
@@ -84,7 +85,7 @@ def test_cpu_attention_flops_registered():
     import torch.nn.functional as F
     from torch.utils.flop_counter import FlopCounterMode
 
-    from parallel.auto._torch import register_planner_ops
+    from parallel._torch import register_planner_ops
 
     register_planner_ops()
     q = torch.randn(2, 4, 16, 8)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from models import build_model, cross_entropy_loss
-from trainer.activation_checkpoint import apply_ac
+from parallel.activation_checkpoint import apply_ac
 from trainer.dry_run import MemoryTracker
 
 MODES = [("none", "op"), ("full", "op"), ("selective", "op"), ("selective", "2")]

@@ -87,7 +87,7 @@ def cp2_tp2(model, mesh):
 def fsdp_tp_sac(model, mesh):
     import types
 
-    from trainer.activation_checkpoint import apply_ac
+    from parallel.activation_checkpoint import apply_ac
     from parallel.recipes.hsdp import apply_hsdp, data_parallel_mesh
     from parallel.recipes.tp import apply_tp
 

@@ -29,7 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.auto import _torch as T
+from torch.distributed.tensor import Replicate, Shard
+
+from parallel.auto.api import AutoParallel, lm_loss
+from parallel.auto.plan import Plan
 
 logger = logging.getLogger("autotitan")
 
@@ -40,7 +43,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def data_placements(mesh: Any) -> tuple:
     """Shard(0) (batch) on the data-parallel axes, Replicate on the others."""
     names = mesh.mesh_dim_names or ()
-    return tuple(T.Shard(0) if n in DATA_AXES else T.Replicate() for n in names)
+    return tuple(Shard(0) if n in DATA_AXES else Replicate() for n in names)
 
 
 def data_degree(mesh: Any) -> int:
@@ -83,9 +86,6 @@ def auto_parallelize_for_training(model: nn.Module, mesh: Any, job_config: Any, 
     if mesh is None:
         logger.info("parallelism.mode = auto on a single process: nothing to plan, training the model as is")
         return model
-    from parallel.auto.api import AutoParallel, lm_loss
-    from parallel.auto.plan import Plan
-
     par = job_config.parallelism
     names = tuple(mesh.mesh_dim_names or ())
     if "cp" in names:

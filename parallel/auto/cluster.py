@@ -29,14 +29,18 @@ reduced problem. `Clustering.summary()` reports how many decisions remain.
 
 from __future__ import annotations
 
-import re
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from parallel.auto.placements import menu_of
+from parallel.auto.problem import PlanningError
 from parallel.auto.strategies import PLACEHOLDER, SLOT, Candidates, NodeCandidates
+from parallel.auto.trace import layer_prefix
 
-_LAYER_INDEX = re.compile(r"(^|\.)(\d+)(?=\.|$)")
+log = logging.getLogger("parallel.auto.problem")
+
 
 
 @dataclass
@@ -62,28 +66,13 @@ class Clustering:
         return s
 
 
-def menu_of(c: NodeCandidates) -> tuple:
-    """(output placements, input placements) of every strategy, in order."""
-    out = []
-    for s in c.specs:
-        o = s.output_specs
-        o = tuple(x.placements if x is not None else None for x in o) if isinstance(o, tuple) else o.placements
-        out.append((o, tuple(i.placements for i in (s.input_specs or []))))
-    return tuple(out)
-
-
-def output_menu_of(c: NodeCandidates) -> tuple:
-    return tuple(m[0] for m in menu_of(c))
-
-
 def layer_instance(cands: Candidates, name: str, param_fqn: dict[str, str] | None = None) -> str | None:
     """'layers.3' for a node of layer 3 (module path or parameter FQN), else None."""
     jg = cands.graph
     if param_fqn is None:
         param_fqn = {n.name: fqn for fqn, n in jg.params.items()}
     path = param_fqn.get(name) or jg.module_of.get(name, "")
-    m = _LAYER_INDEX.search(path)
-    return None if m is None else path[: m.end()]
+    return layer_prefix(path)
 
 
 def _tensor_sig(node: Any, idx: int | None = None) -> tuple:
@@ -162,3 +151,93 @@ def find_clusters(cands: Candidates, *, flow_coupling: bool = True) -> Clusterin
                     if len(ids) > 1 and producers not in coupled:  # not already one cluster
                         coupled.append(producers)
     return Clustering(clusters, coupled, num_nodes=len(nodes), num_instances=len(instances))
+
+
+# ---------------------------------------------------------------------------
+# Decision groups: fwd/bwd ties and clusters, by union-find
+# ---------------------------------------------------------------------------
+
+
+class _UnionFind:
+    def __init__(self) -> None:
+        self.parent: dict[str, str] = {}
+
+    def find(self, a: str) -> str:
+        p = self.parent.setdefault(a, a)
+        if p != a:
+            p = self.parent[a] = self.find(p)
+        return p
+
+    def union(self, a: str, b: str) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[rb] = ra
+
+
+def _menu(c: NodeCandidates, cache: dict[int, tuple[list, tuple]] | None = None) -> tuple:
+    """(output placements, input placements) per strategy; cached per shared specs list."""
+    if cache is None:
+        return menu_of(c)
+    hit = cache.get(id(c.specs))
+    if hit is not None and hit[0] is c.specs:
+        return hit[1]
+    menu = menu_of(c)
+    cache[id(c.specs)] = (c.specs, menu)
+    return menu
+
+
+def decision_groups(cands: Candidates, cluster_layers: bool) -> tuple[list[list[str]], dict[str, int]]:
+    """Union-find groups: fwd/bwd pairs always; copies of repeated layers if asked."""
+    jg = cands.graph
+    uf = _UnionFind()
+    names = list(cands.nodes)
+    for n in names:
+        uf.find(n)
+    menus: dict[str, tuple] = {}
+
+    by_specs: dict[int, tuple[list, tuple]] = {}
+
+    def menu(n: str) -> tuple:
+        if n not in menus:
+            menus[n] = _menu(cands.nodes[n], by_specs)
+        return menus[n]
+
+    def tie(a: str, b: str, why: str) -> None:
+        # a placeholder and its output slot: same placements, strategy for strategy
+        if [m[0] for m in menu(a)] != [m[0] for m in menu(b)]:
+            raise PlanningError(f"cannot tie {a} and {b} ({why}): their candidate placements differ")
+        uf.union(a, b)
+
+    slot_name = {s.index: f"output[{s.index}]" for s in jg.slots if s.node is not None}
+    for s in jg.slots:
+        if s.node is None:
+            continue
+        if s.kind == "grad_param":
+            tie(jg.params[s.of].name, slot_name[s.index], f"parameter {s.of} and its gradient")
+        elif s.kind == "grad_input":
+            tie(jg.inputs[s.of].name, slot_name[s.index], f"input {s.of} and its gradient")
+    out_slot = {s.of: slot_name[s.index] for s in jg.slots if s.kind == "output" and s.node is not None}
+    for out_idx, tangent in jg.output_tangents:
+        if out_idx in out_slot:
+            tie(out_slot[out_idx], tangent.name, f"output {out_idx} and its tangent")
+
+    clustering = None
+    if cluster_layers:  # content-hash clustering of repeated layers
+        clustering = find_clusters(cands)
+        for members in clustering.clusters + clustering.flow_coupled:
+            first = members[0]
+            for other in members[1:]:
+                if menu(first) == menu(other):
+                    uf.union(first, other)
+    root_index: dict[str, int] = {}
+    groups: list[list[str]] = []
+    for n in names:  # topological order of the first member
+        r = uf.find(n)
+        if r not in root_index:
+            root_index[r] = len(groups)
+            groups.append([])
+        groups[root_index[r]].append(n)
+    group_of = {n: root_index[uf.find(n)] for n in names}
+    if clustering is not None:
+        log.info("%s", clustering.summary(len(groups)))
+    return groups, group_of

@@ -1,0 +1,235 @@
+"""The one module that touches private torch APIs (written against torch 2.13).
+
+Everything else imports these names from here, so a torch upgrade is fixed in this file
+(`tests/test_layering.py` fails when another module uses a `torch._…` name or a private
+attribute of a torch object). Public torch APIs (`torch.distributed.tensor`, DeviceMesh,
+FSDP2, DCP, …) are imported directly where they are used, not through this module.
+
+It also registers what torch lacks for the planner: a sharding rule and a FLOP formula
+for the CPU flash-attention ops, and the "fake" process-group backend for planning on
+fake meshes (without importing `torch.testing`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import FakeProcessGroup
+from torch._functorch._aot_autograd.descriptors import (
+    BufferAOTInput,
+    GradAOTOutput,
+    ParamAOTInput,
+    PlainAOTInput,
+    PlainAOTOutput,
+    TangentAOTInput,
+)
+from torch._functorch._aot_autograd.fx_utils import (
+    get_all_output_and_tangent_nodes,
+    get_named_buffer_nodes,
+    get_param_and_grad_nodes,
+    get_plain_input_and_grad_nodes,
+)
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._ops import OpOverload, OpOverloadPacket
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import (
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    RuntimeSchemaInfo,
+    TupleStrategy,
+)
+from torch.distributed.tensor._ops._embedding_ops import _MaskPartial as MaskPartial
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _ShardingPlaceholder as ShardingPlaceholder,
+)
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _SingleDimStrategyInfo as SingleDimStrategyInfo,
+)
+from torch.distributed.tensor._ops.single_dim_strategy import register_single_dim_strategy
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils.flop_counter import (
+    flop_registry,
+    register_flop_formula,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
+
+__all__ = [
+    "BufferAOTInput", "DTensorSpec", "FakeTensor", "FakeTensorMode", "GradAOTOutput", "MaskPartial",
+    "OpOverload", "OpOverloadPacket", "OpSchema", "OpSpec", "OpStrategy", "ParamAOTInput", "PlainAOTInput",
+    "PlainAOTOutput", "RuntimeSchemaInfo", "ShardingPlaceholder", "SingleDimStrategyInfo", "StridedShard",
+    "TangentAOTInput", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "aot_export_joint_with_descriptors",
+    "clear_sharding_caches", "expand_to_full_mesh_op_strategy", "fake_world", "flatten_mesh", "foreach_mul_",
+    "foreach_norm", "get_all_output_and_tangent_nodes", "get_named_buffer_nodes", "get_param_and_grad_nodes",
+    "get_plain_input_and_grad_nodes", "is_fake", "op_name", "partition_value", "register_planner_ops",
+    "sequence_nr", "sharding_propagator", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_mesh",
+    "CPU_ATTENTION_BWD", "CPU_ATTENTION_FWD",
+]
+
+aten = torch.ops.aten
+
+CPU_ATTENTION_FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
+CPU_ATTENTION_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+foreach_norm = torch._foreach_norm
+foreach_mul_ = torch._foreach_mul_
+
+
+# ---------------------------------------------------------------------------
+# small accessors of private attributes
+# ---------------------------------------------------------------------------
+
+
+def op_name(op: Any) -> str:
+    """Short name of an ATen OpOverload ("mm", "_to_copy") or packet."""
+    if isinstance(op, OpOverload):
+        return op._opname
+    if isinstance(op, OpOverloadPacket):
+        return op._qualified_op_name.split("::")[-1]
+    return getattr(op, "__name__", str(op))
+
+
+def sequence_nr() -> int:
+    """Autograd's next sequence number (joint-graph nodes carry it as `seq_nr`)."""
+    return torch.autograd._get_sequence_nr()
+
+
+def partition_value(placement: Partial, local: torch.Tensor, mesh: Any, mesh_axis: int) -> torch.Tensor:
+    """This rank's share of a replicated value under `placement` (Replicate -> Partial)."""
+    return placement._partition_value(local, mesh, mesh_axis)
+
+
+def is_fake(t: Any) -> bool:
+    """True for FakeTensors (planning, dry runs): they carry shapes but no values."""
+    return isinstance(t, FakeTensor)
+
+
+def sharding_propagator() -> Any:
+    """DTensor's global sharding propagator (the rules registry)."""
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def clear_sharding_caches() -> None:
+    """Drop DTensor's propagation caches after (re)registering a rule."""
+    prop = sharding_propagator()
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        fn = getattr(prop, name, None)
+        if fn is not None and hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """A 1-D mesh over all axes of `mesh` (torch 2.13 has no public flatten)."""
+    return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: Any, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """Split axis `dim` of `mesh` into named axes of `sizes` (no public API in 2.13)."""
+    return mesh._unflatten(dim, sizes, names)
+
+
+# ---------------------------------------------------------------------------
+# Fake world for planning without hardware
+# ---------------------------------------------------------------------------
+
+_FAKE_BACKEND = "fake"
+
+
+def _register_fake_backend() -> None:
+    """The "fake" c10d backend: collectives that hallucinate results (no communication)."""
+    if _FAKE_BACKEND.upper() in getattr(dist.Backend, "_plugins", {}):
+        return
+
+    def create(common_opts: Any, backend_opts: Any) -> Any:
+        return FakeProcessGroup._create_internal(common_opts.group_rank, common_opts.group_size, backend_opts)
+
+    dist.Backend.register_backend(_FAKE_BACKEND, create, extended_api=True, devices=["cpu", "cuda"])
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """A fake default process group of `world_size` ranks (this process is rank 0).
+
+    Re-entrant: a default group of the same size is reused and left alone on exit.
+    Meshes built inside must use device_type "cpu" (fake cuda tensors abort the process).
+    """
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise RuntimeError(f"a process group of size {dist.get_world_size()} is already initialised; "
+                               f"cannot open a fake world of size {world_size}")
+        yield
+        return
+    _register_fake_backend()
+    dist.init_process_group(_FAKE_BACKEND, store=dist.HashStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------
+# CPU flash attention: sharding rule + FLOP formula
+# ---------------------------------------------------------------------------
+
+_registered = False
+_lock = threading.Lock()
+
+
+def _attention_fwd_rule(op: Any, args_schema: Any, kwargs_schema: Any) -> list[list[Any]]:
+    # outputs (out [B,H,S,D], logsumexp [B,H,S]); inputs (q, k, v [, attn_mask])
+    n_in = 3 + (1 if isinstance(kwargs_schema.get("attn_mask"), TensorMeta) else 0)
+    # batch or heads; sequence sharding needs a context-parallel contract
+    return [[ShardingPlaceholder(d)] * (2 + n_in) for d in (0, 1)]
+
+
+def _attention_bwd_rule(op: Any, args_schema: Any, kwargs_schema: Any) -> list[list[Any]]:
+    # outputs (grad_q, grad_k, grad_v); inputs (grad_out, q, k, v, out, logsumexp [, attn_mask])
+    n_in = 6 + (1 if isinstance(kwargs_schema.get("attn_mask"), TensorMeta) else 0)
+    return [[ShardingPlaceholder(d)] * (3 + n_in) for d in (0, 1)]
+
+
+def _attention_fwd_flops(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    # torch's SDPA convention (causal masking not discounted)
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _attention_bwd_flops(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_val: Any = None,
+                         **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+def register_planner_ops() -> None:
+    """Register our sharding rules and FLOP formulas (idempotent).
+
+    DTensor ships no rule for the CPU flash-attention ops and FlopCounterMode counts
+    them as zero, so both are registered here: batch (dim 0) or head (dim 1) sharding
+    of every input and output, and torch's SDPA FLOP count.
+    """
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        prop = sharding_propagator()
+        rules = ((CPU_ATTENTION_FWD, _attention_fwd_rule, 4), (CPU_ATTENTION_BWD, _attention_bwd_rule, 6))
+        for op, rule, static_argnum in rules:
+            if op not in prop.op_single_dim_strategy_funcs and op not in prop.op_strategy_funcs:
+                info = RuntimeSchemaInfo(static_argnum=static_argnum, static_kwargkey=["scale"])
+                register_single_dim_strategy(op, schema_info=info)(rule)
+        packets = ((aten._scaled_dot_product_flash_attention_for_cpu, _attention_fwd_flops),
+                   (aten._scaled_dot_product_flash_attention_for_cpu_backward, _attention_bwd_flops))
+        for packet, formula in packets:
+            if packet not in flop_registry:
+                register_flop_formula(packet, get_raw=True)(formula)
+        clear_sharding_caches()
+        _registered = True

@@ -1,0 +1,126 @@
+"""Prices of every strategy and edge of a Problem, from the cost model.
+
+Compute: each OP strategy runs on the local shapes its placements give (cached per op key
+and menu: copies of a layer share them). Redistribution: one matrix per (tensor, producer
+placement classes, consumer placement classes), priced on interned placement ids (see
+`cost/comm.transition_template`) because a 4-D mesh asks ~10^6 times.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from parallel import _torch as T
+from parallel.auto.cost.comm import placement_ids
+from parallel.auto.cost.model import CostModel
+from parallel.auto.placements import local_shape
+from parallel.auto.strategies import OP, Candidates, NodeCandidates
+
+
+def comm_dtype(dtype: torch.dtype, mp_dtype: torch.dtype | None) -> torch.dtype:
+    if mp_dtype is not None and dtype.is_floating_point and dtype.itemsize > mp_dtype.itemsize:
+        return mp_dtype
+    return dtype
+
+
+class StrategyPricer:
+    """Compute and redistribution cost arrays for the strategies of one Candidates."""
+
+    def __init__(self, cands: Candidates, cm: Any, mp_dtype: torch.dtype | None):
+        self.cands = cands
+        self.cm = cm
+        self.mp_dtype = mp_dtype
+        self.mesh_shape = tuple(cands.mesh.shape)
+        self.compute_cache: dict[Any, np.ndarray] = {}
+        self.redist_cache: dict[Any, np.ndarray] = {}
+        self.pair_cache: dict[tuple, float] = {}  # (shape, dtype, src id, dst id) -> µs
+        self.placement_ids: dict[tuple, int] = {}
+        self.id_cache: dict[tuple[int, int], tuple[int, ...]] = {}
+        # the id-based fast path prices exactly like redistribute_cost; a cost model that
+        # overrides redistribute_cost is asked through it
+        self.fast_pricing = (hasattr(cm, "redistribute_cost_ids") and
+                             getattr(type(cm), "redistribute_cost", None) is CostModel.redistribute_cost)
+
+    def compute(self, c: NodeCandidates) -> np.ndarray:
+        if c.kind != OP:
+            return np.zeros(len(c.specs))
+        key = (c.key, id(c.specs))
+        hit = self.compute_cache.get(key)
+        if hit is not None:
+            return hit
+        node = c.node
+        arr = np.zeros(len(c.specs))
+        for j, s in enumerate(c.specs):
+            local = {a.name: (local_shape(tuple(a.meta["val"].shape), spec.placements, self.mesh_shape), a.meta["val"].dtype)
+                     for a, spec in zip(c.inputs, s.input_specs)}
+
+            def conv(a: Any) -> Any:
+                if isinstance(a, torch.fx.Node):
+                    if a.name in local:
+                        return local[a.name]
+                    return a.meta.get("val")
+                return a
+
+            args = T.tree_map(conv, node.args)
+            kwargs = T.tree_map(conv, dict(node.kwargs))
+            outs = s.output_specs
+            if isinstance(outs, tuple):
+                out_meta = [(local_shape(tuple(o.tensor_meta.shape), o.placements, self.mesh_shape), o.tensor_meta.dtype)
+                            for o in outs if o is not None]
+            else:
+                out_meta = [(local_shape(tuple(outs.tensor_meta.shape), outs.placements, self.mesh_shape), outs.tensor_meta.dtype)]
+            try:
+                arr[j] = self.cm.compute_cost(node.target, args, local_kwargs_meta=kwargs, out_meta=out_meta)
+            except Exception:  # noqa: BLE001 - cost model could not run the op: charge bytes only
+                arr[j] = self.cm.compute_cost(node.target, args, flops=0.0, local_kwargs_meta=kwargs, out_meta=out_meta)
+        self.compute_cache[key] = arr
+        return arr
+
+    def redistribution(self, shape: tuple, dtype: torch.dtype, src: list[tuple], dst: list[tuple]) -> np.ndarray:
+        key = (shape, dtype, tuple(src), tuple(dst))
+        hit = self.redist_cache.get(key)
+        if hit is not None:
+            return hit
+        cdt = comm_dtype(dtype, self.mp_dtype)
+        meta = (shape, cdt)
+        m = np.empty((len(src), len(dst)))
+        sid = [self._intern(p) for p in src]
+        did = [self._intern(p) for p in dst]
+        pairs = self.pair_cache
+        by_ids = self.fast_pricing  # interned placement ids: no placement hashing in the hot loop
+        if by_ids:
+            ndim = len(shape)
+            s_ids = [self._ids(i, p, ndim) for i, p in zip(sid, src)]
+            d_ids = [self._ids(i, p, ndim) for i, p in zip(did, dst)]
+        for a, sp in enumerate(src):
+            for b, dp in enumerate(dst):
+                if sid[a] == did[b]:
+                    m[a, b] = 0.0
+                    continue
+                k = (shape, dtype, sid[a], did[b])
+                c = pairs.get(k)
+                if c is None:
+                    if by_ids:
+                        c = self.cm.redistribute_cost_ids(s_ids[a], d_ids[b], shape, cdt.itemsize)
+                    else:
+                        c = self.cm.redistribute_cost(sp, dp, meta)
+                    pairs[k] = c
+                m[a, b] = c
+        self.redist_cache[key] = m
+        return m
+
+    def _ids(self, sid: int, placements: tuple, ndim: int) -> tuple[int, ...]:
+        k = (sid, ndim)
+        hit = self.id_cache.get(k)
+        if hit is None:
+            hit = self.id_cache[k] = placement_ids(placements, ndim)
+        return hit
+
+    def _intern(self, placements: tuple) -> int:
+        i = self.placement_ids.get(placements)
+        if i is None:
+            i = self.placement_ids[placements] = len(self.placement_ids)
+        return i

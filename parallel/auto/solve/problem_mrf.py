@@ -1,0 +1,276 @@
+"""The placement Problem solved as a pairwise MRF (paper §4.3), with the parameter budget.
+
+* fully sharded budget (the default): every parameter group keeps only its most-sharded
+  strategies, which makes the budget hold whatever else is chosen; the rest is a pure MRF;
+* a looser budget: a Lagrangian penalty on parameter bytes (bisection on the multiplier),
+  then a budget-keeping local search;
+* after TRW-S + local search (solve/mrf.py): axis-role permutations (global moves) and a
+  joint re-solve of the repeated layers with the rest of the graph fixed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+
+import numpy as np
+
+from parallel.auto.placements import strategy_key
+from parallel.auto.problem import PlanningError, Problem
+from parallel.auto.trace import layer_prefix
+from parallel.auto.solve.mrf import (
+    FORBIDDEN,
+    PairwiseMRF,
+    block_resolve,
+    budgeted_search,
+    coordinate_descent,
+    local_search,
+    solve_mrf,
+)
+from parallel.auto.solve.solution import Solution
+
+log = logging.getLogger("parallel.auto.solve")
+
+
+# ---------------------------------------------------------------------------
+# Problem -> pairwise MRF
+# ---------------------------------------------------------------------------
+
+
+def _param_masks(prob: Problem) -> dict[int, np.ndarray]:
+    """Per parameter group: its strategies of least local bytes (fully sharded)."""
+    out = {}
+    for g in prob.param_groups:
+        b = np.where(prob.allowed[g], prob.param_bytes[g], np.inf)
+        out[g] = prob.allowed[g] & (b <= b.min() * (1 + 1e-9))
+    return out
+
+
+def _memory_fraction(prob: Problem, labels: list[int]) -> float:
+    if not prob.total_param_bytes:
+        return 0.0
+    return sum(float(prob.param_bytes[g][labels[g]]) for g in prob.param_groups) / prob.total_param_bytes
+
+
+def _within(prob: Problem, frac: float) -> bool:
+    hi = prob.memory_high
+    lo = prob.memory_low
+    return (hi is None or frac <= hi * (1 + 1e-9) + 1e-12) and (lo is None or frac >= lo * (1 - 1e-9) - 1e-12)
+
+
+class ReducedMRF:
+    """The Problem as a PairwiseMRF over allowed, non-dominated strategies.
+
+    Labels of a group are its allowed strategies; two strategies whose placement classes
+    agree on every incident edge differ only in their unary cost, so only the cheaper is
+    kept (exact). `labels_to_strategies` maps an MRF assignment back to strategy indices.
+    """
+
+    def __init__(self, prob: Problem, allowed: list[np.ndarray], extra_unary: dict[int, np.ndarray] | None = None):
+        self.prob = prob
+        n = prob.num_groups
+        incident: list[list[tuple[int, bool]]] = [[] for _ in range(n)]  # (edge index, as source)
+        for ei, e in enumerate(prob.edges):
+            incident[e.src].append((ei, True))
+            incident[e.dst].append((ei, False))
+        self.keep: list[np.ndarray] = []
+        self.label_of: list[dict[int, int]] = []  # allowed strategy -> label (of its signature)
+        unary = []
+        for g in range(n):
+            u = prob.unary[g] + (extra_unary[g] if extra_unary and g in extra_unary else 0.0)
+            idx = np.flatnonzero(allowed[g] & np.isfinite(u))
+            if idx.size == 0:
+                raise PlanningError(f"node {prob.groups[g][0]} has no allowed strategy")
+            sig = [tuple(int(prob.edges[ei].src_cls[s] if as_src else prob.edges[ei].dst_cls[s])
+                         for ei, as_src in incident[g]) for s in idx]
+            best: dict[tuple, int] = {}
+            for s, k in zip(idx, sig):
+                b = best.get(k)
+                if b is None or u[s] < u[b]:
+                    best[k] = int(s)
+            keep = np.array(sorted(best.values()), dtype=np.int64)
+            pos = {int(x): i for i, x in enumerate(keep)}
+            self.label_of.append({int(s): pos[best[k]] for s, k in zip(idx, sig)})
+            self.keep.append(keep)
+            unary.append(u[keep])
+        self.mrf = PairwiseMRF.from_unary(unary)
+        count: dict[tuple[int, int], int] = {}
+        for e in prob.edges:
+            ks, kd = self.keep[e.src], self.keep[e.dst]
+            self.mrf.add_pairwise(e.src, e.dst, e.cost[np.ix_(e.src_cls[ks], e.dst_cls[kd])])
+            pair = (min(e.src, e.dst), max(e.src, e.dst))
+            count[pair] = count.get(pair, 0) + 1
+            if count[pair] == 1:  # class structure for fast messages (only for single-edge pairs)
+                self.mrf.set_factor(e.src, e.dst, e.cost, e.src_cls[ks], e.dst_cls[kd])
+            else:
+                self.mrf.factors.pop(pair, None)
+
+    def labels_to_strategies(self, labels: np.ndarray) -> list[int]:
+        return [int(self.keep[g][int(a)]) for g, a in enumerate(labels)]
+
+    def strategies_to_labels(self, strategies: list[int], default: np.ndarray | None = None) -> np.ndarray | None:
+        """Labels of a strategy assignment (a dominated strategy maps to its cheaper twin);
+        strategies that are not allowed take `default`'s label, or give None."""
+        out = []
+        for g, s in enumerate(strategies):
+            lab = self.label_of[g].get(int(s))
+            if lab is None:
+                if default is None:
+                    return None
+                lab = int(default[g])
+            out.append(lab)
+        return np.array(out, dtype=np.int64)
+
+    def num_labels(self) -> int:
+        return int(sum(k.size for k in self.keep))
+
+
+def _axis_permutations(ndim: int) -> list[tuple[int, ...]]:
+    ident = tuple(range(ndim))
+    if ndim <= 3:
+        return [p for p in itertools.permutations(ident) if p != ident]
+    out = []
+    for i, j in itertools.combinations(range(ndim), 2):
+        p = list(ident)
+        p[i], p[j] = p[j], p[i]
+        out.append(tuple(p))
+    return out
+
+
+def permute_axes(prob: Problem, strategies: list[int], perm: tuple[int, ...], _cache: dict | None = None) -> list[int]:
+    """The assignment with mesh-axis roles permuted: axis i takes what axis perm[i] had.
+
+    A global move no local search can make (e.g. tensor parallel on the other axis of a
+    2-D mesh: every op of every layer switches at once). Strategies without a permuted
+    twin in their menu (uneven shards on the other axis size) keep their index.
+    """
+    cache = {} if _cache is None else _cache
+    nodes = prob.candidates.nodes
+    out = []
+
+    def perm_pl(pl: object) -> object:
+        if pl is None:
+            return None
+        if pl and isinstance(pl[0], tuple):
+            return tuple(perm_pl(x) for x in pl)
+        return tuple(pl[perm[i]] for i in range(len(pl)))
+
+    for g, s in enumerate(strategies):
+        c = nodes[prob.groups[g][0]]
+        index = cache.get(id(c.specs))
+        if index is None:
+            index = cache[id(c.specs)] = {strategy_key(sp): j for j, sp in enumerate(c.specs)}
+        o, ins = strategy_key(c.specs[s])
+        key = (perm_pl(o), tuple(perm_pl(i) for i in ins))
+        out.append(index.get(key, s))
+    return out
+
+
+def _repair_within_budget(prob: Problem, allowed: list[np.ndarray], strategies: list[int]) -> tuple[list[int], float]:
+    """Budget-keeping local search from a plan inside the budget (closes the Lagrangian's
+    duality gap: the budget often lies between two of its plans)."""
+    red = ReducedMRF(prob, allowed)
+    before = prob.energy(strategies)
+    start = red.strategies_to_labels(strategies)
+    if start is None:
+        return strategies, before
+    total = prob.total_param_bytes
+    weight = {g: prob.param_bytes[g][red.keep[g]] / total for g in prob.param_groups}
+    labels = red.labels_to_strategies(budgeted_search(red.mrf, start, weight, prob.memory_low, prob.memory_high))
+    after = prob.energy(labels)
+    # the search keeps the budget; the check guards the mapping back from dominance-pruned labels
+    if after < before and _within(prob, _memory_fraction(prob, labels)):
+        log.info("mrf: budgeted local search %.1f -> %.1f µs", before, after)
+        return labels, after
+    return strategies, before
+
+
+def repeated_layer_groups(prob: Problem) -> list[int]:
+    """Groups computed inside numbered submodules (the entries of an nn.ModuleList: the
+    repeated transformer layers), forward and backward."""
+    module_of = getattr(prob.candidates.graph, "module_of", {}) or {}
+    return [g for g, members in enumerate(prob.groups) if layer_prefix(module_of.get(members[0], "")) is not None]
+
+
+def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 1000, bisection_steps: int = 12,
+                      time_budget: float | None = 60.0) -> Solution:
+    """Solve `prob` as a pairwise MRF (paper §4.3), honouring the parameter-memory budget."""
+    t0 = time.perf_counter()
+    layers = repeated_layer_groups(prob)
+    base = [a.copy() for a in prob.allowed]
+    masks = _param_masks(prob)
+    min_frac = sum(float(prob.param_bytes[g][masks[g]].max()) for g in prob.param_groups) / prob.total_param_bytes \
+        if prob.total_param_bytes else 0.0
+    tight = prob.memory_high is not None and min_frac >= prob.memory_high * (1 - 1e-9)
+    if prob.memory_high is not None and min_frac > prob.memory_high * (1 + 1e-9):
+        raise PlanningError(f"parameters need at least {min_frac:.4g} of their bytes per device, "
+                            f"above high={prob.memory_high:.4g}")
+
+    def run(allowed: list[np.ndarray], lam: float = 0.0, polish: bool = False) -> tuple[list[int], float]:
+        extra = None
+        if lam:
+            extra = {g: lam * prob.param_bytes[g] / prob.total_param_bytes for g in prob.param_groups}
+        red = ReducedMRF(prob, allowed, extra)
+        sol = solve_mrf(red.mrf, max_sweeps=max_sweeps, time_budget=time_budget)
+        ndim = len(prob.candidates.mesh.shape)
+        if ndim > 1:  # axis-role swaps: global moves out of a consistent but wrong mode
+            cache: dict = {}
+            base_labels = sol.labels
+            base_strats = red.labels_to_strategies(base_labels)
+            best_perm = None  # cheap screening (coordinate descent), full local search on the best only
+            for perm in _axis_permutations(ndim):
+                lab = red.strategies_to_labels(permute_axes(prob, base_strats, perm, cache), default=base_labels)
+                lab = coordinate_descent(red.mrf, lab)
+                e = red.mrf.energy(lab)
+                if best_perm is None or e < best_perm[0]:
+                    best_perm = (e, lab, perm)
+            if best_perm is not None and best_perm[0] < sol.energy * 1.05:
+                lab = local_search(red.mrf, best_perm[1])
+                e = red.mrf.energy(lab)
+                if e < sol.energy - 1e-9 * max(1.0, abs(sol.energy)):
+                    log.info("mrf: axis permutation %s improves %.1f -> %.1f", best_perm[2], sol.energy, e)
+                    sol.labels, sol.energy = lab, e
+        if polish and layers and len(layers) < prob.num_groups:
+            lab = block_resolve(red.mrf, sol.labels, layers, time_budget=time_budget)
+            e = red.mrf.energy(lab)
+            if e < sol.energy - 1e-9 * max(1.0, abs(sol.energy)):
+                log.info("mrf: re-solving the repeated layers with the rest fixed improves %.1f -> %.1f", sol.energy, e)
+                sol.labels, sol.energy = lab, e
+        if sol.energy >= FORBIDDEN:
+            raise PlanningError("the MRF solver found no feasible assignment (every plan needs a forbidden "
+                                "redistribution, e.g. Replicate -> Partial); check the constraints")
+        labels = red.labels_to_strategies(sol.labels)
+        return labels, prob.energy(labels)
+
+    how = ""
+    if tight or not prob.param_groups:
+        # fully sharded parameters (paper §4.3): storage is fixed, the rest is a pure MRF
+        allowed = [base[g] & masks[g] if g in masks else base[g] for g in range(prob.num_groups)]
+        labels, obj = run(allowed, polish=True)
+        how = "parameters fully sharded"
+    else:
+        labels, obj = run(base, polish=True)
+        how = "memory budget not binding"
+        if not _within(prob, _memory_fraction(prob, labels)):
+            # Lagrangian penalty on parameter bytes; the fully sharded plan is always feasible
+            fallback = run([base[g] & masks[g] if g in masks else base[g] for g in range(prob.num_groups)])
+            best = fallback
+            lo, hi = 0.0, max(1.0, obj)
+            sign = 1.0 if prob.memory_high is not None and _memory_fraction(prob, labels) > prob.memory_high else -1.0
+            for _ in range(bisection_steps):
+                lam = (lo + hi) / 2 if hi < math.inf else lo * 2
+                cand = run(base, sign * lam)
+                if _within(prob, _memory_fraction(prob, cand[0])):
+                    hi = lam
+                    if cand[1] < best[1]:
+                        best = cand
+                else:
+                    lo = lam
+            labels, obj = _repair_within_budget(prob, base, best[0])
+            how = "memory budget by Lagrangian bisection + budgeted local search"
+    seconds = time.perf_counter() - t0
+    n_labels = int(sum(a.sum() for a in prob.allowed))
+    log.info("mrf: objective %.1f µs (%s), %d groups, %.2fs", obj, how, prob.num_groups, seconds)
+    return Solution(labels, obj, "mrf", "approximate", seconds, n_labels, len(prob.edges))
