@@ -35,6 +35,7 @@ from torch._functorch._aot_autograd.fx_utils import (
     get_plain_input_and_grad_nodes,
 )
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._functorch.partitioners import default_partition
 from torch._ops import OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor, Partial
@@ -72,7 +73,7 @@ __all__ = [
     "TangentAOTInput", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "aot_export_joint_with_descriptors",
     "clear_sharding_caches", "expand_to_full_mesh_op_strategy", "fake_world", "flatten_mesh", "foreach_mul_",
     "foreach_norm", "get_all_output_and_tangent_nodes", "get_named_buffer_nodes", "get_param_and_grad_nodes",
-    "get_plain_input_and_grad_nodes", "is_fake", "op_name", "partition_value", "register_planner_ops",
+    "get_plain_input_and_grad_nodes", "is_fake", "op_name", "partition_joint", "partition_value", "register_planner_ops",
     "sequence_nr", "sharding_propagator", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_mesh",
     "CPU_ATTENTION_BWD", "CPU_ATTENTION_FWD",
 ]
@@ -108,6 +109,16 @@ def sequence_nr() -> int:
 def partition_value(placement: Partial, local: torch.Tensor, mesh: Any, mesh_axis: int) -> torch.Tensor:
     """This rank's share of a replicated value under `placement` (Replicate -> Partial)."""
     return placement._partition_value(local, mesh, mesh_axis)
+
+
+def partition_joint(gm: Any, num_fwd_outputs: int) -> tuple[Any, Any]:
+    """Torch's default partition of a joint graph into forward and backward GraphModules.
+
+    The forward returns its outputs then the values the backward reads; nodes keep their
+    names. Nodes tagged for recomputation (`meta["recompute"]`, from a SAC policy) are
+    recomputed in the backward instead of saved.
+    """
+    return default_partition(gm, None, num_fwd_outputs=num_fwd_outputs)
 
 
 def is_fake(t: Any) -> bool:

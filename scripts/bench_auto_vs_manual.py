@@ -66,7 +66,7 @@ def _fsdp_plan(cfg, path: Path) -> None:
 
     from models import build_model
     from parallel.auto.api import AutoParallel, lm_loss
-    from parallel._torch import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
     from parallel.auto.trace import FWD
     from parallel.mesh import build_mesh
     from trainer.auto import data_degree, data_placements

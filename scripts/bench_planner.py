@@ -40,7 +40,7 @@ def run_one(args: argparse.Namespace) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from models import build_model
-    from parallel._torch import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
     from parallel.auto.api import AutoParallel, fake_world, lm_loss
 
     logging.basicConfig(level=logging.INFO, format="  %(name)s: %(message)s", stream=sys.stderr)
@@ -80,7 +80,7 @@ def run_arm(args: argparse.Namespace) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from models import build_model
-    from parallel._torch import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
     from parallel.auto.api import AutoParallel, fake_world, lm_loss
 
     logging.basicConfig(level=logging.INFO, format="  %(name)s: %(message)s", stream=sys.stderr)

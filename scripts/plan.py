@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
-from parallel._torch import Replicate, Shard  # noqa: E402
+from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 from parallel.auto.api import AutoParallel, fake_world, lm_loss  # noqa: E402
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -13,7 +13,7 @@
    without solving; a plan made for another model, mesh or input shape is refused.
 3. The plan summary and objective are logged, the plan JSON is written to
    `<dump_folder>/<job.name>/plan.json`, and the model is materialised as a
-   ParallelModule (parallel/auto/apply.py) whose forward takes the per-rank
+   ParallelModule (parallel/auto/runtime) whose forward takes the per-rank
    (tokens, labels) and returns the global mean loss.
 """
 

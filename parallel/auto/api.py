@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate
 from models import cross_entropy_loss
 from parallel import _torch as T
 from parallel._torch import fake_world
-from parallel.auto.apply import apply_plan
+from parallel.auto.runtime import apply_plan
 from parallel.auto.cost import DEFAULT_HARDWARE, CostModel
 from parallel.auto.formulation import build_problem
 from parallel.auto.placements import placement_str
@@ -276,7 +276,7 @@ class AutoParallel:
     def _seeded(self) -> bool:
         return use_seeding(self.mesh.ndim, self.seed)
 
-    # ---- materialisation (owner: apply helper; implementation in parallel/auto/apply.py) ----
+    # ---- materialisation (parallel/auto/runtime) ----
     def apply_placement(self, plan: Plan) -> nn.Module:
         """Materialise `plan` (in-memory or loaded/replayed) as a ParallelModule (apply.py)."""
         jg = self._need_graph()

@@ -57,7 +57,7 @@ def reference(name: str, steps: int) -> dict:
 
 def add_constraints(autop, kind: str, mesh_ndim: int) -> None:
     """Constraint sets that force the plan into a DDP-, FSDP- or TP-like shape."""
-    from parallel._torch import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     if kind == "default":
         return
@@ -116,7 +116,7 @@ def make_plan(name: str, shape, names, kind: str, time_limit: float = 15.0, solv
 def run_job(mesh, job: dict) -> dict:
     """Replay a plan on this rank, train `steps` steps on local shards, gather results."""
     from parallel.auto.api import AutoParallel, lm_loss
-    from parallel.auto.apply import local_shard
+    from parallel.auto.runtime import local_shard
     from parallel.auto.plan import Plan
 
     model, inputs = _inputs(job["model"])
@@ -125,7 +125,7 @@ def run_job(mesh, job: dict) -> dict:
     pm.to_empty(device="cpu")
     torch.manual_seed(0)
     pm.init_weights()
-    runner = pm._ap_runner
+    runner = pm.plan_runner
     opt = _optimizer(pm.parameters())
     losses, grads = [], {}
     for step in range(job["steps"]):
@@ -140,7 +140,7 @@ def run_job(mesh, job: dict) -> dict:
         opt.step()
         losses.append(loss.item())
     return {"losses": losses, "grads": grads, "deviations": runner.stats["deviations"],
-            "local_graphs": runner._local_graphs is not None, "stats": dict(runner.stats),
+            "local_graphs": bool(runner.local_graphs_cache), "stats": dict(runner.stats),
             "placements": {n: tuple(p.placements) for n, p in pm.named_parameters()}}
 
 

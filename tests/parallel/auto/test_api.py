@@ -5,7 +5,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
-from parallel._torch import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from parallel.auto.api import AutoParallel, PlanningError, fake_world, lm_loss
 from parallel.auto.placements import parse_placements
 

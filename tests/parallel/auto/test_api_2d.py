@@ -5,7 +5,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
-from parallel._torch import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from parallel.auto.api import fake_world
 
 from test_api import _fwd_weight_use, _plan

@@ -43,7 +43,7 @@ def test_matches_one_rank_2x2(results, model, kind, steps):
         assert loss_d <= 1e-4 * max(ref["losses"]), (out["losses"], ref["losses"])
     placements = results[(model, kind)][0]["placements"]
     if kind == "tp":
-        from parallel._torch import Shard
+        from torch.distributed.tensor import Shard
 
         assert placements["layers.0.attention.wq.weight"][1] == Shard(0)
         assert placements["layers.0.feed_forward.w2.weight"][1] == Shard(1)

@@ -15,9 +15,9 @@ def _api_worker(rank, world_size):
     from torch.distributed.tensor import DTensor
 
     from models import Llama3Model
-    from parallel._torch import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
     from parallel.auto.api import auto_parallel, lm_loss
-    from parallel.auto.apply import InputShapeError, is_parallel_module
+    from parallel.auto.runtime import InputShapeError, is_parallel_module
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     out = {}
@@ -33,7 +33,7 @@ def _api_worker(rank, world_size):
         str(pm.plan.param_placements()[n]) == "(" + ", ".join(
             "R" if isinstance(x, Replicate) else f"S({x.dim})" for x in p.placements) + ")"
         for n, p in pm.named_parameters())
-    out["input_placements"] = pm._ap_runner.input_placements(0)
+    out["input_placements"] = pm.plan_runner.input_placements(0)
     pm.to_empty(device="cpu")
     torch.manual_seed(0)
     pm.init_weights()
@@ -72,7 +72,7 @@ def results():
 def test_parallel_module_contract(results):
     import torch
 
-    from parallel._torch import Shard
+    from torch.distributed.tensor import Shard
 
     ref = reference("llama3", 1)
     for out in results:

@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
 from parallel.auto import strategies as S
-from parallel._torch import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.problem import min_parameter_fraction
 from parallel.auto.cost import CostModel
@@ -171,7 +171,7 @@ def test_saved_plan_applies_on_a_seeded_mesh_without_solving(tmp_path):
             assert autop.candidates is None  # seeded mesh: nothing enumerated before solving
             pm = autop.apply_placement(Plan.load(str(path), model=model, mesh=mesh))
             assert all(len(c.specs) == 1 for c in autop.candidates.nodes.values() if c.kind != "getitem")
-    runner = pm._ap_runner
+    runner = pm.plan_runner
     assert set(runner.spec) == set(plan.nodes)
     for name, spec in runner.spec.items():
         outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)

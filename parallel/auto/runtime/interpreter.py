@@ -1,0 +1,163 @@
+"""One phase of a plan (forward or backward graph) run on DTensors: torch.fx's Interpreter
+with a plan-aware `run_node`.
+
+For every op the interpreter redistributes each tensor input to the placement the chosen
+strategy expects (all-gather, reduce-scatter, all-reduce, all-to-all, local chunking),
+runs the op on those DTensors (so the per-device op sees local shards and DTensor sizes
+views and factories per device), and checks the output placement against the plan (a
+disagreement is redistributed to the planned placement and counted as a deviation).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import fx
+from torch.distributed.tensor import DTensor, Replicate
+
+from parallel import _torch as T
+from parallel.auto.placements import placement_str
+from parallel.auto.runtime.redistribute import redistribute
+
+log = logging.getLogger("parallel.auto.runtime")
+
+aten = torch.ops.aten
+VIEW_OPS = (aten.view.default, aten._unsafe_view.default)
+CAST_OPS = (aten._to_copy.default,)
+LAYOUT_OPS = (aten.t.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
+              aten._to_copy.default, aten.detach.default, aten.clone.default)
+"""Ops that only change layout or dtype: a sum over ranks commutes with them."""
+# inputs that keep their dtype under mixed precision (flattened argument positions):
+# the CPU flash-attention backward takes an fp32 logsumexp with bf16 q/k/v
+KEEP_DTYPE = {T.CPU_ATTENTION_BWD: (5,)}
+
+
+def is_tensor_node(x: Any) -> bool:
+    return isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
+
+
+class PlacementOps:
+    """The per-op part of running a plan: specs by node name, redistribution, checks.
+
+    `spec`: node name -> chosen OpSpec; `defer`: names of layout ops that run on Partial
+    values (their reduction is done once, bucketed, at the gradient output); `cache`:
+    this step's gathered parameters (name -> replicated DTensor), read by every op that
+    wants the parameter replicated, forward and backward.
+    """
+
+    def __init__(self, mesh: Any, spec: dict[str, Any], param_dtype: torch.dtype | None, defer: set[str]):
+        self.mesh = mesh
+        self.spec = spec
+        self.param_dtype = param_dtype
+        self.defer = defer
+        self.cache: dict[str, DTensor] = {}
+        self.stats: Counter = Counter()
+
+    def to_placements(self, x: Any, placements: tuple) -> Any:
+        """`x` redistributed to `placements`; a plain tensor is a global value every rank holds."""
+        if not isinstance(x, DTensor):
+            if not isinstance(x, torch.Tensor):
+                return x
+            x = DTensor.from_local(x, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+        if tuple(x.placements) == tuple(placements):
+            return x
+        self.stats["redistributions"] += 1
+        return redistribute(x, self.mesh, tuple(placements))
+
+    def out_placements(self, name: str, idx: int | None = None) -> tuple:
+        o = self.spec[name].output_specs
+        if isinstance(o, tuple):
+            o = o[idx or 0]
+        return tuple(o.placements)
+
+    def _input(self, n: fx.Node, a: fx.Node, v: Any, target: Any) -> Any:
+        if target is not None and n.name not in self.defer:
+            want = tuple(target.placements)
+            cached = self.cache.get(a.name)
+            v = cached if cached is not None and tuple(cached.placements) == want else self.to_placements(v, want)
+        if n.target in VIEW_OPS and isinstance(v, DTensor) and not v.to_local().is_contiguous():
+            # the joint graph is functional: a copy is as good as a view, and local shards
+            # (after a redistribution) need not keep the global layout
+            v = DTensor.from_local(v.to_local().contiguous(), v.device_mesh, v.placements, run_check=False,
+                                   shape=v.shape, stride=v.stride())
+        return v
+
+    def run(self, n: fx.Node, env: dict[fx.Node, Any]) -> Any:
+        """Run op node `n` with its inputs (from `env`) at their planned placements."""
+        in_specs = list(self.spec[n.name].input_specs or [])
+        leaves, tree = T.tree_flatten((n.args, dict(n.kwargs)))
+        vals, k = [], 0
+        for a in leaves:
+            if is_tensor_node(a):
+                vals.append(self._input(n, a, env[a], in_specs[k] if k < len(in_specs) else None))
+                k += 1
+            else:
+                vals.append(env[a] if isinstance(a, fx.Node) else a)
+        if self.param_dtype is not None:
+            vals = self._harmonize(vals, n)
+        args, kwargs = T.tree_unflatten(vals, tree)
+        try:
+            out = n.target(*args, **kwargs)
+        except Exception as e:
+            ins = [f"{tuple(v.shape)}@{placement_str(tuple(v.placements))} local {tuple(v.to_local().shape)}"
+                   for v in vals if isinstance(v, DTensor)]
+            raise RuntimeError(f"apply: node {n.name} ({n.target}) failed on inputs {ins}: {e}") from e
+        return out if n.name in self.defer else self._check_outputs(n, out)
+
+    def _check_outputs(self, n: fx.Node, out: Any) -> Any:
+        o_spec = self.spec[n.name].output_specs
+        if isinstance(out, (tuple, list)):
+            outs = list(out)
+            for i, o in enumerate(outs):
+                if isinstance(o_spec, tuple) and i < len(o_spec) and o_spec[i] is not None and isinstance(o, torch.Tensor):
+                    outs[i] = self._fix(o, tuple(o_spec[i].placements), n)
+            return type(out)(outs) if isinstance(out, tuple) else outs
+        if isinstance(out, torch.Tensor):
+            return self._fix(out, self.out_placements(n.name), n)
+        return out
+
+    def _fix(self, out: torch.Tensor, planned: tuple, n: fx.Node) -> Any:
+        if not isinstance(out, DTensor):  # factory op (no DTensor input): a global value on every rank
+            out = DTensor.from_local(out, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+        if tuple(out.placements) != planned:
+            self.stats["deviations"] += 1
+            if self.stats["deviations"] <= 5:
+                log.debug("apply: %s (%s) produced %s, plan says %s; redistributing", n.name, n.target,
+                          placement_str(tuple(out.placements)), placement_str(planned))
+            out = redistribute(out, self.mesh, planned)
+        return out
+
+    def _harmonize(self, vals: list[Any], n: fx.Node) -> list[Any]:
+        """Mixed precision: an op whose floating inputs mix dtypes computes in param_dtype.
+
+        The graph was traced in fp32; parameters enter it in bf16, so fp32 values (RoPE
+        tables, the fp32 loss branch meeting a bf16 matmul in backward) are cast down
+        where they meet bf16 ones. Ops with a single float dtype run as traced (the loss
+        stays fp32).
+        """
+        if n.target in CAST_OPS:
+            return vals
+        dts = {v.dtype for v in vals if isinstance(v, torch.Tensor) and v.dtype.is_floating_point}
+        if len(dts) <= 1:
+            return vals
+        pd = self.param_dtype
+        keep = KEEP_DTYPE.get(n.target, ())
+        return [v.to(pd) if isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.dtype != pd
+                and i not in keep else v for i, v in enumerate(vals)]
+
+
+class PlacementInterpreter(fx.Interpreter):
+    """torch.fx.Interpreter over one phase's GraphModule, ops run through `PlacementOps`."""
+
+    def __init__(self, gm: fx.GraphModule, ops: PlacementOps):
+        super().__init__(gm, garbage_collect_values=True)
+        self.ops = ops
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op != "call_function" or n.target is operator.getitem:
+            return super().run_node(n)
+        return self.ops.run(n, self.env)

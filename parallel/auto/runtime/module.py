@@ -1,0 +1,178 @@
+"""Plan -> ParallelModule: the user's model class with DTensor parameters that runs the plan.
+
+    pmodel = apply_plan(model, graph, candidates, plan, mesh)   # api.AutoParallel.apply_placement
+    pmodel.to_empty(device="cpu"); torch.manual_seed(0); pmodel.init_weights()
+    loss = pmodel(local_tokens, local_labels)      # per-rank LOCAL inputs
+    loss.backward()                                 # grads: DTensors with the planned placements
+
+The returned module is an instance of a subclass of the user's model class (isinstance
+holds, `named_parameters()` gives the same names, checkpoints keep their keys); its
+parameters are `nn.Parameter(DTensor)` with the planned placements. Its forward runs the
+plan's forward phase and autograd its backward phase (local_graphs.PlanFunction).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from parallel import _torch as T
+from parallel.auto.placements import local_shape, placement_str
+from parallel.auto.plan import Plan, PlanMismatchError
+from parallel.auto.runtime.local_graphs import PlanFunction
+from parallel.auto.runtime.redistribute import contiguous_stride, local_shard
+from parallel.auto.runtime.runner import PlanRunner
+from parallel.auto.strategies import Candidates
+from parallel.auto.trace import JointGraph
+
+log = logging.getLogger("parallel.auto.runtime")
+
+
+class InputShapeError(ValueError):
+    """A per-rank input does not have the local shape the plan expects."""
+
+
+class ParallelModuleMixin:
+    """Methods of the materialised module (mixed into a subclass of the user's class)."""
+
+    computes_loss: bool = False  # True when the plan's forward returns the loss (traced with loss_fn)
+    handles_mixed_precision: bool = True
+    is_auto_parallel: bool = True
+
+    def forward(self, *inputs: Any) -> Any:  # type: ignore[override]
+        runner: PlanRunner = self.plan_runner
+        flat, _ = T.tree_flatten(inputs)
+        if len(flat) != len(runner.input_nodes):
+            raise TypeError(f"{type(self).__name__}.forward expects {len(runner.input_nodes)} tensor inputs "
+                            f"(as traced), got {len(flat)}")
+        dts = [self._planned_input(i, x) for i, x in enumerate(flat)]
+        params = [self.param_refs[f]() for f in runner.param_names]
+        buffers = [self.buffer_refs[f]() for f in runner.buffer_names]
+        return PlanFunction.apply(runner, len(params), len(buffers), *params, *buffers, *dts)
+
+    def _planned_input(self, i: int, x: Any) -> DTensor:
+        runner: PlanRunner = self.plan_runner
+        val = runner.input_nodes[i].meta["val"]
+        pl = runner.input_placements(i)
+        if isinstance(x, DTensor):
+            if tuple(x.shape) != tuple(val.shape):
+                raise InputShapeError(f"input {i}: global shape {tuple(x.shape)}, the plan was made for {tuple(val.shape)}")
+            return runner.to_placements(x, pl)
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"input {i}: expected a tensor, got {type(x).__name__}")
+        want = local_shape(tuple(val.shape), pl, tuple(runner.mesh.shape))
+        if tuple(x.shape) != want:
+            raise InputShapeError(
+                f"input {i}: this rank got local shape {tuple(x.shape)} but the plan expects {want} "
+                f"(global {tuple(val.shape)} placed {placement_str(pl)} on mesh {tuple(runner.mesh.shape)} "
+                f"{tuple(runner.mesh.mesh_dim_names or ())}); pass each rank its LOCAL shard")
+        if x.dtype != val.dtype:
+            raise InputShapeError(f"input {i}: dtype {x.dtype}, the plan was traced with {val.dtype}")
+        # the graph was traced on contiguous inputs (its views assume that layout)
+        return DTensor.from_local(x.contiguous(), runner.mesh, pl, run_check=False, shape=val.shape,
+                                  stride=contiguous_stride(tuple(val.shape)))
+
+    @torch.no_grad()
+    def init_weights(self, *args: Any, **kwargs: Any) -> None:
+        """The single-device init (same RNG draws), then each rank keeps its shards."""
+        template = copy.deepcopy(self.meta_template)
+        template.to_empty(device=self._device())
+        template.init_weights(*args, **kwargs)
+        self.load_full_weights(template)
+
+    def _device(self) -> torch.device:
+        for p in self.parameters():
+            return (p.to_local() if isinstance(p, DTensor) else p).device
+        return torch.device("cpu")
+
+    @torch.no_grad()
+    def load_full_weights(self, full: nn.Module) -> None:
+        """Copy the shards of a full (single-device) module's weights into this module."""
+        runner: PlanRunner = self.plan_runner
+        full_params = dict(full.named_parameters())
+        for fqn in runner.param_names:
+            p = self.param_refs[fqn]()
+            p.to_local().copy_(local_shard(full_params[fqn].detach().to(p.dtype), runner.mesh, tuple(p.placements)))
+        for fqn, b in full.named_buffers():
+            mod, _, leaf = fqn.rpartition(".")
+            setattr(self.get_submodule(mod) if mod else self, leaf, b.detach().clone())
+
+    @property
+    def plan(self) -> Plan:
+        return self.plan_runner.plan
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _parallel_class(cls: type) -> type:
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        sub = _SUBCLASSES[cls] = type(f"AutoParallel{cls.__name__}", (ParallelModuleMixin, cls),
+                                      {"__module__": cls.__module__})
+    return sub
+
+
+def is_parallel_module(m: Any) -> bool:
+    return isinstance(m, ParallelModuleMixin)
+
+
+def _all_meta(model: nn.Module) -> bool:
+    ts = list(model.parameters()) + list(model.buffers())
+    return bool(ts) and all(t.device.type == "meta" for t in ts)
+
+
+def _attr_ref(root: nn.Module, fqn: str) -> tuple[nn.Module, str, Callable[[], Any]]:
+    mod_name, _, leaf = fqn.rpartition(".")
+    mod = root.get_submodule(mod_name) if mod_name else root
+    return mod, leaf, lambda: getattr(mod, leaf)
+
+
+def _shard_parameters(pm: nn.Module, runner: PlanRunner, mesh: DeviceMesh, on_meta: bool) -> dict[str, Callable]:
+    """Replace every parameter of `pm` by an nn.Parameter(DTensor) at its planned placement."""
+    named = dict(pm.named_parameters())
+    if set(named) != set(runner.param_names):
+        raise PlanMismatchError(f"model parameters {sorted(set(named) ^ set(runner.param_names))[:5]} are not in the plan")
+    refs = {}
+    for fqn in runner.param_names:
+        p, pl = named[fqn], runner.param_placements(fqn)
+        if on_meta or p.device.type == "meta":
+            local = torch.empty(local_shape(tuple(p.shape), pl, tuple(mesh.shape)), dtype=p.dtype, device="meta")
+        else:
+            local = local_shard(p.detach(), mesh, pl).clone()
+        dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=p.shape, stride=contiguous_stride(tuple(p.shape)))
+        mod, leaf, refs[fqn] = _attr_ref(pm, fqn)
+        setattr(mod, leaf, nn.Parameter(dt, requires_grad=p.requires_grad))
+    return refs
+
+
+def apply_plan(model: nn.Module, graph: JointGraph, candidates: Candidates, plan: Plan, mesh: DeviceMesh, *,
+               mp_policy: MixedPrecisionPolicy | None = None, computes_loss: bool = True) -> nn.Module:
+    """Materialise `plan` for `model`: a ParallelModule with DTensor parameters (see module doc).
+
+    `model` may be on meta (then `to_empty` + `init_weights()` later) or materialised (then
+    every rank must hold the same full weights; each keeps its shards).
+    """
+    plan.check_compatible(model=model, mesh=mesh, source="the plan")
+    runner = PlanRunner(graph, candidates, plan, mesh, mp_policy)
+    on_meta = _all_meta(model)
+    pm = copy.deepcopy(model)
+    template = copy.deepcopy(model) if on_meta else copy.deepcopy(model).to("meta")
+    pm.__class__ = _parallel_class(type(model))
+    param_refs = _shard_parameters(pm, runner, mesh, on_meta)
+    buffer_refs = {fqn: _attr_ref(pm, fqn)[2] for fqn in runner.buffer_names}
+    # plain attributes, not submodules or parameters: state_dict and named_modules stay the user's
+    for name, value in (("plan_runner", runner), ("meta_template", template), ("param_refs", param_refs),
+                        ("buffer_refs", buffer_refs), ("computes_loss", computes_loss)):
+        object.__setattr__(pm, name, value)
+    log.info("apply: materialised %s with %d DTensor parameters on mesh %s", type(pm).__name__, len(param_refs),
+             tuple(mesh.shape))
+    return pm

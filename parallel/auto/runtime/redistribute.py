@@ -1,0 +1,158 @@
+"""Redistribution on the runtime path: Partial targets, and bucketed (flat-buffer) collectives.
+
+DTensor's `redistribute` does one tensor at a time and refuses X -> Partial; the plan
+runtime needs both (a Replicate value entering an op that expects Partial; one
+collective per placement group instead of one per parameter, as FSDP does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from parallel import _torch as T
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def redistribute(x: DTensor, mesh: Any, target: tuple) -> DTensor:
+    """`x` with placements `target`, including Partial targets.
+
+    DTensor's public `redistribute` refuses X -> Partial; plans use it (e.g. a Replicate
+    value entering an op that expects Partial, P(sum) -> P(avg)). Partial targets are
+    reached with local math only: P(sum) <-> P(avg) rescale by the axis size, a
+    Replicate value is partitioned (`Partial`'s own partition of a value), anything else is first
+    made Replicate on that axis (all-reduce / all-gather).
+    """
+    cur = tuple(x.placements)
+    if cur == target:
+        return x
+    if not any(isinstance(p, Partial) for p in target):
+        return x.redistribute(mesh, target)
+    inter = list(target)
+    scale = 1.0
+    relabel = list(cur)
+    for ax, (c, t) in enumerate(zip(cur, target)):
+        if not isinstance(t, Partial):
+            continue
+        if c == t:
+            continue
+        if isinstance(c, Partial) and type(t) is Partial and c.reduce_op in ("sum", "avg") and t.reduce_op in ("sum", "avg"):
+            n = mesh.size(ax)
+            if c.reduce_op == "sum" and t.reduce_op == "avg":
+                scale *= n
+            elif c.reduce_op == "avg" and t.reduce_op == "sum":
+                scale /= n
+            relabel[ax] = t  # same partial values, relabelled after scaling
+            inter[ax] = t
+        else:
+            inter[ax] = Replicate()
+    if relabel != list(cur):
+        local = x.to_local()
+        if scale != 1.0:
+            local = local * scale
+        x = DTensor.from_local(local, mesh, relabel, run_check=False, shape=x.shape, stride=x.stride())
+    if tuple(x.placements) != tuple(inter):
+        x = x.redistribute(mesh, tuple(inter))
+    if tuple(inter) == tuple(target):
+        return x
+    local = x.to_local()
+    for ax, (i, t) in enumerate(zip(inter, target)):
+        if isinstance(i, Replicate) and isinstance(t, Partial):
+            local = T.partition_value(t, local, mesh, ax)
+    return DTensor.from_local(local, mesh, target, run_check=False, shape=x.shape, stride=x.stride())
+
+
+def _shard_dim(src: tuple, dst: tuple) -> int | None:
+    """The one tensor dim the Shard placements of src and dst split (0 if none), else None."""
+    dims = {p.dim for p in src + dst if isinstance(p, Shard)}
+    if any(isinstance(p, Shard) and type(p) is not Shard for p in src + dst):
+        return None  # _StridedShard
+    if len(dims) > 1:
+        return None
+    return dims.pop() if dims else 0
+
+
+def _as_dim0(placements: tuple) -> tuple:
+    return tuple(Shard(0) if isinstance(p, Shard) else p for p in placements)
+
+
+def bucket_key(src: tuple, dst: tuple) -> tuple | None:
+    """Normalised (src, dst) when a flat-buffer collective can do src -> dst, else None.
+
+    Per mesh axis: (S(d) -> R) gathers, or (P(sum) -> S(d) | R) reductions, or unchanged
+    R / S(d); one tensor dim d per tensor (moved to the front in the buffer); gathers and
+    reductions are not mixed; at least one axis changes.
+    """
+    d = _shard_dim(src, dst)
+    if d is None:
+        return None
+    a_, b_ = _as_dim0(src), _as_dim0(dst)
+    changed = gather = reduce = False
+    for a, b in zip(a_, b_):
+        if a == b and isinstance(a, (Replicate, Shard)) and not isinstance(a, Partial):
+            continue
+        if isinstance(a, Shard) and isinstance(b, Replicate):
+            gather = changed = True
+        elif type(a) is Partial and a.reduce_op == "sum" and isinstance(b, (Replicate, Shard)):
+            reduce = changed = True
+        else:
+            return None
+    if not changed or (gather and reduce):
+        return None
+    return (a_, b_)
+
+
+def _n_chunks(placements: tuple, mesh: Any) -> int:
+    k = 1
+    for ax, p in enumerate(placements):
+        if isinstance(p, Shard):
+            k *= mesh.size(ax)
+    return k
+
+
+def bucketed_redistribute(items: list[DTensor], targets: list[tuple], mesh: Any) -> list[DTensor]:
+    """Redistribute tensors sharing one `bucket_key` with ONE collective per mesh axis on a
+    flat buffer (FSDP-style bucketing) instead of one per tensor.
+
+    Each tensor's sharded dim is moved to the front; the buffer is laid out chunk-major
+    (chunk r of every tensor, then chunk r+1, ...) so that DTensor's own Shard(0) of the
+    buffer coincides with every tensor's shards.
+    """
+    src, dst = bucket_key(tuple(items[0].placements), targets[0])
+    k_src, k_dst = _n_chunks(src, mesh), _n_chunks(dst, mesh)
+    # the finest split has max(k_src, k_dst) chunks; this rank's source local tensor holds q
+    # of them (q > 1 only when reducing onto a finer shard)
+    q = k_dst // k_src if k_dst > k_src else 1
+    dims = [_shard_dim(tuple(x.placements), t) for x, t in zip(items, targets)]
+    moved = [x.to_local().movedim(d, 0) if d else x.to_local() for x, d in zip(items, dims)]
+    parts = [m.contiguous().reshape(q, -1) for m in moved]
+    widths = [pt.shape[1] for pt in parts]
+    buf = torch.cat(parts, dim=1).reshape(-1)  # [q blocks of L], block b = chunk b of every tensor
+    L = sum(widths)
+    dt = DTensor.from_local(buf, mesh, src, run_check=False, shape=(buf.numel() * k_src,), stride=(1,))
+    blocks = redistribute(dt, mesh, dst).to_local().reshape(-1, L)
+    res = []
+    off = 0
+    for x, t, d, m, w in zip(items, targets, dims, moved, widths):
+        piece = blocks[:, off:off + w].reshape(-1, *m.shape[1:])
+        off += w
+        if d:
+            piece = piece.movedim(0, d).contiguous()
+        res.append(DTensor.from_local(piece, mesh, t, run_check=False, shape=x.shape,
+                                      stride=contiguous_stride(tuple(x.shape))))
+    return res
+
+
+def local_shard(full: torch.Tensor, mesh: Any, placements: tuple) -> torch.Tensor:
+    """This rank's local shard of a global tensor (no communication)."""
+    dt = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return dt.redistribute(mesh, placements).to_local()

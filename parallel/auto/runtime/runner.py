@@ -1,0 +1,240 @@
+"""PlanRunner: the joint graph of a plan run as a forward phase and a backward phase.
+
+The joint graph is split by torch's partitioner (`T.partition_joint`): the forward graph
+returns the loss and the values the backward reads; nodes keep their joint-graph names,
+so every node finds its planned strategy by name. Each phase runs in a
+`PlacementInterpreter` (interpreter.py). Around them the runner does what a hand-written
+recipe does around its model:
+
+  * parameter gathers are bucketed: every parameter some op uses replicated is gathered
+    once per step with one flat all-gather per (placement, dtype) group, and the gathered
+    copy serves the forward and the backward;
+  * gradients are reduced to the parameter's own placement, in the reduce dtype of the
+    mixed-precision policy, one flat reduce-scatter / all-reduce per group (layout ops
+    between a weight-gradient matmul and its output run on the Partial value, so each
+    gradient reduction joins its group's bucket);
+  * mixed precision: parameters are cast to the compute dtype on their own shard before
+    any gather.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import fx
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from parallel import _torch as T
+from parallel.auto.plan import Plan, PlanMismatchError
+from parallel.auto.placements import spec_placement_strs
+from parallel.auto.runtime.interpreter import LAYOUT_OPS, PlacementInterpreter, PlacementOps, is_tensor_node
+from parallel.auto.runtime.redistribute import bucket_key, bucketed_redistribute, redistribute
+from parallel.auto.strategies import PLACEHOLDER, Candidates
+from parallel.auto.trace import JointGraph
+
+log = logging.getLogger("parallel.auto.runtime")
+
+
+def resolve_specs(candidates: Candidates, plan: Plan) -> dict[str, Any]:
+    """node name -> the OpSpec the plan chose, checked against the plan's placement strings
+    (so a replayed plan that does not fit this graph is refused with PlanMismatchError)."""
+    missing = [n for n in candidates.nodes if n not in plan.nodes]
+    extra = [n for n in plan.nodes if n not in candidates.nodes]
+    if missing or extra:
+        raise PlanMismatchError(
+            f"the plan does not match this model's joint graph: {len(missing)} nodes without a strategy "
+            f"(e.g. {missing[:3]}), {len(extra)} unknown plan nodes (e.g. {extra[:3]}); re-plan")
+    spec: dict[str, Any] = {}
+    for name, c in candidates.nodes.items():
+        np_ = plan.nodes[name]
+        want = (list(np_.output_placements), list(np_.input_placements))
+
+        def matches(s: Any, placeholder: bool = c.kind == PLACEHOLDER) -> bool:
+            outs, ins = spec_placement_strs(s)
+            return outs == want[0] and (placeholder or ins == want[1])
+
+        # the plan's index first; by placements when the menus differ (candidates rebuilt
+        # from the plan on a seeded mesh hold one strategy per node)
+        i = np_.strategy
+        found = c.specs[i] if 0 <= i < len(c.specs) and matches(c.specs[i]) else next(
+            (s for s in c.specs if matches(s)), None)
+        if found is None:
+            raise PlanMismatchError(
+                f"plan node {name} ({np_.label or np_.target}): no candidate here gives outputs {want[0]} from "
+                f"inputs {want[1]} ({len(c.specs)} candidates); the plan was made for a different graph")
+        spec[name] = found
+    return spec
+
+
+def _deferred_layout_ops(bwd: fx.GraphModule, grad_nodes: set[str]) -> set[str]:
+    """Layout-only ops between a weight-gradient matmul and its gradient output: they run on
+    the Partial value and the gradient is reduced once, bucketed (sum commutes with them)."""
+    defer: set[str] = set()
+    for n in reversed(list(bwd.graph.nodes)):
+        if n.op != "call_function" or n.target not in LAYOUT_OPS:
+            continue
+        users = list(n.users)
+        if users and all(u.op == "output" or u.name in defer for u in users) and (
+                n.name in grad_nodes or any(u.name in defer for u in users)):
+            defer.add(n.name)
+    return defer
+
+
+def _replicated_param_uses(graph: JointGraph, spec: dict[str, Any]) -> list[str]:
+    """Parameter placeholders that some op takes replicated (gathered once per step)."""
+    param_nodes = {n.name for n in graph.params.values()}
+    out: list[str] = []
+    for n in graph.gm.graph.nodes:
+        if n.op != "call_function" or n.name not in spec or n.target is operator.getitem:
+            continue
+        ins = list(spec[n.name].input_specs or [])
+        leaves, _ = T.tree_flatten((n.args, dict(n.kwargs)))
+        tensors = [a for a in leaves if is_tensor_node(a)]
+        for a, s in zip(tensors, ins):
+            if a.name in param_nodes and a.name not in out and all(isinstance(p, Replicate) for p in s.placements):
+                out.append(a.name)
+    return out
+
+
+class PlanRunner:
+    """Executes the joint graph of `graph` with the placements of `plan` on `mesh`."""
+
+    def __init__(self, graph: JointGraph, candidates: Candidates, plan: Plan, mesh: DeviceMesh,
+                 mp_policy: MixedPrecisionPolicy | None = None, bucket: bool = True, local_graphs: bool = True):
+        self.graph = graph
+        self.mesh = mesh
+        self.plan = plan
+        self.param_dtype = getattr(mp_policy, "param_dtype", None)
+        self.reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
+        self.spec = resolve_specs(candidates, plan)
+        self.out_slots = [s for s in graph.slots if s.kind == "output"]
+        self.grad_slots = {s.of: s for s in graph.slots if s.kind == "grad_param"}
+        self.param_names = list(graph.params)
+        self.buffer_names = list(graph.buffers)
+        self.input_nodes = list(graph.inputs)
+        self.fwd_gm, self.bwd_gm = T.partition_joint(graph.gm, num_fwd_outputs=len(self.out_slots))
+        self.saved_names = [a.name for a in self.fwd_gm.graph.output_node().args[0][len(self.out_slots):]]
+        self.bucket = bucket
+        grad_nodes = {s.node.name for s in self.grad_slots.values() if s.node is not None}
+        self.ops = PlacementOps(mesh, self.spec, self.param_dtype,
+                                _deferred_layout_ops(self.bwd_gm, grad_nodes) if bucket else set())
+        self.gather_params = _replicated_param_uses(graph, self.spec)
+        # per-device graphs (local_graphs.py), built on the first call; False: interpret eagerly
+        self.use_local_graphs = local_graphs
+        self.local_graphs_cache: dict[Any, Any] = {}
+
+    @property
+    def stats(self) -> Counter:
+        """Counters of the run: redistributions, deviations from the plan, bucketed collectives."""
+        return self.ops.stats
+
+    def out_placements(self, name: str, idx: int | None = None) -> tuple:
+        return self.ops.out_placements(name, idx)
+
+    def param_placements(self, fqn: str) -> tuple:
+        return self.out_placements(self.graph.params[fqn].name)
+
+    def input_placements(self, i: int) -> tuple:
+        return self.out_placements(self.input_nodes[i].name)
+
+    def to_placements(self, x: Any, placements: tuple) -> Any:
+        return self.ops.to_placements(x, placements)
+
+    # -- forward ---------------------------------------------------------------
+    def run_forward(self, params: list[DTensor], buffers: list[Any], inputs: list[DTensor]) -> tuple[list[Any], dict]:
+        """(planned outputs, saved values for `run_backward`) of one forward."""
+        g = self.graph
+        env: dict[str, Any] = {}
+        for fqn, p in zip(self.param_names, params):
+            v = p.detach()
+            if self.param_dtype is not None and v.dtype.is_floating_point and v.dtype != self.param_dtype:
+                v = v.to(self.param_dtype)  # cast the shard before any gather
+            env[g.params[fqn].name] = v
+        for fqn, b in zip(self.buffer_names, buffers):
+            name = g.buffers[fqn].name
+            env[name] = self.to_placements(b, self.out_placements(name))
+        for node, x in zip(self.input_nodes, inputs):
+            env[node.name] = x
+        self.ops.cache = self._gather(env) if self.bucket else {}
+        args = [env[n.name] for n in self.fwd_gm.graph.find_nodes(op="placeholder")]
+        with torch.no_grad():
+            results = PlacementInterpreter(self.fwd_gm, self.ops).run(*args)
+        n_out = len(self.out_slots)
+        outs = [self.to_placements(v, self.out_placements(f"output[{s.index}]"))
+                for v, s in zip(results[:n_out], self.out_slots)]
+        saved = dict(zip(self.saved_names, results[n_out:]))
+        saved["__cache__"], self.ops.cache = self.ops.cache, {}
+        return outs, saved
+
+    def _gather(self, env: dict[str, Any]) -> dict[str, DTensor]:
+        """Gather every parameter that some op uses replicated with one bucketed collective
+        per (placement, dtype) group; forward and backward uses then read the gathered copy."""
+        groups: dict[tuple, list[str]] = {}
+        for name in self.gather_params:
+            v = env[name]
+            key = bucket_key(tuple(v.placements), tuple(Replicate() for _ in v.placements))
+            if key is not None:
+                groups.setdefault((key, v.dtype), []).append(name)
+        rep = tuple(Replicate() for _ in range(self.mesh.ndim))
+        cache: dict[str, DTensor] = {}
+        for names in groups.values():
+            self.stats["bucketed_param_gathers"] += 1
+            for name, full in zip(names, bucketed_redistribute([env[n] for n in names], [rep] * len(names), self.mesh)):
+                cache[name] = full
+        return cache
+
+    # -- backward --------------------------------------------------------------
+    def run_backward(self, saved: dict, tangents: list[Any], params: list[Any]) -> list[Any]:
+        """Gradients of the parameters (None where none), at the parameters' placements."""
+        env = dict(saved)
+        self.ops.cache = env.pop("__cache__", {})
+        for out_idx, t in self.graph.output_tangents:
+            val = tangents[out_idx] if out_idx < len(tangents) else None
+            if val is None:
+                val = torch.zeros(t.meta["val"].shape, dtype=t.meta["val"].dtype)
+            env[t.name] = self.to_placements(val, self.out_placements(t.name))
+        args = [env[n.name] for n in self.bwd_gm.graph.find_nodes(op="placeholder")]
+        with torch.no_grad():
+            results = PlacementInterpreter(self.bwd_gm, self.ops).run(*args)
+        self.ops.cache = {}
+        by_slot = dict(zip([s.index for s in self.graph.slots if s.kind != "output"], results))
+        return self._reduce_grads(by_slot, params)
+
+    def _reduce_grads(self, by_slot: dict[int, Any], params: list[Any]) -> list[Any]:
+        grads: list[Any] = []
+        pending: dict[tuple, list[tuple[int, tuple]]] = {}  # (bucket key, dtype) -> (index, target)
+        for fqn in self.param_names:
+            s = self.grad_slots.get(fqn)
+            v = by_slot.get(s.index) if s is not None else None
+            if v is None:
+                grads.append(None)
+                continue
+            if self.reduce_dtype is not None and v.dtype != self.reduce_dtype and v.dtype.is_floating_point:
+                v = v.to(self.reduce_dtype)  # reduce gradients in the reduce dtype
+            dst = self.out_placements(f"output[{s.index}]")
+            key = bucket_key(tuple(v.placements), dst) if self.bucket and tuple(v.placements) != dst else None
+            if key is not None:
+                pending.setdefault((key, v.dtype), []).append((len(grads), dst))
+            else:
+                v = self.to_placements(v, dst)
+            grads.append(v)
+        for members in pending.values():  # one collective per bucket and mesh axis
+            self.stats["bucketed_grad_reductions"] += 1
+            idx = [i for i, _ in members]
+            for i, r in zip(idx, bucketed_redistribute([grads[i] for i in idx], [d for _, d in members], self.mesh)):
+                grads[i] = r
+        for i, (v, p) in enumerate(zip(grads, params)):
+            if v is None:
+                continue
+            if v.dtype != p.dtype:
+                v = v.to(p.dtype)
+            if tuple(v.placements) != tuple(p.placements):
+                v = redistribute(v, self.mesh, tuple(p.placements))
+            grads[i] = v
+        return grads
