@@ -220,11 +220,11 @@ def _record_module_ranges(model: nn.Module, ranges: list[tuple[int, int, str]]) 
             continue
 
         def pre(_m: nn.Module, _a: Any, fqn: str = fqn) -> None:
-            starts.setdefault(fqn, []).append(torch.autograd._get_sequence_nr())
+            starts.setdefault(fqn, []).append(T.sequence_nr())
 
         def post(_m: nn.Module, _a: Any, _o: Any, fqn: str = fqn) -> None:
             start = starts[fqn].pop()
-            ranges.append((start, torch.autograd._get_sequence_nr(), fqn))
+            ranges.append((start, T.sequence_nr(), fqn))
 
         handles.append(mod.register_forward_pre_hook(pre))
         handles.append(mod.register_forward_hook(post))

@@ -59,13 +59,9 @@ def op_name(op: Any) -> str:
     """Short name of an OpOverload / packet / callable / fx node target ("mm", "view", ...)."""
     if op is operator.getitem:
         return "getitem"
-    if isinstance(op, T.OpOverload):
-        return op._opname
-    if isinstance(op, T.OpOverloadPacket):
-        return op._qualified_op_name.split("::")[-1]
     if isinstance(op, str):
         return op.split("::")[-1].split(".")[0]
-    return getattr(op, "__name__", str(op))
+    return T.op_name(op)
 
 
 def is_zero_cost(op: Any) -> bool:
