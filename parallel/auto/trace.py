@@ -82,26 +82,6 @@ class JointGraph:
     trace_seconds: float = 0.0
     param_bytes: dict[str, int] = field(default_factory=dict)
 
-    @property
-    def nodes(self) -> list[fx.Node]:
-        return list(self.gm.graph.nodes)
-
-    @property
-    def output_node(self) -> fx.Node:
-        return next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
-
-    def param_of(self, node: fx.Node) -> str | None:
-        return self._param_by_node().get(node.name)
-
-    def _param_by_node(self) -> dict[str, str]:
-        return {n.name: fqn for fqn, n in self.params.items()}
-
-    def node(self, name: str) -> fx.Node:
-        for n in self.gm.graph.nodes:
-            if n.name == name:
-                return n
-        raise KeyError(f"no node named {name!r} in the joint graph")
-
     def summary(self) -> str:
         ops = sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
         nb = sum(1 for n in self.gm.graph.nodes if self.phase.get(n.name) == BWD)
@@ -265,108 +245,67 @@ def _strip(fqn: str) -> str:
     return fqn[len(_PREFIX) :] if fqn.startswith(_PREFIX) else fqn
 
 
-def _label(gm: fx.GraphModule, fake_mode: Any) -> JointGraph:
-    params: dict[str, fx.Node] = {}
-    buffers: dict[str, fx.Node] = {}
-    inputs: list[fx.Node] = []
-    tangents: list[fx.Node] = []
-    labels: dict[str, str] = {}
-    phase: dict[str, str] = {}
-    tangent_of: list[tuple[Any, fx.Node]] = []
-    param_bytes: dict[str, int] = {}
-    for n in gm.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        desc = n.meta.get("desc")
-        if isinstance(desc, T.ParamAOTInput):
-            fqn = _strip(desc.target)
-            params[fqn] = n
-            labels[n.name] = f"param {fqn}"
-            v = n.meta["val"]
-            param_bytes[fqn] = v.numel() * v.element_size()
-            phase[n.name] = FWD
-        elif isinstance(desc, T.BufferAOTInput):
-            fqn = _strip(desc.target)
-            buffers[fqn] = n
-            labels[n.name] = f"buffer {fqn}"
-            phase[n.name] = FWD
-        elif isinstance(desc, T.PlainAOTInput):
-            inputs.append(n)
-            labels[n.name] = f"input {desc.idx}"
-            phase[n.name] = FWD
-        elif isinstance(desc, T.TangentAOTInput):
-            tangents.append(n)
-            tangent_of.append((desc.output, n))
-            labels[n.name] = f"tangent of {desc.output}"
-            phase[n.name] = BWD
-        else:
-            labels[n.name] = f"other input {desc}"
-            phase[n.name] = FWD
-
-    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+def _output_slots(gm: fx.GraphModule, labels: dict[str, str]) -> tuple[list[OutputSlot], dict[Any, int]]:
+    """The joint graph's output tuple, slot by slot (positional: torch's helpers key outputs by
+    descriptor, the plan and the runtime need positions), and forward output index by descriptor."""
+    out_node = gm.graph.output_node()
     out_args = out_node.args[0]
     descs = out_node.meta.get("desc") or [None] * len(out_args)
     slots: list[OutputSlot] = []
-    param_grads: dict[str, fx.Node | None] = {fqn: None for fqn in params}
-    input_grads: dict[int, fx.Node | None] = {}
-    fwd_out_index: dict[Any, int] = {}
-    n_fwd = 0
+    fwd_index: dict[Any, int] = {}
     for i, (val, desc) in enumerate(zip(out_args, descs)):
         node = val if isinstance(val, fx.Node) else None
-        if isinstance(desc, T.GradAOTOutput):
-            g = desc.grad_of
-            if isinstance(g, T.ParamAOTInput):
-                fqn = _strip(g.target)
-                param_grads[fqn] = node
-                slots.append(OutputSlot(i, "grad_param", fqn, node))
-                label = f"grad of param {fqn}"
-            elif isinstance(g, T.PlainAOTInput):
-                input_grads[g.idx] = node
-                slots.append(OutputSlot(i, "grad_input", g.idx, node))
-                label = f"grad of input {g.idx}"
-            else:
-                slots.append(OutputSlot(i, "other", str(g), node))
-                label = f"grad of {g}"
-        elif isinstance(desc, T.PlainAOTOutput) or desc is None and i == 0:
-            fwd_out_index[desc] = n_fwd
-            slots.append(OutputSlot(i, "output", n_fwd, node))
-            label = f"output {n_fwd}"
-            n_fwd += 1
+        g = getattr(desc, "grad_of", None)
+        if isinstance(g, T.ParamAOTInput):
+            slot, label = OutputSlot(i, "grad_param", _strip(g.target), node), f"grad of param {_strip(g.target)}"
+        elif isinstance(g, T.PlainAOTInput):
+            slot, label = OutputSlot(i, "grad_input", g.idx, node), f"grad of input {g.idx}"
+        elif isinstance(desc, T.PlainAOTOutput) or (desc is None and i == 0):
+            fwd_index[desc] = len(fwd_index)
+            slot, label = OutputSlot(i, "output", fwd_index[desc], node), f"output {fwd_index[desc]}"
         else:
-            slots.append(OutputSlot(i, "other", str(desc), node))
-            label = f"output {desc}"
-        if node is not None and node.name not in labels:
-            labels[node.name] = label
-    # grads of user inputs that do not exist (integer tokens) are simply absent
-    for idx in range(len(inputs)):
-        input_grads.setdefault(idx, None)
-    output_tangents = [(fwd_out_index.get(d, 0), t) for d, t in tangent_of]
+            slot, label = OutputSlot(i, "other", str(g if g is not None else desc), node), f"output {desc}"
+        slots.append(slot)
+        if node is not None:
+            labels.setdefault(node.name, label)
+    return slots, fwd_index
 
-    # forward/backward tag per node: partitioner tag, else inherited from inputs
+
+def _phases(gm: fx.GraphModule, tangents: list[fx.Node]) -> dict[str, str]:
+    """fwd / bwd per node: the partitioner's tag, else inherited from the inputs."""
+    phase: dict[str, str] = {}
     for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            continue
         tag = n.meta.get("partitioner_tag")
-        if tag == "is_backward":
-            phase[n.name] = BWD
-        elif tag == "is_forward":
-            phase[n.name] = FWD
+        if n.op == "placeholder":
+            phase[n.name] = BWD if n in tangents else FWD
+        elif tag in ("is_backward", "is_forward"):
+            phase[n.name] = BWD if tag == "is_backward" else FWD
         else:
             phase[n.name] = BWD if any(phase.get(a.name) == BWD for a in n.all_input_nodes) else FWD
+    return phase
+
+
+def _label(gm: fx.GraphModule, fake_mode: Any) -> JointGraph:
+    """Parameters, buffers, inputs, tangents and gradients of the joint graph, from the
+    descriptors AOTAutograd attached (read with torch's own fx_utils helpers)."""
+    g = gm.graph
+    param_pairs = {_strip(d.target): pair for d, pair in T.get_param_and_grad_nodes(g).items()}
+    params = {fqn: n for fqn, (n, _) in param_pairs.items()}
+    buffers = {_strip(fqn): n for fqn, n in T.get_named_buffer_nodes(g).items()}
+    input_pairs = sorted(T.get_plain_input_and_grad_nodes(g).items(), key=lambda kv: kv[0].idx)
+    inputs = [n for _, (n, _) in input_pairs]
+    out_tangents = [(d, t) for d, (_, t) in T.get_all_output_and_tangent_nodes(g).items() if t is not None]
+    labels = {n.name: f"param {fqn}" for fqn, n in params.items()}
+    labels.update({n.name: f"buffer {fqn}" for fqn, n in buffers.items()})
+    labels.update({n.name: f"input {d.idx}" for d, (n, _) in input_pairs})
+    labels.update({t.name: f"tangent of {d}" for d, t in out_tangents})
+    slots, fwd_index = _output_slots(gm, labels)
+    tangents = [t for _, t in out_tangents]
     return JointGraph(
-        gm=gm,
-        fake_mode=fake_mode,
-        params=params,
-        buffers=buffers,
-        inputs=inputs,
-        tangents=tangents,
-        slots=slots,
-        param_grads=param_grads,
-        input_grads=input_grads,
-        output_tangents=output_tangents,
-        labels=labels,
-        phase=phase,
-        fingerprint="",
-        input_shapes=[],
-        param_bytes=param_bytes,
+        gm=gm, fake_mode=fake_mode, params=params, buffers=buffers, inputs=inputs, tangents=tangents, slots=slots,
+        param_grads={fqn: grad for fqn, (_, grad) in param_pairs.items()},
+        input_grads={d.idx: grad for d, (_, grad) in input_pairs},
+        output_tangents=[(fwd_index.get(d, 0), t) for d, t in out_tangents],
+        labels=labels, phase=_phases(gm, tangents), fingerprint="", input_shapes=[],
+        param_bytes={fqn: n.meta["val"].numel() * n.meta["val"].element_size() for fqn, n in params.items()},
     )

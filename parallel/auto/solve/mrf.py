@@ -254,19 +254,6 @@ def _factor(C: np.ndarray, src_cls: np.ndarray, dst_cls: np.ndarray) -> tuple:
     return C[present], order, starts, np.asarray(dst_cls)
 
 
-def _send(messages, src: int, dst: int, cost: np.ndarray, outgoing: np.ndarray) -> float:
-    """m_{src->dst}(b) = min_a outgoing(a) + cost[a, b], normalised to min 0.
-
-    Returns how much the message moved (max abs change) for the convergence test.
-    """
-    msg = np.minimum(np.min(outgoing[:, None] + cost, axis=0), FORBIDDEN)
-    msg = msg - msg.min()
-    old = messages[(src, dst)]
-    messages[(src, dst)] = msg
-    finite = (msg < FORBIDDEN / 16) & (old < FORBIDDEN / 16)  # forbidden entries carry no signal
-    return float(np.abs(msg[finite] - old[finite]).max()) if finite.any() else 0.0
-
-
 def coordinate_descent(mrf: PairwiseMRF, labels: np.ndarray, max_rounds: int = 100) -> np.ndarray:
     """Move single nodes to their best label until no move lowers the energy."""
     adj = mrf.neighbours()

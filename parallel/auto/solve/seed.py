@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.distributed.tensor import Partial
+
 from parallel.auto.placements import placement_words, spec_placement_strs, strategy_key
 from parallel.auto.formulation import build_problem
 from parallel.auto.plan import PlanMismatchError
@@ -109,7 +111,7 @@ def _mixed_partial(key: tuple) -> bool:
     for pl in list(outs) + list(ins):
         if pl is None:
             continue
-        ops = {getattr(p, "reduce_op", None) for p in pl if type(p).__name__ == "Partial"}
+        ops = {p.reduce_op for p in pl if type(p) is Partial}
         if len(ops) > 1 and not ops <= {"sum", "avg"}:  # linear reductions commute; min/max do not
             return True
     return False
