@@ -7,7 +7,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
-from parallel.auto import strategies as S
+from parallel.auto.enumeration import OpEnumerator
 from torch.distributed.tensor import Replicate, Shard
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.problem import min_parameter_fraction
@@ -15,7 +15,8 @@ from parallel.auto.cost import CostModel
 from parallel.auto.formulation import build_problem
 from parallel.auto.problem import Constraint
 from parallel.auto.solve import choose_solver, solve
-from parallel.auto.solve.seed import FULL_MENU_MAX, _key, hamming_ball, project_constraint, seeded_candidates, solve_axes
+from parallel.auto.placements import strategy_key as _key
+from parallel.auto.solve.seed import FULL_MENU_MAX, hamming_ball, project_constraint, seeded_candidates, solve_axes
 from parallel.auto.strategies import build_candidates
 from parallel.auto.trace import trace_joint
 
@@ -76,13 +77,13 @@ def test_3d_enumeration_is_restricted_to_the_ball(jg, monkeypatch):
         cm = CostModel("h100", shape, names)
         axes, _ = solve_axes(jg, mesh, cm)
         # the D-dim build must never expand DTensor's full mesh product
-        real = S._Enumerator._single_dim
+        real = OpEnumerator._single_dim
 
         def guarded(self, *a, **k):
             assert len(self.mesh_shape) == 1, "full mesh expansion on a seeded mesh"
             return real(self, *a, **k)
 
-        monkeypatch.setattr(S._Enumerator, "_single_dim", guarded)
+        monkeypatch.setattr(OpEnumerator, "_single_dim", guarded)
         for radius in (1, 2):
             cands, info = seeded_candidates(jg, mesh, cm, radius=radius)
             m = max(len({_key(s) for s in c.specs}) for c in axes[0][0].nodes.values()) - 1

@@ -1,0 +1,389 @@
+"""Candidate strategies of one op from DTensor's own sharding-propagation rules.
+
+Every candidate is semantically valid by construction:
+  * single-dim rules (mm, add, mul, embedding, ...): placeholders expanded to Shard(d)
+    here and expanded over the mesh with `expand_to_full_mesh_op_strategy`;
+  * op-strategy functions (view, t, sum, log_softmax, nll_loss, ...): called once per
+    candidate input placement, merged and de-duplicated;
+  * otherwise DTensor's decomposition fallback; and if everything fails, replicate-only
+    (counted in the coverage report).
+Enumeration is cached by (op, input shapes/dtypes, static args): transformer layers repeat.
+`restricted` builds only given strategy keys (split-dimension seeding on 3-4-D meshes,
+solve/seed.py), so the (1 + n)^D product of placements is never expanded.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+from parallel import _torch as T
+from parallel.auto.placements import Placements, evenly_divisible, strategy_key, tensor_placements
+
+
+def tensor_meta(val: torch.Tensor) -> Any:
+    return T.TensorMeta(shape=val.shape, stride=val.stride(), dtype=val.dtype)
+
+
+def make_spec(mesh: Any, placements: Placements, meta: Any) -> Any:
+    return T.DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+
+
+def out_meta_of(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        return tensor_meta(val)
+    if isinstance(val, (tuple, list)):
+        return tuple(tensor_meta(v) if isinstance(v, torch.Tensor) else None for v in val)
+    return None
+
+
+def is_multi(meta: Any) -> bool:
+    """True for a tuple of output metas (TensorMeta itself is a NamedTuple)."""
+    return isinstance(meta, tuple) and not isinstance(meta, T.TensorMeta)
+
+
+def is_tensor_node(x: Any) -> bool:
+    return isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
+
+
+@dataclass
+class CoverageReport:
+    """Ops whose strategies fell back to replicate-only or failed."""
+
+    fallback: dict[str, str] = field(default_factory=dict)  # op -> reason
+    # replicate-only by design: constants built without data inputs (causal masks,
+    # scalars) are recomputed on every rank; sharding them would save nothing
+    explained: dict[str, str] = field(default_factory=dict)
+    counts: Counter = field(default_factory=Counter)  # op -> number of nodes
+    dropped_strided: int = 0
+    dropped_uneven: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.fallback
+
+    def __str__(self) -> str:
+        lines = []
+        if not self.fallback:
+            lines.append("coverage: every op has DTensor sharding strategies")
+        else:
+            lines.append("coverage: ops with replicate-only strategies:")
+            for op, why in sorted(self.fallback.items()):
+                lines.append(f"  {op} ({self.counts[op]} nodes): {why}")
+        for op, why in sorted(self.explained.items()):
+            lines.append(f"  (explained) {op}: {why}")
+        return "\n".join(lines)
+
+
+class OpEnumerator:
+    """Strategies of one op node from DTensor's rules, cached by op key (layers repeat)."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh = mesh
+        self.mesh_shape = tuple(mesh.shape)
+        self.prop = T.sharding_propagator()
+        self.cache: dict[Any, tuple[list[Any], str, str | None]] = {}
+        self.coverage = CoverageReport()
+
+    # -- keys -------------------------------------------------------------
+    def key(self, node: fx.Node) -> Any:
+        def conv(a: Any) -> Any:
+            if isinstance(a, fx.Node):
+                v = a.meta.get("val")
+                if isinstance(v, torch.Tensor):
+                    return ("T", tuple(v.shape), tuple(v.stride()), v.dtype)
+                return ("V", repr(v))
+            if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+                return str(a)
+            return a
+
+        args = T.tree_map(conv, node.args)
+        kwargs = tuple(sorted((k, T.tree_map(conv, v)) for k, v in node.kwargs.items()))
+        try:
+            k = (node.target, args, kwargs)
+            hash(k)
+            return k
+        except TypeError:
+            return (node.target, repr(args), repr(kwargs))
+
+    # -- schema building --------------------------------------------------
+    def schema(self, node: fx.Node, placements: list[Placements]) -> Any:
+        """OpSchema with each tensor input an OpStrategy holding one spec."""
+        it = iter(placements)
+
+        def conv(a: Any) -> Any:
+            if is_tensor_node(a):
+                return T.OpStrategy([T.OpSpec(make_spec(self.mesh, next(it), tensor_meta(a.meta["val"])))])
+            if isinstance(a, fx.Node):
+                return a.meta.get("val")
+            return a
+
+        def top(a: Any) -> Any:
+            if isinstance(a, (list, tuple)) and a and all(is_tensor_node(x) for x in a):
+                return T.TupleStrategy([conv(x) for x in a])  # tensor lists (cat, stack)
+            return T.tree_map(conv, a)
+
+        args = [top(a) for a in node.args]
+        kwargs = {k: top(v) for k, v in node.kwargs.items()}
+        op = node.target
+        schema_info = self.prop.op_to_schema_info.get(op) or self.prop.op_to_schema_info_for_single_dim_strategy.get(op)
+        return T.OpSchema(op, tuple(args), kwargs, schema_info=schema_info)
+
+    @staticmethod
+    def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+        leaves, _ = T.tree_flatten((node.args, dict(node.kwargs)))
+        return [a for a in leaves if is_tensor_node(a)]
+
+    # -- enumeration ------------------------------------------------------
+    def enumerate(self, node: fx.Node) -> tuple[list[Any], str]:
+        key = self.key(node)
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = self._enumerate_uncached(node)
+            self.cache[key] = hit
+        specs, source, why = hit
+        self.record_fallback(node, why)
+        return specs, source
+
+    def record_fallback(self, node: fx.Node, why: str | None) -> None:
+        """Count a node whose op fell back (replicate-only or failed) in the coverage report."""
+        if why is not None:
+            name = str(node.target)
+            self.coverage.fallback.setdefault(name, why)
+            self.coverage.counts[name] += 1
+
+    def _enumerate_uncached(self, node: fx.Node) -> tuple[list[Any], str, str | None]:
+        op = node.target
+        inputs = self.tensor_inputs(node)
+        in_metas = [tensor_meta(a.meta["val"]) for a in inputs]
+        out_meta = out_meta_of(node.meta.get("val"))
+        errors: list[str] = []
+        specs: list[Any] = []
+        source = ""
+        if op in self.prop.op_single_dim_strategy_funcs:
+            source = "single_dim"
+            try:
+                specs = self._single_dim(node, inputs, out_meta)
+            except Exception as e:  # noqa: BLE001 - report, then try the next family
+                errors.append(f"single-dim rule: {type(e).__name__}: {e}"[:200])
+        if not specs and op in self.prop.op_strategy_funcs:
+            source = "strategy_func"
+            specs, err = self._strategy_func(node, inputs)
+            if err:
+                errors.append(err)
+        if not specs and op not in self.prop.op_single_dim_strategy_funcs and op not in self.prop.op_strategy_funcs:
+            source = "decomp"
+            try:
+                specs = self._decomp(node, inputs)
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"decomposition: {type(e).__name__}: {e}"[:200])
+        specs = self.finalize(specs, in_metas, out_meta)
+        if not specs or all(self._all_replicate(s) for s in specs):
+            why = "; ".join(errors) if errors else "no sharding rule"
+            return self.replicate_only(node, in_metas, out_meta), "replicate_fallback", why
+        return specs, source, None
+
+    @staticmethod
+    def _all_replicate(spec: Any) -> bool:
+        outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+        all_specs = [s for s in outs if s is not None] + list(spec.input_specs or [])
+        return all(isinstance(p, Replicate) for s in all_specs for p in s.placements)
+
+    def replicate_only(self, node: fx.Node, in_metas: list[Any], out_meta: Any) -> list[Any]:
+        rep = tuple(Replicate() for _ in self.mesh_shape)
+        if is_multi(out_meta):
+            outs = tuple(make_spec(self.mesh, rep, m) if m is not None else None for m in out_meta)
+        else:
+            outs = make_spec(self.mesh, rep, out_meta)
+        return [T.OpSpec(outs, [make_spec(self.mesh, rep, m) for m in in_metas])]
+
+    def _single_dim(self, node: fx.Node, inputs: list[fx.Node], out_meta: Any) -> list[Any]:
+        op = node.target
+        info = self.prop.op_single_dim_strategy_funcs[op]
+        rep = tuple(Replicate() for _ in self.mesh_shape)
+        schema = self.schema(node, [rep] * len(inputs))
+        func = info.func if isinstance(info, T.SingleDimStrategyInfo) else info
+        rules = func(op, schema.args_meta, schema.kwargs_meta)
+        n_in = len(inputs)
+        n_out = len(rules[0]) - n_in if rules else (len(out_meta) if is_multi(out_meta) else 1)
+        filled: list[list[Any]] = []
+        seen = set()
+        rep_rule = [Replicate()] * (n_out + n_in)
+        if is_multi(out_meta):
+            for i, m in enumerate(out_meta):
+                if m is None and i < n_out:
+                    rep_rule[i] = None
+        for r in [rep_rule] + list(rules):
+            rr = [Shard(p.dim) if isinstance(p, T.ShardingPlaceholder) else p for p in r]
+            k = tuple(repr(p) for p in rr)
+            if k not in seen:
+                seen.add(k)
+                filled.append(rr)
+        strat = T.expand_to_full_mesh_op_strategy(
+            self.mesh, schema, filled, output_tensor_meta=out_meta, input_index=n_out
+        )
+        return list(strat.strategies)
+
+    def _strategy_func(self, node: fx.Node, inputs: list[fx.Node]) -> tuple[list[Any], str | None]:
+        func = self.prop.op_strategy_funcs[node.target]
+        rep = tuple(Replicate() for _ in self.mesh_shape)
+        combos: list[list[Placements]] = []
+        for k, a in enumerate(inputs):
+            shape = tuple(a.meta["val"].shape)
+            for p in tensor_placements(shape, self.mesh_shape, partial=True):
+                c = [rep] * len(inputs)
+                c[k] = p
+                combos.append(c)
+        if not inputs:
+            combos.append([])
+        specs: list[Any] = []
+        last_err = None
+        for c in combos:
+            try:
+                schema = self.schema(node, c)
+                strat = func(schema)
+            except Exception as e:  # noqa: BLE001 - invalid combination for this op
+                last_err = f"strategy function: {type(e).__name__}: {e}"[:200]
+                continue
+            if isinstance(strat, T.TupleStrategy):
+                return [], "returns a TupleStrategy (unsupported)"
+            specs.extend(strat.strategies)
+        return specs, (None if specs else last_err)
+
+    def _decomp(self, node: fx.Node, inputs: list[fx.Node]) -> list[Any]:
+        ds = self.prop.decomp_strategy
+        if not hasattr(ds, "has_decomp") or not ds.has_decomp(node.target):
+            raise RuntimeError("no sharding rule and no decomposition")
+        ds.ensure_schema_info(node.target)
+        specs: list[Any] = []
+        rep = tuple(Replicate() for _ in self.mesh_shape)
+        for k, a in enumerate(inputs):
+            for p in tensor_placements(tuple(a.meta["val"].shape), self.mesh_shape):
+                c = [rep] * len(inputs)
+                c[k] = p
+                strat = ds.propagate_strategy(self.schema(node, c))
+                if isinstance(strat, T.OpStrategy):
+                    specs.extend(strat.strategies)
+        return specs
+
+    def finalize(self, specs: list[Any], in_metas: list[Any], out_meta: Any) -> list[Any]:
+        """Fill tensor metas, drop uneven/strided strategies, de-duplicate, stable order."""
+        out: list[Any] = []
+        seen: set = set()
+        for s in specs:
+            outs = s.output_specs
+            ins = s.input_specs
+            if ins is None:  # "follow the output" convention
+                ins = [outs] * len(in_metas)
+            if len(ins) != len(in_metas):
+                continue
+            if is_multi(out_meta):
+                if not isinstance(outs, tuple):
+                    outs = tuple(outs if m is not None else None for m in out_meta)
+                new_outs = tuple(
+                    make_spec(self.mesh, o.placements, m) if (o is not None and m is not None) else None
+                    for o, m in zip(outs, out_meta)
+                )
+            else:
+                if isinstance(outs, tuple):
+                    outs = outs[0]
+                new_outs = make_spec(self.mesh, outs.placements, out_meta)
+            new_ins = [make_spec(self.mesh, i.placements, m) for i, m in zip(ins, in_metas)]
+            all_specs = [new_outs] if not isinstance(new_outs, tuple) else [o for o in new_outs if o is not None]
+            all_specs = all_specs + new_ins
+            bad = False
+            for sp in all_specs:
+                if any(isinstance(p, T.StridedShard) for p in sp.placements):
+                    self.coverage.dropped_strided += 1
+                    bad = True
+                    break
+                if not evenly_divisible(tuple(sp.tensor_meta.shape), sp.placements, self.mesh_shape):
+                    self.coverage.dropped_uneven += 1
+                    bad = True
+                    break
+            if bad:
+                continue
+            k = strategy_key(T.OpSpec(new_outs, new_ins))
+            if k in seen:
+                continue
+            seen.add(k)
+            out.append(T.OpSpec(new_outs, new_ins))
+        return out
+
+    def restricted(self, node: fx.Node, keys: list[tuple]) -> tuple[list[Any], str]:
+        """The strategies of `node` whose (output, inputs) placements are among `keys`.
+
+        Single-dim rules expand over the mesh as a per-axis product (what
+        `expand_to_full_mesh_op_strategy` does), so their strategies are built directly from
+        the keys; strategy-function and decomposition rules are asked once per distinct
+        input placement of the keys and only their answers inside `keys` are kept. Nothing
+        left -> replicate-only (counted in the coverage report).
+        """
+        # by identity: seeding hands identical balls out as one shared list, alive for the whole build
+        ck = ("restricted", self.key(node), id(keys), len(keys))
+        hit = self.cache.get(ck)
+        if hit is None:
+            hit = self._restricted_uncached(node, keys)
+            self.cache[ck] = hit
+        specs, source, why = hit
+        self.record_fallback(node, why)
+        return specs, source
+
+
+    def _restricted_uncached(self, node: fx.Node, keys: list[tuple]) -> tuple[list[Any], str, str | None]:
+        op = node.target
+        inputs = self.tensor_inputs(node)
+        in_metas = [tensor_meta(a.meta["val"]) for a in inputs]
+        out_meta = out_meta_of(node.meta.get("val"))
+        mesh = self.mesh
+        wanted = set(keys)
+        specs: list[Any] = []
+        source = ""
+        errors: list[str] = []
+        if op in self.prop.op_single_dim_strategy_funcs:
+            source = "single_dim"
+            for o, ins in keys:
+                if len(ins) != len(in_metas):
+                    continue
+                if is_multi(out_meta):
+                    outs = tuple(make_spec(mesh, p, m) if (p is not None and m is not None) else None for p, m in zip(o, out_meta))
+                else:
+                    outs = make_spec(mesh, o, out_meta)
+                specs.append(T.OpSpec(outs, [make_spec(mesh, p, m) for p, m in zip(ins, in_metas)]))
+        else:
+            if op in self.prop.op_strategy_funcs:
+                source = "strategy_func"
+                func = self.prop.op_strategy_funcs[op]
+            else:
+                source = "decomp"
+                ds = self.prop.decomp_strategy
+                if hasattr(ds, "has_decomp") and ds.has_decomp(op):
+                    ds.ensure_schema_info(op)
+                    func = ds.propagate_strategy
+                else:
+                    func = None
+                    errors.append("no sharding rule and no decomposition")
+            if func is not None:
+                for ins in dict.fromkeys(k[1] for k in keys):
+                    try:
+                        strat = func(self.schema(node, list(ins)))
+                    except Exception as e:  # noqa: BLE001 - invalid combination for this op
+                        errors.append(f"{source}: {type(e).__name__}: {e}"[:200])
+                        continue
+                    if isinstance(strat, T.OpStrategy):
+                        specs.extend(strat.strategies)
+        specs = self.finalize(specs, in_metas, out_meta)
+        specs = [s for s in specs if strategy_key(s) in wanted]
+        # stable order: the order of `keys`
+        order = {k: i for i, k in enumerate(keys)}
+        specs.sort(key=lambda s: order[strategy_key(s)])
+        if not specs:
+            why = "; ".join(errors[-1:]) if errors else "no strategy inside the seeded Hamming ball"
+            return self.replicate_only(node, in_metas, out_meta), "replicate_fallback", why
+        return specs, source, None
