@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from parallel.auto.cluster import decision_groups
+from parallel.auto.cost import CostModel
 from parallel.auto.feasibility import apply_constraint, check_feasible
 from parallel.auto.placements import shard_factor
 from parallel.auto.pricing import StrategyPricer
@@ -42,107 +43,89 @@ def _output_placements(c: NodeCandidates, idx: int | None) -> list[tuple]:
     return out
 
 
-def build_problem(
-    cands: Candidates,
-    cost_model: Any,
-    *,
-    constraints: list[Constraint] | None = None,
-    memory_low: float | None = None,
-    memory_high: float | None = None,
-    cluster_layers: bool = True,
-    mp_dtype: torch.dtype | None = None,
-) -> Problem:
-    """Cost every strategy and edge, group tied nodes, apply constraints, prune."""
-    t0 = time.perf_counter()
-    constraints = list(constraints or [])
-    groups, group_of = decision_groups(cands, cluster_layers)
-    costs = StrategyPricer(cands, cost_model, mp_dtype)
-    nodes = cands.nodes
-    n_strat = [len(nodes[g[0]].specs) for g in groups]
-    unary = [np.zeros(n) for n in n_strat]
-    compute: dict[str, np.ndarray] = {}
-    for name, c in nodes.items():
-        arr = costs.compute(c)
-        compute[name] = arr
-        unary[group_of[name]] += arr
+def _edge_tensor(src_node: Any, idx: int | None) -> tuple[tuple[int, ...], torch.dtype]:
+    val = src_node.meta["val"]
+    if isinstance(val, (tuple, list)):
+        val = val[idx or 0]
+    return tuple(val.shape), val.dtype
 
-    # edges, merged across copies of repeated layers
+
+def _price_edges(cands: Candidates, group_of: dict[str, int], unary: list[np.ndarray],
+                 pricer: StrategyPricer) -> list[Edge]:
+    """One Edge per (producer group, consumer group, getitem index, input position), summed
+    over the copies of repeated layers; a producer tied to its consumer pays on the diagonal."""
+    nodes = cands.nodes
     merged: dict[tuple, Edge] = {}
     edge_cache: dict[tuple, tuple] = {}  # holds the specs lists so their ids stay unique
     for name, c in nodes.items():
         if c.kind == PLACEHOLDER:
             continue
         dst_g = group_of[name]
+        idx = c.getitem_index if c.kind == GETITEM else None
         for k, src_node in enumerate(c.inputs):
-            src_name = src_node.name
-            src_c = nodes[src_name]
-            idx = c.getitem_index if c.kind == GETITEM else None
-            val = src_node.meta["val"]
-            if isinstance(val, (tuple, list)):
-                val = val[idx or 0]
-            shape, dtype = tuple(val.shape), val.dtype
-            src_g = group_of[src_name]
-            # copies of one op in repeated layers share their specs lists: cost the edge once
+            src_c, src_g = nodes[src_node.name], group_of[src_node.name]
+            shape, dtype = _edge_tensor(src_node, idx)
+            # copies of one op in repeated layers share their specs lists: price the edge once
             ek = (id(src_c.specs), idx, id(c.specs), k, shape, dtype)
             hit = edge_cache.get(ek)
             if hit is None:
-                src_pl = _output_placements(src_c, idx)
-                dst_pl = [s.input_specs[k].placements for s in c.specs]
-                src_cls, src_uniq = _classes(src_pl)
-                dst_cls, dst_uniq = _classes(dst_pl)
-                m = costs.redistribution(shape, dtype, src_uniq, dst_uniq)
+                src_cls, src_uniq = _classes(_output_placements(src_c, idx))
+                dst_cls, dst_uniq = _classes([s.input_specs[k].placements for s in c.specs])
+                m = pricer.redistribution(shape, dtype, src_uniq, dst_uniq)
                 hit = edge_cache[ek] = (src_cls, src_uniq, dst_cls, dst_uniq, m, src_c.specs, c.specs)
             src_cls, src_uniq, dst_cls, dst_uniq, m = hit[:5]
             if src_g == dst_g:  # tied producer/consumer: cost on the diagonal
                 unary[dst_g] += m[src_cls, dst_cls]
                 continue
             # members of a group share one menu, so copies of this edge share class arrays
-            key = (src_g, dst_g, idx, k)
-            e = merged.get(key)
+            e = merged.get((src_g, dst_g, idx, k))
             if e is None:
-                e = Edge(src_g, dst_g, src_cls, dst_cls, src_uniq, dst_uniq,
-                         np.zeros((len(src_uniq), len(dst_uniq))), [], (shape, dtype))
-                merged[key] = e
+                e = merged[(src_g, dst_g, idx, k)] = Edge(src_g, dst_g, src_cls, dst_cls, src_uniq, dst_uniq,
+                                                           np.zeros((len(src_uniq), len(dst_uniq))), [], (shape, dtype))
             e.cost = e.cost + m
-            e.members.append((src_name, name, k))
-    # merge edges between the same pair of groups with identical class structure
-    edges = list(merged.values())
+            e.members.append((src_node.name, name, k))
+    return list(merged.values())
 
-    allowed = [np.isfinite(u) for u in unary]
+
+def _parameter_bytes(cands: Candidates, group_of: dict[str, int]) -> tuple[list[int], dict[int, np.ndarray], float]:
+    """(parameter groups, local parameter bytes per strategy of each, total parameter bytes)."""
     jg = cands.graph
     mesh_shape = tuple(cands.mesh.shape)
-    param_groups: list[int] = []
-    param_bytes: dict[int, np.ndarray] = {}
+    groups: list[int] = []
+    per_group: dict[int, np.ndarray] = {}
     total = 0.0
     for fqn, pnode in jg.params.items():
         g = group_of[pnode.name]
         b = float(jg.param_bytes[fqn])
         total += b
-        pls = [s.output_specs.placements for s in nodes[pnode.name].specs]
-        arr = np.array([b / shard_factor(p, mesh_shape) for p in pls])
-        if g not in param_bytes:
-            param_groups.append(g)
-            param_bytes[g] = np.zeros(len(pls))
-        param_bytes[g] = param_bytes[g] + arr
+        pls = [s.output_specs.placements for s in cands.nodes[pnode.name].specs]
+        if g not in per_group:
+            groups.append(g)
+            per_group[g] = np.zeros(len(pls))
+        per_group[g] = per_group[g] + np.array([b / shard_factor(p, mesh_shape) for p in pls])
+    return groups, per_group, total
 
-    prob = Problem(
-        candidates=cands,
-        cost_model=cost_model,
-        groups=groups,
-        group_of=group_of,
-        n_strategies=n_strat,
-        unary=unary,
-        compute=compute,
-        edges=edges,
-        allowed=allowed,
-        param_groups=param_groups,
-        param_bytes=param_bytes,
-        total_param_bytes=total,
-        memory_low=memory_low,
-        memory_high=memory_high,
-        constraints=constraints,
-        mp_dtype=mp_dtype,
-    )
+
+def build_problem(cands: Candidates, cost_model: CostModel, *, constraints: list[Constraint] | None = None,
+                  memory_low: float | None = None, memory_high: float | None = None, cluster_layers: bool = True,
+                  mp_dtype: torch.dtype | None = None) -> Problem:
+    """Price every strategy and edge, group tied nodes, apply constraints, check feasibility."""
+    t0 = time.perf_counter()
+    constraints = list(constraints or [])
+    groups, group_of = decision_groups(cands, cluster_layers)
+    pricer = StrategyPricer(cands, cost_model, mp_dtype)
+    n_strat = [len(cands.nodes[g[0]].specs) for g in groups]
+    unary = [np.zeros(n) for n in n_strat]
+    compute: dict[str, np.ndarray] = {}
+    for name, c in cands.nodes.items():
+        compute[name] = pricer.compute(c)
+        unary[group_of[name]] += compute[name]
+    edges = _price_edges(cands, group_of, unary, pricer)
+    param_groups, param_bytes, total = _parameter_bytes(cands, group_of)
+    prob = Problem(candidates=cands, cost_model=cost_model, groups=groups, group_of=group_of, n_strategies=n_strat,
+                   unary=unary, compute=compute, edges=edges, allowed=[np.isfinite(u) for u in unary],
+                   param_groups=param_groups, param_bytes=param_bytes, total_param_bytes=total,
+                   memory_low=memory_low, memory_high=memory_high, constraints=constraints, mp_dtype=mp_dtype)
     for con in constraints:
         if con.kind != "memory":
             apply_constraint(prob, con)
