@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from parallel.auto.pricing import comm_dtype
 from parallel.auto.placements import placement_str, placement_words, spec_placement_strs
 from parallel.auto.trace import layer_prefix
 from parallel.auto.strategies import PLACEHOLDER, SLOT
@@ -117,7 +118,7 @@ class Plan:
             src, dst = e.src_placements[a], e.dst_placements[b]
             if src == dst:
                 continue
-            meta = (e.tensor[0], _comm_dtype(e.tensor[1], prob.mp_dtype))
+            meta = (e.tensor[0], comm_dtype(e.tensor[1], prob.mp_dtype))
             for producer, consumer, k in e.members:
                 for c in cm.redistribute_collectives(src, dst, meta):
                     out.append({
@@ -331,107 +332,78 @@ class PlanDiff:
 # ---------------------------------------------------------------------------
 
 
-def _comm_dtype(dtype: torch.dtype, mp: torch.dtype | None) -> torch.dtype:
-    if mp is not None and dtype.is_floating_point and dtype.itemsize > mp.itemsize:
-        return mp
-    return dtype
+def _node_plan(prob: Any, name: str, s: int) -> NodePlan:
+    c = prob.candidates.nodes[name]
+    jg = prob.candidates.graph
+    out_strs, in_strs = spec_placement_strs(c.specs[s])
+    if c.kind == SLOT:
+        slot = next(sl for sl in jg.slots if sl.index == c.slot_index)
+        label = {"grad_param": f"grad of param {slot.of}", "grad_input": f"grad of input {slot.of}",
+                 "output": f"output {slot.of}"}.get(slot.kind, slot.kind)
+        target, phase, module = "output", "bwd" if slot.kind != "output" else "fwd", ""
+    else:
+        label = jg.labels.get(name, "") if c.kind == PLACEHOLDER else ""
+        target = str(c.node.target) if c.kind != PLACEHOLDER else "placeholder"
+        phase, module = jg.phase.get(name, "fwd"), jg.module_of.get(name, "")
+    return NodePlan(name=name, kind=c.kind, target=target, label=label, phase=phase, module=module, strategy=int(s),
+                    inputs=[a.name for a in c.inputs], input_placements=in_strs if c.kind != PLACEHOLDER else [],
+                    output_placements=out_strs, compute_us=float(prob.compute[name][s]))
 
 
-def build_plan(prob: Any, labels: list[int], *, solver: str, status: str, timings: dict[str, float], num_vars: int,
-               hardware: str, memory_budget: tuple, constraints: list[str]) -> Plan:
-    cands = prob.candidates
-    jg = cands.graph
-    nodes: dict[str, NodePlan] = {}
-    compute_total = 0.0
-    for name, c in cands.nodes.items():
-        g = prob.group_of[name]
-        s = labels[g]
-        spec = c.specs[s]
-        out_strs, in_strs = spec_placement_strs(spec)
-        cu = float(prob.compute[name][s])
-        compute_total += cu
-        if c.kind == SLOT:
-            slot = next(sl for sl in jg.slots if sl.index == c.slot_index)
-            label = {"grad_param": f"grad of param {slot.of}", "grad_input": f"grad of input {slot.of}",
-                     "output": f"output {slot.of}"}.get(slot.kind, slot.kind)
-            target, phase, module = "output", "bwd" if slot.kind != "output" else "fwd", ""
-        else:
-            label = jg.labels.get(name, "") if c.kind == PLACEHOLDER else ""
-            target = str(c.node.target) if c.kind != PLACEHOLDER else "placeholder"
-            phase = jg.phase.get(name, "fwd")
-            module = jg.module_of.get(name, "")
-        nodes[name] = NodePlan(
-            name=name, kind=c.kind, target=target, label=label, phase=phase, module=module, strategy=int(s),
-            inputs=[a.name for a in c.inputs],
-            input_placements=in_strs if c.kind != PLACEHOLDER else [],
-            output_placements=out_strs,
-            compute_us=cu,
-        )
-    # communication breakdown per collective kind and mesh axis
+def _add_collectives(acc: tuple[dict, dict], cm: Any, src: tuple, dst: tuple, meta: tuple, copies: int) -> None:
+    for col in cm.redistribute_collectives(src, dst, meta):
+        if col.kind != "local":
+            key = f"{col.kind}@{col.axis_name}"
+            acc[0][key] += col.time_us * copies
+            acc[1][key] += col.bytes * copies
+
+
+def _comm_breakdown(prob: Any, labels: list[int]) -> tuple[dict[str, float], dict[str, float]]:
+    """(µs, bytes) per "kind@axis": the edges between groups, and the redistributions inside
+    a group (a producer tied to its consumer, folded into the unary cost)."""
+    acc: tuple[dict, dict] = (defaultdict(float), defaultdict(float))
     cm = prob.cost_model
-    comm_us: dict[str, float] = defaultdict(float)
-    comm_bytes: dict[str, float] = defaultdict(float)
     for e in prob.edges:
-        a = e.src_cls[labels[e.src]]
-        b = e.dst_cls[labels[e.dst]]
-        src, dst = e.src_placements[a], e.dst_placements[b]
-        if src == dst:
-            continue
-        meta = (e.tensor[0], _comm_dtype(e.tensor[1], prob.mp_dtype))
-        for c in cm.redistribute_collectives(src, dst, meta):
-            k = f"{c.kind}@{c.axis_name}"
-            if c.kind == "local":
-                continue
-            comm_us[k] += c.time_us * len(e.members)
-            comm_bytes[k] += c.bytes * len(e.members)
-    # redistribution between tied producer/consumer (folded into unary): count it too
+        src, dst = e.src_placements[e.src_cls[labels[e.src]]], e.dst_placements[e.dst_cls[labels[e.dst]]]
+        if src != dst:
+            _add_collectives(acc, cm, src, dst, (e.tensor[0], comm_dtype(e.tensor[1], prob.mp_dtype)), len(e.members))
+    cands = prob.candidates
     for name, c in cands.nodes.items():
         if c.kind == PLACEHOLDER:
             continue
+        s = labels[prob.group_of[name]]
         for k, src_node in enumerate(c.inputs):
             if prob.group_of[src_node.name] != prob.group_of[name]:
                 continue
-            s = labels[prob.group_of[name]]
             src_spec = cands.nodes[src_node.name].specs[s].output_specs
             if isinstance(src_spec, tuple):
                 src_spec = src_spec[c.getitem_index or 0]
             dst_pl = c.specs[s].input_specs[k].placements
-            if src_spec.placements == dst_pl:
-                continue
-            val = src_node.meta["val"]
-            meta = (tuple(val.shape), _comm_dtype(val.dtype, prob.mp_dtype))
-            for col in cm.redistribute_collectives(src_spec.placements, dst_pl, meta):
-                key = f"{col.kind}@{col.axis_name}"
-                if col.kind == "local":
-                    continue
-                comm_us[key] += col.time_us
-                comm_bytes[key] += col.bytes
-    mem = 0.0
-    for g in prob.param_groups:
-        mem += float(prob.param_bytes[g][labels[g]])
-    mesh = cands.mesh
+            if src_spec.placements != dst_pl:
+                val = src_node.meta["val"]
+                meta = (tuple(val.shape), comm_dtype(val.dtype, prob.mp_dtype))
+                _add_collectives(acc, cm, src_spec.placements, dst_pl, meta, 1)
+    return dict(acc[0]), dict(acc[1])
+
+
+def build_plan(prob: Any, labels: list[int], *, solver: str, status: str, timings: dict[str, float], num_vars: int,
+               hardware: str, memory_budget: tuple, constraints: list[str]) -> Plan:
+    """The Plan of a solved Problem: one NodePlan per node, the objective and its breakdown."""
+    cands = prob.candidates
+    jg, mesh = cands.graph, cands.mesh
+    nodes = {name: _node_plan(prob, name, labels[prob.group_of[name]]) for name in cands.nodes}
+    comm_us, comm_bytes = _comm_breakdown(prob, labels)
+    mem = sum(float(prob.param_bytes[g][labels[g]]) for g in prob.param_groups)
     return Plan(
-        nodes=nodes,
-        objective_us=float(prob.energy(labels)),
-        compute_us=compute_total,
-        comm_us=dict(comm_us),
-        comm_bytes=dict(comm_bytes),
-        solver=solver,
-        status=status,
-        timings=dict(timings),
-        num_vars=int(num_vars),
-        fingerprint=jg.fingerprint,
-        input_shapes=[[list(s), d] for s, d in jg.input_shapes],
+        nodes=nodes, objective_us=float(prob.energy(labels)), compute_us=sum(n.compute_us for n in nodes.values()),
+        comm_us=comm_us, comm_bytes=comm_bytes, solver=solver, status=status, timings=dict(timings),
+        num_vars=int(num_vars), fingerprint=jg.fingerprint, input_shapes=[[list(s), d] for s, d in jg.input_shapes],
         mesh_shape=list(mesh.shape),
         mesh_axis_names=list(mesh.mesh_dim_names or [f"axis{i}" for i in range(mesh.ndim)]),
-        hardware=hardware,
-        torch_version=torch.__version__,
+        hardware=hardware, torch_version=torch.__version__,
         mp_param_dtype=str(prob.mp_dtype) if prob.mp_dtype is not None else None,
         memory_fraction=mem / prob.total_param_bytes if prob.total_param_bytes else 0.0,
-        memory_budget=list(memory_budget),
-        constraints=list(constraints),
-        problem=prob,
-        labels=list(labels),
+        memory_budget=list(memory_budget), constraints=list(constraints), problem=prob, labels=list(labels),
     )
 
 
