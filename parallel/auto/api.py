@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
@@ -29,12 +31,12 @@ from models import cross_entropy_loss
 from parallel import _torch as T
 from parallel._torch import fake_world
 from parallel.auto.runtime import apply_plan
-from parallel.auto.cost import DEFAULT_HARDWARE, CostModel
+from parallel.auto.cost import DEFAULT_HARDWARE, CostModel, HardwareProfile
 from parallel.auto.formulation import build_problem
 from parallel.auto.placements import placement_str
 from parallel.auto.plan import Plan, build_plan
-from parallel.auto.problem import Constraint, PlanningError, min_parameter_fraction
-from parallel.auto.solve import check_solver, solve
+from parallel.auto.problem import Constraint, PlanningError, Problem, min_parameter_fraction
+from parallel.auto.solve import Solution, check_solver, solve
 from parallel.auto.solve.seed import plan_candidates, reseeded_candidates, seeded_candidates, use_seeding
 from parallel.auto.strategies import Candidates, build_candidates
 from parallel.auto.trace import JointGraph, trace_joint
@@ -67,12 +69,12 @@ class AutoParallel:
         self,
         model: nn.Module,
         input_fn: Callable[[], Any] | tuple,
-        mesh: Any,
+        mesh: DeviceMesh,
         *,
         loss_fn: Callable[..., torch.Tensor] | None = None,
-        mp_policy: Any = None,
-        hardware: Any = DEFAULT_HARDWARE,
-        cost_model: Any = None,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        hardware: str | HardwareProfile = DEFAULT_HARDWARE,
+        cost_model: CostModel | None = None,
         solver: str = "auto",
         time_limit: float = 600.0,
         cluster_layers: bool = True,
@@ -214,7 +216,8 @@ class AutoParallel:
         raise KeyError(f"no node, parameter or buffer named {node!r}")
 
     # ------------------------------------------------------------------ solve
-    def cost_model(self) -> Any:
+    def cost_model(self) -> CostModel:
+        """The cost model of this mesh and hardware (built once)."""
         if self._cost_model is None:
             names = list(self.mesh.mesh_dim_names or [f"axis{i}" for i in range(self.mesh.ndim)])
             self._cost_model = CostModel(self.hardware, mesh_shape=tuple(self.mesh.shape), mesh_axis_names=names,
@@ -233,7 +236,7 @@ class AutoParallel:
         return self.memory_low, high
 
     def optimize_placement(self, verbose: bool = True) -> Plan:
-        """Build the problem, solve it exactly and return the Plan."""
+        """Build the problem, solve it and return the Plan (seeded from 3-D meshes on)."""
         jg = self._need_graph()
         level = logging.INFO if verbose else logging.DEBUG
         cm = self.cost_model()
@@ -241,23 +244,16 @@ class AutoParallel:
             t0 = time.perf_counter()
             self.candidates, self.seed_info = seeded_candidates(
                 jg, self.mesh, cm, self.constraints, radius=self.seed_radius, mp_dtype=self.mp_dtype,
-                cluster_layers=self.cluster_layers)
+                cluster_layers=self.cluster_layers, solver=self.solver, time_limit=self.time_limit)
             self.timings["seed"] = time.perf_counter() - t0  # seed.py logs its summary
         assert self.candidates is not None
         low, high = self._memory_bounds()
-        t0 = time.perf_counter()
-        prob = build_problem(self.candidates, cm, constraints=self.constraints, memory_low=low, memory_high=high,
-                             cluster_layers=self.cluster_layers, mp_dtype=self.mp_dtype)
-        self.timings["build"] = time.perf_counter() - t0
-        sol = solve(prob, self.solver, time_limit=self.time_limit)
-        self.timings["solve"] = sol.seconds
+        prob, sol = self._build_and_solve(self.candidates, low, high)
         for _ in range((self.seed_rounds if self._seeded() else 1) - 1):  # re-seed around the plan (seed.py)
             t1 = time.perf_counter()
             chosen = {n: self.candidates.nodes[n].specs[sol.labels[prob.group_of[n]]] for n in self.seed_info.options}
             cands2 = reseeded_candidates(jg, self.mesh, self.seed_info, chosen)
-            prob2 = build_problem(cands2, cm, constraints=self.constraints, memory_low=low, memory_high=high,
-                                  cluster_layers=self.cluster_layers, mp_dtype=self.mp_dtype)
-            sol2 = solve(prob2, self.solver, time_limit=self.time_limit)
+            prob2, sol2 = self._build_and_solve(cands2, low, high)
             self.timings["reseed"] = self.timings.get("reseed", 0.0) + time.perf_counter() - t1
             log.log(level, "re-seeding round %d: objective %.1f -> %.1f µs", self.seed_info.rounds, sol.objective,
                     sol2.objective)
@@ -266,19 +262,25 @@ class AutoParallel:
             self.candidates, prob, sol = cands2, prob2, sol2
         log.log(level, "solve: objective %.1f µs, %s, %.2fs (%s, %d vars)", sol.objective, sol.status, sol.seconds,
                 sol.solver, sol.num_vars)
-        hw = cm.hw.name if hasattr(cm, "hw") else str(self.hardware)
-        plan = build_plan(prob, sol.labels, solver=sol.solver, status=sol.status, timings=self.timings,
-                          num_vars=sol.num_vars, hardware=hw, memory_budget=(low, high),
-                          constraints=[c.description for c in self.constraints])
-        del jg
-        return plan
+        return build_plan(prob, sol.labels, solver=sol.solver, status=sol.status, timings=self.timings,
+                          num_vars=sol.num_vars, hardware=cm.hw.name if hasattr(cm, "hw") else str(self.hardware),
+                          memory_budget=(low, high), constraints=[c.description for c in self.constraints])
+
+    def _build_and_solve(self, cands: Candidates, low: float | None, high: float | None) -> tuple[Problem, Solution]:
+        t0 = time.perf_counter()
+        prob = build_problem(cands, self.cost_model(), constraints=self.constraints, memory_low=low, memory_high=high,
+                             cluster_layers=self.cluster_layers, mp_dtype=self.mp_dtype)
+        self.timings["build"] = self.timings.get("build", 0.0) + time.perf_counter() - t0
+        sol = solve(prob, self.solver, time_limit=self.time_limit)
+        self.timings["solve"] = self.timings.get("solve", 0.0) + sol.seconds
+        return prob, sol
 
     def _seeded(self) -> bool:
         return use_seeding(self.mesh.ndim, self.seed)
 
     # ---- materialisation (parallel/auto/runtime) ----
     def apply_placement(self, plan: Plan) -> nn.Module:
-        """Materialise `plan` (in-memory or loaded/replayed) as a ParallelModule (apply.py)."""
+        """Materialise `plan` (in-memory or loaded/replayed) as a ParallelModule (runtime/)."""
         jg = self._need_graph()
         if self.candidates is None:  # seeded mesh and nothing solved here: a replayed or received plan
             self.candidates = plan_candidates(jg, self.mesh, plan)
@@ -294,10 +296,11 @@ def _is_placement_tuple(x: Any) -> bool:
     return isinstance(x, (tuple, list)) and bool(x) and all(isinstance(p, Placement) for p in x)
 
 
-def auto_parallel(model: nn.Module, mesh: Any, sample_inputs: Any, out_shardings: Any = None, *,
-                       mp_policy: Any = None, parameter_memory_budget: tuple | None = (None, None),
-                       dynamic: bool = False, loss_fn: Any = None, hardware: Any = DEFAULT_HARDWARE,
-                       verbose: bool = False, **autop_kwargs: Any) -> nn.Module:
+def auto_parallel(model: nn.Module, mesh: DeviceMesh, sample_inputs: Any, out_shardings: Any = None, *,
+                  mp_policy: MixedPrecisionPolicy | None = None, parameter_memory_budget: tuple | None = (None, None),
+                  dynamic: bool = False, loss_fn: Callable[..., torch.Tensor] | None = None,
+                  hardware: str | HardwareProfile = DEFAULT_HARDWARE, verbose: bool = False,
+                  **autop_kwargs: Any) -> nn.Module:
     """Plan + materialise in one call: returns the ParallelModule (expects per-rank local inputs).
 
     sample_inputs: global-shaped pytree (or a callable returning it); plain tensors are

@@ -9,9 +9,8 @@ output bytes. View-like ops (view, reshape, t, transpose, getitem, detach, ...) 
 kernel and cost 0.
 
 CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward)
-counts 0 FLOPs in FlopCounterMode unless ``parallel._torch.register_planner_ops()``
-registered a formula; when it counts 0 we use torch's own SDPA formulas, with the same
-convention (causal masking not discounted) so both paths agree.
+counts 0 FLOPs in FlopCounterMode until ``parallel._torch.register_planner_ops()``
+registers torch's SDPA formulas for it; `FlopCache` makes sure it has.
 """
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from .hardware import HardwareProfile
 from parallel import _torch as T
@@ -46,10 +45,6 @@ ZERO_COST_OPS: frozenset[str] = frozenset({
     "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "empty_like_view",
     "wait_tensor", "_assert_tensor_metadata", "_assert_async", "sym_constrain_range_for_size",
 })
-
-_ATTN_FWD = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
-_ATTN_BWD = {n + "_backward" for n in _ATTN_FWD}
 
 #: what a per-device tensor may be described as
 TensorLike = Any  # torch.Tensor (meta/fake), TensorMeta-like (.shape, .dtype), (shape, dtype)
@@ -159,21 +154,11 @@ class ComputeEstimate:
     ran: bool  # False when the op could not run on meta tensors (flops then 0)
 
 
-def _attention_flops(name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> float:
-    """Flops of SDPA ops that FlopCounterMode does not know (e.g. the CPU flash kernels)."""
-    shapes = [sd[0] for sd in (_as_shape_dtype(a) for a in args) if sd is not None]
-    try:
-        if name in _ATTN_FWD:
-            return float(sdpa_flop_count(shapes[0], shapes[1], shapes[2]))
-        return float(sdpa_backward_flop_count(shapes[0], shapes[1], shapes[2], shapes[3]))
-    except Exception:
-        return 0.0
-
-
 class FlopCache:
     """Counts FLOPs (and output shapes) of an op on local shapes once per unique key."""
 
     def __init__(self) -> None:
+        T.register_planner_ops()  # FLOP formulas of the CPU flash-attention ops
         self._cache: dict[Any, ComputeEstimate] = {}
 
     def __len__(self) -> int:
@@ -191,7 +176,6 @@ class FlopCache:
 
     @staticmethod
     def _run(op: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> ComputeEstimate:
-        name = op_name(op)
         margs, mkwargs = _materialize(tuple(args)), _materialize(dict(kwargs))
         try:
             with FlopCounterMode(display=False) as fc:
@@ -200,6 +184,4 @@ class FlopCache:
             outputs, ran = tuple(_tensor_list(out)), True
         except Exception:
             flops, outputs, ran = 0.0, (), False
-        if flops == 0 and (name in _ATTN_FWD or name in _ATTN_BWD):
-            flops = float(_attention_flops(name, args, kwargs))
         return ComputeEstimate(flops, outputs, ran)

@@ -220,11 +220,11 @@ def solve_axes(graph: Any, mesh: Any, cost_model: Any, constraints: list[Constra
 
 def seeded_candidates(graph: Any, mesh: Any, cost_model: Any, constraints: list[Constraint] | None = None, *,
                       radius: int = DEFAULT_RADIUS, mp_dtype: Any = None, cluster_layers: bool = True,
-                      solver: str = "auto") -> tuple[Candidates, SeedInfo]:
+                      solver: str = "auto", time_limit: float | None = 120.0) -> tuple[Candidates, SeedInfo]:
     """D-dim candidates restricted to the Hamming ball of `radius` around the 1-D seeds."""
     t0 = time.perf_counter()
     axes, info = solve_axes(graph, mesh, cost_model, constraints, mp_dtype=mp_dtype,
-                            cluster_layers=cluster_layers, solver=solver)
+                            cluster_layers=cluster_layers, solver=solver, time_limit=time_limit)
     restrict: dict[str, list[tuple]] = {}
     ref = axes[0][0]
     menu_cache: dict[tuple, list[tuple]] = {}
