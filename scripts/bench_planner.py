@@ -37,11 +37,11 @@ def run_one(args: argparse.Namespace) -> dict:
 
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from models import build_model
     from torch.distributed.tensor import Replicate, Shard
     from parallel.auto.api import AutoParallel, fake_world, lm_loss
+    from parallel.precision import mixed_precision_policy
 
     logging.basicConfig(level=logging.INFO, format="  %(name)s: %(message)s", stream=sys.stderr)
     sizes = tuple(int(x) for x in args.one.split("x"))
@@ -49,7 +49,7 @@ def run_one(args: argparse.Namespace) -> dict:
     world = math.prod(sizes)
     global_bs = args.local_batch_size * sizes[0]  # batch over the dp axis
     model = build_model("llama3", args.flavor, device="meta")
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = mixed_precision_policy("bfloat16", "float32")
     t0 = time.perf_counter()
     with fake_world(world):
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
@@ -77,11 +77,11 @@ def run_arm(args: argparse.Namespace) -> dict:
 
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from models import build_model
     from torch.distributed.tensor import Replicate, Shard
     from parallel.auto.api import AutoParallel, fake_world, lm_loss
+    from parallel.precision import mixed_precision_policy
 
     logging.basicConfig(level=logging.INFO, format="  %(name)s: %(message)s", stream=sys.stderr)
     sizes = tuple(int(x) for x in args.one.split("x"))
@@ -91,7 +91,7 @@ def run_arm(args: argparse.Namespace) -> dict:
     world = math.prod(kept)
     global_bs = args.local_batch_size * math.prod(kept[i] for i in dp)
     model = build_model("llama3", args.flavor, device="meta")
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = mixed_precision_policy("bfloat16", "float32")
     ilp = args.arm == "ilp"
     t0, c0 = time.perf_counter(), time.process_time()
     with fake_world(world):

@@ -23,9 +23,11 @@ import torch  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from torch.distributed.tensor import Replicate, Shard  # noqa: E402
+from models import build_model  # noqa: E402
 from parallel.auto.api import AutoParallel, fake_world, lm_loss  # noqa: E402
+from parallel.precision import is_mixed, mixed_precision_policy  # noqa: E402
+from trainer.config import load_config  # noqa: E402
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def parse_mesh(text: str, names: str | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -46,9 +48,6 @@ def data_axes(names: tuple[str, ...]) -> list[int]:
 
 
 def plan_job(args: argparse.Namespace) -> tuple:
-    from models import build_model
-    from trainer.config import load_config
-
     cfg = load_config(args.config, args.overrides, validate=False)
     sizes, names = parse_mesh(args.mesh, args.axis_names)
     world = math.prod(sizes)
@@ -57,12 +56,8 @@ def plan_job(args: argparse.Namespace) -> tuple:
     seq = args.seq_len or cfg.training.seq_len
     dp = data_axes(names)
     global_bs = local_bs * math.prod(sizes[i] for i in dp)
-    mp = None
-    if cfg.training.mixed_precision_param != "float32":
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        mp = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.training.mixed_precision_param],
-                                  reduce_dtype=_DTYPES[cfg.training.mixed_precision_reduce])
+    mp = mixed_precision_policy(cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce)
+    mp = mp if is_mixed(mp) else None
     model = build_model(cfg.model.name, cfg.model.flavor, device="meta")
     print(f"planning {cfg.model.name} {cfg.model.flavor} on mesh {sizes} {names} ({world} ranks, {hardware}); "
           f"global batch {global_bs} x seq {seq}; mixed precision {cfg.training.mixed_precision_param}", flush=True)
