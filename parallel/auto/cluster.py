@@ -42,7 +42,6 @@ from parallel.auto.trace import layer_prefix
 log = logging.getLogger("parallel.auto.problem")
 
 
-
 @dataclass
 class Clustering:
     """Clusters of identical copies (each a list of node names, >= 2 members)."""
@@ -84,73 +83,92 @@ def _tensor_sig(node: Any, idx: int | None = None) -> tuple:
     return (tuple(v.shape), str(v.dtype))
 
 
-def find_clusters(cands: Candidates, *, flow_coupling: bool = True) -> Clustering:
-    """Content-hash the nodes and group identical copies across layer instances."""
-    jg = cands.graph
-    nodes = cands.nodes
-    param_fqn = {n.name: fqn for fqn, n in jg.params.items()}
-    menu_hash: dict[int, int] = {}  # id(specs) -> hash (enumeration shares spec lists between copies)
-    menus: dict[int, tuple] = {}
+class _MenuHash:
+    """Hash of a node's candidate menu, computed once per shared specs list (copies share them)."""
 
-    def menu_h(c: NodeCandidates) -> int:
+    def __init__(self) -> None:
+        self.hashes: dict[int, int] = {}  # id(specs) -> hash
+        self.menus: dict[int, tuple] = {}
+
+    def __call__(self, c: NodeCandidates) -> int:
         k = id(c.specs)
-        h = menu_hash.get(k)
+        h = self.hashes.get(k)
         if h is None:
-            menus[k] = menu_of(c)
-            h = menu_hash[k] = hash(menus[k])
+            self.menus[k] = menu_of(c)
+            h = self.hashes[k] = hash(self.menus[k])
         return h
 
-    instance: dict[str, str | None] = {}
-    content: dict[str, int] = {}
-    struct: dict[str, int] = {}
-    buckets: dict[tuple, list[str]] = defaultdict(list)
-    ordinal: dict[tuple, int] = defaultdict(int)
-    instances: set[str] = set()
-    for name, c in nodes.items():
+
+@dataclass
+class _Hashed:
+    """Per node: its layer instance; copies bucketed by (structural hash, ordinal within the instance)."""
+
+    instance: dict[str, str | None] = field(default_factory=dict)
+    struct: dict[str, int] = field(default_factory=dict)
+    buckets: dict[tuple, list[str]] = field(default_factory=lambda: defaultdict(list))
+    ordinal: dict[tuple, int] = field(default_factory=lambda: defaultdict(int))
+    instances: set[str] = field(default_factory=set)
+
+
+def _hash_nodes(cands: Candidates, menu_h: _MenuHash) -> _Hashed:
+    """Content + structure hash of every node (inputs from its own layer instance recursively)."""
+    jg = cands.graph
+    param_fqn = {n.name: fqn for fqn, n in jg.params.items()}
+    out = _Hashed()
+    for name, c in cands.nodes.items():
         if c.kind == SLOT:
             continue
         inst = layer_instance(cands, name, param_fqn)
-        instance[name] = inst
+        out.instance[name] = inst
         target = str(c.node.target) if c.kind != PLACEHOLDER else ""
         own = (jg.phase.get(name, ""), c.kind, target, repr(c.key) if c.key is not None else "",
                _tensor_sig(c.node) if c.kind == PLACEHOLDER else (), c.getitem_index, menu_h(c), len(c.inputs))
-        h0 = hash(own)
-        content[name] = h0
         ins = []
-        for k, a in enumerate(c.inputs):
-            if inst is not None and instance.get(a.name) == inst:
-                ins.append(("L", struct[a.name]))
+        for a in c.inputs:
+            if inst is not None and out.instance.get(a.name) == inst:
+                ins.append(("L", out.struct[a.name]))
             else:
                 ins.append(("X", _tensor_sig(a, c.getitem_index)))
-        h = hash((h0, tuple(ins)))
-        struct[name] = h
+        h = hash((hash(own), tuple(ins)))
+        out.struct[name] = h
         if inst is None:
             continue
-        instances.add(inst)
-        i = ordinal[(inst, h)]
-        ordinal[(inst, h)] += 1
-        buckets[(h, i)].append(name)
+        out.instances.add(inst)
+        i = out.ordinal[(inst, h)]
+        out.ordinal[(inst, h)] += 1
+        out.buckets[(h, i)].append(name)
+    return out
 
-    clusters = [m for m in buckets.values() if len(m) > 1 and len({instance[n] for n in m}) == len(m)]
+
+def _flow_coupled(cands: Candidates, clusters: list[list[str]], menu_h: _MenuHash) -> list[list[str]]:
+    """Producer sets feeding the same input position of a cluster's copies, with one menu and phase."""
+    nodes = cands.nodes
     coupled: list[list[str]] = []
     cluster_id = {n: i for i, m in enumerate(clusters) for n in m}
-    if flow_coupling:
-        for members in clusters:
-            rep = nodes[members[0]]
-            for k in range(len(rep.inputs)):
-                by_menu: dict[tuple, list[str]] = defaultdict(list)
-                for n in members:
-                    p = nodes[n].inputs[k].name
-                    pc = nodes[p]
-                    # sharing a strategy index needs the same menu; never mix fwd and bwd
-                    key = (jg.phase.get(p, ""), menu_h(pc))
-                    if p not in by_menu[key]:
-                        by_menu[key].append(p)
-                for producers in by_menu.values():
-                    ids = {cluster_id.get(p, p) for p in producers}
-                    if len(ids) > 1 and producers not in coupled:  # not already one cluster
-                        coupled.append(producers)
-    return Clustering(clusters, coupled, num_nodes=len(nodes), num_instances=len(instances))
+    for members in clusters:
+        rep = nodes[members[0]]
+        for k in range(len(rep.inputs)):
+            by_menu: dict[tuple, list[str]] = defaultdict(list)
+            for n in members:
+                p = nodes[n].inputs[k].name
+                # sharing a strategy index needs the same menu; never mix fwd and bwd
+                key = (cands.graph.phase.get(p, ""), menu_h(nodes[p]))
+                if p not in by_menu[key]:
+                    by_menu[key].append(p)
+            for producers in by_menu.values():
+                ids = {cluster_id.get(p, p) for p in producers}
+                if len(ids) > 1 and producers not in coupled:  # not already one cluster
+                    coupled.append(producers)
+    return coupled
+
+
+def find_clusters(cands: Candidates, *, flow_coupling: bool = True) -> Clustering:
+    """Content-hash the nodes and group identical copies across layer instances."""
+    menu_h = _MenuHash()
+    hashed = _hash_nodes(cands, menu_h)
+    clusters = [m for m in hashed.buckets.values() if len(m) > 1 and len({hashed.instance[n] for n in m}) == len(m)]
+    coupled = _flow_coupled(cands, clusters, menu_h) if flow_coupling else []
+    return Clustering(clusters, coupled, num_nodes=len(cands.nodes), num_instances=len(hashed.instances))
 
 
 # ---------------------------------------------------------------------------

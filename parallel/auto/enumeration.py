@@ -31,7 +31,7 @@ def tensor_meta(val: torch.Tensor) -> Any:
     return T.TensorMeta(shape=val.shape, stride=val.stride(), dtype=val.dtype)
 
 
-def make_spec(mesh: Any, placements: Placements, meta: Any) -> Any:
+def make_spec(mesh: DeviceMesh, placements: Placements, meta: Any) -> Any:
     return T.DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
 
 

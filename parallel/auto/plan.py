@@ -22,6 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from parallel.auto.cost import CostModel
+from parallel.auto.problem import Problem
 from parallel.auto.pricing import comm_dtype
 from parallel.auto.placements import placement_str, placement_words, spec_placement_strs
 from parallel.auto.trace import layer_prefix
@@ -158,7 +163,8 @@ class Plan:
             raise PlanMismatchError(f"{source} is not a complete plan ({type(e).__name__}: {e}); re-plan") from None
 
     @classmethod
-    def load(cls, path: str, *, model: Any = None, mesh: Any = None, input_shapes: list | None = None) -> "Plan":
+    def load(cls, path: str, *, model: nn.Module | None = None, mesh: DeviceMesh | None = None,
+             input_shapes: list | None = None) -> "Plan":
         """Load a plan; refuse it (PlanMismatchError) if unreadable or made for another model, inputs or mesh."""
         try:
             with open(path) as f:
@@ -172,7 +178,8 @@ class Plan:
         plan.check_compatible(model=model, mesh=mesh, input_shapes=input_shapes, source=path)
         return plan
 
-    def check_compatible(self, *, model: Any = None, mesh: Any = None, input_shapes: list | None = None, source: str = "plan") -> None:
+    def check_compatible(self, *, model: nn.Module | None = None, mesh: DeviceMesh | None = None,
+                         input_shapes: list | None = None, source: str = "plan") -> None:
         if model is not None:
             from parallel.auto.trace import model_fingerprint
 
@@ -332,7 +339,7 @@ class PlanDiff:
 # ---------------------------------------------------------------------------
 
 
-def _node_plan(prob: Any, name: str, s: int) -> NodePlan:
+def _node_plan(prob: Problem, name: str, s: int) -> NodePlan:
     c = prob.candidates.nodes[name]
     jg = prob.candidates.graph
     out_strs, in_strs = spec_placement_strs(c.specs[s])
@@ -350,7 +357,7 @@ def _node_plan(prob: Any, name: str, s: int) -> NodePlan:
                     output_placements=out_strs, compute_us=float(prob.compute[name][s]))
 
 
-def _add_collectives(acc: tuple[dict, dict], cm: Any, src: tuple, dst: tuple, meta: tuple, copies: int) -> None:
+def _add_collectives(acc: tuple[dict, dict], cm: CostModel, src: tuple, dst: tuple, meta: tuple, copies: int) -> None:
     for col in cm.redistribute_collectives(src, dst, meta):
         if col.kind != "local":
             key = f"{col.kind}@{col.axis_name}"
@@ -358,7 +365,7 @@ def _add_collectives(acc: tuple[dict, dict], cm: Any, src: tuple, dst: tuple, me
             acc[1][key] += col.bytes * copies
 
 
-def _comm_breakdown(prob: Any, labels: list[int]) -> tuple[dict[str, float], dict[str, float]]:
+def _comm_breakdown(prob: Problem, labels: list[int]) -> tuple[dict[str, float], dict[str, float]]:
     """(µs, bytes) per "kind@axis": the edges between groups, and the redistributions inside
     a group (a producer tied to its consumer, folded into the unary cost)."""
     acc: tuple[dict, dict] = (defaultdict(float), defaultdict(float))
@@ -386,7 +393,7 @@ def _comm_breakdown(prob: Any, labels: list[int]) -> tuple[dict[str, float], dic
     return dict(acc[0]), dict(acc[1])
 
 
-def build_plan(prob: Any, labels: list[int], *, solver: str, status: str, timings: dict[str, float], num_vars: int,
+def build_plan(prob: Problem, labels: list[int], *, solver: str, status: str, timings: dict[str, float], num_vars: int,
                hardware: str, memory_budget: tuple, constraints: list[str]) -> Plan:
     """The Plan of a solved Problem: one NodePlan per node, the objective and its breakdown."""
     cands = prob.candidates

@@ -249,28 +249,35 @@ def _num(d: Mapping[str, Any], key: str, where: str, source: str, *, positive: b
     return float(v)
 
 
-def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> HardwareProfile:
-    """Validate the TOML layout (see configs/hardware/h100.toml) and build a profile."""
-    _check_keys(data, _TOP_KEYS, "", source)
+def _name_and_size(data: Mapping[str, Any], source: str) -> tuple[str, int]:
+    """The profile's name and devices per node, both checked."""
     name = data["name"]
     if not isinstance(name, str) or not name:
         raise ProfileError(f"{source}: name = {name!r} must be a non-empty string")
     gpn = data["gpus_per_node"]
     if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
         raise ProfileError(f"{source}: gpus_per_node = {gpn!r} must be an integer >= 1")
+    return name, gpn
 
+
+def _peak_table(data: Mapping[str, Any], source: str) -> dict[str, float]:
+    """[peak_tflops]: fp32 required, the other dtypes optional (they fall back)."""
     peaks = data["peak_tflops"]
     _check_keys(peaks, {k: k == "fp32" for k in _PEAK_KEYS}, "peak_tflops", source)
-    peak = {k: _num(peaks, k, "peak_tflops.", source) for k in peaks}
+    return {k: _num(peaks, k, "peak_tflops.", source) for k in peaks}
 
+
+def _efficiencies(data: Mapping[str, Any], source: str) -> tuple[float, float]:
+    """[efficiency]: (matmul, memory), each a fraction of its roof."""
     eff = data["efficiency"]
     _check_keys(eff, {"matmul": True, "memory": True}, "efficiency", source)
-    mm_eff = _num(eff, "matmul", "efficiency.", source, at_most=1.0)
-    mem_eff = _num(eff, "memory", "efficiency.", source, at_most=1.0)
+    matmul = _num(eff, "matmul", "efficiency.", source, at_most=1.0)
+    memory = _num(eff, "memory", "efficiency.", source, at_most=1.0)
+    return matmul, memory
 
-    intra = data["intra_node"]
-    _check_keys(intra, {"bus_bandwidth_gbps": True, "latency_us": True, "hop_latency_us": True,
-                        "group_size_factor": False}, "intra_node", source)
+
+def _group_size_factor(intra: Mapping[str, Any], source: str) -> dict[int, float]:
+    """[intra_node.group_size_factor]: bandwidth multipliers keyed by group size (>= 2)."""
     gsf_raw = intra.get("group_size_factor", {})
     if not isinstance(gsf_raw, Mapping):
         raise ProfileError(f"{source}: [intra_node.group_size_factor] must be a table like {{2 = 1.35}}")
@@ -279,39 +286,70 @@ def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Hardwa
         if not str(k).isdigit() or int(k) < 2:
             raise ProfileError(f"{source}: intra_node.group_size_factor key {k!r} must be a group size >= 2")
         gsf[int(k)] = _num(gsf_raw, k, "intra_node.group_size_factor.", source)
+    return gsf
+
+
+def _intra_link(data: Mapping[str, Any], source: str) -> IntraNodeLink:
+    """[intra_node]: bus bandwidth (one number, or one per collective kind), latencies, group sizes."""
+    intra = data["intra_node"]
+    _check_keys(intra, {"bus_bandwidth_gbps": True, "latency_us": True, "hop_latency_us": True,
+                        "group_size_factor": False}, "intra_node", source)
+    gsf = _group_size_factor(intra, source)
     bw = intra["bus_bandwidth_gbps"]
     if isinstance(bw, (int, float)) and not isinstance(bw, bool):
         bw_map = {k: _num(intra, "bus_bandwidth_gbps", "intra_node.", source) for k in COLLECTIVE_KINDS}
     else:
         _check_keys(bw, {k: True for k in COLLECTIVE_KINDS}, "intra_node.bus_bandwidth_gbps", source)
         bw_map = {k: _num(bw, k, "intra_node.bus_bandwidth_gbps.", source) for k in COLLECTIVE_KINDS}
-    intra_link = IntraNodeLink(
+    return IntraNodeLink(
         bus_bandwidth_gbps=bw_map,
         latency_us=_num(intra, "latency_us", "intra_node.", source, positive=False),
         hop_latency_us=_num(intra, "hop_latency_us", "intra_node.", source, positive=False),
         group_size_factor=gsf,
     )
 
+
+def _inter_link(data: Mapping[str, Any], source: str) -> InterNodeLink:
+    """[inter_node]: per-device NIC bandwidth and latencies."""
     inter = data["inter_node"]
     _check_keys(inter, {"bandwidth_gbps": True, "latency_us": True, "hop_latency_us": True},
                 "inter_node", source)
-    inter_link = InterNodeLink(
+    return InterNodeLink(
         bandwidth_gbps=_num(inter, "bandwidth_gbps", "inter_node.", source),
         latency_us=_num(inter, "latency_us", "inter_node.", source, positive=False),
         hop_latency_us=_num(inter, "hop_latency_us", "inter_node.", source, positive=False),
     )
 
+
+def _tree_factor(data: Mapping[str, Any], source: str) -> float:
+    """[collectives] tree_bandwidth_factor, 0.45 when absent."""
     coll = data.get("collectives", {})
     _check_keys(coll, {"tree_bandwidth_factor": False}, "collectives", source)
-    tree_f = _num(coll, "tree_bandwidth_factor", "collectives.", source, at_most=1.0) \
-        if "tree_bandwidth_factor" in coll else 0.45
+    if "tree_bandwidth_factor" in coll:
+        return _num(coll, "tree_bandwidth_factor", "collectives.", source, at_most=1.0)
+    return 0.45
 
+
+def _description(data: Mapping[str, Any], source: str) -> str:
+    """The free-form parts: [calibration] notes (checked to be a table) and the description."""
     if "calibration" in data and not isinstance(data["calibration"], Mapping):
         raise ProfileError(f"{source}: [calibration] must be a table (free-form notes)")
     desc = data.get("description", "")
     if not isinstance(desc, str):
         raise ProfileError(f"{source}: description must be a string")
+    return desc
 
+
+def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> HardwareProfile:
+    """Validate the TOML layout (see configs/hardware/h100.toml) and build a profile."""
+    _check_keys(data, _TOP_KEYS, "", source)
+    name, gpn = _name_and_size(data, source)
+    peak = _peak_table(data, source)
+    mm_eff, mem_eff = _efficiencies(data, source)
+    intra_link = _intra_link(data, source)
+    inter_link = _inter_link(data, source)
+    tree_f = _tree_factor(data, source)
+    desc = _description(data, source)
     return HardwareProfile(
         name=name,
         gpus_per_node=gpn,

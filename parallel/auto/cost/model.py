@@ -27,6 +27,8 @@ from .comm import (
     summarize_collectives,
     transition_template,
 )
+from torch.distributed.device_mesh import DeviceMesh
+
 from parallel.auto.placements import local_shape
 
 from .compute import FlopCache, _as_shape_dtype, _freeze, _nbytes, _tensor_list, is_zero_cost, roofline_us
@@ -84,7 +86,7 @@ class CostModel:
         self._op_cost_cache: dict[Any, float] = {}
 
     @classmethod
-    def from_mesh(cls, hw: "str | os.PathLike[str] | HardwareProfile", mesh: Any, **kwargs: Any) -> "CostModel":
+    def from_mesh(cls, hw: "str | os.PathLike[str] | HardwareProfile", mesh: DeviceMesh, **kwargs: Any) -> "CostModel":
         """Build from a DeviceMesh (real or fake): its shape and axis names, nothing else."""
         return cls(hw, tuple(mesh.shape), getattr(mesh, "mesh_dim_names", None), **kwargs)
 

@@ -14,9 +14,11 @@ import logging
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from parallel import _torch as T
 from parallel.auto.placements import local_shape
 
 log = logging.getLogger("parallel.auto.runtime")
@@ -32,7 +34,7 @@ def local_value(x: Any) -> Any:
     return x.to_local() if isinstance(x, DTensor) else x
 
 
-def wrap(locs: list[Any], specs: list[DSpec | None], mesh: Any) -> list[Any]:
+def wrap(locs: list[Any], specs: list[DSpec | None], mesh: DeviceMesh) -> list[Any]:
     """DTensors from local shards and their specs (None: a plain tensor stays plain)."""
     return [DTensor.from_local(x, mesh, sp[0], run_check=False, shape=sp[1], stride=sp[2]) if sp is not None else x
             for x, sp in zip(locs, specs)]
@@ -73,8 +75,8 @@ class LocalGraphs:
         self.out_specs: list[DSpec] = layout["outs"]
         outs_l, slocs = self.fwd(plocs, blocs, ilocs)
         self.bwd = self._trace_backward(runner, layout, slocs, outs_l)
-        n_coll = sum(1 for g in (self.fwd, self.bwd) for n in g.graph.nodes
-                     if "_c10d_functional" in str(n.target) and "wait" not in str(n.target))
+        n_coll = sum(1 for g in (self.fwd, self.bwd) for n in g.graph.nodes if getattr(n.target, "namespace", "")
+                     == "_c10d_functional" and T.op_name(n.target) != "wait_tensor")
         runner.stats["local_graph_collectives"] = n_coll
         log.info("apply: local graphs built (%d forward, %d backward nodes, %d collectives)",
                  len(self.fwd.graph.nodes), len(self.bwd.graph.nodes), n_coll)

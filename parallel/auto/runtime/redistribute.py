@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from parallel import _torch as T
@@ -23,7 +24,7 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def redistribute(x: DTensor, mesh: Any, target: tuple) -> DTensor:
+def redistribute(x: DTensor, mesh: DeviceMesh, target: tuple) -> DTensor:
     """`x` with placements `target`, including Partial targets.
 
     DTensor's public `redistribute` refuses X -> Partial; plans use it (e.g. a Replicate
@@ -111,7 +112,7 @@ def bucket_key(src: tuple, dst: tuple) -> tuple | None:
     return (a_, b_)
 
 
-def _n_chunks(placements: tuple, mesh: Any) -> int:
+def _n_chunks(placements: tuple, mesh: DeviceMesh) -> int:
     k = 1
     for ax, p in enumerate(placements):
         if isinstance(p, Shard):
@@ -119,7 +120,7 @@ def _n_chunks(placements: tuple, mesh: Any) -> int:
     return k
 
 
-def bucketed_redistribute(items: list[DTensor], targets: list[tuple], mesh: Any) -> list[DTensor]:
+def bucketed_redistribute(items: list[DTensor], targets: list[tuple], mesh: DeviceMesh) -> list[DTensor]:
     """Redistribute tensors sharing one `bucket_key` with ONE collective per mesh axis on a
     flat buffer (FSDP-style bucketing) instead of one per tensor.
 
@@ -152,7 +153,7 @@ def bucketed_redistribute(items: list[DTensor], targets: list[tuple], mesh: Any)
     return res
 
 
-def local_shard(full: torch.Tensor, mesh: Any, placements: tuple) -> torch.Tensor:
+def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> torch.Tensor:
     """This rank's local shard of a global tensor (no communication)."""
     dt = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return dt.redistribute(mesh, placements).to_local()

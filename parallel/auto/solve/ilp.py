@@ -22,6 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
+try:  # optional, the faster backend: pip install .[highs]
+    import highspy
+except ImportError:  # pragma: no cover - CBC (bundled with pulp) then
+    highspy = None
+
 from parallel.auto.feasibility import check_feasible
 from parallel.auto.problem import PlanningError, Problem
 from parallel.auto.solve.solution import Solution
@@ -34,19 +39,15 @@ def available_solver(name: str = "auto") -> str:
     if name not in ("auto", "highs", "cbc"):
         raise ValueError(f"unknown ILP solver {name!r}; use 'auto', 'highs' or 'cbc'")
     if name in ("auto", "highs"):
-        try:
-            import highspy  # noqa: F401
-
-            if pulp.HiGHS().available():
-                return "highs"
-        except ImportError:
-            pass
+        if highspy is not None and pulp.HiGHS().available():
+            return "highs"
         if name == "highs":
             raise ValueError("solver 'highs' requested but highspy is not installed (pip install highspy)")
     return "cbc"
 
 
 def _solver(name: str, time_limit: float | None, verbose: bool) -> pulp.LpSolver:
+    """The backend, single-threaded and seeded so that a plan does not depend on the run."""
     if name == "highs":
         return pulp.HiGHS(msg=verbose, timeLimit=time_limit, threads=1, random_seed=0)
     with warnings.catch_warnings():  # the bundled CBC binary works offline; pulp 3.3 warns about 4.0
@@ -55,9 +56,14 @@ def _solver(name: str, time_limit: float | None, verbose: bool) -> pulp.LpSolver
 
 
 def _var(lp: pulp.LpProblem, name: str, low: float, up: float, cat: str) -> pulp.LpVariable:
+    """A variable registered with `lp` (pulp >= 3.3 wants variables created by the problem)."""
     if hasattr(lp, "add_variable"):  # pulp >= 3.3
         return lp.add_variable(name, low, up, cat=cat)
     return pulp.LpVariable(name, lowBound=low, upBound=up, cat=cat)
+
+
+_XVars = dict[int, dict[int, pulp.LpVariable]]
+"""x[g][s]: the binary strategy variables of each group that survived elimination."""
 
 
 @dataclass
@@ -210,6 +216,113 @@ class _Reduced:
         return [int(x) for x in labels]  # type: ignore[arg-type]
 
 
+def _memory_constrained(prob: Problem) -> bool:
+    """Whether the parameter-memory budget is a constraint at all (parameters and a bound)."""
+    return bool(prob.param_groups) and prob.total_param_bytes > 0 and (
+        prob.memory_high is not None or prob.memory_low is not None)
+
+
+def _add_strategy_vars(lp: pulp.LpProblem, red: _Reduced, alive: list[int],
+                       objective: dict[pulp.LpVariable, float]) -> _XVars:
+    """x[g][s] for every finite strategy of every remaining group, exactly one per group."""
+    x: _XVars = {}
+    for g in alive:
+        idx = np.flatnonzero(np.isfinite(red.unary[g]))
+        xs = {int(s): _var(lp, f"x{g}_{s}", 0, 1, pulp.LpBinary) for s in idx}
+        x[g] = xs
+        lp += pulp.LpAffineExpression([(v, 1.0) for v in xs.values()]) == 1, f"one{g}"
+        for s, v in xs.items():
+            c = float(red.unary[g][s])
+            if c:
+                objective[v] = c
+    return x
+
+
+def _add_edge(lp: pulp.LpProblem, ei: int, e: _E, src_x: dict[int, pulp.LpVariable],
+              dst_x: dict[int, pulp.LpVariable], objective: dict[pulp.LpVariable, float]) -> tuple[int, int]:
+    """y[a, b] of one edge over its finite class pairs, tied to x by the two marginals: (#y, #constraints)."""
+    src_classes = sorted({int(e.cu[s]) for s in src_x})
+    dst_classes = sorted({int(e.cv[t]) for t in dst_x})
+    n_y = 0
+    by_a: dict[int, list] = {a: [] for a in src_classes}
+    by_b: dict[int, list] = {b: [] for b in dst_classes}
+    for a in src_classes:
+        for b in dst_classes:
+            c = e.cost[a, b]
+            if math.isfinite(c):
+                v = _var(lp, f"y{ei}_{a}_{b}", 0, 1, pulp.LpContinuous)
+                n_y += 1
+                by_a[a].append((v, 1.0))
+                by_b[b].append((v, 1.0))
+                if c:
+                    objective[v] = float(c)
+    for s, xv in src_x.items():
+        by_a[int(e.cu[s])].append((xv, -1.0))
+    for t, xv in dst_x.items():
+        by_b[int(e.cv[t])].append((xv, -1.0))
+    for a, terms in by_a.items():
+        lp += pulp.LpAffineExpression(terms) == 0, f"ms{ei}_{a}"
+    for b, terms in by_b.items():
+        lp += pulp.LpAffineExpression(terms) == 0, f"md{ei}_{b}"
+    return n_y, len(by_a) + len(by_b)
+
+
+def _add_memory_budget(lp: pulp.LpProblem, prob: Problem, x: _XVars) -> int:
+    """low <= parameter bytes / total <= high (in units of the total so coefficients stay O(1)): #constraints."""
+    total = prob.total_param_bytes
+    terms = [(x[g][s], float(prob.param_bytes[g][s] / total)) for g in prob.param_groups for s in x[g]]
+    mem = pulp.LpAffineExpression(terms)
+    n_cons = 0
+    if prob.memory_high is not None:
+        lp += mem <= prob.memory_high + 1e-9, "mem_high"
+        n_cons += 1
+    if prob.memory_low is not None:
+        lp += mem >= prob.memory_low - 1e-9, "mem_low"
+        n_cons += 1
+    return n_cons
+
+
+def _build_lp(prob: Problem, red: _Reduced, memory: bool) -> tuple[pulp.LpProblem, _XVars, int, int]:
+    """The integer program of the reduced problem: (lp, x, #edge variables, #constraints)."""
+    alive = [g for g in range(prob.num_groups) if red.alive[g]]
+    lp = pulp.LpProblem("placement", pulp.LpMinimize)
+    objective: dict[pulp.LpVariable, float] = {}
+    x = _add_strategy_vars(lp, red, alive, objective)
+    n_cons, n_y = len(alive), 0
+    for ei, e in sorted(red.edges.items()):
+        ny, nc = _add_edge(lp, ei, e, x[e.u], x[e.v], objective)
+        n_y += ny
+        n_cons += nc
+    if memory:
+        n_cons += _add_memory_budget(lp, prob, x)
+    lp += pulp.LpAffineExpression(list(objective.items()))
+    return lp, x, n_y, n_cons
+
+
+def _check_solved(lp: pulp.LpProblem, prob: Problem, name: str, time_limit: float | None) -> None:
+    """Raise PlanningError unless the solver returned an assignment (optimal or feasible)."""
+    status = pulp.LpStatus[lp.status]
+    if status == "Optimal" and lp.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return
+    if status == "Infeasible" or lp.sol_status == pulp.LpSolutionInfeasible:
+        check_feasible(prob)  # names the conflicting constraints when it can
+        raise PlanningError(
+            "the ILP is infeasible under the given constraints: "
+            + ("; ".join(c.description for c in prob.constraints) or "(no user constraints)")
+        )
+    raise PlanningError(f"the {name} solver found no solution (status {status}, "
+                        f"time limit {time_limit}s): raise the time limit or relax the constraints")
+
+
+def _read_labels(x: _XVars, red: _Reduced, num_groups: int) -> list[int]:
+    """The chosen strategy of every group: the largest x of each remaining group, then the eliminated ones."""
+    labels: list[int | None] = [None] * num_groups
+    for g, xs in x.items():
+        best = max(xs.items(), key=lambda kv: (kv[1].varValue or 0.0, -kv[0]))
+        labels[g] = best[0]
+    return red.recover(labels)
+
+
 def solve_ilp(
     prob: Problem, *, solver: str = "auto", time_limit: float | None = 600.0, verbose: bool = False,
     eliminate: bool = True,
@@ -217,87 +330,19 @@ def solve_ilp(
     """Solve `prob` exactly (up to the time limit, whose expiry is reported in `status`)."""
     name = available_solver(solver)
     t0 = time.perf_counter()
-    memory = bool(prob.param_groups) and prob.total_param_bytes > 0 and (
-        prob.memory_high is not None or prob.memory_low is not None)
+    memory = _memory_constrained(prob)
     protect = set(prob.param_groups) if memory else set()
     red = _Reduced(prob, protect) if eliminate else _Reduced(prob, set(range(prob.num_groups)))
-    alive = [g for g in range(prob.num_groups) if red.alive[g]]
-    lp = pulp.LpProblem("placement", pulp.LpMinimize)
-    x: dict[int, dict[int, pulp.LpVariable]] = {}
-    objective: dict[pulp.LpVariable, float] = {}
-    n_cons = 0
-    for g in alive:
-        idx = np.flatnonzero(np.isfinite(red.unary[g]))
-        xs = {int(s): _var(lp, f"x{g}_{s}", 0, 1, pulp.LpBinary) for s in idx}
-        x[g] = xs
-        lp += pulp.LpAffineExpression([(v, 1.0) for v in xs.values()]) == 1, f"one{g}"
-        n_cons += 1
-        for s, v in xs.items():
-            c = float(red.unary[g][s])
-            if c:
-                objective[v] = c
-    n_y = 0
-    for ei, e in sorted(red.edges.items()):
-        src_x, dst_x = x[e.u], x[e.v]
-        src_classes = sorted({int(e.cu[s]) for s in src_x})
-        dst_classes = sorted({int(e.cv[t]) for t in dst_x})
-        y: dict[tuple[int, int], pulp.LpVariable] = {}
-        by_a: dict[int, list] = {a: [] for a in src_classes}
-        by_b: dict[int, list] = {b: [] for b in dst_classes}
-        for a in src_classes:
-            for b in dst_classes:
-                c = e.cost[a, b]
-                if math.isfinite(c):
-                    v = _var(lp, f"y{ei}_{a}_{b}", 0, 1, pulp.LpContinuous)
-                    y[(a, b)] = v
-                    by_a[a].append((v, 1.0))
-                    by_b[b].append((v, 1.0))
-                    if c:
-                        objective[v] = float(c)
-        n_y += len(y)
-        for s, xv in src_x.items():
-            by_a[int(e.cu[s])].append((xv, -1.0))
-        for t, xv in dst_x.items():
-            by_b[int(e.cv[t])].append((xv, -1.0))
-        for a, terms in by_a.items():
-            lp += pulp.LpAffineExpression(terms) == 0, f"ms{ei}_{a}"
-        for b, terms in by_b.items():
-            lp += pulp.LpAffineExpression(terms) == 0, f"md{ei}_{b}"
-        n_cons += len(by_a) + len(by_b)
-    total = prob.total_param_bytes
-    if memory:
-        # in units of the total so coefficients stay O(1)
-        terms = [(x[g][s], float(prob.param_bytes[g][s] / total)) for g in prob.param_groups for s in x[g]]
-        mem = pulp.LpAffineExpression(terms)
-        if prob.memory_high is not None:
-            lp += mem <= prob.memory_high + 1e-9, "mem_high"
-            n_cons += 1
-        if prob.memory_low is not None:
-            lp += mem >= prob.memory_low - 1e-9, "mem_low"
-            n_cons += 1
-    lp += pulp.LpAffineExpression(list(objective.items()))
+    lp, x, n_y, n_cons = _build_lp(prob, red, memory)
     n_vars = sum(len(xs) for xs in x.values()) + n_y
     build_s = time.perf_counter() - t0
     log.info("ilp: %d vars (%d strategy, %d edge) over %d of %d groups after elimination, %d constraints, "
-             "built in %.2fs, solving with %s", n_vars, n_vars - n_y, n_y, len(alive), prob.num_groups, n_cons,
+             "built in %.2fs, solving with %s", n_vars, n_vars - n_y, n_y, len(x), prob.num_groups, n_cons,
              build_s, name)
     lp.solve(_solver(name, time_limit, verbose))
     seconds = time.perf_counter() - t0
-    status = pulp.LpStatus[lp.status]
-    if status != "Optimal" or lp.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        if status == "Infeasible" or lp.sol_status == pulp.LpSolutionInfeasible:
-            check_feasible(prob)  # names the conflicting constraints when it can
-            raise PlanningError(
-                "the ILP is infeasible under the given constraints: "
-                + ("; ".join(c.description for c in prob.constraints) or "(no user constraints)")
-            )
-        raise PlanningError(f"the {name} solver found no solution (status {status}, "
-                            f"time limit {time_limit}s): raise the time limit or relax the constraints")
-    labels: list[int | None] = [None] * prob.num_groups
-    for g, xs in x.items():
-        best = max(xs.items(), key=lambda kv: (kv[1].varValue or 0.0, -kv[0]))
-        labels[g] = best[0]
-    full = red.recover(labels)
+    _check_solved(lp, prob, name, time_limit)
+    full = _read_labels(x, red, prob.num_groups)
     obj = prob.energy(full)
     proven = lp.sol_status == pulp.LpSolutionOptimal
     sol = Solution(full, obj, name, "optimal" if proven else "time_limit", seconds, n_vars, n_cons)

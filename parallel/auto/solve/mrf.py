@@ -98,6 +98,8 @@ class PairwiseMRF:
 
 @dataclass
 class MRFSolution:
+    """The best assignment found, its energy, and how long TRW-S ran."""
+
     labels: np.ndarray
     energy: float
     sweeps: int
@@ -146,6 +148,89 @@ def brute_force(mrf: PairwiseMRF) -> tuple[np.ndarray, float]:
     return best, best_e
 
 
+@dataclass
+class _Chains:
+    """TRW-S state. Pair k = (i, j), i < j, owns message slots 2k (i -> j) and 2k + 1 (j -> i)."""
+
+    msgs: list[np.ndarray]
+    nbrs: list[list[tuple[int, np.ndarray, int, int]]]  # (other, cost [mine, other's], slot in, slot out)
+    fac: list  # per slot: class reduction (`_factor`), or None for a dense message
+    gamma: list[float]  # per node: the share of its unary on each monotonic chain through it
+
+
+def _build_chains(mrf: PairwiseMRF) -> _Chains:
+    """Zero messages, incident edges and chain weights ``1 / max(#earlier, #later edges)``."""
+    n = mrf.num_nodes
+    msgs: list[np.ndarray] = []
+    nbrs: list[list[tuple[int, np.ndarray, int, int]]] = [[] for _ in range(n)]
+    fac: list = []
+    for k, ((i, j), cost) in enumerate(mrf.pairwise.items()):
+        msgs.append(np.zeros(mrf.num_labels(j)))
+        msgs.append(np.zeros(mrf.num_labels(i)))
+        nbrs[i].append((j, cost, 2 * k + 1, 2 * k))
+        nbrs[j].append((i, cost.T, 2 * k, 2 * k + 1))
+        f = mrf.factors.get((i, j))
+        if f is not None and f[0].size * 4 < cost.size:
+            C, ci, cj = f
+            fac.append(_factor(C, ci, cj))
+            fac.append(_factor(C.T, cj, ci))
+        else:
+            fac.extend((None, None))
+    earlier = [sum(1 for j, *_ in nbrs[i] if j < i) for i in range(n)]
+    later = [sum(1 for j, *_ in nbrs[i] if j > i) for i in range(n)]
+    gamma = [1.0 / max(earlier[i], later[i], 1) for i in range(n)]
+    return _Chains(msgs, nbrs, fac, gamma)
+
+
+def _message(outgoing: np.ndarray, cost: np.ndarray, f: tuple | None) -> np.ndarray:
+    """m(b) = min_a outgoing(a) + cost[a, b], normalised to min 0 (on classes when factored)."""
+    if f is None:
+        msg = np.minimum((outgoing[:, None] + cost).min(axis=0), FORBIDDEN)
+    else:  # min over source classes first, then the small class matrix
+        C, order, starts, dst_cls = f
+        per_cls = np.minimum.reduceat(outgoing[order], starts)
+        msg = np.minimum((per_cls[:, None] + C).min(axis=0)[dst_cls], FORBIDDEN)
+    msg -= msg.min()
+    return msg
+
+
+def _visit(mrf: PairwiseMRF, ch: _Chains, i: int, forward: bool, labels: np.ndarray) -> float:
+    """Decode node i (forward pass only), send its messages along the pass: how much they moved."""
+    nb = ch.nbrs[i]
+    belief = mrf.unary[i].copy()
+    for _, _, s_in, _ in nb:
+        belief += ch.msgs[s_in]
+    if forward:  # decode: earlier nodes are fixed, later ones speak through messages
+        decode = mrf.unary[i].copy()
+        for j, cost, s_in, _ in nb:
+            decode += cost[:, labels[j]] if j < i else ch.msgs[s_in]
+        labels[i] = int(np.argmin(decode))
+    change = 0.0
+    cut = FORBIDDEN / 16
+    g = ch.gamma[i]
+    for j, cost, s_in, s_out in nb:
+        if (j > i) == forward:
+            msg = _message(g * belief - ch.msgs[s_in], cost, ch.fac[s_out])
+            old = ch.msgs[s_out]
+            ch.msgs[s_out] = msg
+            fin = (msg < cut) & (old < cut)  # forbidden entries carry no signal
+            if fin.any():
+                change = max(change, float(np.abs(msg[fin] - old[fin]).max()))
+    return change
+
+
+def _sweep(mrf: PairwiseMRF, ch: _Chains) -> tuple[np.ndarray, float]:
+    """One forward and one backward pass: (labels decoded on the forward pass, max message change)."""
+    n = mrf.num_nodes
+    change = 0.0
+    labels = np.zeros(n, dtype=np.int64)
+    for forward in (True, False):
+        order = range(n) if forward else range(n - 1, -1, -1)
+        for i in order:
+            change = max(change, _visit(mrf, ch, i, forward, labels))
+    return labels, change
+
+
 def trws(
     mrf: PairwiseMRF,
     max_sweeps: int = 1000,
@@ -165,69 +250,13 @@ def trws(
     loses whole-layer mode switches that TRW-S finds after hundreds of sweeps.)
     """
     start = time.perf_counter()
-    n = mrf.num_nodes
-    # directed message slots: pair k = (i, j), i < j: slot 2k carries i -> j, 2k + 1 carries j -> i
-    pairs = list(mrf.pairwise.items())
-    msgs: list[np.ndarray] = []
-    # per node: (other, cost oriented [mine, other's], slot of other -> me, slot of me -> other)
-    nbrs: list[list[tuple[int, np.ndarray, int, int]]] = [[] for _ in range(n)]
-    # per directed slot: (class cost [src classes, dst classes], src label order, reduceat starts, dst classes)
-    fac: list = []
-    for k, ((i, j), cost) in enumerate(pairs):
-        msgs.append(np.zeros(mrf.num_labels(j)))
-        msgs.append(np.zeros(mrf.num_labels(i)))
-        nbrs[i].append((j, cost, 2 * k + 1, 2 * k))
-        nbrs[j].append((i, cost.T, 2 * k, 2 * k + 1))
-        f = mrf.factors.get((i, j))
-        if f is not None and f[0].size * 4 < cost.size:
-            C, ci, cj = f
-            fac.append(_factor(C, ci, cj))
-            fac.append(_factor(C.T, cj, ci))
-        else:
-            fac.extend((None, None))
-    earlier = [sum(1 for j, *_ in nbrs[i] if j < i) for i in range(n)]
-    later = [sum(1 for j, *_ in nbrs[i] if j > i) for i in range(n)]
-    gamma = [1.0 / max(earlier[i], later[i], 1) for i in range(n)]
-    cut = FORBIDDEN / 16
-
+    ch = _build_chains(mrf)
     best_labels = greedy(mrf)
     best_energy = mrf.energy(best_labels)
     decoded: dict[bytes, tuple[float, np.ndarray]] = {best_labels.tobytes(): (best_energy, best_labels)}
     stale, sweeps = 0, 0
     for sweeps in range(1, max_sweeps + 1):
-        change = 0.0
-        labels = np.zeros(n, dtype=np.int64)
-        for forward in (True, False):
-            order = range(n) if forward else range(n - 1, -1, -1)
-            for i in order:
-                nb = nbrs[i]
-                belief = mrf.unary[i].copy()
-                for _, _, s_in, _ in nb:
-                    belief += msgs[s_in]
-                if forward:  # decode: earlier nodes are fixed, later ones speak through messages
-                    decode = mrf.unary[i].copy()
-                    for j, cost, s_in, _ in nb:
-                        decode += cost[:, labels[j]] if j < i else msgs[s_in]
-                    labels[i] = int(np.argmin(decode))
-                g = gamma[i]
-                for j, cost, s_in, s_out in nb:
-                    if (j > i) == forward:
-                        outgoing = g * belief - msgs[s_in]
-                        f = fac[s_out]
-                        if f is None:
-                            msg = np.minimum((outgoing[:, None] + cost).min(axis=0), FORBIDDEN)
-                        else:  # min over source classes first, then the small class matrix
-                            C, order, starts, dst_cls = f
-                            per_cls = np.minimum.reduceat(outgoing[order], starts)
-                            msg = np.minimum((per_cls[:, None] + C).min(axis=0)[dst_cls], FORBIDDEN)
-                        msg -= msg.min()
-                        old = msgs[s_out]
-                        msgs[s_out] = msg
-                        fin = (msg < cut) & (old < cut)  # forbidden entries carry no signal
-                        if fin.any():
-                            d = float(np.abs(msg[fin] - old[fin]).max())
-                            if d > change:
-                                change = d
+        labels, change = _sweep(mrf, ch)
         energy = mrf.energy(labels)
         decoded.setdefault(labels.tobytes(), (energy, labels))
         if energy < best_energy - 1e-12 * max(1.0, abs(best_energy)):
@@ -357,6 +386,68 @@ def star_search(mrf: PairwiseMRF, labels: np.ndarray, top: int = 32, max_neighbo
     return labels
 
 
+def _find(parent_of: list[int], x: int) -> int:
+    """Union-find root of x, halving the path on the way."""
+    while parent_of[x] != x:
+        parent_of[x] = parent_of[parent_of[x]]
+        x = parent_of[x]
+    return x
+
+
+def _grow_forest(adj, num_nodes: int, order: list[int]) -> tuple[np.ndarray, dict[int, list[tuple[int, np.ndarray]]]]:
+    """Take nodes in `order` while the block stays a forest: (in-block mask, tree adjacency)."""
+    parent_of = list(range(num_nodes))
+    in_block = np.zeros(num_nodes, dtype=bool)
+    tree_adj: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for v in order:
+        roots = [_find(parent_of, u) for u, _ in adj[v] if in_block[u]]
+        if len(roots) != len(set(roots)):
+            continue  # would close a cycle
+        in_block[v] = True
+        tree_adj[v] = []
+        for u, cost in adj[v]:
+            if in_block[u]:
+                tree_adj[v].append((u, cost))
+                tree_adj[u].append((v, cost.T))
+                parent_of[_find(parent_of, u)] = v
+    return in_block, tree_adj
+
+
+def _tree_order(root: int, tree_adj: dict[int, list[tuple[int, np.ndarray]]],
+                visited: set[int]) -> tuple[list[int], dict[int, int]]:
+    """Iterative DFS from `root`: (visit order, parents before children; parent of each node, -1 at the root)."""
+    stack, seen, parent = [root], [], {root: -1}
+    visited.add(root)
+    while stack:
+        v = stack.pop()
+        seen.append(v)
+        for u, _ in tree_adj[v]:
+            if u not in visited:
+                visited.add(u)
+                parent[u] = v
+                stack.append(u)
+    return seen, parent
+
+
+def _solve_tree(tree_adj: dict[int, list[tuple[int, np.ndarray]]], cond: dict[int, np.ndarray], seen: list[int],
+                parent: dict[int, int], new: np.ndarray) -> None:
+    """Exact min-sum DP over one tree: messages leaves to root, then back-track into `new`."""
+    belief = {v: cond[v].copy() for v in seen}
+    choice = {}  # child -> best child label for each parent label
+    for v in reversed(seen):
+        p = parent[v]
+        if p < 0:
+            continue
+        cost_vp = next(c for u, c in tree_adj[v] if u == p)  # [v labels, p labels]
+        table = belief[v][:, None] + cost_vp
+        choice[v] = np.argmin(table, axis=0)
+        belief[p] += np.minimum(table.min(axis=0), FORBIDDEN)
+    root = seen[0]
+    new[root] = int(np.argmin(belief[root]))
+    for v in seen[1:]:
+        new[v] = int(choice[v][new[parent[v]]])
+
+
 def forest_search(mrf: PairwiseMRF, labels: np.ndarray, order: list[int]) -> np.ndarray:
     """Re-decide a whole induced forest of nodes exactly, the rest fixed (min-sum DP).
 
@@ -366,64 +457,20 @@ def forest_search(mrf: PairwiseMRF, labels: np.ndarray, order: list[int]) -> np.
     energy never rises and long chains can switch together.
     """
     adj = mrf.neighbours()
-    parent_of = list(range(mrf.num_nodes))
-
-    def find(x: int) -> int:
-        while parent_of[x] != x:
-            parent_of[x] = parent_of[parent_of[x]]
-            x = parent_of[x]
-        return x
-
-    in_block = np.zeros(mrf.num_nodes, dtype=bool)
-    tree_adj: dict[int, list[tuple[int, np.ndarray]]] = {}
-    for v in order:
-        roots = [find(u) for u, _ in adj[v] if in_block[u]]
-        if len(roots) != len(set(roots)):
-            continue  # would close a cycle
-        in_block[v] = True
-        tree_adj[v] = []
-        for u, cost in adj[v]:
-            if in_block[u]:
-                tree_adj[v].append((u, cost))
-                tree_adj[u].append((v, cost.T))
-                parent_of[find(u)] = v
-    cond = {}
+    in_block, tree_adj = _grow_forest(adj, mrf.num_nodes, order)
+    cond = {}  # unary conditioned on the fixed neighbours outside the block
     for v in tree_adj:
         c = mrf.unary[v].copy()
         for u, cost in adj[v]:
             if not in_block[u]:
                 c += cost[:, labels[u]]
         cond[v] = np.minimum(c, FORBIDDEN)
-
     new = labels.copy()
     visited: set[int] = set()
     for root in tree_adj:
-        if root in visited:
-            continue
-        # iterative DFS: post-order for messages, pre-order for back-tracking
-        stack, post, parent = [root], [], {root: -1}
-        visited.add(root)
-        while stack:
-            v = stack.pop()
-            post.append(v)
-            for u, _ in tree_adj[v]:
-                if u not in visited:
-                    visited.add(u)
-                    parent[u] = v
-                    stack.append(u)
-        belief = {v: cond[v].copy() for v in post}
-        choice = {}  # child -> best child label for each parent label
-        for v in reversed(post):
-            p = parent[v]
-            if p < 0:
-                continue
-            cost_vp = next(c for u, c in tree_adj[v] if u == p)  # [v labels, p labels]
-            table = belief[v][:, None] + cost_vp
-            choice[v] = np.argmin(table, axis=0)
-            belief[p] += np.minimum(table.min(axis=0), FORBIDDEN)
-        new[root] = int(np.argmin(belief[root]))
-        for v in post[1:]:
-            new[v] = int(choice[v][new[parent[v]]])
+        if root not in visited:
+            seen, parent = _tree_order(root, tree_adj, visited)
+            _solve_tree(tree_adj, cond, seen, parent, new)
     return new if mrf.energy(new) < mrf.energy(labels) - 1e-9 else labels
 
 

@@ -14,6 +14,7 @@ import itertools
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from parallel.auto.problem import PlanningError, Problem
 from parallel.auto.trace import layer_prefix
 from parallel.auto.solve.mrf import (
     FORBIDDEN,
+    MRFSolution,
     PairwiseMRF,
     block_resolve,
     budgeted_search,
@@ -194,48 +196,69 @@ def repeated_layer_groups(prob: Problem) -> list[int]:
     return [g for g, members in enumerate(prob.groups) if layer_prefix(module_of.get(members[0], "")) is not None]
 
 
-def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 1000, bisection_steps: int = 12,
-                      time_budget: float | None = 60.0) -> Solution:
-    """Solve `prob` as a pairwise MRF (paper §4.3), honouring the parameter-memory budget."""
-    t0 = time.perf_counter()
-    layers = repeated_layer_groups(prob)
-    base = [a.copy() for a in prob.allowed]
-    masks = _param_masks(prob)
-    min_frac = sum(float(prob.param_bytes[g][masks[g]].max()) for g in prob.param_groups) / prob.total_param_bytes \
-        if prob.total_param_bytes else 0.0
-    tight = prob.memory_high is not None and min_frac >= prob.memory_high * (1 - 1e-9)
-    if prob.memory_high is not None and min_frac > prob.memory_high * (1 + 1e-9):
-        raise PlanningError(f"parameters need at least {min_frac:.4g} of their bytes per device, "
-                            f"above high={prob.memory_high:.4g}")
+def _min_param_fraction(prob: Problem, masks: dict[int, np.ndarray]) -> float:
+    """Share of parameter bytes per device with every parameter group at its most sharded."""
+    if not prob.total_param_bytes:
+        return 0.0
+    return sum(float(prob.param_bytes[g][masks[g]].max()) for g in prob.param_groups) / prob.total_param_bytes
 
-    def run(allowed: list[np.ndarray], lam: float = 0.0, polish: bool = False) -> tuple[list[int], float]:
+
+def _sharded_only(prob: Problem, base: list[np.ndarray], masks: dict[int, np.ndarray]) -> list[np.ndarray]:
+    """`base` with every parameter group restricted to its fully sharded strategies."""
+    return [base[g] & masks[g] if g in masks else base[g] for g in range(prob.num_groups)]
+
+
+def _improves(e: float, energy: float) -> bool:
+    """Whether `e` beats `energy` by more than rounding."""
+    return e < energy - 1e-9 * max(1.0, abs(energy))
+
+
+def _try_axis_permutations(prob: Problem, red: ReducedMRF, sol: MRFSolution) -> None:
+    """Axis-role swaps: global moves out of a consistent but wrong mode (updates `sol` when one wins).
+
+    Every permutation is screened cheaply (coordinate descent); only the best gets a full local search.
+    """
+    cache: dict = {}
+    base_labels = sol.labels
+    base_strats = red.labels_to_strategies(base_labels)
+    best_perm = None
+    for perm in _axis_permutations(len(prob.candidates.mesh.shape)):
+        lab = red.strategies_to_labels(permute_axes(prob, base_strats, perm, cache), default=base_labels)
+        lab = coordinate_descent(red.mrf, lab)
+        e = red.mrf.energy(lab)
+        if best_perm is None or e < best_perm[0]:
+            best_perm = (e, lab, perm)
+    if best_perm is not None and best_perm[0] < sol.energy * 1.05:
+        lab = local_search(red.mrf, best_perm[1])
+        e = red.mrf.energy(lab)
+        if _improves(e, sol.energy):
+            log.info("mrf: axis permutation %s improves %.1f -> %.1f", best_perm[2], sol.energy, e)
+            sol.labels, sol.energy = lab, e
+
+
+@dataclass
+class _Runner:
+    """One MRF solve of the Problem under a strategy mask and a Lagrangian multiplier on parameter bytes."""
+
+    prob: Problem
+    layers: list[int]  # the repeated layers' groups, re-solved jointly when polishing
+    max_sweeps: int
+    time_budget: float | None
+
+    def __call__(self, allowed: list[np.ndarray], lam: float = 0.0, polish: bool = False) -> tuple[list[int], float]:
+        """(strategy per group, objective) of the best plan found."""
+        prob = self.prob
         extra = None
         if lam:
             extra = {g: lam * prob.param_bytes[g] / prob.total_param_bytes for g in prob.param_groups}
         red = ReducedMRF(prob, allowed, extra)
-        sol = solve_mrf(red.mrf, max_sweeps=max_sweeps, time_budget=time_budget)
-        ndim = len(prob.candidates.mesh.shape)
-        if ndim > 1:  # axis-role swaps: global moves out of a consistent but wrong mode
-            cache: dict = {}
-            base_labels = sol.labels
-            base_strats = red.labels_to_strategies(base_labels)
-            best_perm = None  # cheap screening (coordinate descent), full local search on the best only
-            for perm in _axis_permutations(ndim):
-                lab = red.strategies_to_labels(permute_axes(prob, base_strats, perm, cache), default=base_labels)
-                lab = coordinate_descent(red.mrf, lab)
-                e = red.mrf.energy(lab)
-                if best_perm is None or e < best_perm[0]:
-                    best_perm = (e, lab, perm)
-            if best_perm is not None and best_perm[0] < sol.energy * 1.05:
-                lab = local_search(red.mrf, best_perm[1])
-                e = red.mrf.energy(lab)
-                if e < sol.energy - 1e-9 * max(1.0, abs(sol.energy)):
-                    log.info("mrf: axis permutation %s improves %.1f -> %.1f", best_perm[2], sol.energy, e)
-                    sol.labels, sol.energy = lab, e
-        if polish and layers and len(layers) < prob.num_groups:
-            lab = block_resolve(red.mrf, sol.labels, layers, time_budget=time_budget)
+        sol = solve_mrf(red.mrf, max_sweeps=self.max_sweeps, time_budget=self.time_budget)
+        if len(prob.candidates.mesh.shape) > 1:
+            _try_axis_permutations(prob, red, sol)
+        if polish and self.layers and len(self.layers) < prob.num_groups:
+            lab = block_resolve(red.mrf, sol.labels, self.layers, time_budget=self.time_budget)
             e = red.mrf.energy(lab)
-            if e < sol.energy - 1e-9 * max(1.0, abs(sol.energy)):
+            if _improves(e, sol.energy):
                 log.info("mrf: re-solving the repeated layers with the rest fixed improves %.1f -> %.1f", sol.energy, e)
                 sol.labels, sol.energy = lab, e
         if sol.energy >= FORBIDDEN:
@@ -244,30 +267,53 @@ def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 1000, bisection_steps:
         labels = red.labels_to_strategies(sol.labels)
         return labels, prob.energy(labels)
 
-    how = ""
+
+def _lagrangian(prob: Problem, run: _Runner, base: list[np.ndarray], masks: dict[int, np.ndarray],
+                over: bool, obj: float, bisection_steps: int) -> tuple[list[int], float]:
+    """Best plan within the budget from a bisection on the multiplier of a parameter-byte penalty.
+
+    `over`: the unpenalised plan is above the budget (the penalty pushes bytes down, else up);
+    `obj`: its objective, the bisection's first upper end. The fully sharded plan is the fallback
+    (always feasible).
+    """
+    best = run(_sharded_only(prob, base, masks))
+    lo, hi = 0.0, max(1.0, obj)
+    sign = 1.0 if over else -1.0
+    for _ in range(bisection_steps):
+        lam = (lo + hi) / 2 if hi < math.inf else lo * 2
+        cand = run(base, sign * lam)
+        if _within(prob, _memory_fraction(prob, cand[0])):
+            hi = lam
+            if cand[1] < best[1]:
+                best = cand
+        else:
+            lo = lam
+    return best
+
+
+def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 1000, bisection_steps: int = 12,
+                      time_budget: float | None = 60.0) -> Solution:
+    """Solve `prob` as a pairwise MRF (paper §4.3), honouring the parameter-memory budget."""
+    t0 = time.perf_counter()
+    run = _Runner(prob, repeated_layer_groups(prob), max_sweeps, time_budget)
+    base = [a.copy() for a in prob.allowed]
+    masks = _param_masks(prob)
+    min_frac = _min_param_fraction(prob, masks)
+    tight = prob.memory_high is not None and min_frac >= prob.memory_high * (1 - 1e-9)
+    if prob.memory_high is not None and min_frac > prob.memory_high * (1 + 1e-9):
+        raise PlanningError(f"parameters need at least {min_frac:.4g} of their bytes per device, "
+                            f"above high={prob.memory_high:.4g}")
     if tight or not prob.param_groups:
         # fully sharded parameters (paper §4.3): storage is fixed, the rest is a pure MRF
-        allowed = [base[g] & masks[g] if g in masks else base[g] for g in range(prob.num_groups)]
-        labels, obj = run(allowed, polish=True)
+        labels, obj = run(_sharded_only(prob, base, masks), polish=True)
         how = "parameters fully sharded"
     else:
         labels, obj = run(base, polish=True)
         how = "memory budget not binding"
-        if not _within(prob, _memory_fraction(prob, labels)):
-            # Lagrangian penalty on parameter bytes; the fully sharded plan is always feasible
-            fallback = run([base[g] & masks[g] if g in masks else base[g] for g in range(prob.num_groups)])
-            best = fallback
-            lo, hi = 0.0, max(1.0, obj)
-            sign = 1.0 if prob.memory_high is not None and _memory_fraction(prob, labels) > prob.memory_high else -1.0
-            for _ in range(bisection_steps):
-                lam = (lo + hi) / 2 if hi < math.inf else lo * 2
-                cand = run(base, sign * lam)
-                if _within(prob, _memory_fraction(prob, cand[0])):
-                    hi = lam
-                    if cand[1] < best[1]:
-                        best = cand
-                else:
-                    lo = lam
+        frac = _memory_fraction(prob, labels)
+        if not _within(prob, frac):
+            over = prob.memory_high is not None and frac > prob.memory_high
+            best = _lagrangian(prob, run, base, masks, over, obj, bisection_steps)
             labels, obj = _repair_within_budget(prob, base, best[0])
             how = "memory budget by Lagrangian bisection + budgeted local search"
     seconds = time.perf_counter() - t0

@@ -31,9 +31,13 @@ from typing import Any
 
 from torch.distributed.tensor import Partial
 
+from torch.distributed.device_mesh import DeviceMesh
+
+from parallel.auto.cost import CostModel
+from parallel.auto.trace import JointGraph
 from parallel.auto.placements import placement_words, spec_placement_strs, strategy_key
 from parallel.auto.formulation import build_problem
-from parallel.auto.plan import PlanMismatchError
+from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.problem import Constraint, min_parameter_fraction
 from parallel.auto.solve import solve
 from parallel.auto.strategies import PLACEHOLDER, Candidates, build_candidates
@@ -163,7 +167,7 @@ def _ball_keys(options: list[list[tuple]], seed: list[int], radius: int, cache: 
     return keys
 
 
-def _axis_candidates(graph: Any, mesh: Any) -> list[Candidates]:
+def _axis_candidates(graph: JointGraph, mesh: DeviceMesh) -> list[Candidates]:
     """Per mesh axis, the full 1-D candidates on that axis's sub-mesh (built once per axis size)."""
     by_size: dict[int, Candidates] = {}
     for a, size in enumerate(mesh.shape):
@@ -177,14 +181,14 @@ def _options(cands: Candidates, name: str) -> list[tuple]:
     return list(dict.fromkeys(strategy_key(s) for s in cands.nodes[name].specs))
 
 
-def _axis_submesh(mesh: Any, axis: int) -> Any:
+def _axis_submesh(mesh: DeviceMesh, axis: int) -> DeviceMesh:
     names = getattr(mesh, "mesh_dim_names", None)
     if not names:
         raise ValueError("split-dimension seeding needs named mesh axes (init_device_mesh(..., mesh_dim_names=...))")
     return mesh[names[axis]]
 
 
-def solve_axes(graph: Any, mesh: Any, cost_model: Any, constraints: list[Constraint] | None = None, *,
+def solve_axes(graph: JointGraph, mesh: DeviceMesh, cost_model: CostModel, constraints: list[Constraint] | None = None, *,
                mp_dtype: Any = None, cluster_layers: bool = True, solver: str = "auto",
                time_limit: float | None = 120.0) -> tuple[list[tuple[Candidates, list[int], Any]], list[dict]]:
     """One 1-D plan per mesh axis: [(1-D candidates, strategy index per node name... as labels, problem)]."""
@@ -218,7 +222,7 @@ def solve_axes(graph: Any, mesh: Any, cost_model: Any, constraints: list[Constra
     return results, info
 
 
-def seeded_candidates(graph: Any, mesh: Any, cost_model: Any, constraints: list[Constraint] | None = None, *,
+def seeded_candidates(graph: JointGraph, mesh: DeviceMesh, cost_model: CostModel, constraints: list[Constraint] | None = None, *,
                       radius: int = DEFAULT_RADIUS, mp_dtype: Any = None, cluster_layers: bool = True,
                       solver: str = "auto", time_limit: float | None = 120.0) -> tuple[Candidates, SeedInfo]:
     """D-dim candidates restricted to the Hamming ball of `radius` around the 1-D seeds."""
@@ -263,7 +267,7 @@ def _project_key(key: tuple, axis: int) -> tuple:
     return (po, tuple((i[axis],) for i in ins))
 
 
-def reseeded_candidates(graph: Any, mesh: Any, info: SeedInfo, strategy_of: dict[str, Any], *,
+def reseeded_candidates(graph: JointGraph, mesh: DeviceMesh, info: SeedInfo, strategy_of: dict[str, Any], *,
                         radius: int | None = None) -> Candidates:
     """Candidates in the Hamming ball around a solved plan (one more seeding round).
 
@@ -295,7 +299,7 @@ def _axis_tokens(strings: list[str]) -> list[list[str]]:
     return [None if s == "-" else placement_words(s) for s in strings]
 
 
-def plan_candidates(graph: Any, mesh: Any, plan: Any) -> Candidates:
+def plan_candidates(graph: JointGraph, mesh: DeviceMesh, plan: Plan) -> Candidates:
     """Candidates holding exactly the strategy `plan` chose for every node.
 
     For applying a plan on a seeded (3-D and up) mesh without solving it here: a plan
