@@ -32,6 +32,7 @@ __all__ = [
     "build_model",
     "model_args",
     "cross_entropy_loss",
+    "transformer_blocks",
 ]
 
 
@@ -98,3 +99,12 @@ def build_model(
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over all ``B*S`` tokens, computed in fp32."""
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a model (``model.layers``, see ``DecoderBase``): the units that
+    FSDP shards, activation checkpointing wraps and ``compile`` compiles one by one."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no 'layers' ModuleList of transformer blocks")
+    return list(layers)

@@ -55,13 +55,16 @@ class DeepSeekV3Args:
 
     @property
     def qk_head_dim(self) -> int:
+        """Query/key head size: the non-rotary part plus the rotary part."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
-    def override(self, **kw: object) -> "DeepSeekV3Args":
+    def override(self, **kw: object) -> DeepSeekV3Args:
+        """A copy with ``kw`` replaced (nothing is derived, unlike Llama3Args)."""
         return dataclasses.replace(self, **kw)
 
     # ---- parameter / FLOP accounting (analytic; tests check it against the module) ----
     def attention_params(self) -> int:
+        """Parameters of one MLA attention plus the block's two norms."""
         h, d = self.n_heads, self.dim
         q = (
             d * h * self.qk_head_dim
@@ -86,6 +89,7 @@ class DeepSeekV3Args:
         return n if exclude_embedding else n + self.vocab_size * self.dim
 
     def num_params(self, exclude_embedding: bool = False) -> int:
+        """Total parameters (every routed expert); ``exclude_embedding`` drops ``tok_embeddings``."""
         return self._total(self.n_routed_experts, exclude_embedding)
 
     def active_params(self, exclude_embedding: bool = True) -> int:

@@ -80,6 +80,7 @@ def rope_tables(
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` on the last dim: RoPE's rotation in the half-split layout."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 

@@ -30,7 +30,7 @@ class Llama3Args:
         if self.head_dim == 0:
             self.head_dim = self.dim // self.n_heads
 
-    def override(self, **kw: object) -> "Llama3Args":
+    def override(self, **kw: object) -> Llama3Args:
         """``dataclasses.replace`` that re-derives ``head_dim`` when it was derived and
         ``dim``/``n_heads`` change (so ``dim=512`` on the debug flavor stays consistent)."""
         derived = self.head_dim == self.dim // self.n_heads and type(self).head_dim == 0
@@ -40,6 +40,7 @@ class Llama3Args:
 
     # ---- parameter / FLOP accounting (analytic; tests check it against the module) ----
     def layer_params(self) -> int:
+        """Parameters of one block: attention (+ q/k norms), SwiGLU FFN, two norms."""
         q = self.n_heads * self.head_dim
         kv = self.n_kv_heads * self.head_dim
         attn = self.dim * (2 * q + 2 * kv) + (2 * self.head_dim if self.qk_norm else 0)
@@ -52,6 +53,7 @@ class Llama3Args:
         return n if exclude_embedding else n + emb
 
     def active_params(self, exclude_embedding: bool = True) -> int:
+        """Parameters touched per token (all of them: a dense model)."""
         return self.num_params(exclude_embedding)
 
     def flops_per_token(self, seq_len: int) -> float:

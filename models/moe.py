@@ -126,8 +126,7 @@ class GroupedExperts(nn.Module):
 def _can_grouped_mm(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
     # torch 2.13 CPU + meta kernels: bf16 only, 16-byte aligned strides (dims % 8 == 0).
     return (
-        hasattr(torch, "_grouped_mm")
-        and x.dtype == torch.bfloat16
+        x.dtype == torch.bfloat16
         and w1.dtype == torch.bfloat16
         and w1.shape[1] % 8 == 0
         and w1.shape[2] % 8 == 0
