@@ -1,16 +1,21 @@
-"""DeviceMesh from the ``[parallelism]`` section.
+"""DeviceMesh from the ``[parallelism]`` section, and the mesh axes every layer names.
 
 Axes, outermost first: ``dp_replicate, dp_shard, cp, tp``. Axes of size 1 are left out
 (a mesh of one axis ``dp_shard`` of size 1 when every degree is 1). Expert parallel
 reuses ranks of ``dp_shard x cp`` and is derived by the EP recipe, not built here.
+The axis names are defined here once; other modules use these constants.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from parallel import _torch as T
 
 DP_REPLICATE = "dp_replicate"
 DP_SHARD = "dp_shard"
@@ -25,23 +30,21 @@ DATA_AXES = (DP_REPLICATE, DP_SHARD)
 """Axes over which ranks read different batches."""
 
 
-def mesh_shape(parallelism_cfg, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def mesh_shape(parallelism_cfg: Any, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """(shape, axis names) for the mesh, size-1 axes omitted (at least one axis).
     Raises ValueError when the degrees do not multiply to ``world_size``."""
     deg = parallelism_cfg.resolved_degrees(world_size)
     sizes = [deg[a] for a in AXES]
-    prod = 1
-    for s in sizes:
-        prod *= s
+    prod = math.prod(sizes)
     if prod != world_size:
         raise ValueError(f"parallelism degrees {dict(zip(AXES, sizes))} multiply to {prod}, "
                          f"not the world size {world_size}")
-    kept = [(s, a) for s, a in zip(sizes, AXES) if s > 1] or [(1, "dp_shard")]
+    kept = [(s, a) for s, a in zip(sizes, AXES) if s > 1] or [(1, DP_SHARD)]
     shape, names = zip(*kept)
     return tuple(shape), tuple(names)
 
 
-def build_mesh(parallelism_cfg, world_size: int, device_type: str = "cpu") -> DeviceMesh:
+def build_mesh(parallelism_cfg: Any, world_size: int, device_type: str = "cpu") -> DeviceMesh:
     """The training mesh. Needs an initialised default process group of ``world_size``
     ranks (a real one, or the fake one for planning)."""
     shape, names = mesh_shape(parallelism_cfg, world_size)
@@ -51,27 +54,59 @@ def build_mesh(parallelism_cfg, world_size: int, device_type: str = "cpu") -> De
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
-def dp_mesh(mesh: Optional[DeviceMesh]) -> Optional[DeviceMesh]:
+def axis_names(mesh: DeviceMesh | None) -> tuple[str, ...]:
+    """The mesh's axis names (empty for no mesh or an unnamed one)."""
+    return tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+
+
+def axis_size(mesh: DeviceMesh | None, axis: str) -> int:
+    """Size of the named axis; 1 when the mesh has no such axis (size-1 axes are left out)."""
+    names = axis_names(mesh)
+    return mesh.shape[names.index(axis)] if axis in names else 1
+
+
+def submesh(mesh: DeviceMesh, axis: str | None) -> DeviceMesh:
+    """The 1-D sub-mesh of ``axis``: ``mesh`` itself when ``axis`` is None, when the mesh is
+    unnamed, or when it is already the 1-D mesh of that axis (recipes take either)."""
+    names = axis_names(mesh)
+    if axis is None or not names or names == (axis,):
+        return mesh
+    return mesh[axis]
+
+
+def flatten_axes(mesh: DeviceMesh, axes: Sequence[str], name: str) -> DeviceMesh:
+    """1-D mesh over those of ``axes`` that ``mesh`` has (flattened in order; one: its slice).
+
+    torch 2.13 has no public flatten (``parallel._torch.flatten_mesh``); call it outside any
+    fake mode. Once flattened, ``mesh[name]`` also works (a second call reuses it).
+    """
+    present = [a for a in axes if a in axis_names(mesh)]
+    if not present:
+        raise ValueError(f"mesh {axis_names(mesh)} has none of the axes {list(axes)}")
+    if len(present) == 1:
+        return submesh(mesh, present[0])
+    try:
+        return mesh[name]
+    except (KeyError, RuntimeError, ValueError):
+        return T.flatten_mesh(mesh[tuple(present)], name)
+
+
+def dp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     """The data-parallel sub-mesh (``dp_replicate`` and/or ``dp_shard``), or None."""
-    if mesh is None or mesh.mesh_dim_names is None:
-        return None
-    names = [a for a in ("dp_replicate", "dp_shard") if a in mesh.mesh_dim_names]
+    names = [a for a in DATA_AXES if a in axis_names(mesh)]
     if not names:
         return None
-    if len(names) == 1:
-        return mesh[names[0]]
-    return mesh[tuple(names)]
+    return mesh[names[0]] if len(names) == 1 else mesh[tuple(names)]
 
 
-def dp_rank_and_degree(mesh: Optional[DeviceMesh]) -> tuple[int, int]:
+def dp_rank_and_degree(mesh: DeviceMesh | None) -> tuple[int, int]:
     """This rank's index among the data-parallel ranks and their number (0, 1 without
     data parallelism). Ranks that differ only in cp/tp coordinates share a dp rank and
     so read the same batch."""
     sub = dp_mesh(mesh)
     if sub is None:
         return 0, 1
-    coords = sub.get_coordinate()
     rank = 0
-    for c, size in zip(coords, sub.mesh.shape):
+    for c, size in zip(sub.get_coordinate(), sub.mesh.shape):
         rank = rank * size + c
     return rank, sub.size()
