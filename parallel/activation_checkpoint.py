@@ -1,11 +1,13 @@
 """Activation checkpointing (AC) of transformer blocks, full or selective (SAC).
 
-``[activation_checkpoint] mode``:
+Part of the parallel layer (it used to live in the trainer): :func:`parallel.recipes.apply_recipe`
+applies it to the model's blocks, the trainer's ``[activation_checkpoint]`` section picks
+``mode`` and ``selective_ac_option``:
 
 * ``"none"``      -- keep every activation.
 * ``"full"``      -- keep only each block's input; recompute the block in backward.
 * ``"selective"`` with ``selective_ac_option``:
-    - an integer ``N`` as a string -- full AC on every N-th block (blocks 0, N, 2N, ...);
+    - an integer ``N`` (or its string) -- full AC on every N-th block (blocks 0, N, 2N, ...);
     - ``"op"`` -- per-op SAC inside every block with torch's SAC API
       (``create_selective_checkpoint_contexts``): save the outputs of attention and of
       every other matmul (and of reduce-scatters / max), recompute the rest
@@ -21,10 +23,13 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from models import transformer_blocks
 
 __all__ = ["apply_ac", "sac_policy_context", "SAC_SAVE_OPS"]
 
@@ -63,7 +68,7 @@ def _policy(counts):
     return policy
 
 
-def sac_policy_context():
+def sac_policy_context() -> tuple[Any, Any]:
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint``: per-op SAC policy.
     A fresh matmul counter per call keeps forward and recompute in step."""
     return create_selective_checkpoint_contexts(_policy(defaultdict(int)))
@@ -85,24 +90,19 @@ def _wrap(block: nn.Module, context_fn=None) -> None:
     block._ac_wrapped = True
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    layers = model.layers
-    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
-
-
-def apply_ac(model: nn.Module, ac_cfg) -> nn.Module:
-    """Apply the configured AC to ``model.layers`` in place; returns the model."""
-    mode = getattr(ac_cfg, "mode", "none")
+def apply_ac(model: nn.Module, mode: str = "full", selective_ac_option: str | int = "op") -> nn.Module:
+    """Checkpoint the model's transformer blocks in place per ``mode`` (see the module
+    docstring); returns the model. Apply before FSDP so the wrapped forward is sharded."""
     if mode == "none":
         return model
-    blocks = _blocks(model)
+    blocks = transformer_blocks(model)
     if mode == "full":
         for b in blocks:
             _wrap(b)
         return model
     if mode != "selective":
         raise ValueError(f"activation_checkpoint.mode must be none|full|selective, got {mode!r}")
-    opt = str(getattr(ac_cfg, "selective_ac_option", "op"))
+    opt = str(selective_ac_option)
     if opt == "op":
         for b in blocks:
             _wrap(b, sac_policy_context)

@@ -25,13 +25,17 @@ Public pieces (reusable; the ``local_map`` contract will wrap :func:`context_par
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from parallel.mesh import CP, submesh
+
+from .errors import RecipeError
 
 __all__ = [
     "cp_chunk_ids",
@@ -58,18 +62,17 @@ def _n_chunks(cp_size: int, load_balance: bool) -> int:
 
 
 def validate_cp(seq_len: int, cp_size: int, load_balance: bool = True) -> None:
-    """Raise ``ValueError`` if ``seq_len`` cannot be sharded over ``cp_size`` ranks."""
+    """Raise :class:`RecipeError` if ``seq_len`` cannot be sharded over ``cp_size`` ranks."""
     n = _n_chunks(cp_size, load_balance)
     if cp_size < 1 or seq_len % n != 0:
-        raise ValueError(
-            f"context_parallel_degree={cp_size} does not divide the sequence: seq_len={seq_len} "
-            f"must be a multiple of {n} (= {'2 x ' if load_balance else ''}cp degree"
-            f"{', load-balanced chunks' if load_balance else ''})"
-        )
+        chunks = f"2 x the degree: {n} load-balanced chunks" if load_balance else "the degree"
+        raise RecipeError("context_parallel_degree", cp_size,
+                          f"does not divide the sequence: seq_len = {seq_len} must be a multiple of {n} "
+                          f"({chunks}); change [training] seq_len or the degree")
 
 
 def cp_positions(seq_len: int, cp_rank: int, cp_size: int, load_balance: bool = True,
-                 device=None) -> torch.Tensor:
+                 device: torch.device | str | None = None) -> torch.Tensor:
     """Global positions (LongTensor ``[seq_len // cp_size]``) of the tokens held by ``cp_rank``."""
     validate_cp(seq_len, cp_size, load_balance)
     c = seq_len // _n_chunks(cp_size, load_balance)
@@ -89,7 +92,7 @@ def unshard_sequence(shards: list[torch.Tensor], dim: int = 1, load_balance: boo
     """Inverse of :func:`shard_sequence` given every rank's shard (rank order); for tests/debug."""
     cp = len(shards)
     n = _n_chunks(cp, load_balance)
-    pieces: list[Optional[torch.Tensor]] = [None] * n
+    pieces: list[torch.Tensor | None] = [None] * n
     for r, s in enumerate(shards):
         ids = cp_chunk_ids(r, cp, load_balance)
         for i, p in zip(ids, s.chunk(len(ids), dim=dim)):
@@ -97,14 +100,8 @@ def unshard_sequence(shards: list[torch.Tensor], dim: int = 1, load_balance: boo
     return torch.cat(pieces, dim=dim)  # type: ignore[arg-type]
 
 
-def _cp_group_info(mesh: DeviceMesh, axis: Optional[str]) -> tuple[DeviceMesh, int, int]:
-    sub = mesh if axis is None or mesh.mesh_dim_names is None or (
-        mesh.ndim == 1 and mesh.mesh_dim_names[0] == axis) else mesh[axis]
-    return sub, sub.get_local_rank(), sub.size()
-
-
 def cp_shard_batch(tokens: torch.Tensor, labels: torch.Tensor, mesh: DeviceMesh,
-                   axis: str = "cp", load_balance: bool = True):
+                   axis: str = CP, load_balance: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Shard a ``[B, S]`` batch for CP: returns ``(tokens_local, labels_local, positions_local)``.
 
     ``positions_local`` is what the model's ``forward(tokens, positions)`` needs so that RoPE
@@ -112,7 +109,8 @@ def cp_shard_batch(tokens: torch.Tensor, labels: torch.Tensor, mesh: DeviceMesh,
     tokens; since every rank holds the same number of tokens, averaging the gradients over
     the cp axis (FSDP over ``dp_shard x cp``) reproduces the global mean.
     """
-    _, r, n = _cp_group_info(mesh, axis)
+    cp_mesh = submesh(mesh, axis)
+    r, n = cp_mesh.get_local_rank(), cp_mesh.size()
     S = tokens.shape[1]
     return (shard_sequence(tokens, r, n, 1, load_balance),
             shard_sequence(labels, r, n, 1, load_balance),
@@ -144,8 +142,8 @@ def _causal_chunk_attention(q_chunks, k, v, ends: list[int], scale):
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               mesh: DeviceMesh, axis: Optional[str] = "cp", *,
-                               load_balance: bool = True, scale: Optional[float] = None) -> torch.Tensor:
+                               mesh: DeviceMesh, axis: str | None = CP, *,
+                               load_balance: bool = True, scale: float | None = None) -> torch.Tensor:
     """Causal attention on sequence shards: ``q, k, v, out`` are ``[B, H, S_local, D]``.
 
     The shards follow :func:`cp_chunk_ids` (rank ``r`` of the ``axis`` sub-mesh of ``mesh``
@@ -154,7 +152,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     Equals ``F.scaled_dot_product_attention(q_full, k_full, v_full, is_causal=True)``
     restricted to the local rows.
     """
-    cp_mesh, r, cp = _cp_group_info(mesh, axis)
+    cp_mesh = submesh(mesh, axis)
+    r, cp = cp_mesh.get_local_rank(), cp_mesh.size()
     if cp == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     ids = cp_chunk_ids(r, cp, load_balance)
@@ -185,13 +184,13 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 class ContextParallelSDPA(nn.Module):
     """Drop-in for a model's ``attention.sdpa`` module: ``forward(q, k, v)`` on sequence shards."""
 
-    def __init__(self, cp_mesh: DeviceMesh, load_balance: bool = True, scale: Optional[float] = None):
+    def __init__(self, cp_mesh: DeviceMesh, load_balance: bool = True, scale: float | None = None):
         super().__init__()
         self.cp_mesh = cp_mesh  # 1-D, sliced outside any fake mode
         self.load_balance = load_balance
         self.scale = scale
 
-    def forward(self, q, k, v, *args, **kwargs):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return context_parallel_attention(q, k, v, self.cp_mesh, None,
                                           load_balance=self.load_balance, scale=self.scale)
 
@@ -199,15 +198,15 @@ class ContextParallelSDPA(nn.Module):
         return f"cp={self.cp_mesh.size()}, load_balance={self.load_balance}"
 
 
-def apply_cp(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", load_balance: bool = True) -> nn.Module:
+def apply_cp(model: nn.Module, mesh: DeviceMesh, axis: str = CP, load_balance: bool = True) -> nn.Module:
     """CP recipe: replace every ``*.attention.sdpa`` submodule by :class:`ContextParallelSDPA`.
 
     Inputs/labels must be sharded with :func:`cp_shard_batch` and ``positions`` passed to the
     model; parameters stay replicated over ``cp`` (shard/average their grads with FSDP over
     the flattened ``dp_shard x cp`` mesh, or all-reduce them).
     """
-    cp_mesh, _, cp = _cp_group_info(mesh, axis)
-    if cp == 1:
+    cp_mesh = submesh(mesh, axis)
+    if cp_mesh.size() == 1:
         return model
     n = 0
     for name, mod in list(model.named_modules()):

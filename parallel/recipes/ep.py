@@ -22,65 +22,66 @@ i.e. the expert weights ``[E, ...]`` are ``Shard(0)`` over the ep axis.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+import torch.distributed.nn.functional as dist_fn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from parallel import _torch as T
+from parallel.mesh import (CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, DP_SHARD_MOD_EP, EP, axis_names, axis_size,
+                           flatten_axes, submesh)
 
-__all__ = ["all_to_all_single_autograd", "expert_parallel_dispatch", "ep_dispatch_tokens",
-           "ep_combine_tokens", "validate_ep", "validate_ep_model", "build_ep_meshes", "apply_ep",
-           "experts_fsdp_filter"]
+from .errors import RecipeError
 
+__all__ = ["expert_parallel_dispatch", "ep_dispatch_tokens", "ep_combine_tokens", "validate_ep",
+           "validate_ep_model", "validate_ep_mesh", "build_ep_meshes", "apply_ep", "experts_fsdp_filter"]
 
-class _AllToAllSingle(torch.autograd.Function):
-    """Differentiable ``dist.all_to_all_single`` on dim 0 with split sizes (public c10d API)."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
-        x = x.contiguous()
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x, output_split_sizes=out_splits,
-                               input_split_sizes=in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        gin = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(gin, grad, output_split_sizes=ctx.in_splits,
-                               input_split_sizes=ctx.out_splits, group=ctx.group)
-        return gin, None, None, None
+_KEY = "expert_parallel_degree"
 
 
-def all_to_all_single_autograd(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                               group) -> torch.Tensor:
-    """All-to-all rows of ``x``: send ``in_splits[r]`` rows to rank ``r``, receive ``out_splits[r]``."""
-    return _AllToAllSingle.apply(x, list(out_splits), list(in_splits), group)
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+    """All-to-all rows of ``x``: send ``in_splits[r]`` rows to rank ``r``, receive ``out_splits[r]``.
+    Differentiable (torch's ``torch.distributed.nn.functional``: the backward is the reverse
+    all-to-all); works on gloo and on the fake process group."""
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    return dist_fn.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
 
 
 def validate_ep(num_experts: int, ep_size: int) -> None:
+    """``RecipeError`` unless ``ep_size`` divides the number of routed experts."""
     if ep_size < 1 or num_experts % ep_size != 0:
-        raise ValueError(f"expert_parallel_degree={ep_size} does not divide the number of "
-                         f"experts ({num_experts})")
+        raise RecipeError(_KEY, ep_size, f"does not divide the number of routed experts ({num_experts}); "
+                          f"choose a divisor of {num_experts}")
 
 
-def validate_ep_model(model_args, ep_size: int) -> None:
-    """``ValueError`` unless the model has routed experts and ``ep_size`` divides their number."""
+def validate_ep_model(model_args: Any, ep_size: int) -> None:
+    """``RecipeError`` unless the model has routed experts and ``ep_size`` divides their number."""
     n = getattr(model_args, "n_routed_experts", 0)
     if not n:
-        raise ValueError(f"expert_parallel_degree={ep_size} but the model has no routed experts")
+        raise RecipeError(_KEY, ep_size, "the model has no routed experts; set it to 1")
     validate_ep(n, ep_size)
 
 
-def _ep_group(mesh: DeviceMesh, axis: Optional[str]):
-    sub = mesh if axis is None or mesh.mesh_dim_names is None or (
-        mesh.ndim == 1 and mesh.mesh_dim_names[0] == axis) else mesh[axis]
-    return sub, sub.get_group(), sub.size()
+def validate_ep_mesh(mesh: DeviceMesh, ep_size: int) -> None:
+    """``RecipeError`` unless ``dp_shard x cp`` of ``mesh`` has room for ``ep_size`` ranks and
+    there is no ``dp_replicate`` axis (EP with HSDP is not written)."""
+    names = axis_names(mesh)
+    if DP_REPLICATE in names:
+        raise RecipeError(_KEY, ep_size, "expert parallel with data_parallel_replicate_degree > 1 (HSDP) is "
+                          "not supported by the recipes; set data_parallel_replicate_degree = 1 and "
+                          "borrow the ep ranks from data_parallel_shard_degree")
+    borrowed = axis_size(mesh, DP_SHARD) * axis_size(mesh, CP)
+    if borrowed % ep_size:
+        raise RecipeError(_KEY, ep_size, f"must divide data_parallel_shard_degree x context_parallel_degree "
+                          f"= {borrowed} (expert parallel borrows those ranks); change either degree")
 
 
 def _regroup_index(counts: torch.Tensor) -> torch.Tensor:
@@ -99,23 +100,24 @@ def _regroup_index(counts: torch.Tensor) -> torch.Tensor:
     return seg_starts[seg_id] + within
 
 
+@dataclass(slots=True)
 class EPDispatchState:
     """What :func:`ep_combine_tokens` needs to undo :func:`ep_dispatch_tokens`."""
 
-    __slots__ = ("group", "send_splits", "recv_splits", "inv")
+    group: dist.ProcessGroup
+    send_splits: list[int]
+    recv_splits: list[int]
+    inv: torch.Tensor
 
-    def __init__(self, group, send_splits, recv_splits, inv):
-        self.group, self.send_splits, self.recv_splits, self.inv = group, send_splits, recv_splits, inv
 
-
-def ep_dispatch_tokens(x_sorted: torch.Tensor, num_tokens_per_expert: torch.Tensor, group,
+def ep_dispatch_tokens(x_sorted: torch.Tensor, num_tokens_per_expert: torch.Tensor, group: dist.ProcessGroup,
                        ep: int) -> tuple[torch.Tensor, torch.Tensor, EPDispatchState]:
     """First half of the dispatch: returns ``(x_local, counts_local, state)`` where
     ``x_local`` holds the rows for this rank's experts sorted by local expert."""
     E = num_tokens_per_expert.numel()
     validate_ep(E, ep)
     e_loc = E // ep
-    if _is_fake(num_tokens_per_expert):
+    if T.is_fake(num_tokens_per_expert):
         return _balanced_dispatch(x_sorted, group, ep, e_loc)
     counts = num_tokens_per_expert.detach().to(torch.long).contiguous()
     if int(counts.sum()) != x_sorted.shape[0]:
@@ -128,20 +130,15 @@ def ep_dispatch_tokens(x_sorted: torch.Tensor, num_tokens_per_expert: torch.Tens
     send_splits = counts.view(ep, e_loc).sum(1).tolist()
     recv_splits = recv.sum(1).tolist()
     # (2) tokens out, (3) regroup source-major -> expert-major
-    x_recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group)
+    x_recv = _all_to_all(x_sorted, recv_splits, send_splits, group)
     idx = _regroup_index(recv)
     inv = torch.empty_like(idx)
     inv[idx] = torch.arange(idx.numel(), device=idx.device)
     return x_recv.index_select(0, idx), recv.sum(0), EPDispatchState(group, send_splits, recv_splits, inv)
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    from parallel._torch import FakeTensor
-
-    return isinstance(t, FakeTensor)
-
-
-def _balanced_dispatch(x_sorted, group, ep: int, e_loc: int):
+def _balanced_dispatch(x_sorted: torch.Tensor, group: dist.ProcessGroup, ep: int,
+                       e_loc: int) -> tuple[torch.Tensor, torch.Tensor, EPDispatchState]:
     """Fake tensors (dry run / planning) have no routing data: assume perfectly balanced
     routing (``N/ep`` rows to every rank, ``N/E`` per expert) and keep the row order."""
     n = x_sorted.shape[0]
@@ -149,7 +146,7 @@ def _balanced_dispatch(x_sorted, group, ep: int, e_loc: int):
     # every rank is assumed to send the same splits, so rank r receives splits[r] from each
     me = dist.get_rank(group)
     recv_splits = [splits[me]] * ep
-    x_recv = all_to_all_single_autograd(x_sorted, recv_splits, splits, group)
+    x_recv = _all_to_all(x_sorted, recv_splits, splits, group)
     m = x_recv.shape[0]
     counts_local = torch.full((e_loc,), m // e_loc, dtype=torch.long, device=x_sorted.device)
     counts_local[: m % e_loc] += 1
@@ -160,16 +157,17 @@ def _balanced_dispatch(x_sorted, group, ep: int, e_loc: int):
 def ep_combine_tokens(y_local: torch.Tensor, state: EPDispatchState) -> torch.Tensor:
     """Second half: undo the regroup and send the expert outputs back to their source rank."""
     y_recv = y_local.index_select(0, state.inv)
-    return all_to_all_single_autograd(y_recv, state.send_splits, state.recv_splits, state.group)
+    return _all_to_all(y_recv, state.send_splits, state.recv_splits, state.group)
 
 
 def expert_parallel_dispatch(x_sorted: torch.Tensor, num_tokens_per_expert: torch.Tensor,
                              expert_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                             mesh: DeviceMesh, axis: Optional[str] = "ep") -> torch.Tensor:
+                             mesh: DeviceMesh, axis: str | None = EP) -> torch.Tensor:
     """Send expert-sorted rows to the ep rank owning each expert, run ``expert_fn`` there,
     and bring the results back in the original row order (differentiable w.r.t. ``x_sorted``
     and whatever ``expert_fn`` uses). See the module docstring for the contract."""
-    sub, group, ep = _ep_group(mesh, axis)
+    ep_mesh = submesh(mesh, axis)
+    group, ep = ep_mesh.get_group(), ep_mesh.size()
     validate_ep(num_tokens_per_expert.numel(), ep)
     if ep == 1:
         return expert_fn(x_sorted, num_tokens_per_expert)
@@ -184,37 +182,31 @@ def build_ep_meshes(mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
     The flattened ``dp_shard_cp`` axis (size D) is unflattened into
     ``(dp_shard_mod_ep = D/ep, ep)``: ep groups are consecutive ranks of the data axis.
     Expert weights are ``Shard(0)`` on ``ep``; FSDP shards them further over
-    ``dp_shard_mod_ep`` (with ``dp_replicate`` in front for HSDP).
+    ``dp_shard_mod_ep``.
     """
-    from .hsdp import flatten_axes
-
-    names = tuple(mesh.mesh_dim_names or ())
-    axes = [a for a in ("dp_shard", "cp") if a in names]
-    if not axes:
-        raise ValueError(f"expert_parallel_degree={ep} needs a dp_shard or cp axis to borrow "
-                         f"ranks from; mesh axes are {names}")
-    flat = flatten_axes(mesh, axes, "dp_shard_cp")
-    D = flat.size()
-    if D % ep:
-        raise ValueError(f"expert_parallel_degree={ep} must divide data_parallel_shard_degree x "
-                         f"context_parallel_degree = {D}")
-    two_d = T.unflatten_mesh(flat, 0, (D // ep, ep), ("dp_shard_mod_ep", "ep"))
-    if "dp_replicate" in names:
-        raise ValueError("expert parallel together with data_parallel_replicate_degree > 1 "
-                         "(HSDP) is not supported by the manual recipes")
-    return two_d["dp_shard_mod_ep"], two_d["ep"]
+    validate_ep_mesh(mesh, ep)
+    flat = flatten_axes(mesh, (DP_SHARD, CP), DP_SHARD_CP)
+    d = flat.size()
+    two_d = T.unflatten_mesh(flat, 0, (d // ep, ep), (DP_SHARD_MOD_EP, EP))
+    return two_d[DP_SHARD_MOD_EP], two_d[EP]
 
 
-def _pre_hook(module, args):
-    x, counts = args[0], args[1]
-    x_local, counts_local, state = ep_dispatch_tokens(x, counts, module._ep_group, module._ep_size)
-    module._ep_state = state
-    return (x_local, counts_local) + tuple(args[2:])
+@dataclass
+class _ExpertsHooks:
+    """The forward hooks of one EP-sharded experts module: dispatch its input rows to the
+    ranks owning their experts, combine the outputs back (the state spans one call)."""
 
+    group: dist.ProcessGroup
+    ep: int
+    state: EPDispatchState | None = None
 
-def _post_hook(module, args, out):
-    state, module._ep_state = module._ep_state, None
-    return ep_combine_tokens(out, state)
+    def pre(self, module: nn.Module, args: tuple) -> tuple:
+        x_local, counts_local, self.state = ep_dispatch_tokens(args[0], args[1], self.group, self.ep)
+        return (x_local, counts_local) + tuple(args[2:])
+
+    def post(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        state, self.state = self.state, None
+        return ep_combine_tokens(out, state)
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
@@ -222,8 +214,6 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
     ``ep_mesh`` (FQNs unchanged, so checkpoints stay consistent) and wrap the experts'
     forward (the narrow seam of models/moe.py) with the all-to-all dispatch/combine.
     Router and shared experts are untouched: they run on each rank's own tokens."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
     ep = ep_mesh.size()
     if ep == 1:
         return model
@@ -236,25 +226,25 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
             p = getattr(mod, pn)
             mod.register_parameter(pn, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)]),
                                                     requires_grad=p.requires_grad))
-        mod._ep_group, mod._ep_size = ep_mesh.get_group(), ep
-        mod.register_forward_pre_hook(_pre_hook)
-        mod.register_forward_hook(_post_hook)
+        hooks = _ExpertsHooks(ep_mesh.get_group(), ep)
+        mod.register_forward_pre_hook(hooks.pre)
+        mod.register_forward_hook(hooks.post)
         n += 1
     if n == 0:
-        raise ValueError("expert_parallel_degree > 1 but the model has no 'moe.experts' modules")
+        raise RecipeError(_KEY, ep, "the model has no 'moe.experts' modules to shard; set it to 1")
     return model
 
 
-def experts_fsdp_filter(experts_dp_mesh: DeviceMesh, grad_divide_factor: int):
-    """A ``module_filter`` for :func:`parallel.recipes.hsdp.apply_hsdp`: ``fully_shard`` the
+def experts_fsdp_filter(experts_dp_mesh: DeviceMesh,
+                        grad_divide_factor: int) -> Callable[[nn.Module, DeviceMesh, MixedPrecisionPolicy], None]:
+    """A ``pre_shard`` hook for :func:`parallel.recipes.fsdp.apply_fsdp`: ``fully_shard`` the
     EP-sharded experts of a block over ``experts_dp_mesh`` before the block itself, dividing
     their gradients by the *whole* data-parallel size (the all-to-all backward already
     summed the contributions of the ep ranks)."""
-    from torch.distributed.fsdp import fully_shard
 
-    def fn(block: nn.Module, dp_mesh: DeviceMesh, policy) -> None:
+    def fn(block: nn.Module, dp_mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:
         moe = getattr(block, "moe", None)
-        if moe is None or not hasattr(moe.experts, "_ep_group"):
+        if moe is None or not isinstance(moe.experts.w1, DTensor):  # dense block, or experts not EP-sharded
             return
         fully_shard(moe.experts, mesh=experts_dp_mesh, mp_policy=policy)
         moe.experts.set_gradient_divide_factor(float(grad_divide_factor))

@@ -31,10 +31,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from typing import Any
 
 import torch
-
-import torch.nn as nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
@@ -42,21 +42,25 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, loss_parallel,
                                                parallelize_module)
 
+from models import transformer_blocks
+
+from .errors import RecipeError
+
 __all__ = ["apply_tp", "validate_tp", "loss_parallel_context", "uses_loss_parallel", "loss_value"]
 
 _LOSS_PARALLEL_ATTR = "_autotitan_loss_parallel"
 
 
-def validate_tp(model_args, tp: int) -> None:
-    """Raise ``ValueError`` when ``tp`` does not divide a dimension the recipe shards:
+def validate_tp(model_args: Any, tp: int) -> None:
+    """Raise :class:`RecipeError` when ``tp`` does not divide a dimension the recipe shards:
     attention heads (and kv heads), the dense FFN hidden size, the vocabulary."""
     if tp <= 1:
         return
     for name in ("n_heads", "n_kv_heads", "ffn_hidden_dim", "inter_dim", "vocab_size"):
         val = getattr(model_args, name, None)
         if val and val % tp:
-            raise ValueError(f"tensor_parallel_degree={tp} does not divide {name}={val} "
-                             f"of the model; choose a degree that divides it")
+            raise RecipeError("tensor_parallel_degree", tp, f"does not divide the model's {name} = {val}; "
+                              f"choose a degree that divides it")
 
 
 def _block_plan(block: nn.Module, sp: bool) -> dict:
@@ -136,7 +140,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     if sp:
         top["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, top)
-    for block in model.layers:
+    for block in transformer_blocks(model):
         parallelize_module(block, tp_mesh, _block_plan(block, sp))
         attn = block.attention
         if hasattr(attn, "wkv_a"):
@@ -194,14 +198,15 @@ def _mla_shared_rope_grad_hook(module, args, out, *, tp_mesh, kv_lora_rank):
 
 
 def uses_loss_parallel(model: nn.Module) -> bool:
+    """True when :func:`apply_tp` left the logits vocab-sharded (the loss must be parallel too)."""
     return bool(getattr(model, _LOSS_PARALLEL_ATTR, False))
 
 
-def loss_parallel_context(model: nn.Module):
+def loss_parallel_context(model: nn.Module) -> contextlib.AbstractContextManager:
     """Context manager the trainer wraps around loss computation **and** ``backward``."""
     return loss_parallel() if uses_loss_parallel(model) else contextlib.nullcontext()
 
 
-def loss_value(loss):
+def loss_value(loss: torch.Tensor) -> torch.Tensor:
     """A plain tensor for logging (a loss-parallel loss is a Replicate DTensor)."""
     return loss.full_tensor() if isinstance(loss, DTensor) else loss

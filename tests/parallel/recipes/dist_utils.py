@@ -1,13 +1,21 @@
-"""Spawn a function on N gloo ranks (CPU) and collect per-rank results; used by recipe tests."""
+"""Spawn a function on N gloo ranks (CPU) and collect per-rank results; used by recipe tests.
+
+Every rank runs with one thread (``OMP_NUM_THREADS=1`` in its environment and
+``torch.set_num_threads(1)``: N ranks share few cores), and the whole run has a deadline.
+"""
 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import queue as _queue
 import socket
+import time
 import traceback
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -18,14 +26,9 @@ def free_port() -> int:
 
 
 def _worker(fn, rank, world_size, port, q, args):
-    import torch
-    import torch.distributed as dist
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    import logging
-
     # full_tensor() of (_StridedShard, Shard) grads warns about 2 sequential all-gathers
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     try:
@@ -41,35 +44,47 @@ def _worker(fn, rank, world_size, port, q, args):
             dist.destroy_process_group()
 
 
+def _start(ctx, fn, world_size: int, q, args) -> list:
+    """Start the ranks with ``OMP_NUM_THREADS=1`` (read by the child at its start)."""
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, q, args), daemon=True)
+             for r in range(world_size)]
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    return procs
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``fn`` must be a module-level function. Raises with the first rank's traceback on failure
-    and kills all ranks after ``timeout`` seconds.
+    and kills all ranks when they have not all finished ``timeout`` seconds after the start.
     """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, q, args), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
+    procs = _start(ctx, fn, world_size, q, args)
+    deadline = time.monotonic() + timeout
     results: dict[int, object] = {}
     errors: list[str] = []
     try:
         for _ in range(world_size):
             try:
-                rank, status, payload = q.get(timeout=timeout)
+                rank, status, payload = q.get(timeout=max(0.0, deadline - time.monotonic()))
             except _queue.Empty:
                 raise TimeoutError(f"distributed test timed out after {timeout}s "
-                                   f"({len(results)} of {world_size} ranks finished)")
-            if status == "ok":
-                import torch
-
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-            else:
+                                   f"({len(results)} of {world_size} ranks finished)") from None
+            if status != "ok":
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)

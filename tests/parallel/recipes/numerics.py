@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from models import build_model, cross_entropy_loss
+from parallel.mesh import CP, dp_rank_and_degree
+from parallel.recipes.cp import cp_shard_batch
+from parallel.recipes.tp import loss_parallel_context, loss_value
 
 GLOBAL_BATCH, SEQ = 4, 32
 
@@ -35,27 +39,17 @@ def build(spec):
 
 
 def run_steps(spec) -> dict:
-    from parallel.recipes.tp import loss_parallel_context, loss_value
-
     model = build(spec)
     mesh = None
     pos_fn = None
     dp_rank, dp_size = 0, 1
     if spec.get("mesh"):
-        from torch.distributed.device_mesh import init_device_mesh
-
         shape, names = spec["mesh"]
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        apply = spec["apply"]
-        model = apply(model, mesh)
-        dp_axes = [a for a in ("dp_replicate", "dp_shard") if a in names]
-        for a in dp_axes:  # row-major rank over the data axes
-            dp_rank = dp_rank * mesh[a].size() + mesh[a].get_local_rank()
-            dp_size *= mesh[a].size()
-        if "cp" in names:
-            from parallel.recipes.cp import cp_shard_batch
-
-            pos_fn = lambda t, l: cp_shard_batch(t, l, mesh, "cp")  # noqa: E731
+        model = spec["apply"](model, mesh)
+        dp_rank, dp_size = dp_rank_and_degree(mesh)  # row-major over the data axes
+        if CP in names:
+            pos_fn = lambda t, l: cp_shard_batch(t, l, mesh, CP)  # noqa: E731
     opt = torch.optim.AdamW(model.parameters(), lr=spec.get("lr", 1e-3), foreach=False)
     losses, grads = [], {}
     steps = spec.get("steps", 5)

@@ -5,8 +5,6 @@ by the forward that are still alive at its end = what backward will read) on the
 LLaMA 3 (4 layers, batch 2 x 128, fp32).
 """
 
-import types
-
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ MODES = [("none", "op"), ("full", "op"), ("selective", "op"), ("selective", "2")
 def _run(mode, option):
     torch.manual_seed(0)
     model = build_model("llama3", "debug", device="cpu")
-    apply_ac(model, types.SimpleNamespace(mode=mode, selective_ac_option=option))
+    apply_ac(model, mode, option)
     data = torch.randint(0, 256, (2, 129), generator=torch.Generator().manual_seed(0))
     with MemoryTracker() as mem:
         loss = cross_entropy_loss(model(data[:, :-1]), data[:, 1:])
@@ -59,4 +57,4 @@ def test_ac_lowers_activation_memory(runs):
 def test_ac_bad_option():
     model = build_model("llama3", "debug", device="meta")
     with pytest.raises(ValueError, match="selective_ac_option"):
-        apply_ac(model, types.SimpleNamespace(mode="selective", selective_ac_option="x"))
+        apply_ac(model, "selective", "x")

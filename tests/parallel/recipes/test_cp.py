@@ -3,9 +3,13 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 from dist_utils import run_distributed
-from parallel.recipes.cp import (cp_positions, shard_sequence, unshard_sequence, validate_cp)
+from parallel.mesh import CP
+from parallel.recipes import RecipeError
+from parallel.recipes.cp import (context_parallel_attention, cp_positions, shard_sequence, unshard_sequence,
+                                 validate_cp)
 
 
 def _ref(B=2, H=4, S=16, D=8):
@@ -18,17 +22,13 @@ def _ref(B=2, H=4, S=16, D=8):
 
 
 def _cp_worker(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from parallel.recipes.cp import context_parallel_attention
-
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(CP,))
     q, k, v, go, _ = _ref()
     res = {}
     for load_balance in (True, False):
         loc = [shard_sequence(t.detach(), rank, world, dim=2, load_balance=load_balance).requires_grad_()
                for t in (q, k, v)]
-        out = context_parallel_attention(*loc, mesh, "cp", load_balance=load_balance)
+        out = context_parallel_attention(*loc, mesh, CP, load_balance=load_balance)
         out.backward(shard_sequence(go, rank, world, dim=2, load_balance=load_balance))
         res[load_balance] = (out.detach(), [t.grad for t in loc])
     return res
@@ -49,8 +49,9 @@ def test_layout_roundtrip_and_positions():
     assert shards[0][0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert torch.equal(unshard_sequence(shards, 1), x)
     assert cp_positions(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
-    with pytest.raises(ValueError, match="does not divide the sequence"):
+    with pytest.raises(RecipeError, match="does not divide the sequence") as err:
         validate_cp(18, 2)
+    assert err.value.key == "context_parallel_degree" and "seq_len = 18" in err.value.reason
 
 
 @pytest.mark.slow

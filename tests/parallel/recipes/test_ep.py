@@ -3,9 +3,12 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 from dist_utils import run_distributed
-from parallel.recipes.ep import _regroup_index, validate_ep
+from parallel.mesh import EP
+from parallel.recipes import RecipeError
+from parallel.recipes.ep import _regroup_index, expert_parallel_dispatch, validate_ep
 
 E, D, H, T, K = 8, 16, 32, 10, 2
 
@@ -37,16 +40,12 @@ def _weights():
 
 
 def _ep_worker(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from parallel.recipes.ep import expert_parallel_dispatch
-
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(EP,))
     x, counts = _data(rank)
     x.requires_grad_()
     e_loc = E // world
     ws = [w[rank * e_loc:(rank + 1) * e_loc].clone().requires_grad_() for w in _weights()]
-    y = expert_parallel_dispatch(x, counts, lambda xl, c: grouped_swiglu(xl, c, *ws), mesh, "ep")
+    y = expert_parallel_dispatch(x, counts, lambda xl, c: grouped_swiglu(xl, c, *ws), mesh, EP)
     (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
     return y.detach(), x.grad, [w.grad for w in ws]
 
@@ -54,8 +53,9 @@ def _ep_worker(rank, world):
 def test_regroup_index_and_validation():
     counts = torch.tensor([[1, 2], [3, 0]])  # src0: e0 x1, e1 x2 ; src1: e0 x3
     assert _regroup_index(counts).tolist() == [0, 3, 4, 5, 1, 2]
-    with pytest.raises(ValueError, match="does not divide the number of experts"):
+    with pytest.raises(RecipeError, match="does not divide the number of routed experts") as err:
         validate_ep(6, 4)
+    assert err.value.key == "expert_parallel_degree" and err.value.value == 4
 
 
 @pytest.mark.slow

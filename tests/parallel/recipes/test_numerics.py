@@ -4,11 +4,18 @@ for the debug models (2 layers), on 2 or 4 gloo ranks. The cases of one world si
 in one set of ranks."""
 
 import functools
+import math
 
 import pytest
 
 from dist_utils import run_distributed
 from numerics import compare, run_steps, worker
+from parallel.activation_checkpoint import apply_ac
+from parallel.mesh import CP, DP_REPLICATE, DP_SHARD, TP
+from parallel.recipes.cp import apply_cp
+from parallel.recipes.ep import apply_ep, build_ep_meshes, experts_fsdp_filter
+from parallel.recipes.fsdp import apply_fsdp, data_parallel_mesh
+from parallel.recipes.tp import apply_tp
 
 TOL = 1e-4
 
@@ -20,103 +27,70 @@ def _reference(model):
 
 # ---- recipe applications (module level: they are pickled to the workers) -------------
 def tp2(model, mesh):
-    from parallel.recipes.tp import apply_tp
-
-    return apply_tp(model, mesh["tp"])
+    return apply_tp(model, mesh[TP])
 
 
 def tp2_no_sp(model, mesh):
-    from parallel.recipes.tp import apply_tp
+    return apply_tp(model, mesh[TP], sequence_parallel=False, loss_parallel=False)
 
-    return apply_tp(model, mesh["tp"], sequence_parallel=False, loss_parallel=False)
+
+def fsdp(model, mesh):
+    """FSDP (1-D data mesh) or HSDP (2-D): the same function."""
+    return apply_fsdp(model, data_parallel_mesh(mesh))
 
 
 def fsdp_tp(model, mesh):
-    from parallel.recipes.hsdp import apply_hsdp, data_parallel_mesh
-    from parallel.recipes.tp import apply_tp
-
-    apply_tp(model, mesh["tp"])
-    return apply_hsdp(model, data_parallel_mesh(mesh))
-
-
-def hsdp(model, mesh):
-    from parallel.recipes.hsdp import apply_hsdp, data_parallel_mesh
-
-    return apply_hsdp(model, data_parallel_mesh(mesh))
+    apply_tp(model, mesh[TP])
+    return fsdp(model, mesh)
 
 
 def cp2(model, mesh):
-    from parallel.recipes.cp import apply_cp
-    from parallel.recipes.hsdp import apply_hsdp, data_parallel_mesh
-
-    apply_cp(model, mesh, "cp")
-    return apply_hsdp(model, data_parallel_mesh(mesh))
+    apply_cp(model, mesh, CP)
+    return fsdp(model, mesh)
 
 
-CASES = {
-    "llama3_tp2": ("llama3", (2,), ("tp",), tp2),
-    "llama3_tp2_nosp": ("llama3", (2,), ("tp",), tp2_no_sp),
-    "llama3_fsdp2_tp2": ("llama3", (2, 2), ("dp_shard", "tp"), fsdp_tp),
-    "llama3_hsdp2x2": ("llama3", (2, 2), ("dp_replicate", "dp_shard"), hsdp),
-    "llama3_cp2": ("llama3", (2,), ("cp",), cp2),
-    "qwen3_tp2": ("qwen3", (2,), ("tp",), tp2),
-}
+def cp2_tp2(model, mesh):
+    apply_tp(model, mesh[TP])
+    return cp2(model, mesh)
+
+
+def fsdp_tp_sac(model, mesh):
+    apply_tp(model, mesh[TP])
+    apply_ac(model, "selective", "op")
+    return fsdp(model, mesh)
 
 
 def _ep(model, mesh, ep):
-    from parallel.recipes.ep import apply_ep, build_ep_meshes, experts_fsdp_filter
-    from parallel.recipes.hsdp import apply_hsdp, data_parallel_mesh
-
     exp_dp, ep_mesh = build_ep_meshes(mesh, ep)
     apply_ep(model, ep_mesh)
     dp = data_parallel_mesh(mesh)
-    return apply_hsdp(model, dp, module_filter=experts_fsdp_filter(exp_dp, dp.size()))
+    return apply_fsdp(model, dp, pre_shard=experts_fsdp_filter(exp_dp, dp.size()))
 
 
 def ep2(model, mesh):
     return _ep(model, mesh, 2)
 
 
-def cp2_tp2(model, mesh):
-    from parallel.recipes.tp import apply_tp
-
-    apply_tp(model, mesh["tp"])
-    return cp2(model, mesh)
-
-
-def fsdp_tp_sac(model, mesh):
-    import types
-
-    from parallel.activation_checkpoint import apply_ac
-    from parallel.recipes.hsdp import apply_hsdp, data_parallel_mesh
-    from parallel.recipes.tp import apply_tp
-
-    apply_tp(model, mesh["tp"])
-    apply_ac(model, types.SimpleNamespace(mode="selective", selective_ac_option="op"))
-    return apply_hsdp(model, data_parallel_mesh(mesh))
-
-
-CASES["llama3_cp2_tp2"] = ("llama3", (2, 2), ("cp", "tp"), cp2_tp2)
-CASES["llama3_fsdp2_tp2_sac"] = ("llama3", (2, 2), ("dp_shard", "tp"), fsdp_tp_sac)
 def ep2_tp2(model, mesh):
-    from parallel.recipes.tp import apply_tp
-
-    apply_tp(model, mesh["tp"])
+    apply_tp(model, mesh[TP])
     return _ep(model, mesh, 2)
 
 
-CASES["deepseek_v3_cp2"] = ("deepseek_v3", (2,), ("cp",), cp2)
-CASES["deepseek_v3_tp2"] = ("deepseek_v3", (2,), ("tp",), tp2)
-CASES["deepseek_v3_ep2_tp2"] = ("deepseek_v3", (2, 2), ("dp_shard", "tp"), ep2_tp2)
-CASES["deepseek_v3_ep2"] = ("deepseek_v3", (2,), ("dp_shard",), ep2)
-CASES["deepseek_v3_ep2_fsdp4"] = ("deepseek_v3", (4,), ("dp_shard",), ep2)
-
-
-def _world(shape):
-    n = 1
-    for x in shape:
-        n *= x
-    return n
+CASES = {
+    "llama3_tp2": ("llama3", (2,), (TP,), tp2),
+    "llama3_tp2_nosp": ("llama3", (2,), (TP,), tp2_no_sp),
+    "llama3_fsdp2_tp2": ("llama3", (2, 2), (DP_SHARD, TP), fsdp_tp),
+    "llama3_hsdp2x2": ("llama3", (2, 2), (DP_REPLICATE, DP_SHARD), fsdp),
+    "llama3_cp2": ("llama3", (2,), (CP,), cp2),
+    "llama3_cp2_tp2": ("llama3", (2, 2), (CP, TP), cp2_tp2),
+    "llama3_fsdp2_tp2_sac": ("llama3", (2, 2), (DP_SHARD, TP), fsdp_tp_sac),
+    "qwen3_tp2": ("qwen3", (2,), (TP,), tp2),
+    "deepseek_v3_cp2": ("deepseek_v3", (2,), (CP,), cp2),
+    "deepseek_v3_tp2": ("deepseek_v3", (2,), (TP,), tp2),
+    "deepseek_v3_ep2_tp2": ("deepseek_v3", (2, 2), (DP_SHARD, TP), ep2_tp2),
+    "deepseek_v3_ep2": ("deepseek_v3", (2,), (DP_SHARD,), ep2),
+    "deepseek_v3_ep2_fsdp4": ("deepseek_v3", (4,), (DP_SHARD,), ep2),
+}
 
 
 def multi_worker(rank, world, specs):
@@ -131,7 +105,7 @@ def _results_for(world):
     """All cases of one world size, run together once per test session."""
     if world not in _RESULTS:
         specs = {name: {"model": m, "mesh": (shape, names), "apply": apply}
-                 for name, (m, shape, names, apply) in CASES.items() if _world(shape) == world}
+                 for name, (m, shape, names, apply) in CASES.items() if math.prod(shape) == world}
         _RESULTS[world] = run_distributed(multi_worker, world, specs, timeout=600)[0]
     return _RESULTS[world]
 
@@ -140,7 +114,7 @@ def _results_for(world):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_recipe_matches_single_rank(case):
     model, shape, names, apply = CASES[case]
-    got = _results_for(_world(shape))[case]
+    got = _results_for(math.prod(shape))[case]
     ref = _reference(model)
     diffs = compare(ref, got)
     print(f"{case}: losses {['%.5f' % x for x in got['losses']]} max diffs {diffs}")
