@@ -38,6 +38,7 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._functorch.partitioners import default_partition
 from torch._ops import OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import (
@@ -67,6 +68,7 @@ from torch.utils.flop_counter import (
 )
 
 __all__ = [
+    "all_to_all_single_autograd", "wait_tensor",
     "BufferAOTInput", "DTensorSpec", "FakeTensor", "FakeTensorMode", "GradAOTOutput", "MaskPartial",
     "OpOverload", "OpOverloadPacket", "OpSchema", "OpSpec", "OpStrategy", "ParamAOTInput", "PlainAOTInput",
     "PlainAOTOutput", "RuntimeSchemaInfo", "ShardingPlaceholder", "SingleDimStrategyInfo", "StridedShard",

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -49,10 +48,10 @@ _KEY = "expert_parallel_degree"
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
                 group: dist.ProcessGroup) -> torch.Tensor:
     """All-to-all rows of ``x``: send ``in_splits[r]`` rows to rank ``r``, receive ``out_splits[r]``.
-    Differentiable (torch's ``torch.distributed.nn.functional``: the backward is the reverse
-    all-to-all); works on gloo and on the fake process group."""
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    return dist_fn.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
+    Torch's differentiable functional collective (the backward is the reverse all-to-all; it
+    also traces into graphs); works on gloo and on the fake process group."""
+    out = T.all_to_all_single_autograd(x.contiguous(), list(out_splits), list(in_splits), group)
+    return T.wait_tensor(out)
 
 
 def validate_ep(num_experts: int, ep_size: int) -> None:
