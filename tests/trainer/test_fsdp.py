@@ -66,23 +66,26 @@ def _norm_worker(rank, world, store_path, out_path):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from trainer.optim import clip_grad_norm_, total_grad_norm
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
                             world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        ep_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))  # experts: another mesh
         torch.manual_seed(0)
-        full = [torch.randn(6, 4), torch.randn(5), torch.randn(3, 3)]
+        full = [torch.randn(6, 4), torch.randn(5), torch.randn(3, 3), torch.randn(4, 2), torch.randn(3)]
+        layout = [(mesh, Shard(0)), (mesh, Replicate()), (None, None), (ep_mesh, Shard(0)), (mesh, Partial())]
         params = []
-        for t, pl in zip(full, [Shard(0), Replicate(), None]):
-            p = torch.nn.Parameter(torch.zeros_like(t))
-            if pl is None:
+        for t, (m, pl) in zip(full, layout):
+            if m is None:
+                p = torch.nn.Parameter(torch.zeros_like(t))
                 p.grad = t.clone()
             else:
-                p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(t), mesh, [pl]))
-                p.grad = distribute_tensor(t.clone(), mesh, [pl])
+                p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(t), m, [Replicate()]))
+                p.grad = (DTensor.from_local(t / world, m, [pl]) if isinstance(pl, Partial)
+                          else distribute_tensor(t.clone(), m, [pl]))
             params.append(p)
         ref = torch.linalg.vector_norm(torch.cat([t.flatten() for t in full]))
         ref_inf = max(t.abs().max() for t in full)
@@ -100,7 +103,7 @@ def _norm_worker(rank, world, store_path, out_path):
 
 
 @pytest.mark.slow
-def test_grad_norm_of_sharded_and_replicated_dtensors(tmp_path, monkeypatch):
+def test_grad_norm_of_sharded_replicated_partial_dtensors_on_two_meshes(tmp_path, monkeypatch):
     import torch.multiprocessing as mp
     out = tmp_path / "out.txt"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
