@@ -25,21 +25,34 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 import weakref
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 
-from parallel._torch import TorchDispatchMode, tree_flatten
+from models import build_model, cross_entropy_loss
+from parallel import _torch as T
+from parallel.mesh import CP, TP, build_mesh
+from parallel.precision import dtype_of
+from parallel.recipes import RecipeError, apply_recipe
+from parallel.recipes.cp import cp_shard_batch
+from parallel.recipes.tp import loss_parallel_context, register_partial_grad_hooks
 
-__all__ = ["MemoryTracker", "CollectiveTracker", "DryRunReport", "dry_run", "format_report", "main"]
+from .config import ConfigError, JobConfig
+
+__all__ = ["CollectiveCounter", "DryRunReport", "MemoryTracker", "dry_run", "format_report", "main"]
 
 
 # ----------------------------------------------------------------------------- memory
-class MemoryTracker(TorchDispatchMode):
+class MemoryTracker(T.TorchDispatchMode):
     """Live bytes of tensor storages created by ops run under this mode, and their peak.
 
     Works on real, meta and fake tensors (it reads ``untyped_storage().nbytes()``; a
@@ -47,7 +60,8 @@ class MemoryTracker(TorchDispatchMode):
     once; a storage is released when its last reference dies. Storages resized in place
     (FSDP2 frees and re-allocates its unsharded parameters with ``storage.resize_``,
     which no dispatch mode sees; they come from ``empty``-like ops) are re-measured at
-    every op, so the peak is exact at op granularity. Tensors that existed before entering (parameters, inputs) are not counted.
+    every op, so the peak is exact at op granularity. Tensors that existed before
+    entering (parameters, inputs) are not counted.
     """
 
     def __init__(self):
@@ -96,8 +110,8 @@ class MemoryTracker(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor desugar into local ops + collectives first
         out = func(*args, **(kwargs or {}))
-        watch = "empty" in func._opname
-        for t in tree_flatten(out)[0]:
+        watch = "empty" in T.op_name(func)
+        for t in T.tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._add(t, watch)
         self._refresh()
@@ -120,15 +134,17 @@ _KINDS = {
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
     "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "broadcast_": "broadcast",
+    "allgather_coalesced_": "all_gather", "shard_dim_alltoall": "all_to_all",
 }
 
 
-def _nbytes(x) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor))
+def _nbytes(x: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in T.tree_flatten(x)[0] if isinstance(t, torch.Tensor))
 
 
-class CollectiveTracker(TorchDispatchMode):
-    """Count and size the collectives issued under this mode, per kind and per mesh axis.
+class CollectiveCounter(CommDebugMode):
+    """torch's CommDebugMode, extended with what it lacks for the report: it counts each
+    collective per op only, so this adds the bytes and the mesh axis of every one it counts.
 
     ``axis_of_group`` maps a process-group name to a mesh-axis label (see
     :func:`group_axis_names`); unknown groups are labelled by their size.
@@ -140,62 +156,46 @@ class CollectiveTracker(TorchDispatchMode):
         self.counts: dict[tuple[str, str], int] = defaultdict(int)
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
 
-    def _axis(self, args) -> str:
-        for a in tree_flatten(args)[0]:
-            name = None
-            if isinstance(a, str) and a in self.axis_of_group:
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.get_total_counts()
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.get_total_counts() != before:  # CommDebugMode counted a collective
+            name = T.op_name(func)
+            kind = _KINDS.get(name, name.rstrip("_"))
+            key = (kind, self._axis(args))
+            self.counts[key] += 1
+            self.bytes[key] += _collective_bytes(func.namespace, kind, args, out)
+        return out
+
+    def _axis(self, args: Any) -> str:
+        for a in T.tree_flatten(args)[0]:
+            if isinstance(a, str) and a in self.axis_of_group:  # functional collectives: group name
                 return self.axis_of_group[a]
             if isinstance(a, torch.ScriptObject):  # c10d ops box their ProcessGroup
                 try:
                     a = dist.ProcessGroup.unbox(a)
-                except Exception:  # noqa: BLE001 - another script object (e.g. a ReduceOp)
+                except RuntimeError:  # another script object (e.g. a ReduceOp)
                     continue
-            if a is not None and not isinstance(a, (torch.Tensor, str, int, float, bool)):
-                name = getattr(a, "group_name", None)
-                if name in self.axis_of_group:
-                    return self.axis_of_group[name]
-                if name is not None:
-                    try:
-                        return f"group[{len(dist.get_process_group_ranks(a))}]"
-                    except Exception:  # noqa: BLE001
-                        return "group[?]"
+            if isinstance(a, dist.ProcessGroup):
+                return self.axis_of_group.get(a.group_name, f"group[{a.size()}]")
         return "?"
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # let DTensor desugar into local ops + collectives first
-        out = func(*args, **(kwargs or {}))
-        ns = func.namespace
-        if ns in ("_c10d_functional", "c10d_functional", "c10d", "_c10d_functional_autograd"):
-            kind = _KINDS.get(func._opname)
-            if kind is not None:
-                axis = self._axis(args)
-                if ns != "c10d":  # functional: (input, ...) -> output
-                    nb = _nbytes(out) if kind == "all_gather" else _nbytes(args[0])
-                elif kind in ("reduce_scatter", "all_to_all"):  # c10d: (output(s), input(s), ...)
-                    nb = _nbytes(args[1])
-                else:  # all_gather: gathered output(s); all_reduce / broadcast: the tensors
-                    nb = _nbytes(args[0])
-                self.counts[(kind, axis)] += 1
-                self.bytes[(kind, axis)] += nb
-        return out
+
+def _collective_bytes(namespace: str, kind: str, args: Any, out: Any) -> int:
+    """The per-rank buffer: all-gather -> gathered output, reduce-scatter -> unreduced
+    input, all-reduce / broadcast -> the tensor, all-to-all -> the input."""
+    if namespace != "c10d":  # functional: (input, ...) -> output
+        return _nbytes(out) if kind == "all_gather" else _nbytes(args[0])
+    if kind in ("reduce_scatter", "all_to_all"):  # c10d: (output(s), input(s), ...)
+        return _nbytes(args[1])
+    return _nbytes(args[0])  # all_gather: gathered output(s); all_reduce / broadcast: the tensors
 
 
-def group_axis_names(model: torch.nn.Module, root_mesh) -> dict[str, str]:
-    """Process-group name -> mesh-axis label, from every mesh reachable from ``model``
-    (DTensor parameters' meshes, the CP attention's mesh) and the root mesh. A group
-    that is a whole root axis gets that axis name; a flattened/borrowed one gets its own
-    name (``dp_shard_cp``, ``ep``, ``dp_shard_mod_ep``)."""
-    from torch.distributed.tensor import DTensor
-
-    meshes = [root_mesh]
-    for p in model.parameters():
-        if isinstance(p, DTensor):
-            meshes.append(p.device_mesh)
-    for m in model.modules():
-        for attr in ("cp_mesh",):
-            if hasattr(m, attr):
-                meshes.append(getattr(m, attr))
+def group_axis_names(model: torch.nn.Module, root_mesh: DeviceMesh) -> dict[str, str]:
+    """Process-group name -> mesh-axis label, from the root mesh and every mesh of the
+    model's DTensor parameters. A group that is a whole root axis gets that axis name; a
+    flattened/borrowed one gets its own name (``dp_shard_cp``, ``ep``, ``dp_shard_mod_ep``)."""
+    meshes = [root_mesh] + [p.device_mesh for p in model.parameters() if isinstance(p, DTensor)]
     out: dict[str, str] = {}
     seen = set()
     for mesh in meshes:
@@ -203,12 +203,7 @@ def group_axis_names(model: torch.nn.Module, root_mesh) -> dict[str, str]:
             continue
         seen.add(id(mesh))
         for i, name in enumerate(mesh.mesh_dim_names):
-            g = mesh.get_group(i)
-            out.setdefault(g.group_name, name)
-    for m in model.modules():
-        g = getattr(m, "_ep_group", None)
-        if g is not None:
-            out.setdefault(g.group_name, "ep")
+            out.setdefault(mesh.get_group(i).group_name, name)
     return out
 
 
@@ -266,98 +261,100 @@ def format_report(r: DryRunReport) -> str:
 
 
 def _local_nbytes(t: torch.Tensor) -> int:
-    from torch.distributed.tensor import DTensor
-
     if isinstance(t, DTensor):
         t = t.to_local()
     return t.numel() * t.element_size()
 
 
 @contextlib.contextmanager
-def _explain_data_dependence(cfg):
+def _explain_data_dependence(cfg: JobConfig) -> Iterator[None]:
     try:
         yield
     except Exception as e:  # noqa: BLE001 - FakeTensor's DataDependentOutputException
         if type(e).__name__ != "DataDependentOutputException":
             raise
-        raise ValueError(
+        raise ConfigError(
             f"{cfg.source}: the dry run hit an op whose output depends on tensor values "
             f"({e}); fake tensors have none. For MoE models the fp32 expert loop needs the "
             f"routing counts: run the dry run with --training.mixed_precision_param bfloat16 "
             f"(grouped matmuls, traceable)") from None
 
 
-def dry_run(job_config, world_size: int) -> DryRunReport:
+def _parallel_model(cfg: JobConfig, mesh: DeviceMesh, notes: list[str]) -> torch.nn.Module:
+    """The model on meta, in the master dtype, with the configured recipe applied; a
+    degree that does not fit is a ConfigError naming the key."""
+    overrides = {"vocab_size": cfg.model.vocab_size} if cfg.model.vocab_size > 0 else {}
+    model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **overrides)
+    if cfg.model.vocab_size <= 0:
+        notes.append(f"vocab_size = {model.args.vocab_size} (the flavor's; the byte tokenizer would use 256)")
+    if cfg.training.dtype != "float32":
+        model = model.to(dtype_of(cfg.training.dtype))
+    try:
+        return apply_recipe(model, mesh, cfg)
+    except RecipeError as e:
+        raise ConfigError(f"{cfg.source}: {e}") from None
+
+
+def _materialize(model: torch.nn.Module, uses_tp: bool) -> None:
+    """Fake storage for the (local shards of the) parameters and buffers."""
+    model.to_empty(device="cpu")
+    if uses_tp:
+        register_partial_grad_hooks(model)  # to_empty dropped the autograd hooks
+    with torch.no_grad():
+        for b in model.buffers():  # RoPE tables: any finite values will do
+            b.zero_()
+
+
+def _fwd_bwd(cfg: JobConfig, model: torch.nn.Module, mesh: DeviceMesh, report: DryRunReport) -> None:
+    """One forward + backward on a fake batch, measuring memory and collectives into ``report``."""
+    t = cfg.training
+    tokens = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long)
+    labels = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long)
+    positions = None
+    if CP in (mesh.mesh_dim_names or ()):
+        tokens, labels, positions = cp_shard_batch(tokens, labels, mesh, CP)
+    report.tokens = (tokens.shape[0], tokens.shape[1])
+    mem, comm = MemoryTracker(), CollectiveCounter(group_axis_names(model, mesh))
+    with warnings.catch_warnings(), mem, comm, _explain_data_dependence(cfg), loss_parallel_context(model):
+        # CommDebugMode hooks every module (its ModTracker); torch then warns about those hooks
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        logits = model(tokens) if positions is None else model(tokens, positions)
+        loss = cross_entropy_loss(logits, labels)
+        del logits
+        report.activation_bytes = mem.current
+        loss.backward()
+    del loss
+    report.peak_fwd_bwd_bytes = mem.peak
+    report.collectives = {k: (comm.counts[k], comm.bytes[k]) for k in comm.counts}
+    params = list(model.parameters())
+    report.param_bytes = sum(_local_nbytes(p) for p in params)
+    report.grad_bytes = sum(_local_nbytes(p.grad) for p in params if p.grad is not None)
+    report.optim_bytes = 2 * report.param_bytes  # AdamW: exp_avg + exp_avg_sq
+
+
+def dry_run(job_config: JobConfig, world_size: int) -> DryRunReport:
     """Build, parallelize and run one fwd+bwd of ``job_config`` on a fake world."""
-    from models import build_model, cross_entropy_loss
-    from parallel._torch import FakeTensorMode, fake_world
-    from parallel.mesh import build_mesh
-    from parallel.recipes import apply_recipe
-    from parallel.recipes.tp import loss_parallel_context, register_partial_grad_hooks
-
     t0 = time.time()
-    cfg, t = job_config, job_config.training
+    cfg = job_config
     if cfg.parallelism.mode != "manual":
-        raise ValueError("--dry-run simulates the manual recipes ([parallelism] mode = \"manual\")")
-    notes = []
-    overrides = {}
-    if cfg.model.vocab_size > 0:
-        overrides["vocab_size"] = cfg.model.vocab_size
-    with fake_world(world_size):
+        raise ConfigError(f"{cfg.source}: 'parallelism.mode' = {cfg.parallelism.mode!r}: --dry-run simulates "
+                          f'the manual recipes; set --parallelism.mode manual (or plan with scripts/plan.py)')
+    with T.fake_world(world_size):
         mesh = build_mesh(cfg.parallelism, world_size, "cpu")
-        model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **overrides)
-        if getattr(model.args, "max_seq_len", t.seq_len) < t.seq_len:
-            model = build_model(cfg.model.name, cfg.model.flavor, device="meta",
-                                max_seq_len=t.seq_len, **overrides)
-        if cfg.model.vocab_size <= 0:
-            notes.append(f"vocab_size = {model.args.vocab_size} (the flavor's; the byte "
-                         f"tokenizer would use 256)")
-        if t.dtype != "float32":
-            model = model.to(getattr(torch, t.dtype))
-        model = apply_recipe(model, mesh, cfg)
         names = tuple(mesh.mesh_dim_names or ())
-        uses_tp = "tp" in names
-        axis_names = group_axis_names(model, mesh)
-        mesh_desc = " x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape))
-        cp = mesh["cp"].size() if "cp" in names else 1
-        with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
-            model.to_empty(device="cpu")
-            if uses_tp:
-                register_partial_grad_hooks(model)  # to_empty dropped the autograd hooks
-            with torch.no_grad():
-                for b in model.buffers():  # RoPE tables: any finite values will do
-                    b.zero_()
-            tokens = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long)
-            labels = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long)
-            positions = None
-            if cp > 1:
-                from parallel.recipes.cp import cp_shard_batch
-
-                tokens, labels, positions = cp_shard_batch(tokens, labels, mesh, "cp")
-            mem, comm = MemoryTracker(), CollectiveTracker(axis_names)
-            with mem, comm, _explain_data_dependence(cfg):
-                with loss_parallel_context(model):
-                    logits = model(tokens) if positions is None else model(tokens, positions)
-                    loss = cross_entropy_loss(logits, labels)
-                    del logits
-                    act = mem.current
-                    loss.backward()
-            params = list(model.parameters())
-            pb = sum(_local_nbytes(p) for p in params)
-            gb = sum(_local_nbytes(p.grad) for p in params if p.grad is not None)
-            report = DryRunReport(
-                world_size=world_size, mesh=mesh_desc, model=f"{cfg.model.name}/{cfg.model.flavor}",
-                tokens=(tokens.shape[0], tokens.shape[1]), param_bytes=pb, grad_bytes=gb,
-                optim_bytes=2 * pb, activation_bytes=act, peak_fwd_bwd_bytes=mem.peak,
-                collectives={k: (comm.counts[k], comm.bytes[k]) for k in comm.counts},
-                notes=notes)
-            del loss, params
-        del fake_mode
+        report = DryRunReport(world_size=world_size, mesh=" x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape)),
+                              model=f"{cfg.model.name}/{cfg.model.flavor}", tokens=(0, 0))
+        model = _parallel_model(cfg, mesh, report.notes)
+        with T.FakeTensorMode(allow_non_fake_inputs=True):
+            _materialize(model, uses_tp=TP in names)
+            _fwd_bwd(cfg, model, mesh, report)
+        del model
     report.seconds = time.time() - t0
     return report
 
 
-def main(job_config, world_size: int) -> int:
+def main(job_config: JobConfig, world_size: int) -> int:
     """Entry point of ``train.py --dry-run --world-size N``: print the report."""
     print(format_report(dry_run(job_config, world_size)), flush=True)
     return 0
