@@ -21,6 +21,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
+from models import get_model_spec, model_args
+from parallel.auto.cost import DEFAULT_HARDWARE, ProfileError, load_hardware
+from parallel.auto.solve import SOLVERS
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -95,12 +99,17 @@ class Parallelism:
     context_parallel_degree: int = 1
     expert_parallel_degree: int = 1
     enable_sequence_parallel: bool = True
-    # auto mode
-    hardware: str = "cpu"
-    plan_file: str = ""
+    # auto mode: the planner's knobs (parallel.auto.api.AutoParallel)
+    hardware: str = DEFAULT_HARDWARE  # profile: configs/hardware/NAME.toml, or a path
+    plan_file: str = ""  # replay this plan.json instead of solving
     memory_budget_low: Optional[float] = None
     memory_budget_high: Optional[float] = None
     solver: str = "auto"
+    seed: Optional[bool] = None  # split-dimension seeding; unset: on from 3-D meshes
+    seed_radius: int = 2  # mesh axes a seeded strategy may differ from its seeds on
+    seed_rounds: int = 1  # > 1: re-seed around the solved plan while it improves
+    time_limit: float = 600.0  # seconds for the ILP solver
+    cluster_layers: bool = True  # one decision for the repeated copies of a layer
 
     def resolved_degrees(self, world_size: int) -> dict[str, int]:
         """Degrees with ``data_parallel_shard_degree = -1`` filled in (no checks)."""
@@ -137,7 +146,7 @@ class Checkpoint:
 class Metrics:
     log_freq: int = 10
     enable_tensorboard: bool = False
-    hardware: str = "cpu"  # profile for MFU (configs/hardware/NAME.toml; cpu is measured)
+    hardware: str = DEFAULT_HARDWARE  # profile for MFU (configs/hardware/NAME.toml; cpu is measured)
 
 
 @dataclass
@@ -341,7 +350,7 @@ def load_config(config: Optional[str] = None, overrides=(), *,
             # a bare flag: only booleans may omit the value
             sec = getattr(cfg, section, None)
             tp = _field_types(type(sec)).get(key) if sec is not None and section in SECTIONS else None
-            if tp is not bool and sec is not None and tp is not None:
+            if tp not in (bool, Optional[bool]) and sec is not None and tp is not None:
                 raise ConfigError(f"{where}: '{section}.{key}' needs a value "
                                   f"({_type_name(tp)})")
             value = "true"
@@ -359,14 +368,8 @@ def _err(cfg: JobConfig, section: str, key: str, msg: str) -> ConfigError:
     return ConfigError(f"{cfg.source}: '{section}.{key}' = {value!r}: {msg}")
 
 
-def hardware_profile_path(name: str) -> Path:
-    """A profile name -> configs/hardware/NAME.toml; a path (with / or .toml) as is."""
-    if name.endswith(".toml") or "/" in name or os.sep in name:
-        return Path(name)
-    return CONFIGS_DIR / "hardware" / f"{name}.toml"
-
-
 def env_world_size() -> int:
+    """The world size torchrun announces (1 for a plain process)."""
     try:
         return int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
@@ -375,10 +378,20 @@ def env_world_size() -> int:
 
 
 def validate_config(cfg: JobConfig, world_size: Optional[int] = None) -> None:
-    """Raise ConfigError for the first problem found. Touches no process group."""
+    """Raise ConfigError for the first problem found. Touches no process group, so every
+    rank finds the same problem before any collective."""
     for (section, key), choices in _CHOICES.items():
         if getattr(getattr(cfg, section), key) not in choices:
             raise _err(cfg, section, key, f"must be one of {', '.join(map(repr, choices))}")
+    _validate_ranges(cfg)
+    _validate_hardware(cfg)
+    _validate_parallelism(cfg, env_world_size() if world_size is None else world_size)
+    _validate_planner(cfg)
+    _validate_model(cfg)
+
+
+def _validate_ranges(cfg: JobConfig) -> None:
+    """Numbers out of range and paths that do not exist."""
     t = cfg.training
     for key in ("local_batch_size", "seq_len"):
         if getattr(t, key) < 1:
@@ -397,28 +410,28 @@ def validate_config(cfg: JobConfig, world_size: Optional[int] = None) -> None:
     if ck.keep_latest_k < 0:
         raise _err(cfg, "checkpoint", "keep_latest_k", "must be >= 0 (0 keeps all)")
     ac = cfg.activation_checkpoint
-    if ac.mode == "selective" and ac.selective_ac_option != "op":
-        if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:
-            raise _err(cfg, "activation_checkpoint", "selective_ac_option",
-                       "must be 'op' or a positive integer N (every N-th block) as a string")
+    if ac.mode == "selective" and ac.selective_ac_option != "op" and (
+            not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1):
+        raise _err(cfg, "activation_checkpoint", "selective_ac_option",
+                   "must be 'op' or a positive integer N (every N-th block) as a string")
     if cfg.data.num_workers < 0:
         raise _err(cfg, "data", "num_workers", "must be >= 0")
     if cfg.data.path and not Path(cfg.data.path).exists():
         raise _err(cfg, "data", "path", "no such file or folder")
 
-    for section in ("metrics", "parallelism"):
-        hw = getattr(cfg, section).hardware
-        if hw != "cpu" and not hardware_profile_path(hw).is_file():
-            known = sorted(p.stem for p in (CONFIGS_DIR / "hardware").glob("*.toml"))
-            raise _err(cfg, section, "hardware",
-                       f"no hardware profile configs/hardware/{hw}.toml; known: "
-                       f"{', '.join(known) or 'cpu'}")
 
-    _validate_parallelism(cfg, env_world_size() if world_size is None else world_size)
-    _validate_model(cfg)
+def _validate_hardware(cfg: JobConfig) -> None:
+    """Both hardware keys name a profile the planner can read (the planner's own loader)."""
+    for section in ("metrics", "parallelism"):
+        try:
+            load_hardware(getattr(cfg, section).hardware)
+        except ProfileError as e:
+            fix = "" if "available:" in str(e) else "; name a profile of configs/hardware/ or a valid profile .toml"
+            raise _err(cfg, section, "hardware", f"{e}{fix}") from None
 
 
 def _validate_parallelism(cfg: JobConfig, world_size: int) -> None:
+    """Degrees: positive, multiplying to the world size, EP dividing the data ranks."""
     p = cfg.parallelism
     names = ["data_parallel_replicate_degree", "tensor_parallel_degree",
              "context_parallel_degree", "expert_parallel_degree"]
@@ -452,8 +465,14 @@ def _validate_parallelism(cfg: JobConfig, world_size: int) -> None:
             raise _err(cfg, "parallelism", "expert_parallel_degree",
                        f"must divide data_parallel_shard_degree x context_parallel_degree "
                        f"= {dp_cp}")
-    if p.solver not in ("auto", "ilp", "mrf", "highs", "cbc"):  # planner solver (parallel/auto/solve)
-        raise _err(cfg, "parallelism", "solver", "must be one of auto, ilp, mrf (or highs, cbc: the ILP backend)")
+
+
+def _validate_planner(cfg: JobConfig) -> None:
+    """The auto mode's knobs (checked in manual mode too: a typo should not wait)."""
+    p = cfg.parallelism
+    if p.solver not in SOLVERS:
+        raise _err(cfg, "parallelism", "solver",
+                   f"must be one of {', '.join(SOLVERS)} (highs, cbc: the ILP with that backend)")
     for key in ("memory_budget_low", "memory_budget_high"):
         v = getattr(p, key)
         if v is not None and v < 0:
@@ -462,20 +481,32 @@ def _validate_parallelism(cfg: JobConfig, world_size: int) -> None:
             and p.memory_budget_low > p.memory_budget_high):
         raise _err(cfg, "parallelism", "memory_budget_low",
                    f"must not exceed memory_budget_high = {p.memory_budget_high}")
+    if p.seed_radius < 0:
+        raise _err(cfg, "parallelism", "seed_radius", "must be >= 0 (mesh axes a seeded strategy may change)")
+    if p.seed_rounds < 1:
+        raise _err(cfg, "parallelism", "seed_rounds", "must be >= 1 (1: seed once, no re-seeding)")
+    if not p.time_limit > 0:
+        raise _err(cfg, "parallelism", "time_limit", "must be > 0 seconds")
+    if p.plan_file and not Path(p.plan_file).is_file():
+        raise _err(cfg, "parallelism", "plan_file",
+                   "no such file; point it at a plan.json the planner wrote (<dump_folder>/<job.name>/plan.json) "
+                   "or leave it empty to plan")
 
 
 def _validate_model(cfg: JobConfig) -> None:
-    try:
-        from models import get_model_spec
-    except ImportError:  # models package not available: nothing to check against
-        return
+    """Known model and flavor; a sequence that fits the flavor's position tables."""
     try:
         spec = get_model_spec(cfg.model.name)
-    except (ValueError, KeyError) as e:
+    except ValueError as e:
         raise _err(cfg, "model", "name", f"unknown model ({e})") from None
     if cfg.model.flavor not in spec.flavors:
         raise _err(cfg, "model", "flavor",
                    f"no such flavor of {cfg.model.name}; flavors: {', '.join(spec.flavors)}")
+    max_seq_len = getattr(model_args(cfg.model.name, cfg.model.flavor), "max_seq_len", None)
+    if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
+        raise _err(cfg, "training", "seq_len",
+                   f"exceeds max_seq_len = {max_seq_len} of {cfg.model.name}/{cfg.model.flavor} (the length of its "
+                   f"RoPE tables); set training.seq_len <= {max_seq_len}, or pick a flavor with a longer max_seq_len")
 
 
 # --------------------------------------------------------------------------- printing

@@ -13,12 +13,8 @@ from typing import Optional
 
 import torch
 
-from .config import hardware_profile_path
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from parallel.auto.cost import load_hardware
+from parallel.precision import dtype_of
 
 logger = logging.getLogger("autotitan")
 
@@ -69,24 +65,13 @@ def measure_cpu_peak_flops(seconds: float = 0.2, n: int = 512, trials: int = 5) 
 def peak_flops(hardware: str, dtype: str = "float32") -> tuple[Optional[float], str]:
     """Peak FLOP/s per device for a hardware profile and compute dtype, and a note.
 
-    ``cpu`` is measured (fp32 matmul, once). Other names read
-    ``configs/hardware/NAME.toml`` (or a path to a .toml): ``[peak_tflops] bf16 / fp32`` (or a ``[compute]``
-    table with ``peak_tflops_bf16 / peak_tflops_fp32``). Unknown: (None, reason)."""
+    ``cpu`` is measured (fp32 matmul, once): the shared machine's figure beats a profile's.
+    Other names are read by the planner's loader (configs/hardware/NAME.toml or a path),
+    the same profile the cost model uses; the config validated that it loads."""
     if hardware == "cpu":
         return measure_cpu_peak_flops(), "cpu: measured fp32 matmul peak"
-    path = hardware_profile_path(hardware)
-    if not path.is_file():
-        return None, f"no hardware profile {path}"
-    with open(path, "rb") as f:
-        prof = tomllib.load(f)
-    short = "bf16" if dtype == "bfloat16" else "fp32"
-    table = prof.get("peak_tflops", {})
-    if short in table:
-        return float(table[short]) * 1e12, f"{hardware}: peak_tflops.{short}"
-    comp = prof.get("compute", {})
-    if f"peak_tflops_{short}" in comp:
-        return float(comp[f"peak_tflops_{short}"]) * 1e12, f"{hardware}: compute.peak_tflops_{short}"
-    return None, f"{path} has no [peak_tflops] {short}"
+    hw = load_hardware(hardware)
+    return hw.peak_flops(dtype_of(dtype)), f"{hardware}: peak_tflops ({dtype})"
 
 
 # --------------------------------------------------------------------------- memory

@@ -201,3 +201,50 @@ def test_cli_error_exit_code(tmp_path):
                        cwd=tmp_path)
     assert r.returncode == 2
     assert "training.stepz" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_planner_knobs_default_to_the_api_and_parse():
+    import inspect
+
+    from parallel.auto.api import AutoParallel
+    from parallel.auto.cost import DEFAULT_HARDWARE
+
+    api = inspect.signature(AutoParallel).parameters
+    p = load_config("llama3_debug_auto", world_size=2).parallelism
+    for key in ("seed", "seed_radius", "seed_rounds", "time_limit", "cluster_layers", "solver"):
+        assert getattr(p, key) == api[key].default, key
+    assert JobConfig().parallelism.hardware == JobConfig().metrics.hardware == DEFAULT_HARDWARE
+    p = load_config("llama3_debug_auto", ["--parallelism.seed", "--parallelism.seed_radius", "1",
+                                          "--parallelism.seed_rounds", "3", "--parallelism.time_limit", "30",
+                                          "--parallelism.cluster_layers", "false"], world_size=2).parallelism
+    assert (p.seed, p.seed_radius, p.seed_rounds, p.time_limit, p.cluster_layers) == (True, 1, 3, 30.0, False)
+    assert load_config("llama3_debug", ["--parallelism.seed", "none"], world_size=1).parallelism.seed is None
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("seed_radius", "-1", r"seed_radius' = -1: must be >= 0"),
+    ("seed_rounds", "0", r"seed_rounds' = 0: must be >= 1"),
+    ("time_limit", "0", r"time_limit' = 0.0: must be > 0"),
+    ("cluster_layers", "maybe", r"cluster_layers' = 'maybe' has the wrong type; expected true/false"),
+    ("seed", "often", r"seed' = 'often' has the wrong type; expected true/false or none"),
+    ("plan_file", "no/such/plan.json", r"plan_file' = 'no/such/plan.json': no such file"),
+    ("hardware", "broken.toml", r"hardware' = 'broken.toml': hardware profile file not found"),
+])
+def test_bad_planner_knobs(key, value, match):
+    with pytest.raises(ConfigError, match=r"llama3_debug_auto.toml.*: 'parallelism\." + match):
+        load_config("llama3_debug_auto", [f"--parallelism.{key}", value], world_size=2)
+
+
+def test_malformed_hardware_profile_is_a_config_error(tmp_path):
+    bad = write(tmp_path, 'name = "x"\n', "x.toml")
+    with pytest.raises(ConfigError, match=r"metrics.hardware' = '.*x.toml'.*missing required key"):
+        load_config("llama3_debug", ["--metrics.hardware", bad], world_size=1)
+
+
+def test_seq_len_beyond_the_flavors_max_seq_len():
+    with pytest.raises(ConfigError) as e:
+        load_config("qwen3_debug", ["--training.seq_len", "4096"], world_size=1)
+    msg = str(e.value)
+    assert "qwen3_debug.toml" in msg and "'training.seq_len' = 4096" in msg
+    assert "max_seq_len = 2048 of qwen3/debug" in msg and "training.seq_len <= 2048" in msg
+    assert load_config("qwen3_debug", ["--training.seq_len", "2048"], world_size=1).training.seq_len == 2048
