@@ -5,7 +5,10 @@
     python train.py --config llama3_debug --print-config
 
 The config is loaded and validated (including the parallelism degrees against
-WORLD_SIZE) before any process-group work; errors print one line and exit with code 2.
+WORLD_SIZE) before any process-group work. A configuration error -- of the config itself,
+of a recipe, of the planner (no feasible plan, a plan file that does not fit) or of a
+hardware profile -- ends the run on every rank with exit code 2; rank 0 prints it as one
+line naming the cause and the fix, without a traceback.
 """
 
 from __future__ import annotations
@@ -13,10 +16,31 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from datetime import timedelta
 
+import torch.distributed as dist
 
-def parse_args(argv=None):
+from parallel.auto.cost import ProfileError
+from parallel.auto.plan import PlanMismatchError
+from parallel.auto.problem import PlanningError
+from parallel.recipes import RecipeError
+from trainer.config import ConfigError, JobConfig, load_config
+from trainer.dry_run import main as dry_run_main
+from trainer.trainer import Trainer
+
+USER_ERRORS = (ConfigError, RecipeError, PlanningError, PlanMismatchError, ProfileError)
+"""What the user fixes in the config: reported as one line, exit code 2. The trainer turns
+the lower layers' errors into ConfigErrors naming the key; the others are listed so that
+one that slips through is still reported the same way."""
+EXIT_CONFIG_ERROR = 2
+REPORT_GRACE_S = 5.0
+"""How long the other ranks wait before exiting on such an error: torchrun stops every rank
+once one has exited, so rank 0, which prints the error, must not be stopped first."""
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The entry point's own flags; everything else is a --section.key override."""
     ap = argparse.ArgumentParser(
         description="Train an LLM with autotitan.",
         epilog="Any --section.key value pair overrides the config, e.g. "
@@ -33,9 +57,8 @@ def parse_args(argv=None):
     return ap.parse_known_args(argv)
 
 
-def init_distributed():
+def init_distributed() -> bool:
     """gloo process group from torchrun's env vars; none for a plain single process."""
-    import torch.distributed as dist
     if dist.is_initialized():
         return False
     if "WORLD_SIZE" not in os.environ or (
@@ -45,41 +68,45 @@ def init_distributed():
     return True
 
 
-def main(argv=None) -> int:
-    args, overrides = parse_args(argv)
-    from trainer.config import ConfigError, load_config
-    if args.dry_run:  # recipes helper: fake-world simulation, no process group
-        from trainer.dry_run import main as dry_run_main
-        ws = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-        try:
-            return dry_run_main(load_config(args.config, overrides, world_size=ws), ws)
-        except (ConfigError, ValueError) as e:
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(f"# resolved from {cfg.source}")
-        print(cfg.to_toml())
-        return 0
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def report(error: Exception) -> int:
+    """Rank 0 prints the error as one line (every rank raised the same one); all exit 2."""
+    if _rank() == 0:
+        print("config error: " + " ".join(str(error).split("\n")), file=sys.stderr, flush=True)
+    else:
+        time.sleep(REPORT_GRACE_S)
+    return EXIT_CONFIG_ERROR
+
+
+def train(cfg: JobConfig) -> None:
+    """Run the job, in a process group when torchrun started us."""
     started = init_distributed()
     try:
-        from trainer.trainer import Trainer
-        try:
-            Trainer(cfg).train()
-            if started:  # every rank done with its collectives before gloo is torn down
-                import torch.distributed as dist
-                dist.barrier()
-        except ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
+        Trainer(cfg).train()
+        if started:  # every rank done with its collectives before gloo is torn down
+            dist.barrier()
     finally:
         if started:
-            import torch.distributed as dist
             dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(argv)
+    try:
+        if args.dry_run:  # fake-world simulation, no process group
+            ws = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+            return dry_run_main(load_config(args.config, overrides, world_size=ws), ws)
+        cfg = load_config(args.config, overrides)
+        if args.print_config:
+            print(f"# resolved from {cfg.source}")
+            print(cfg.to_toml())
+            return 0
+        train(cfg)
+    except USER_ERRORS as e:
+        return report(e)
     return 0
 
 

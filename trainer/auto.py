@@ -6,15 +6,19 @@
    the planner decides what each axis does. The data loader gives every data-parallel
    rank (`dp_replicate` x `dp_shard` coordinates) its own local batch, so the tokens and
    labels are constrained to Shard(0) on those axes and Replicate on the others.
-2. Rank 0 plans (trace -> candidates -> problem -> solve) with the configured hardware
-   profile, solver and memory budget and broadcasts the plan (JSON); every rank then
-   checks it against its own trace (same graph, same candidate menus) and all ranks
-   verify they hold the identical plan. `parallelism.plan_file` replays a saved plan
-   without solving; a plan made for another model, mesh or input shape is refused.
+2. Rank 0 plans (trace -> candidates -> problem -> solve) with the `[parallelism]` knobs
+   (hardware profile, solver, memory budget, seeding, time limit, layer clustering) and
+   broadcasts the plan (JSON), or its error, which every rank then raises; every rank
+   checks the plan against its own trace (same graph, same candidate menus) and all
+   ranks verify they hold the identical plan. `parallelism.plan_file` replays a saved
+   plan without solving; a plan made for another model, mesh or input shape is refused.
 3. The plan summary and objective are logged, the plan JSON is written to
    `<dump_folder>/<job.name>/plan.json`, and the model is materialised as a
    ParallelModule (parallel/auto/runtime) whose forward takes the per-rank
    (tokens, labels) and returns the global mean loss.
+
+The planner's errors (no feasible plan, a plan file that does not fit, a bad hardware
+profile) become ConfigErrors naming the `[parallelism]` key to change.
 """
 
 from __future__ import annotations
@@ -22,31 +26,38 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
 
 from parallel.auto.api import AutoParallel, lm_loss
-from parallel.auto.plan import Plan
+from parallel.auto.cost import ProfileError
+from parallel.auto.plan import Plan, PlanMismatchError
+from parallel.auto.problem import PlanningError
+from parallel.mesh import CP, DATA_AXES
+from parallel.precision import is_mixed
+from parallel.precision import mixed_precision_policy as precision_policy
+
+from .config import ConfigError, JobConfig
 
 logger = logging.getLogger("autotitan")
 
-DATA_AXES = ("dp_replicate", "dp_shard")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-
-def data_placements(mesh: Any) -> tuple:
+def data_placements(mesh: DeviceMesh) -> tuple:
     """Shard(0) (batch) on the data-parallel axes, Replicate on the others."""
     names = mesh.mesh_dim_names or ()
     return tuple(Shard(0) if n in DATA_AXES else Replicate() for n in names)
 
 
-def data_degree(mesh: Any) -> int:
+def data_degree(mesh: DeviceMesh) -> int:
+    """Number of data-parallel ranks (product of the data axes' sizes)."""
     names = mesh.mesh_dim_names or ()
     d = 1
     for n, s in zip(names, mesh.shape):
@@ -55,18 +66,14 @@ def data_degree(mesh: Any) -> int:
     return d
 
 
-def mixed_precision_policy(training_cfg: Any) -> Any:
-    """MixedPrecisionPolicy for bf16 compute (None when training is plain fp32)."""
-    param = _DTYPES[training_cfg.mixed_precision_param]
-    reduce = _DTYPES[training_cfg.mixed_precision_reduce]
-    if param == torch.float32 and reduce == torch.float32:
-        return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+def mixed_precision_policy(training_cfg: Any) -> Optional[MixedPrecisionPolicy]:
+    """The `[training]` policy for the planner (None when training is plain fp32)."""
+    policy = precision_policy(training_cfg.mixed_precision_param, training_cfg.mixed_precision_reduce)
+    return policy if is_mixed(policy) else None
 
 
-def plan_digest(plan: Any) -> str:
+def plan_digest(plan: Plan) -> str:
+    """A short hash of the plan without its timings: equal on ranks that hold the same plan."""
     d = plan.to_json()
     d.pop("timings", None)
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -76,23 +83,38 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def auto_parallelize_for_training(model: nn.Module, mesh: Any, job_config: Any, sample_batch: Any) -> nn.Module:
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def auto_parallelize_for_training(model: nn.Module, mesh: Optional[DeviceMesh], job_config: JobConfig,
+                                  sample_batch: Any) -> nn.Module:
     """Plan (or replay a plan for) `model` on `mesh` and return the ParallelModule.
 
     sample_batch: the per-rank (tokens, labels) of the data loader; the global batch is
     the local one times the data-parallel degree. Without a mesh (single process) the
-    model is returned unchanged.
+    model is returned unchanged. Planner errors are raised as ConfigErrors on every rank.
     """
     if mesh is None:
         logger.info("parallelism.mode = auto on a single process: nothing to plan, training the model as is")
         return model
-    par = job_config.parallelism
-    names = tuple(mesh.mesh_dim_names or ())
-    if "cp" in names:
-        from trainer.config import ConfigError
+    _check_supported(job_config, mesh)
+    par, src = job_config.parallelism, job_config.source
+    try:
+        return _plan_and_apply(model, mesh, job_config, sample_batch)
+    except PlanMismatchError as e:
+        raise ConfigError(f"{src}: 'parallelism.plan_file' = {par.plan_file!r}: {e}") from None
+    except PlanningError as e:
+        raise _planning_error(job_config, e) from None
+    except ProfileError as e:
+        raise ConfigError(f"{src}: 'parallelism.hardware' = {par.hardware!r}: {e}") from None
 
+
+def _check_supported(job_config: JobConfig, mesh: DeviceMesh) -> None:
+    """Refuse what the planner's inputs cannot express; warn about ignored keys."""
+    if CP in (mesh.mesh_dim_names or ()):
         raise ConfigError(
-            f"{getattr(job_config, 'source', 'config')}: 'parallelism.context_parallel_degree' > 1 with mode = "
+            f"{job_config.source}: 'parallelism.context_parallel_degree' > 1 with mode = "
             f'"auto": the trainer splits the sequence into load-balanced CP chunks, which the planner\'s '
             "inputs cannot express; use the degree as a data/tensor axis (data_parallel_shard_degree or "
             "tensor_parallel_degree) and let the planner choose, or mode = \"manual\"")
@@ -101,51 +123,93 @@ def auto_parallelize_for_training(model: nn.Module, mesh: Any, job_config: Any, 
                        job_config.activation_checkpoint.mode)
     if job_config.training.compile:
         logger.warning("training.compile is ignored in auto mode: the ParallelModule runs eagerly")
+
+
+def _planning_error(job_config: JobConfig, e: PlanningError) -> ConfigError:
+    """No feasible plan: name the budget keys the user set (or the mode) and the fix."""
+    p = job_config.parallelism
+    budgets = [f"'parallelism.{k}' = {getattr(p, k)}" for k in ("memory_budget_low", "memory_budget_high")
+               if getattr(p, k) is not None]
+    if budgets:
+        what = " and ".join(budgets)
+        fix = "loosen the budget (a fraction of the parameters' bytes per device) or unset it"
+    else:
+        what, fix = "'parallelism.mode' = 'auto'", 'change the parallelism degrees, or use mode = "manual"'
+    return ConfigError(f"{job_config.source}: {what}: the planner finds no plan ({e}); {fix}")
+
+
+def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, sample_batch: Any) -> nn.Module:
+    """Trace, get the plan (replayed, or solved on rank 0 and broadcast), check, log, apply."""
+    par = job_config.parallelism
     tokens, labels = sample_batch
-    dp = data_degree(mesh)
-    gshape = (tokens.shape[0] * dp, *tokens.shape[1:])
+    gshape = (tokens.shape[0] * data_degree(mesh), *tokens.shape[1:])
     g_inputs = (torch.zeros(gshape, dtype=tokens.dtype, device="meta"),
                 torch.zeros(gshape, dtype=labels.dtype, device="meta"))
+    saved = Plan.load(par.plan_file) if par.plan_file else None  # a bad file fails before tracing
     pl = data_placements(mesh)
-    mp_policy = mixed_precision_policy(job_config.training)
-    rank = _rank()
-    run_dir = Path(job_config.job.dump_folder) / job_config.job.name
-    with AutoParallel(model, g_inputs, mesh, loss_fn=lm_loss, mp_policy=mp_policy, hardware=par.hardware,
-                      solver=par.solver) as autop:
+    with AutoParallel(model, g_inputs, mesh, loss_fn=lm_loss, mp_policy=mixed_precision_policy(job_config.training),
+                      hardware=par.hardware, solver=par.solver, time_limit=par.time_limit,
+                      cluster_layers=par.cluster_layers, seed=par.seed, seed_radius=par.seed_radius,
+                      seed_rounds=par.seed_rounds) as autop:
         autop.add_input_constraints([pl, pl])
         if par.memory_budget_low is not None or par.memory_budget_high is not None:
             autop.add_parameter_memory_constraint(low=par.memory_budget_low, high=par.memory_budget_high)
-        if par.plan_file:
+        if saved is not None:
             input_shapes = [[list(x.shape), str(x.dtype)] for x in g_inputs]
-            plan = Plan.load(par.plan_file, model=model, mesh=mesh, input_shapes=input_shapes)
-            how = f"replayed from {par.plan_file}"
+            saved.check_compatible(model=model, mesh=mesh, input_shapes=input_shapes, source=par.plan_file)
+            plan, how = saved, f"replayed from {par.plan_file}"
         else:
-            payload = [None]
-            if rank == 0:
-                plan = autop.optimize_placement(verbose=True)
-                payload = [plan.to_json()]
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.broadcast_object_list(payload, src=0)
-            if rank != 0:
-                plan = Plan.from_json(payload[0])
+            plan = _solve_on_rank0(autop)
             how = f"solved by {plan.solver} ({plan.status})"
         digest = plan_digest(plan)
         _check_agreement(digest)
-        if rank == 0:
-            logger.info("auto-parallel plan %s, objective %.1f µs, digest %s\n%s", how, plan.objective_us, digest,
-                        plan.summary())
-            run_dir.mkdir(parents=True, exist_ok=True)
-            plan.save(str(run_dir / "plan.json"))
-            logger.info("plan saved to %s", run_dir / "plan.json")
-        pmodel = autop.apply_placement(plan)
-    return pmodel
+        if _rank() == 0:
+            _log_and_save(plan, how, digest, Path(job_config.job.dump_folder) / job_config.job.name)
+        return autop.apply_placement(plan)
+
+
+def _solve_on_rank0(autop: AutoParallel) -> Plan:
+    """Rank 0 solves and broadcasts the plan, or its error: then every rank raises that
+    error (instead of waiting forever in the broadcast)."""
+    payload: list[Any] = [None]
+    error: Optional[Exception] = None
+    if _rank() == 0:
+        try:
+            payload = [autop.optimize_placement(verbose=True).to_json()]
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            error = e
+            payload = [_sendable(e)]
+    if _world() > 1:
+        dist.broadcast_object_list(payload, src=0)
+    if error is not None:
+        raise error
+    if isinstance(payload[0], Exception):
+        raise payload[0]
+    return Plan.from_json(payload[0])
+
+
+def _sendable(e: Exception) -> Exception:
+    """`e` itself when it pickles (the planner's errors do), else a RuntimeError saying it."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return RuntimeError(f"planning failed on rank 0: {type(e).__name__}: {e}")
+
+
+def _log_and_save(plan: Plan, how: str, digest: str, run_dir: Path) -> None:
+    logger.info("auto-parallel plan %s, objective %.1f µs, digest %s\n%s", how, plan.objective_us, digest,
+                plan.summary())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    plan.save(str(run_dir / "plan.json"))
+    logger.info("plan saved to %s", run_dir / "plan.json")
 
 
 def _check_agreement(digest: str) -> None:
     """Every rank must apply the same plan."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if _world() == 1:
         return
-    digests: list[Any] = [None] * dist.get_world_size()
+    digests: list[Any] = [None] * _world()
     dist.all_gather_object(digests, digest)
     if len(set(digests)) != 1:
         raise RuntimeError(f"ranks disagree on the plan: digests {digests}")

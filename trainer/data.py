@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 SHIPPED_CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus.txt"
+
+
+class DataError(ValueError):
+    """Text that cannot feed the configured batches (the trainer reports it as a config
+    error naming its file)."""
 
 
 class ByteTokenizer:
@@ -41,7 +47,7 @@ class ByteTokenizer:
 def build_tokenizer(name: str):
     if name == "byte":
         return ByteTokenizer()
-    raise ValueError(f"unknown tokenizer {name!r}; available: byte")
+    raise DataError(f"unknown tokenizer {name!r}; available: byte")
 
 
 def _read_file(path: Path, jsonl_field: str) -> list[str]:
@@ -55,9 +61,9 @@ def _read_file(path: Path, jsonl_field: str) -> list[str]:
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
                 if not isinstance(rec, dict) or jsonl_field not in rec:
-                    raise ValueError(f"{path}:{lineno}: no '{jsonl_field}' field "
+                    raise DataError(f"{path}:{lineno}: no '{jsonl_field}' field "
                                      f"(set [data] jsonl_field)")
                 docs.append(str(rec[jsonl_field]))
         return docs
@@ -73,11 +79,11 @@ def load_corpus(path: str = "", jsonl_field: str = "text") -> str:
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.suffix in (".txt", ".jsonl") and f.is_file())
         if not files:
-            raise ValueError(f"[data] path {path!r}: no .txt or .jsonl files in the folder")
+            raise DataError(f"[data] path {path!r}: no .txt or .jsonl files in the folder")
     elif p.is_file():
         files = [p]
     else:
-        raise ValueError(f"[data] path {path!r}: no such file or folder")
+        raise DataError(f"[data] path {path!r}: no such file or folder")
     docs = []
     for f in files:
         docs += _read_file(f, jsonl_field)
@@ -92,8 +98,9 @@ class TokenWindows(Dataset):
         self.seq_len = seq_len
         self.n = (len(tokens) - 1) // seq_len
         if self.n < 1:
-            raise ValueError(f"corpus of {len(tokens)} tokens is shorter than one sample "
-                             f"of seq_len + 1 = {seq_len + 1} tokens")
+            raise DataError(f"the corpus of {len(tokens)} tokens is shorter than one sample of "
+                            f"training.seq_len + 1 = {seq_len + 1} tokens; lower training.seq_len or "
+                            f"give [data] path more text")
 
     def __len__(self) -> int:
         return self.n
@@ -124,7 +131,7 @@ class DPBatchSampler:
         self.global_batch = local_batch_size * dp_degree
         self.batches_per_epoch = num_samples // self.global_batch
         if self.batches_per_epoch < 1:
-            raise ValueError(
+            raise DataError(
                 f"the corpus has {num_samples} samples, fewer than one global batch of "
                 f"{self.global_batch} (local_batch_size {local_batch_size} x "
                 f"{dp_degree} data-parallel ranks); use more text or smaller batches/seq_len")

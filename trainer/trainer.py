@@ -11,48 +11,52 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from models import build_model, cross_entropy_loss
-from parallel.mesh import build_mesh, dp_rank_and_degree
+from parallel.mesh import CP, build_mesh, dp_rank_and_degree
+from parallel.precision import dtype_of
+from parallel.recipes import RecipeError, apply_compile, apply_recipe
+from parallel.recipes.cp import cp_shard_batch
+from parallel.recipes.tp import loss_parallel_context, loss_value
+
 from .auto import auto_parallelize_for_training
 from .checkpoint import CheckpointManager
 from .config import ConfigError, JobConfig
-from .data import build_dataloader, build_tokenizer
+from .data import DataError, build_dataloader, build_tokenizer
 from .metrics import MetricsLogger, setup_logging
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 
 logger = logging.getLogger("autotitan")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-
-def parallelize(model: torch.nn.Module, mesh, job_config: JobConfig, sample_batch):
+def parallelize(model: torch.nn.Module, mesh: Optional[DeviceMesh], job_config: JobConfig,
+                sample_batch: Any) -> torch.nn.Module:
     """The one place where the model becomes parallel. ``mesh`` is None without a
-    process group (single process): the model is returned as is."""
+    process group (single process): the model is returned as is (compiled if asked).
+    A recipe's error (a degree that does not fit) becomes a ConfigError naming the file."""
     if job_config.parallelism.mode == "auto":
         return auto_parallelize_for_training(model, mesh, job_config, sample_batch)
     if mesh is None:
-        if job_config.training.compile:
-            from parallel.recipes import apply_compile
-            apply_compile(model)
-        return model
-    from parallel.recipes import apply_recipe
-    return apply_recipe(model, mesh, job_config)
-
-
-def _is_fsdp(model) -> bool:
+        return apply_compile(model) if job_config.training.compile else model
     try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover
-        return False
+        return apply_recipe(model, mesh, job_config)
+    except RecipeError as e:
+        raise ConfigError(f"{job_config.source}: {e}") from None
+
+
+def _is_fsdp(model: torch.nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 class Trainer:
+    """One training job: mesh, data, model (parallelized), optimizer, checkpoints, metrics."""
+
     def __init__(self, job_config: JobConfig):
         self.cfg = cfg = job_config
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -61,52 +65,15 @@ class Trainer:
         setup_logging(self.rank)
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
         self.device = torch.device("cpu")
-
-        # ---- mesh and data-parallel coordinates
-        if self.distributed:
-            self.mesh = build_mesh(cfg.parallelism, self.world_size, self.device.type)
-        else:
-            if self.world_size != 1:  # pragma: no cover
-                raise RuntimeError("no process group")
-            self.mesh = None
+        self.mesh = build_mesh(cfg.parallelism, self.world_size, self.device.type) if self.distributed else None
         self.dp_rank, self.dp_degree = dp_rank_and_degree(self.mesh)
-        self.cp_axis = (self.mesh is not None and self.mesh.mesh_dim_names is not None
-                        and "cp" in self.mesh.mesh_dim_names)
-
-        # ---- data
+        self.cp_axis = self.mesh is not None and CP in (self.mesh.mesh_dim_names or ())
+        self._build_data()
+        self.model = self._build_model()
         t = cfg.training
-        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
-        self.dataloader = build_dataloader(
-            cfg.data, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-            dp_rank=self.dp_rank, dp_degree=self.dp_degree, seed=cfg.job.seed,
-            tokenizer=self.tokenizer)
-
-        # ---- model: same full init on every rank, then parallelize
-        vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else self.tokenizer.vocab_size
-        if vocab < self.tokenizer.vocab_size:
-            raise ConfigError(f"{cfg.source}: 'model.vocab_size' = {vocab} is smaller than "
-                              f"the tokenizer's vocabulary {self.tokenizer.vocab_size}")
-        model = build_model(cfg.model.name, cfg.model.flavor, device="meta", vocab_size=vocab)
-        if getattr(model.args, "max_seq_len", t.seq_len) < t.seq_len:
-            model = build_model(cfg.model.name, cfg.model.flavor, device="meta",
-                                vocab_size=vocab, max_seq_len=t.seq_len)
-        self.model_args = model.args
-        model.to_empty(device=self.device)
-        torch.manual_seed(cfg.job.seed)
-        with torch.no_grad():
-            model.init_weights()
-        if t.dtype != "float32":
-            model = model.to(DTYPES[t.dtype])
-        self.num_params = sum(p.numel() for p in model.parameters())
-        sample = (torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long),
-                  torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long))
-        self.model = parallelize(model, self.mesh, cfg, sample)
-        self.model.train()
         # mixed precision without FSDP (single rank): autocast
         self.autocast = (t.mixed_precision_param != "float32" and not _is_fsdp(self.model)
                          and t.dtype == "float32" and cfg.parallelism.mode == "manual")
-
-        # ---- optimizer, schedule, checkpoints, metrics
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.checkpointer = CheckpointManager(
@@ -114,22 +81,61 @@ class Trainer:
             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, dp_rank=self.dp_rank)
         self.step = 0
-        try:
-            fpt = float(self.model_args.flops_per_token(t.seq_len))
-        except (AttributeError, TypeError):
-            fpt = 6.0 * self.num_params
-        self.flops_per_token = fpt
-        compute_dtype = t.mixed_precision_param if t.dtype == "float32" else t.dtype
-        self.compute_dtype = compute_dtype
+        self.flops_per_token = self._flops_per_token()
+        self.compute_dtype = t.mixed_precision_param if t.dtype == "float32" else t.dtype
         self.metrics: Optional[MetricsLogger] = None
+
+    # ------------------------------------------------------------------ building
+
+    def _build_data(self) -> None:
+        """Tokenizer and this data-parallel rank's loader; text that cannot fill a batch is
+        a config error (every rank reads the same text, so all ranks raise it)."""
+        cfg, t = self.cfg, self.cfg.training
+        try:
+            self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+            self.dataloader = build_dataloader(
+                cfg.data, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+                dp_rank=self.dp_rank, dp_degree=self.dp_degree, seed=cfg.job.seed,
+                tokenizer=self.tokenizer)
+        except DataError as e:
+            raise ConfigError(f"{cfg.source}: {e}") from None
+
+    def _build_model(self) -> torch.nn.Module:
+        """The same full init on every rank (seeded), then parallelized (recipe or plan)."""
+        cfg, t = self.cfg, self.cfg.training
+        vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else self.tokenizer.vocab_size
+        if vocab < self.tokenizer.vocab_size:
+            raise ConfigError(f"{cfg.source}: 'model.vocab_size' = {vocab} is smaller than "
+                              f"the tokenizer's vocabulary {self.tokenizer.vocab_size}; raise it or "
+                              f"set -1 to take the tokenizer's")
+        model = build_model(cfg.model.name, cfg.model.flavor, device="meta", vocab_size=vocab)
+        self.model_args = model.args
+        model.to_empty(device=self.device)
+        torch.manual_seed(cfg.job.seed)
+        with torch.no_grad():
+            model.init_weights()
+        if t.dtype != "float32":
+            model = model.to(dtype_of(t.dtype))
+        self.num_params = sum(p.numel() for p in model.parameters())
+        sample = (torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long),
+                  torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long))
+        model = parallelize(model, self.mesh, cfg, sample)
+        model.train()
+        return model
+
+    def _flops_per_token(self) -> float:
+        """Model FLOPs per token of a training step (6 x params when the model does not say)."""
+        try:
+            return float(self.model_args.flops_per_token(self.cfg.training.seq_len))
+        except (AttributeError, TypeError):
+            return 6.0 * self.num_params
 
     # ------------------------------------------------------------------ pieces
 
     def _shard_batch(self, inputs, labels):
         """Per-rank inputs, labels and positions (context parallel shards the sequence)."""
         if self.cp_axis:
-            from parallel.recipes.cp import cp_shard_batch
-            return cp_shard_batch(inputs, labels, self.mesh, "cp")
+            return cp_shard_batch(inputs, labels, self.mesh, CP)
         return inputs, labels, None
 
     def _reduce_mean(self, x: float) -> float:
@@ -143,10 +149,9 @@ class Trainer:
         """One optimizer step; returns (local loss, total grad norm) as tensors."""
         inputs, labels, positions = self._shard_batch(inputs, labels)
         self.optimizer.zero_grad(set_to_none=True)
-        ctx = (torch.autocast(self.device.type, dtype=DTYPES[self.cfg.training.mixed_precision_param])
+        ctx = (torch.autocast(self.device.type, dtype=dtype_of(self.cfg.training.mixed_precision_param))
                if self.autocast else contextlib.nullcontext())
         # TP with loss parallel: vocab-sharded logits; loss and backward inside the context
-        from parallel.recipes.tp import loss_parallel_context, loss_value
         with loss_parallel_context(self.model):
             with ctx:
                 if getattr(self.model, "computes_loss", False):  # auto-mode ParallelModule

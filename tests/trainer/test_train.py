@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from trainer.config import load_config
 from trainer.optim import WarmupDecay, clip_grad_norm_, total_grad_norm
 from trainer.trainer import Trainer
 
@@ -82,12 +81,3 @@ def test_metrics_and_tensorboard(cfg_factory, tmp_path):
               "train/mfu_pct", "train/memory_gib"):
         assert t in tags
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2]
-
-
-def test_mode_auto_without_planner_is_clear(cfg_factory, monkeypatch):
-    import sys
-    monkeypatch.setitem(sys.modules, "parallel.auto.api", None)  # import fails
-    cfg = cfg_factory(extra=["--parallelism.mode", "auto", "--training.steps", "1"])
-    from trainer.config import ConfigError
-    with pytest.raises(ConfigError, match="not available yet"):
-        Trainer(cfg)

@@ -1,0 +1,72 @@
+"""trainer/auto.py without a process group: every [parallelism] knob reaches AutoParallel,
+and the planner's errors become ConfigErrors naming the key (stub planner, stub mesh)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import trainer.auto as auto
+from parallel.auto.problem import PlanningError
+from trainer.config import ConfigError, load_config
+
+MESH = SimpleNamespace(mesh_dim_names=("dp_shard",), shape=(2,))
+BATCH = (torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+
+
+class NoPlan:
+    """Records how it was built and what was asked; finds no plan."""
+
+    seen: dict = {}
+
+    def __init__(self, model, inputs, mesh, **kwargs):
+        NoPlan.seen = {"inputs": inputs, **kwargs}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def add_input_constraints(self, placements):
+        NoPlan.seen["input_placements"] = placements
+
+    def add_parameter_memory_constraint(self, low=None, high=None):
+        NoPlan.seen["memory"] = (low, high)
+
+    def optimize_placement(self, verbose=True):
+        raise PlanningError("parameter memory constraint (low=None, high=0.1) cannot all hold")
+
+
+def test_knobs_reach_the_planner_and_no_plan_names_the_budget(monkeypatch):
+    monkeypatch.setattr(auto, "AutoParallel", NoPlan)
+    cfg = load_config("llama3_debug_auto", [
+        "--parallelism.hardware", "h100", "--parallelism.solver", "mrf", "--parallelism.seed", "true",
+        "--parallelism.seed_radius", "1", "--parallelism.seed_rounds", "2", "--parallelism.time_limit", "12.5",
+        "--parallelism.cluster_layers", "false", "--parallelism.memory_budget_high", "0.1",
+        "--training.mixed_precision_param", "bfloat16"], world_size=2)
+    with pytest.raises(ConfigError) as e:
+        auto.auto_parallelize_for_training(torch.nn.Linear(2, 2), MESH, cfg, BATCH)
+    s = NoPlan.seen
+    assert (s["hardware"], s["solver"], s["seed"], s["seed_radius"], s["seed_rounds"], s["time_limit"],
+            s["cluster_layers"]) == ("h100", "mrf", True, 1, 2, 12.5, False)
+    assert s["mp_policy"].param_dtype == torch.bfloat16 and s["mp_policy"].reduce_dtype == torch.float32
+    assert s["memory"] == (None, 0.1)
+    assert [tuple(x.shape) for x in s["inputs"]] == [(4, 8), (4, 8)]  # global batch: 2 data ranks
+    msg = str(e.value)
+    assert "llama3_debug_auto.toml: 'parallelism.memory_budget_high' = 0.1" in msg
+    assert "cannot all hold" in msg and "unset it" in msg
+
+
+def test_corrupt_plan_file_fails_before_tracing(monkeypatch, tmp_path):
+    monkeypatch.setattr(auto, "AutoParallel", None)  # never reached
+    bad = tmp_path / "plan.json"
+    bad.write_text("\x00 not json")
+    cfg = load_config("llama3_debug_auto", ["--parallelism.plan_file", str(bad)], world_size=2)
+    with pytest.raises(ConfigError, match=r"'parallelism.plan_file' = '.*plan.json': .*not a plan file"):
+        auto.auto_parallelize_for_training(torch.nn.Linear(2, 2), MESH, cfg, BATCH)
+
+
+def test_fp32_training_gives_the_planner_no_policy():
+    cfg = load_config("llama3_debug_auto", world_size=2)
+    assert auto.mixed_precision_policy(cfg.training) is None
