@@ -17,12 +17,15 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.optim.lr_scheduler import LambdaLR
 
+from .config import Checkpoint
 from .optim import lr_schedule_state, restore_lr_schedule
 
 logger = logging.getLogger("autotitan")
@@ -35,10 +38,8 @@ def _quiet():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
+
 _STEP_RE = re.compile(r"^step-(\d+)$")
-# Test hook: kill this process with SIGKILL after the files of step N are written but
-# before the rename that makes the checkpoint valid.
-_KILL_ENV = "AUTOTITAN_TEST_KILL_DURING_SAVE"
 
 
 def _dist() -> bool:
@@ -66,8 +67,10 @@ def complete_checkpoints(folder: Path) -> dict[int, Path]:
 
 
 class CheckpointManager:
-    def __init__(self, ckpt_cfg, folder: Path, *, model, optimizer, lr_scheduler,
-                 dataloader, dp_rank: int = 0):
+    """Saves and restores the whole training state as DCP folders (see the module doc)."""
+
+    def __init__(self, ckpt_cfg: Checkpoint, folder: Path, *, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, lr_scheduler: LambdaLR, dataloader: Any, dp_rank: int = 0):
         self.cfg = ckpt_cfg
         self.folder = Path(folder)
         self.model = model
@@ -94,9 +97,12 @@ class CheckpointManager:
     # ------------------------------------------------------------------ save
 
     def should_save(self, step: int, last_step: int) -> bool:
+        """Every ``interval`` steps and at the last step, when enabled."""
         return self.enabled and (step % self.cfg.interval == 0 or step == last_step)
 
     def save(self, step: int) -> Path:
+        """Write ``step-N.tmp`` on every rank, then rank 0 renames it: only complete
+        checkpoints ever carry the final name."""
         final = self.folder / f"step-{step}"
         tmp = self.folder / f"step-{step}.tmp"
         if _rank() == 0:
@@ -107,8 +113,6 @@ class CheckpointManager:
         with _quiet():
             dcp.save(self._state(step), checkpoint_id=str(tmp))
         _barrier()  # every rank has written its files and .metadata exists
-        if os.environ.get(_KILL_ENV) == str(step):
-            os.kill(os.getpid(), 9)
         if _rank() == 0:
             if final.exists():
                 shutil.rmtree(final)
@@ -139,6 +143,7 @@ class CheckpointManager:
         _barrier()
 
     def find(self) -> Optional[Path]:
+        """The checkpoint to resume from: ``load_step`` when set, else the latest complete one."""
         done = complete_checkpoints(self.folder)
         if self.cfg.load_step >= 0:
             if self.cfg.load_step not in done:
@@ -161,6 +166,7 @@ class CheckpointManager:
         return self.load(path)
 
     def load(self, path: Path) -> int:
+        """Restore everything from ``path`` (resharding if the layout changed); return its step."""
         state = self._state(0)
         meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         dl_key = f"dataloader.dp_rank_{self.dp_rank}"

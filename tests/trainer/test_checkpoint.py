@@ -14,6 +14,20 @@ from trainer_helpers import FAST, read_losses
 ROOT = Path(__file__).resolve().parents[2]
 # a fixed schedule (decay_steps) so that a run split in two follows the same lr
 SPLIT = ["--lr_scheduler.decay_steps", "6"]
+# train.py with a SIGKILL injected right before the rename that makes step-N valid
+# (after every file of step-N.tmp, .metadata included, is written)
+KILLED_AT_RENAME = """
+import os, sys
+sys.path.insert(0, {root!r})
+import train
+rename = os.replace
+def replace(src, dst):
+    if str(src).endswith("step-{step}.tmp"):
+        os.kill(os.getpid(), 9)
+    rename(src, dst)
+os.replace = replace
+sys.exit(train.main(sys.argv[1:]))
+"""
 
 
 def test_resume_gives_the_same_losses(cfg_factory, tmp_path):
@@ -46,10 +60,11 @@ def test_killed_save_is_not_used_on_restart(cfg_factory, tmp_path):
     args = FAST + SPLIT + ["--job.dump_folder", str(tmp_path), "--job.name", "killed",
                            "--training.steps", "6", "--checkpoint.enable", "true",
                            "--checkpoint.interval", "2"]
-    env = {**os.environ, "AUTOTITAN_TEST_KILL_DURING_SAVE": "4", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "llama3_debug",
-                        *args], env=env, capture_output=True, text=True, timeout=300)
+    driver = KILLED_AT_RENAME.format(root=str(ROOT), step=4)
+    r = subprocess.run([sys.executable, "-c", driver, "--config", "llama3_debug", *args],
+                       env=env, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == -9, r.stderr[-2000:]
     folder = tmp_path / "killed" / "checkpoints"
     assert (folder / "step-4.tmp" / ".metadata").is_file()  # all files, just not renamed
