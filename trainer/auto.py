@@ -42,8 +42,7 @@ from parallel.auto.cost import ProfileError
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.problem import PlanningError
 from parallel.mesh import CP, DATA_AXES
-from parallel.precision import is_mixed
-from parallel.precision import mixed_precision_policy as precision_policy
+from parallel.precision import is_mixed, mixed_precision_policy
 
 from .config import ConfigError, JobConfig
 
@@ -66,9 +65,9 @@ def data_degree(mesh: DeviceMesh) -> int:
     return d
 
 
-def mixed_precision_policy(training_cfg: Any) -> Optional[MixedPrecisionPolicy]:
+def planner_mp_policy(training_cfg: Any) -> Optional[MixedPrecisionPolicy]:
     """The `[training]` policy for the planner (None when training is plain fp32)."""
-    policy = precision_policy(training_cfg.mixed_precision_param, training_cfg.mixed_precision_reduce)
+    policy = mixed_precision_policy(training_cfg.mixed_precision_param, training_cfg.mixed_precision_reduce)
     return policy if is_mixed(policy) else None
 
 
@@ -147,7 +146,7 @@ def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, s
                 torch.zeros(gshape, dtype=labels.dtype, device="meta"))
     saved = Plan.load(par.plan_file) if par.plan_file else None  # a bad file fails before tracing
     pl = data_placements(mesh)
-    with AutoParallel(model, g_inputs, mesh, loss_fn=lm_loss, mp_policy=mixed_precision_policy(job_config.training),
+    with AutoParallel(model, g_inputs, mesh, loss_fn=lm_loss, mp_policy=planner_mp_policy(job_config.training),
                       hardware=par.hardware, solver=par.solver, time_limit=par.time_limit,
                       cluster_layers=par.cluster_layers, seed=par.seed, seed_radius=par.seed_radius,
                       seed_rounds=par.seed_rounds) as autop:

@@ -69,4 +69,4 @@ def test_corrupt_plan_file_fails_before_tracing(monkeypatch, tmp_path):
 
 def test_fp32_training_gives_the_planner_no_policy():
     cfg = load_config("llama3_debug_auto", world_size=2)
-    assert auto.mixed_precision_policy(cfg.training) is None
+    assert auto.planner_mp_policy(cfg.training) is None
