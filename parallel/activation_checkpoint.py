@@ -22,6 +22,7 @@ does). Results are bit-identical to ``mode = "none"`` (no dropout, no RNG in the
 from __future__ import annotations
 
 import functools
+import operator
 from collections import defaultdict
 from typing import Any
 
@@ -31,7 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from models import transformer_blocks
 
-__all__ = ["apply_ac", "sac_policy_context", "SAC_SAVE_OPS"]
+__all__ = ["apply_ac", "sac_policy_context", "SAC_SAVE_OPS", "checkpointed_blocks", "tag_recomputation"]
 
 aten = torch.ops.aten
 
@@ -115,3 +116,62 @@ def apply_ac(model: nn.Module, mode: str = "full", selective_ac_option: str | in
         if i % every == 0:
             _wrap(b)
     return model
+
+
+# ---------------------------------------------------------------------------
+# The same policies on a traced joint graph (auto mode): recompute tags for the partitioner
+# ---------------------------------------------------------------------------
+
+
+def _seeded(n: Any) -> bool:
+    """Random ops (attention's dropout slot counts, even at p = 0) and their tuple outputs."""
+    if n.target is operator.getitem:
+        n = n.args[0]
+    return torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+
+
+def checkpointed_blocks(mode: str, selective_ac_option: str | int, n_blocks: int) -> set[int]:
+    """Indices of the blocks whose activations are recomputed under `mode`."""
+    if mode == "none":
+        return set()
+    if mode == "full" or str(selective_ac_option) == "op":
+        return set(range(n_blocks))
+    every = int(str(selective_ac_option))
+    return {i for i in range(n_blocks) if i % every == 0}
+
+
+def tag_recomputation(forward_nodes: list[Any], block_of: dict[str, int], mode: str,
+                      selective_ac_option: str | int = "op") -> int:
+    """Tag the forward nodes of a joint graph for torch's partitioner, per the AC policy.
+
+    `block_of`: node name -> transformer block index (nodes outside blocks are never
+    recomputed). Full AC (and every-N-th block) recomputes every op of a checkpointed
+    block, so only block inputs are saved; per-op SAC ("op") saves attention outputs and
+    every other matmul of each block and recomputes the rest, as the eager policy above
+    does. Each block is its own region (`ac_graph_id`), so values crossing blocks are
+    saved. Returns the number of nodes tagged for recomputation.
+    """
+    for n in forward_nodes:  # a graph may be tagged again with another policy
+        n.meta.pop("recompute", None)
+        n.meta.pop("ac_graph_id", None)
+    blocks = checkpointed_blocks(mode, selective_ac_option, max(block_of.values(), default=-1) + 1)
+    per_op = mode == "selective" and str(selective_ac_option) == "op"
+    mm_count: dict[int, int] = defaultdict(int)
+    tagged = 0
+    for n in forward_nodes:
+        b = block_of.get(n.name)
+        if b is None or b not in blocks or n.op != "call_function":
+            continue
+        policy = CheckpointPolicy.PREFER_RECOMPUTE
+        if per_op and n.target in _MM_OPS:
+            mm_count[b] += 1
+            if mm_count[b] % 2 == 1:
+                policy = CheckpointPolicy.MUST_SAVE
+        elif per_op and (n.target in SAC_SAVE_OPS or (n.target is operator.getitem and n.args[0].target in SAC_SAVE_OPS)):
+            policy = CheckpointPolicy.MUST_SAVE  # attention outputs (and their getitems)
+        if _seeded(n):  # the partitioner would thread RNG state through a recomputed random op
+            policy = CheckpointPolicy.MUST_SAVE
+        n.meta["recompute"] = policy
+        n.meta["ac_graph_id"] = b
+        tagged += policy == CheckpointPolicy.PREFER_RECOMPUTE
+    return tagged

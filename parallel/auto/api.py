@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate
 from models import cross_entropy_loss
 from parallel import _torch as T
 from parallel._torch import fake_world
-from parallel.auto.runtime import apply_plan
+from parallel.auto.runtime import RuntimeOptions, apply_plan
 from parallel.auto.cost import DEFAULT_HARDWARE, CostModel, HardwareProfile
 from parallel.auto.formulation import build_problem
 from parallel.auto.placements import placement_str
@@ -279,12 +279,13 @@ class AutoParallel:
         return use_seeding(self.mesh.ndim, self.seed)
 
     # ---- materialisation (parallel/auto/runtime) ----
-    def apply_placement(self, plan: Plan) -> nn.Module:
-        """Materialise `plan` (in-memory or loaded/replayed) as a ParallelModule (runtime/)."""
+    def apply_placement(self, plan: Plan, options: RuntimeOptions | None = None) -> nn.Module:
+        """Materialise `plan` (in-memory or loaded/replayed) as a ParallelModule (runtime/);
+        `options`: activation checkpointing, resharding, bucketing, overlap, compilation."""
         jg = self._need_graph()
         if self.candidates is None:  # seeded mesh and nothing solved here: a replayed or received plan
             self.candidates = plan_candidates(jg, self.mesh, plan)
-        return apply_plan(self.model, jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy)
+        return apply_plan(self.model, jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy, options=options)
 
 
 # ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from parallel import _torch as T
 from parallel.auto.placements import placement_str
-from parallel.auto.runtime.redistribute import redistribute
+from parallel.auto.runtime.redistribute import bucket_key, bucketed_redistribute, redistribute
 
 log = logging.getLogger("parallel.auto.runtime")
 
@@ -34,6 +34,10 @@ LAYOUT_OPS = (aten.t.default, aten.transpose.int, aten.view.default, aten._unsaf
 # inputs that keep their dtype under mixed precision (flattened argument positions):
 # the CPU flash-attention backward takes an fp32 logsumexp with bf16 q/k/v
 KEEP_DTYPE = {T.CPU_ATTENTION_BWD: (5,)}
+
+
+def _replicated(v: DTensor) -> tuple:
+    return tuple(Replicate() for _ in v.placements)
 
 
 def is_tensor_node(x: Any) -> bool:
@@ -49,13 +53,36 @@ class PlacementOps:
     wants the parameter replicated, forward and backward.
     """
 
-    def __init__(self, mesh: Any, spec: dict[str, Any], param_dtype: torch.dtype | None, defer: set[str]):
+    def __init__(self, mesh: Any, spec: dict[str, Any], param_dtype: torch.dtype | None, defer: set[str],
+                 gather_buckets: dict[str, tuple] | None = None):
         self.mesh = mesh
         self.spec = spec
         self.param_dtype = param_dtype
         self.defer = defer
+        # parameter node name -> its gather bucket (block, ...): parameters some op takes
+        # replicated are gathered together with their bucket at the first such use
+        self.gather_buckets = gather_buckets or {}
+        self.param_values: dict[str, DTensor] = {}  # this phase's parameter shards (compute dtype)
         self.cache: dict[str, DTensor] = {}
         self.stats: Counter = Counter()
+
+    def gathered(self, name: str) -> DTensor | None:
+        """The replicated copy of parameter `name`, gathering its whole bucket (one flat
+        all-gather per mesh axis) the first time this phase asks for one of them."""
+        hit = self.cache.get(name)
+        if hit is not None or name not in self.gather_buckets or name not in self.param_values:
+            return hit
+        v = self.param_values[name]
+        key = (self.gather_buckets[name], bucket_key(tuple(v.placements), _replicated(v)), v.dtype)
+        members = [m for m, b in self.gather_buckets.items() if m in self.param_values and m not in self.cache
+                   and (b, bucket_key(tuple(self.param_values[m].placements), _replicated(v)),
+                        self.param_values[m].dtype) == key]
+        if key[1] is None:
+            return None
+        self.stats["bucketed_param_gathers"] += 1
+        outs = bucketed_redistribute([self.param_values[m] for m in members], [_replicated(v)] * len(members), self.mesh)
+        self.cache.update(zip(members, outs))
+        return self.cache[name]
 
     def to_placements(self, x: Any, placements: tuple) -> Any:
         """`x` redistributed to `placements`; a plain tensor is a global value every rank holds."""
@@ -77,7 +104,8 @@ class PlacementOps:
     def _input(self, n: fx.Node, a: fx.Node, v: Any, target: Any) -> Any:
         if target is not None and n.name not in self.defer:
             want = tuple(target.placements)
-            cached = self.cache.get(a.name)
+            replicated = all(isinstance(p, Replicate) for p in want)
+            cached = self.gathered(a.name) if replicated else self.cache.get(a.name)
             v = cached if cached is not None and tuple(cached.placements) == want else self.to_placements(v, want)
         if n.target in VIEW_OPS and isinstance(v, DTensor) and not v.to_local().is_contiguous():
             # the joint graph is functional: a copy is as good as a view, and local shards

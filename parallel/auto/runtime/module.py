@@ -27,9 +27,11 @@ from torch.distributed.tensor import DTensor
 from parallel import _torch as T
 from parallel.auto.placements import local_shape, placement_str
 from parallel.auto.plan import Plan, PlanMismatchError
-from parallel.auto.runtime.local_graphs import PlanFunction
+from parallel.auto.runtime.local_graphs import PlanFunction, dspec
 from parallel.auto.runtime.redistribute import contiguous_stride, local_shard
+from parallel.auto.runtime.options import RuntimeOptions
 from parallel.auto.runtime.runner import PlanRunner
+from parallel.auto.runtime.step_graph import CompileError, StepGraph
 from parallel.auto.strategies import Candidates
 from parallel.auto.trace import JointGraph
 
@@ -80,6 +82,37 @@ class ParallelModuleMixin:
         return DTensor.from_local(x.contiguous(), runner.mesh, pl, run_check=False, shape=val.shape,
                                   stride=contiguous_stride(tuple(val.shape)))
 
+    def forward_backward(self, *inputs: Any) -> torch.Tensor:
+        """One training step's forward, loss and backward as ONE per-device graph (step_graph.py):
+        accumulates every parameter's gradient (as `loss.backward()` would) and returns the
+        local loss. Overlap and Inductor compilation follow the plan's RuntimeOptions."""
+        runner: PlanRunner = self.plan_runner
+        flat, _ = T.tree_flatten(inputs)
+        dts = [self._planned_input(i, x) for i, x in enumerate(flat)]
+        params = [self.param_refs[f]() for f in runner.param_names]
+        buffers = [self.buffer_refs[f]() for f in runner.buffer_names]
+        sg = self._step_graph(params, buffers, dts)
+        plocs = [p.to_local().detach() for p in params]
+        blocs = [b.to_local() if isinstance(b, DTensor) else b for b in buffers]
+        outs, grads = sg(plocs, blocs, [x.to_local() for x in dts])
+        with torch.no_grad():
+            for p, g in zip(params, sg.grads_as_dtensors(grads)):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad + g
+        runner.stats["step_graph_steps"] += 1
+        return outs[0]
+
+    def _step_graph(self, params: list[Any], buffers: list[Any], inputs: list[DTensor]) -> StepGraph:
+        key = tuple(dspec(x) if isinstance(x, DTensor) else (tuple(x.shape), x.dtype) for x in params + buffers + inputs)
+        sg = self.step_graphs.get(key)
+        if sg is None:
+            opts = self.plan_runner.options
+            sg = self.step_graphs[key] = StepGraph(self.plan_runner, params, buffers, inputs, overlap=opts.overlap,
+                                                   compile=opts.compile and not self.compile_failed)
+        if sg.compiled and sg.first_call_seconds is None and self.plan_runner.options.compile_fallback:
+            return _FallbackOnCompileError(sg, self, params, buffers, inputs)
+        return sg
+
     @torch.no_grad()
     def init_weights(self, *args: Any, **kwargs: Any) -> None:
         """The single-device init (same RNG draws), then each rank keeps its shards."""
@@ -108,6 +141,28 @@ class ParallelModuleMixin:
     @property
     def plan(self) -> Plan:
         return self.plan_runner.plan
+
+
+class _FallbackOnCompileError:
+    """The first call of a compiled step graph; on a compile error, the eager graph instead
+    (logged as a warning), kept for the rest of the run."""
+
+    def __init__(self, sg: StepGraph, module: ParallelModuleMixin, params: list, buffers: list, inputs: list):
+        self.sg, self.module, self.args = sg, module, (params, buffers, inputs)
+
+    def __call__(self, *locals_: Any) -> Any:
+        try:
+            return self.sg(*locals_)
+        except CompileError as e:
+            log.warning("training.compile_fallback = true: %s; running the step graph eagerly", e)
+            module = self.module
+            object.__setattr__(module, "compile_failed", True)
+            module.step_graphs.clear()
+            self.sg = module._step_graph(*self.args)
+            return self.sg(*locals_)
+
+    def grads_as_dtensors(self, grad_locals: list) -> list:
+        return self.sg.grads_as_dtensors(grad_locals)
 
 
 _SUBCLASSES: dict[type, type] = {}
@@ -155,14 +210,15 @@ def _shard_parameters(pm: nn.Module, runner: PlanRunner, mesh: DeviceMesh, on_me
 
 
 def apply_plan(model: nn.Module, graph: JointGraph, candidates: Candidates, plan: Plan, mesh: DeviceMesh, *,
-               mp_policy: MixedPrecisionPolicy | None = None, computes_loss: bool = True) -> nn.Module:
+               mp_policy: MixedPrecisionPolicy | None = None, options: RuntimeOptions | None = None,
+               computes_loss: bool = True) -> nn.Module:
     """Materialise `plan` for `model`: a ParallelModule with DTensor parameters (see module doc).
 
     `model` may be on meta (then `to_empty` + `init_weights()` later) or materialised (then
     every rank must hold the same full weights; each keeps its shards).
     """
     plan.check_compatible(model=model, mesh=mesh, source="the plan")
-    runner = PlanRunner(graph, candidates, plan, mesh, mp_policy)
+    runner = PlanRunner(graph, candidates, plan, mesh, mp_policy, options)
     on_meta = _all_meta(model)
     pm = copy.deepcopy(model)
     template = copy.deepcopy(model) if on_meta else copy.deepcopy(model).to("meta")
@@ -171,7 +227,8 @@ def apply_plan(model: nn.Module, graph: JointGraph, candidates: Candidates, plan
     buffer_refs = {fqn: _attr_ref(pm, fqn)[2] for fqn in runner.buffer_names}
     # plain attributes, not submodules or parameters: state_dict and named_modules stay the user's
     for name, value in (("plan_runner", runner), ("meta_template", template), ("param_refs", param_refs),
-                        ("buffer_refs", buffer_refs), ("computes_loss", computes_loss)):
+                        ("buffer_refs", buffer_refs), ("computes_loss", computes_loss), ("step_graphs", {}),
+                        ("compile_failed", False)):
         object.__setattr__(pm, name, value)
     log.info("apply: materialised %s with %d DTensor parameters on mesh %s", type(pm).__name__, len(param_refs),
              tuple(mesh.shape))

@@ -6,9 +6,13 @@ so every node finds its planned strategy by name. Each phase runs in a
 `PlacementInterpreter` (interpreter.py). Around them the runner does what a hand-written
 recipe does around its model:
 
-  * parameter gathers are bucketed: every parameter some op uses replicated is gathered
-    once per step with one flat all-gather per (placement, dtype) group, and the gathered
-    copy serves the forward and the backward;
+  * parameter gathers are bucketed per transformer block (FSDP's unit): the first op of a
+    phase that takes one of a block's parameters replicated gathers all of them with one
+    flat all-gather per (placement, dtype) group; the backward gathers again
+    (`reshard_after_forward`, FSDP's default) or reuses the forward's copies;
+  * activation checkpointing: forward nodes are tagged for recomputation by the AC policy
+    (parallel/activation_checkpoint.py) before the partition, so the backward graph
+    recomputes them (with the same planned placements: nodes keep their names);
   * gradients are reduced to the parameter's own placement, in the reduce dtype of the
     mixed-precision policy, one flat reduce-scatter / all-reduce per group (layout ops
     between a weight-gradient matmul and its output run on the Partial value, so each
@@ -31,12 +35,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from parallel import _torch as T
+from parallel.activation_checkpoint import tag_recomputation
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.placements import spec_placement_strs
+from parallel.auto.runtime.options import RuntimeOptions
 from parallel.auto.runtime.interpreter import LAYOUT_OPS, PlacementInterpreter, PlacementOps, is_tensor_node
 from parallel.auto.runtime.redistribute import bucket_key, bucketed_redistribute, redistribute
 from parallel.auto.strategies import PLACEHOLDER, Candidates
-from parallel.auto.trace import JointGraph
+from parallel.auto.trace import FWD, JointGraph, layer_prefix
 
 log = logging.getLogger("parallel.auto.runtime")
 
@@ -70,6 +76,23 @@ def resolve_specs(candidates: Candidates, plan: Plan) -> dict[str, Any]:
                 f"inputs {want[1]} ({len(c.specs)} candidates); the plan was made for a different graph")
         spec[name] = found
     return spec
+
+
+def block_indices(graph: JointGraph) -> dict[str, int]:
+    """node name -> index of the transformer block (numbered module entry) it belongs to;
+    parameters by their FQN, other nodes by the module that produced them."""
+    out: dict[str, int] = {}
+    for name, path in graph.module_of.items():
+        prefix = layer_prefix(path)
+        if prefix is not None:
+            out[name] = int(prefix.rsplit(".", 1)[-1])
+    for fqn, node in graph.params.items():
+        prefix = layer_prefix(fqn)
+        if prefix is not None:
+            out[node.name] = int(prefix.rsplit(".", 1)[-1])
+        else:
+            out.pop(node.name, None)
+    return out
 
 
 def _deferred_layout_ops(bwd: fx.GraphModule, grad_nodes: set[str]) -> set[str]:
@@ -106,7 +129,10 @@ class PlanRunner:
     """Executes the joint graph of `graph` with the placements of `plan` on `mesh`."""
 
     def __init__(self, graph: JointGraph, candidates: Candidates, plan: Plan, mesh: DeviceMesh,
-                 mp_policy: MixedPrecisionPolicy | None = None, bucket: bool = True, local_graphs: bool = True):
+                 mp_policy: MixedPrecisionPolicy | None = None, options: RuntimeOptions | None = None,
+                 local_graphs: bool = True):
+        options = options or RuntimeOptions()
+        self.options = options
         self.graph = graph
         self.mesh = mesh
         self.plan = plan
@@ -118,13 +144,19 @@ class PlanRunner:
         self.param_names = list(graph.params)
         self.buffer_names = list(graph.buffers)
         self.input_nodes = list(graph.inputs)
-        self.fwd_gm, self.bwd_gm = T.partition_joint(graph.gm, num_fwd_outputs=len(self.out_slots))
+        self.block_of = block_indices(graph)
+        forward = [n for n in graph.gm.graph.nodes if graph.phase.get(n.name) == FWD and n.op == "call_function"]
+        self.recomputed = tag_recomputation(forward, self.block_of, options.ac_mode, options.ac_option)
+        with graph.fake_mode:  # the partitioner's RNG handling asks for the fake mode
+            self.fwd_gm, self.bwd_gm = T.partition_joint(graph.gm, num_fwd_outputs=len(self.out_slots))
         self.saved_names = [a.name for a in self.fwd_gm.graph.output_node().args[0][len(self.out_slots):]]
-        self.bucket = bucket
+        bucket = self.bucket = options.bucket
+        self.reshard_after_forward = options.reshard_after_forward
         grad_nodes = {s.node.name for s in self.grad_slots.values() if s.node is not None}
+        self.gather_params = _replicated_param_uses(graph, self.spec) if bucket else []
         self.ops = PlacementOps(mesh, self.spec, self.param_dtype,
-                                _deferred_layout_ops(self.bwd_gm, grad_nodes) if bucket else set())
-        self.gather_params = _replicated_param_uses(graph, self.spec)
+                                _deferred_layout_ops(self.bwd_gm, grad_nodes) if bucket else set(),
+                                {name: self.block_of.get(name, -1) for name in self.gather_params})
         # per-device graphs (local_graphs.py), built on the first call; False: interpret eagerly
         self.use_local_graphs = local_graphs
         self.local_graphs_cache: dict[Any, Any] = {}
@@ -161,7 +193,8 @@ class PlanRunner:
             env[name] = self.to_placements(b, self.out_placements(name))
         for node, x in zip(self.input_nodes, inputs):
             env[node.name] = x
-        self.ops.cache = self._gather(env) if self.bucket else {}
+        self.ops.param_values = {name: env[name] for name in self.gather_params}
+        self.ops.cache = {}
         args = [env[n.name] for n in self.fwd_gm.graph.find_nodes(op="placeholder")]
         with torch.no_grad():
             results = PlacementInterpreter(self.fwd_gm, self.ops).run(*args)
@@ -172,28 +205,13 @@ class PlanRunner:
         saved["__cache__"], self.ops.cache = self.ops.cache, {}
         return outs, saved
 
-    def _gather(self, env: dict[str, Any]) -> dict[str, DTensor]:
-        """Gather every parameter that some op uses replicated with one bucketed collective
-        per (placement, dtype) group; forward and backward uses then read the gathered copy."""
-        groups: dict[tuple, list[str]] = {}
-        for name in self.gather_params:
-            v = env[name]
-            key = bucket_key(tuple(v.placements), tuple(Replicate() for _ in v.placements))
-            if key is not None:
-                groups.setdefault((key, v.dtype), []).append(name)
-        rep = tuple(Replicate() for _ in range(self.mesh.ndim))
-        cache: dict[str, DTensor] = {}
-        for names in groups.values():
-            self.stats["bucketed_param_gathers"] += 1
-            for name, full in zip(names, bucketed_redistribute([env[n] for n in names], [rep] * len(names), self.mesh)):
-                cache[name] = full
-        return cache
-
     # -- backward --------------------------------------------------------------
     def run_backward(self, saved: dict, tangents: list[Any], params: list[Any]) -> list[Any]:
         """Gradients of the parameters (None where none), at the parameters' placements."""
         env = dict(saved)
-        self.ops.cache = env.pop("__cache__", {})
+        cache = env.pop("__cache__", {})
+        self.ops.cache = {} if self.reshard_after_forward else cache
+        self.ops.param_values = {name: env[name] for name in self.gather_params if name in env}
         for out_idx, t in self.graph.output_tangents:
             val = tangents[out_idx] if out_idx < len(tangents) else None
             if val is None:
@@ -202,7 +220,7 @@ class PlanRunner:
         args = [env[n.name] for n in self.bwd_gm.graph.find_nodes(op="placeholder")]
         with torch.no_grad():
             results = PlacementInterpreter(self.bwd_gm, self.ops).run(*args)
-        self.ops.cache = {}
+        self.ops.cache, self.ops.param_values = {}, {}
         by_slot = dict(zip([s.index for s in self.graph.slots if s.kind != "output"], results))
         return self._reduce_grads(by_slot, params)
 
@@ -219,8 +237,9 @@ class PlanRunner:
                 v = v.to(self.reduce_dtype)  # reduce gradients in the reduce dtype
             dst = self.out_placements(f"output[{s.index}]")
             key = bucket_key(tuple(v.placements), dst) if self.bucket and tuple(v.placements) != dst else None
-            if key is not None:
-                pending.setdefault((key, v.dtype), []).append((len(grads), dst))
+            if key is not None:  # one bucket per block, as the gathers
+                block = self.block_of.get(self.graph.params[fqn].name, -1)
+                pending.setdefault((block, key, v.dtype), []).append((len(grads), dst))
             else:
                 v = self.to_placements(v, dst)
             grads.append(v)

@@ -1,0 +1,38 @@
+"""How a plan runs (not what it places): the runtime's knobs, one object handed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+AC_MODES = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """Options of the ParallelModule a plan becomes.
+
+    ac_mode / ac_option: activation checkpointing of the joint graph, as
+        `[activation_checkpoint] mode` / `selective_ac_option` ("op" or every N-th block);
+    reshard_after_forward: gather parameters again in the backward (FSDP's default; less
+        memory) instead of keeping the forward's gathered copies;
+    bucket: one flat collective per block and placement group for parameter gathers and
+        gradient reductions (instead of one per tensor);
+    overlap: start collectives early and wait for them at first use (step graph);
+    compile / compile_fallback: Inductor-compile the step graph; on a compile error run
+        it eagerly (with a warning) instead of failing.
+    """
+
+    ac_mode: str = "none"
+    ac_option: str = "op"
+    reshard_after_forward: bool = True
+    bucket: bool = True
+    overlap: bool = True
+    compile: bool = False
+    compile_fallback: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ac_mode not in AC_MODES:
+            raise ValueError(f"activation checkpointing mode {self.ac_mode!r}: use one of {', '.join(AC_MODES)}")
+        opt = str(self.ac_option)
+        if self.ac_mode == "selective" and opt != "op" and not (opt.isdigit() and int(opt) >= 1):
+            raise ValueError(f"selective activation checkpointing option {opt!r}: use 'op' or a positive integer N")

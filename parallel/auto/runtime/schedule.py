@@ -1,0 +1,172 @@
+"""Communication/computation overlap on a per-device graph: where collectives start and wait.
+
+Functional collectives run asynchronously: a collective node starts the communication and
+its `wait_tensor` blocks until the result is there. The plan's runner issues every
+collective right before its first use, so nothing overlaps. This pass moves, in the FX
+graph itself (eager and compiled runs alike):
+
+  * every wait to just before the first op that reads its result (gradient reductions
+    then wait at the very end of the step, overlapping the rest of the backward);
+  * every collective start as early as its inputs allow, together with the cheap layout
+    ops (views, casts, concatenations) that build its buffer;
+  * except parameter gathers (collectives fed by graph inputs only): those start when the
+    previous gather's result is first used, i.e. one bucket (one block) ahead, FSDP's
+    prefetch, so gathered parameters do not all live at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+
+from torch import fx
+
+from parallel import _torch as T
+
+log = logging.getLogger("parallel.auto.runtime")
+
+COLLECTIVE_NAMESPACE = "_c10d_functional"
+_CHEAP = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "clone", "_to_copy", "cat", "slice",
+          "split", "split_with_sizes", "unsqueeze", "squeeze", "expand", "contiguous", "alias", "detach",
+          "movedim", "select", "narrow", "flatten", "unflatten"}
+
+
+def _is_collective(n: fx.Node) -> bool:
+    return (n.op == "call_function" and getattr(n.target, "namespace", "") == COLLECTIVE_NAMESPACE
+            and T.op_name(n.target) != "wait_tensor")
+
+
+def _is_wait(n: fx.Node) -> bool:
+    return n.op == "call_function" and getattr(n.target, "namespace", "") == COLLECTIVE_NAMESPACE \
+        and T.op_name(n.target) == "wait_tensor"
+
+
+def _is_cheap(n: fx.Node) -> bool:
+    return n.op == "call_function" and (n.target is operator.getitem or T.op_name(n.target) in _CHEAP)
+
+
+@dataclass
+class OverlapReport:
+    """What the pass did (for logs and tests)."""
+
+    collectives: int = 0
+    starts_moved: int = 0
+    waits_moved: int = 0
+    prefetched_gathers: int = 0
+
+    def __str__(self) -> str:
+        return (f"overlap: {self.collectives} collectives, {self.starts_moved} started earlier "
+                f"({self.prefetched_gathers} parameter gathers one bucket ahead), {self.waits_moved} waits deferred "
+                "to first use")
+
+
+def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _buffer_chain(c: fx.Node) -> list[fx.Node]:
+    """`c` and the cheap ops that only build its buffer (moved along with it), in graph order."""
+    chain, stack = {c}, list(c.all_input_nodes)
+    while stack:
+        a = stack.pop()
+        if a in chain or not _is_cheap(a) or any(u not in chain for u in a.users):
+            continue  # expensive, or shared with other consumers: it stays where it is
+        chain.add(a)
+        stack.extend(a.all_input_nodes)
+    pos = _positions(c.graph)
+    return sorted(chain, key=pos.__getitem__)
+
+
+def _result_chain(w: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
+    """The cheap ops unpacking a wait's result (moved along with it), and the first other
+    node that reads any of them (where the result is really needed)."""
+    chain, stack = [w], list(w.users)
+    seen = {w}
+    while stack:
+        u = stack.pop()
+        if u in seen or not _is_cheap(u):
+            continue
+        seen.add(u)
+        chain.append(u)
+        stack.extend(u.users)
+    pos = _positions(w.graph)
+    readers = [u for n in chain for u in n.users if u not in seen]
+    return sorted(chain, key=pos.__getitem__), min(readers, key=pos.__getitem__, default=None)
+
+
+def _move_up(chain: list[fx.Node], anchor: fx.Node) -> bool:
+    """Place `chain` (in order) right after `anchor` when that is earlier than where it is."""
+    pos = _positions(anchor.graph)
+    if pos[anchor] + 1 >= pos[chain[0]]:
+        return False
+    at = anchor
+    for n in chain:
+        at.append(n)
+        at = n
+    return True
+
+
+def _anchor(chain: list[fx.Node], floor: fx.Node | None) -> fx.Node:
+    """The last node the chain must follow: its latest outside input, or `floor`."""
+    pos = _positions(chain[0].graph)
+    members = set(chain)
+    cands = [a for n in chain for a in n.all_input_nodes if a not in members]
+    cands += [floor] if floor is not None else []
+    anchor = max(cands, key=pos.__getitem__) if cands else next(iter(chain[0].graph.nodes))
+    while anchor.next.op == "placeholder":  # placeholders stay together at the top
+        anchor = anchor.next
+    return anchor
+
+
+def _defer_waits(graph: fx.Graph, report: OverlapReport) -> None:
+    for w in [n for n in graph.nodes if _is_wait(n)]:
+        chain, reader = _result_chain(w)
+        pos = _positions(graph)
+        if reader is not None and pos[reader] > pos[chain[-1]] + 1:
+            for n in chain:
+                reader.prepend(n)
+            report.waits_moved += 1
+
+
+def _input_derived(graph: fx.Graph) -> set[fx.Node]:
+    """Graph inputs and what cheap ops make of them alone (parameter shards, their casts)."""
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "placeholder" or (_is_cheap(n) and n.all_input_nodes and all(a in out for a in n.all_input_nodes)):
+            out.add(n)
+    return out
+
+
+def schedule_overlap(gm: fx.GraphModule) -> OverlapReport:
+    """Reorder `gm` in place for overlap (see the module docstring); returns what moved."""
+    graph = gm.graph
+    report = OverlapReport()
+    _defer_waits(graph, report)
+    derived = _input_derived(graph)
+    gathers, others = [], []
+    for c in [n for n in graph.nodes if _is_collective(n)]:
+        chain = _buffer_chain(c)
+        ext = [a for n in chain for a in n.all_input_nodes if a not in chain]
+        (gathers if ext and all(a in derived for a in ext) else others).append((c, chain))
+    report.collectives = len(gathers) + len(others)
+    prev_wait: fx.Node | None = None  # parameter gathers: prefetch depth one, in order of use
+    for c, chain in gathers:
+        if _move_up(chain, _anchor(chain, prev_wait)):
+            report.starts_moved += 1
+            report.prefetched_gathers += 1
+        prev_wait = next((u for u in c.users if _is_wait(u)), c)
+    for c, chain in others:
+        if _move_up(chain, _anchor(chain, None)):
+            report.starts_moved += 1
+    graph.lint()
+    gm.recompile()
+    log.info("%s", report)
+    return report
+
+
+def count_collectives(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if _is_collective(n))
+
+
+__all__ = ["OverlapReport", "count_collectives", "schedule_overlap"]

@@ -1,0 +1,99 @@
+"""The whole training step of a plan as ONE per-device graph: forward, loss and backward.
+
+`StepGraph` traces the plan runner's forward and backward phases together (`make_fx`,
+fake tensors, this rank's local shapes) into a single graph of plain ATen ops and
+functional collectives: `(param locals, buffer locals, input locals) -> (output locals,
+gradient locals)` with the loss's tangent fixed to one. On that graph:
+
+  * `schedule.schedule_overlap` moves collective starts early and waits late (overlap);
+  * `torch.compile` (Inductor) compiles it once per input layout; Inductor's own cache
+    makes a second run of the same shapes skip the codegen;
+  * or it runs as it is (eager: FX's Python code, values freed after their last use).
+
+Activation checkpointing is already in the graph: the runner's partition recomputes the
+tagged forward ops inside the backward part.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from parallel.auto.runtime.local_graphs import dspec, local_value, wrap
+from parallel.auto.runtime.schedule import OverlapReport, count_collectives, schedule_overlap
+
+log = logging.getLogger("parallel.auto.runtime")
+
+
+class CompileError(RuntimeError):
+    """Inductor could not compile the step graph (the message says why and what to set)."""
+
+
+class _ParamMeta:
+    def __init__(self, spec: tuple, dtype: torch.dtype):
+        self.placements = spec[0]
+        self.dtype = dtype
+
+
+class StepGraph:
+    """One plan's forward + loss + backward for one input layout, on this rank's shards."""
+
+    def __init__(self, runner: Any, params: list[DTensor], buffers: list[Any], inputs: list[DTensor], *,
+                 overlap: bool = True, compile: bool = False):
+        self.mesh = runner.mesh
+        self.pspecs = [dspec(p) for p in params]
+        bspecs = [dspec(b) if isinstance(b, DTensor) else None for b in buffers]
+        ispecs = [dspec(x) for x in inputs]
+        metas = [_ParamMeta(sp, p.dtype) for sp, p in zip(self.pspecs, params)]
+        layout: dict[str, Any] = {}
+
+        def step(plocs: list[torch.Tensor], blocs: list[Any], ilocs: list[torch.Tensor]) -> Any:
+            m = self.mesh
+            outs, saved = runner.run_forward(wrap(plocs, self.pspecs, m), wrap(blocs, bspecs, m), wrap(ilocs, ispecs, m))
+            layout["outs"] = [dspec(o) for o in outs]
+            tangents = [DTensor.from_local(torch.ones_like(o.to_local()), m, o.placements, run_check=False,
+                                           shape=o.shape, stride=o.stride()) for o in outs]
+            grads = runner.run_backward(saved, tangents, metas)
+            layout["has_grad"] = [g is not None for g in grads]
+            return [o.to_local() for o in outs], [g.to_local() for g in grads if g is not None]
+
+        t0 = time.perf_counter()
+        args = ([p.to_local() for p in params], [local_value(b) for b in buffers], [x.to_local() for x in inputs])
+        self.gm = make_fx(step, tracing_mode="fake")(*args)
+        self.out_specs, self.has_grad = layout["outs"], layout["has_grad"]
+        self.overlap: OverlapReport | None = schedule_overlap(self.gm) if overlap else None
+        self.collectives = count_collectives(self.gm)
+        self.trace_seconds = time.perf_counter() - t0
+        self.compiled = compile
+        self.fn: Callable[..., Any] = torch.compile(self.gm, fullgraph=True, dynamic=False) if compile else self.gm
+        self.first_call_seconds: float | None = None
+        log.info("apply: step graph traced in %.1fs (%d nodes, %d collectives)%s", self.trace_seconds,
+                 len(self.gm.graph.nodes), self.collectives, ", compiling with Inductor" if compile else "")
+
+    def __call__(self, plocs: list[torch.Tensor], blocs: list[Any], ilocs: list[torch.Tensor]) -> tuple[list, list]:
+        if self.first_call_seconds is not None:
+            return self.fn(plocs, blocs, ilocs)
+        t0 = time.perf_counter()
+        try:
+            out = self.fn(plocs, blocs, ilocs)
+        except Exception as e:
+            if not self.compiled:
+                raise
+            raise CompileError(f"Inductor could not compile the plan's step graph ({type(e).__name__}: "
+                               f"{str(e)[:300]}); set training.compile = false, or training.compile_fallback = "
+                               "true to run eagerly when this happens") from e
+        self.first_call_seconds = time.perf_counter() - t0
+        if self.compiled:
+            log.info("apply: step graph compiled and run in %.1fs (first call)", self.first_call_seconds)
+        return out
+
+    def grads_as_dtensors(self, grad_locals: list[torch.Tensor]) -> list[DTensor | None]:
+        it = iter(grad_locals)
+        return [DTensor.from_local(next(it), self.mesh, sp[0], run_check=False, shape=sp[1], stride=sp[2])
+                if has else None for has, sp in zip(self.has_grad, self.pspecs)]
