@@ -14,6 +14,7 @@ line naming the cause and the fix, without a traceback.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -72,10 +73,10 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-def report(error: Exception) -> int:
+def report(message: str) -> int:
     """Rank 0 prints the error as one line (every rank raised the same one); all exit 2."""
     if _rank() == 0:
-        print("config error: " + " ".join(str(error).split("\n")), file=sys.stderr, flush=True)
+        print("config error: " + " ".join(message.split("\n")), file=sys.stderr, flush=True)
     else:
         time.sleep(REPORT_GRACE_S)
     return EXIT_CONFIG_ERROR
@@ -91,23 +92,35 @@ def train(cfg: JobConfig) -> None:
     finally:
         if started:
             dist.destroy_process_group()
+            gc.collect()  # see main
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Dry run, print the config, or train: what the flags ask for."""
+    if args.dry_run:  # fake-world simulation, no process group
+        ws = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        return dry_run_main(load_config(args.config, overrides, world_size=ws), ws)
+    cfg = load_config(args.config, overrides)
+    if args.print_config:
+        print(f"# resolved from {cfg.source}")
+        print(cfg.to_toml())
+        return 0
+    train(cfg)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     try:
-        if args.dry_run:  # fake-world simulation, no process group
-            ws = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-            return dry_run_main(load_config(args.config, overrides, world_size=ws), ws)
-        cfg = load_config(args.config, overrides)
-        if args.print_config:
-            print(f"# resolved from {cfg.source}")
-            print(cfg.to_toml())
-            return 0
-        train(cfg)
+        return run(args, overrides)
     except USER_ERRORS as e:
-        return report(e)
-    return 0
+        error: Exception = e
+    # The error's frames still hold the mesh and its gloo groups; freed at interpreter exit,
+    # gloo's threads abort the process (SIGABRT instead of exit code 2). Free them now.
+    message = str(error)
+    del error
+    gc.collect()
+    return report(message)
 
 
 if __name__ == "__main__":
