@@ -48,7 +48,7 @@ class PairwiseMRF:
     with small ``C``; message passing then works on classes (much faster for big menus)."""
 
     @classmethod
-    def from_unary(cls, unary: list[np.ndarray]) -> "PairwiseMRF":
+    def from_unary(cls, unary: list[np.ndarray]) -> PairwiseMRF:
         return cls([_clamp(np.asarray(u, dtype=np.float64)) for u in unary], {})
 
     @property
@@ -491,7 +491,8 @@ def local_search(mrf: PairwiseMRF, labels: np.ndarray, max_rounds: int = 5) -> n
     return labels
 
 
-def block_resolve(mrf: PairwiseMRF, labels: np.ndarray, block: list[int], time_budget: float | None = 30.0) -> np.ndarray:
+def block_resolve(mrf: PairwiseMRF, labels: np.ndarray, block: list[int],
+                  time_budget: float | None = 30.0) -> np.ndarray:
     """Re-solve the nodes of `block` jointly (TRW-S + local search) with every other node
     fixed at its label; returns the better of the old and the new assignment.
 
