@@ -52,7 +52,8 @@ def _solver(name: str, time_limit: float | None, verbose: bool) -> pulp.LpSolver
         return pulp.HiGHS(msg=verbose, timeLimit=time_limit, threads=1, random_seed=0)
     with warnings.catch_warnings():  # the bundled CBC binary works offline; pulp 3.3 warns about 4.0
         warnings.simplefilter("ignore", DeprecationWarning)
-        return pulp.PULP_CBC_CMD(msg=verbose, timeLimit=time_limit, threads=1, options=["randomSeed 42", "randomCbcSeed 42"])
+        return pulp.PULP_CBC_CMD(msg=verbose, timeLimit=time_limit, threads=1,
+                                 options=["randomSeed 42", "randomCbcSeed 42"])
 
 
 def _var(lp: pulp.LpProblem, name: str, low: float, up: float, cat: str) -> pulp.LpVariable:
