@@ -20,7 +20,6 @@ import numpy as np
 
 from parallel.auto.placements import strategy_key
 from parallel.auto.problem import PlanningError, Problem
-from parallel.auto.trace import layer_prefix
 from parallel.auto.solve.mrf import (
     FORBIDDEN,
     MRFSolution,
@@ -32,6 +31,7 @@ from parallel.auto.solve.mrf import (
     solve_mrf,
 )
 from parallel.auto.solve.solution import Solution
+from parallel.auto.trace import layer_prefix
 
 log = logging.getLogger("parallel.auto.solve")
 
