@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 try:  # Python >= 3.11
     import tomllib as _toml
@@ -145,7 +146,7 @@ class HardwareProfile:
         """Bytes/s."""
         return self.memory_bandwidth_gbps * 1e9
 
-    def replace(self, **changes: Any) -> "HardwareProfile":
+    def replace(self, **changes: Any) -> HardwareProfile:
         """A copy with some fields changed (e.g. a calibrated efficiency)."""
         return dataclasses.replace(self, **changes)
 
@@ -190,7 +191,7 @@ def list_profiles() -> list[str]:
     return sorted(p.stem for p in d.glob("*.toml")) if d.is_dir() else []
 
 
-def load_hardware(profile: "str | os.PathLike[str] | HardwareProfile") -> HardwareProfile:
+def load_hardware(profile: str | os.PathLike[str] | HardwareProfile) -> HardwareProfile:
     """Resolve a profile: a HardwareProfile passes through; a name means
     ``configs/hardware/<name>.toml``; anything with a path separator or ``.toml`` is a file.
     """
@@ -370,6 +371,7 @@ def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Hardwa
 def profile_to_toml(hw: HardwareProfile) -> str:
     """Serialise a profile back to the TOML layout (used by scripts/calibrate.py)."""
     ib = hw.intra_node.bus_bandwidth_gbps
+    gsf = hw.intra_node.group_size_factor
     lines = [
         f'name = "{hw.name}"',
         f'description = "{hw.description}"',
@@ -390,8 +392,7 @@ def profile_to_toml(hw: HardwareProfile) -> str:
         f"hop_latency_us = {hw.intra_node.hop_latency_us:.6g}",
         "[intra_node.bus_bandwidth_gbps]",
         *[f"{k} = {ib[k]:.6g}" for k in COLLECTIVE_KINDS],
-        *(["[intra_node.group_size_factor]"] + [f"{k} = {v:.6g}" for k, v in sorted(hw.intra_node.group_size_factor.items())]
-          if hw.intra_node.group_size_factor else []),
+        *(["[intra_node.group_size_factor]"] + [f"{k} = {v:.6g}" for k, v in sorted(gsf.items())] if gsf else []),
         "",
         "[inter_node]",
         f"bandwidth_gbps = {hw.inter_node.bandwidth_gbps:.6g}",
