@@ -27,6 +27,7 @@ from parallel.auto.plan import PlanMismatchError
 from parallel.auto.problem import PlanningError
 from parallel.recipes import RecipeError
 from trainer.config import ConfigError, JobConfig, load_config
+from trainer.device import backend, local_device
 from trainer.dry_run import main as dry_run_main
 from trainer.trainer import Trainer
 
@@ -58,14 +59,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     return ap.parse_known_args(argv)
 
 
-def init_distributed() -> bool:
-    """gloo process group from torchrun's env vars; none for a plain single process."""
+def init_distributed(device: str = "auto") -> bool:
+    """The process group from torchrun's env vars (NCCL on GPUs, gloo on CPUs); none for a
+    plain single process."""
     if dist.is_initialized():
         return False
     if "WORLD_SIZE" not in os.environ or (
             os.environ["WORLD_SIZE"] == "1" and "MASTER_ADDR" not in os.environ):
         return False
-    dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+    local_device(device)  # a GPU rank binds its GPU before NCCL starts
+    dist.init_process_group(backend(device), timeout=timedelta(minutes=10))
     return True
 
 
@@ -84,7 +87,7 @@ def report(message: str) -> int:
 
 def train(cfg: JobConfig) -> None:
     """Run the job, in a process group when torchrun started us."""
-    started = init_distributed()
+    started = init_distributed(cfg.job.device)
     try:
         Trainer(cfg).train()
         if started:  # every rank done with its collectives before gloo is torn down

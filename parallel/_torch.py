@@ -68,12 +68,13 @@ from torch.utils.flop_counter import (
 )
 
 __all__ = [
+    "FAKE_DEVICE",
     "all_to_all_single_autograd", "wait_tensor",
     "BufferAOTInput", "DTensorSpec", "FakeTensor", "FakeTensorMode", "GradAOTOutput", "MaskPartial",
     "OpOverload", "OpOverloadPacket", "OpSchema", "OpSpec", "OpStrategy", "ParamAOTInput", "PlainAOTInput",
     "PlainAOTOutput", "RuntimeSchemaInfo", "ShardingPlaceholder", "SingleDimStrategyInfo", "StridedShard",
     "TangentAOTInput", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "aot_export_joint_with_descriptors",
-    "clear_sharding_caches", "expand_to_full_mesh_op_strategy", "fake_world", "flatten_mesh", "foreach_mul_",
+    "clear_sharding_caches", "compile_errors_fall_back", "expand_to_full_mesh_op_strategy", "fake_world", "flatten_mesh", "foreach_mul_",
     "foreach_norm", "get_all_output_and_tangent_nodes", "get_named_buffer_nodes", "get_param_and_grad_nodes",
     "get_plain_input_and_grad_nodes", "is_fake", "op_name", "partition_joint", "partition_value", "register_planner_ops",
     "sequence_nr", "sharding_propagator", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_mesh",
@@ -84,6 +85,10 @@ aten = torch.ops.aten
 
 CPU_ATTENTION_FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
 CPU_ATTENTION_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+FAKE_DEVICE = "cpu"
+"""Device type of fake tensors and fake meshes (planning, dry runs): a fake cuda tensor
+aborts the process on a machine without CUDA, and planning needs no device at all."""
 
 foreach_norm = torch._foreach_norm
 foreach_mul_ = torch._foreach_mul_
@@ -121,6 +126,11 @@ def partition_joint(gm: Any, num_fwd_outputs: int) -> tuple[Any, Any]:
     recomputed in the backward instead of saved.
     """
     return default_partition(gm, None, num_fwd_outputs=num_fwd_outputs)
+
+
+def compile_errors_fall_back(enabled: bool) -> None:
+    """Make torch.compile run a frame eagerly (with a logged warning) when compiling it fails."""
+    torch._dynamo.config.suppress_errors = enabled
 
 
 def is_fake(t: Any) -> bool:

@@ -44,7 +44,7 @@ def mesh_shape(parallelism_cfg: Any, world_size: int) -> tuple[tuple[int, ...], 
     return tuple(shape), tuple(names)
 
 
-def build_mesh(parallelism_cfg: Any, world_size: int, device_type: str = "cpu") -> DeviceMesh:
+def build_mesh(parallelism_cfg: Any, world_size: int, device_type: str) -> DeviceMesh:
     """The training mesh. Needs an initialised default process group of ``world_size``
     ranks (a real one, or the fake one for planning)."""
     shape, names = mesh_shape(parallelism_cfg, world_size)

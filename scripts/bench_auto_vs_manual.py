@@ -71,7 +71,7 @@ def _fsdp_plan(cfg, path: Path) -> None:
     from parallel.mesh import build_mesh
     from trainer.auto import data_degree, data_placements
 
-    mesh = build_mesh(cfg.parallelism, dist.get_world_size())
+    mesh = build_mesh(cfg.parallelism, dist.get_world_size(), "cpu")
     if dist.get_rank() == 0:
         t = cfg.training
         model = build_model(cfg.model.name, cfg.model.flavor, device="meta", vocab_size=256)

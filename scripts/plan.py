@@ -58,7 +58,7 @@ def plan_job(args: argparse.Namespace) -> tuple:
     global_bs = local_bs * math.prod(sizes[i] for i in dp)
     mp = mixed_precision_policy(cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce)
     mp = mp if is_mixed(mp) else None
-    model = build_model(cfg.model.name, cfg.model.flavor, device="meta")
+    model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **cfg.model.arg_overrides())
     print(f"planning {cfg.model.name} {cfg.model.flavor} on mesh {sizes} {names} ({world} ranks, {hardware}); "
           f"global batch {global_bs} x seq {seq}; mixed precision {cfg.training.mixed_precision_param}", flush=True)
 

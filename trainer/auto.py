@@ -41,6 +41,7 @@ from parallel.auto.api import AutoParallel, lm_loss
 from parallel.auto.cost import ProfileError
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.problem import PlanningError
+from parallel.auto.runtime import RuntimeOptions
 from parallel.mesh import CP, DATA_AXES
 from parallel.precision import is_mixed, mixed_precision_policy
 
@@ -69,6 +70,13 @@ def planner_mp_policy(training_cfg: Any) -> Optional[MixedPrecisionPolicy]:
     """The `[training]` policy for the planner (None when training is plain fp32)."""
     policy = mixed_precision_policy(training_cfg.mixed_precision_param, training_cfg.mixed_precision_reduce)
     return policy if is_mixed(policy) else None
+
+
+def runtime_options(job_config: JobConfig) -> RuntimeOptions:
+    """How the plan runs, from the job: AC, resharding, overlap, Inductor compilation."""
+    ac, par, t = job_config.activation_checkpoint, job_config.parallelism, job_config.training
+    return RuntimeOptions(ac_mode=ac.mode, ac_option=ac.selective_ac_option, reshard_after_forward=par.reshard_after_forward,
+                          overlap=par.overlap, compile=t.compile, compile_fallback=t.compile_fallback)
 
 
 def plan_digest(plan: Plan) -> str:
@@ -117,11 +125,6 @@ def _check_supported(job_config: JobConfig, mesh: DeviceMesh) -> None:
             f'"auto": the trainer splits the sequence into load-balanced CP chunks, which the planner\'s '
             "inputs cannot express; use the degree as a data/tensor axis (data_parallel_shard_degree or "
             "tensor_parallel_degree) and let the planner choose, or mode = \"manual\"")
-    if job_config.activation_checkpoint.mode != "none":
-        logger.warning("activation_checkpoint.mode = %r is ignored in auto mode (the plan runs the traced joint graph)",
-                       job_config.activation_checkpoint.mode)
-    if job_config.training.compile:
-        logger.warning("training.compile is ignored in auto mode: the ParallelModule runs eagerly")
 
 
 def _planning_error(job_config: JobConfig, e: PlanningError) -> ConfigError:
@@ -164,7 +167,7 @@ def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, s
         _check_agreement(digest)
         if _rank() == 0:
             _log_and_save(plan, how, digest, Path(job_config.job.dump_folder) / job_config.job.name)
-        return autop.apply_placement(plan)
+        return autop.apply_placement(plan, runtime_options(job_config))
 
 
 def _solve_on_rank0(autop: AutoParallel) -> Plan:

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-from models import get_model_spec, model_args
-from parallel.auto.cost import DEFAULT_HARDWARE, ProfileError, load_hardware
-from parallel.auto.solve import SOLVERS
+from parallel.auto.cost import DEFAULT_HARDWARE
+
+from .config_checks import env_world_size, validate_config
+from .errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -32,10 +33,6 @@ else:  # pragma: no cover
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS_DIR = PROJECT_ROOT / "configs"
-
-
-class ConfigError(ValueError):
-    """A bad job configuration (file, section.key, value and the fix are in the message)."""
 
 
 # --------------------------------------------------------------------------- sections
@@ -47,6 +44,7 @@ class Job:
     dump_folder: str = "./outputs"
     seed: int = 0
     description: str = ""
+    device: str = "auto"  # "auto" (CUDA when available) | "cuda" | "cpu"
 
 
 @dataclass
@@ -55,6 +53,27 @@ class Model:
     flavor: str = "debug"
     # -1: take the vocabulary size from the tokenizer (256 for the byte tokenizer).
     vocab_size: int = -1
+    # the model's own arguments over the flavor's (unset: the flavor's); each is checked
+    # against the model family's arguments (e.g. n_routed_experts is DeepSeek-V3 only)
+    n_layers: Optional[int] = None
+    dim: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    ffn_hidden_dim: Optional[int] = None
+    max_seq_len: Optional[int] = None
+    n_dense_layers: Optional[int] = None
+    inter_dim: Optional[int] = None
+    moe_inter_dim: Optional[int] = None
+    n_routed_experts: Optional[int] = None
+    n_shared_experts: Optional[int] = None
+    n_activated_experts: Optional[int] = None
+
+    def arg_overrides(self) -> dict[str, int]:
+        """The model arguments this config sets (what build_model takes over the flavor)."""
+        skip = {"name", "flavor", "vocab_size"}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in skip and getattr(self, f.name) is not None}
 
 
 @dataclass
@@ -66,7 +85,8 @@ class Training:
     dtype: str = "float32"  # dtype of the master parameters
     mixed_precision_param: str = "float32"
     mixed_precision_reduce: str = "float32"
-    compile: bool = False
+    compile: bool = False  # manual: torch.compile per block; auto: the whole step as one Inductor graph
+    compile_fallback: bool = False  # on a compile error, run eagerly (logged) instead of failing
 
 
 @dataclass
@@ -110,6 +130,9 @@ class Parallelism:
     seed_rounds: int = 1  # > 1: re-seed around the solved plan while it improves
     time_limit: float = 600.0  # seconds for the ILP solver
     cluster_layers: bool = True  # one decision for the repeated copies of a layer
+    # both modes: gather parameters again in the backward (FSDP's default, less memory)
+    reshard_after_forward: bool = True
+    overlap: bool = True  # auto mode: collectives start early and are waited for at first use
 
     def resolved_degrees(self, world_size: int) -> dict[str, int]:
         """Degrees with ``data_parallel_shard_degree = -1`` filled in (no checks)."""
@@ -185,17 +208,6 @@ class JobConfig:
 
 SECTIONS = [f.name for f in fields(JobConfig) if f.name != "source"]
 
-_CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
-    ("training", "dtype"): ("float32", "bfloat16"),
-    ("training", "mixed_precision_param"): ("float32", "bfloat16"),
-    ("training", "mixed_precision_reduce"): ("float32", "bfloat16"),
-    ("optimizer", "name"): ("AdamW",),
-    ("optimizer", "implementation"): ("foreach", "for-loop"),
-    ("lr_scheduler", "decay"): ("linear", "cosine", "none"),
-    ("parallelism", "mode"): ("manual", "auto"),
-    ("activation_checkpoint", "mode"): ("none", "full", "selective"),
-    ("data", "tokenizer"): ("byte",),
-}
 
 
 # --------------------------------------------------------------------------- typing
@@ -358,155 +370,6 @@ def load_config(config: Optional[str] = None, overrides=(), *,
     if validate:
         validate_config(cfg, world_size=world_size)
     return cfg
-
-
-# --------------------------------------------------------------------------- checks
-
-
-def _err(cfg: JobConfig, section: str, key: str, msg: str) -> ConfigError:
-    value = getattr(getattr(cfg, section), key)
-    return ConfigError(f"{cfg.source}: '{section}.{key}' = {value!r}: {msg}")
-
-
-def env_world_size() -> int:
-    """The world size torchrun announces (1 for a plain process)."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        raise ConfigError(f"environment: WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not "
-                          f"an integer") from None
-
-
-def validate_config(cfg: JobConfig, world_size: Optional[int] = None) -> None:
-    """Raise ConfigError for the first problem found. Touches no process group, so every
-    rank finds the same problem before any collective."""
-    for (section, key), choices in _CHOICES.items():
-        if getattr(getattr(cfg, section), key) not in choices:
-            raise _err(cfg, section, key, f"must be one of {', '.join(map(repr, choices))}")
-    _validate_ranges(cfg)
-    _validate_hardware(cfg)
-    _validate_parallelism(cfg, env_world_size() if world_size is None else world_size)
-    _validate_planner(cfg)
-    _validate_model(cfg)
-
-
-def _validate_ranges(cfg: JobConfig) -> None:
-    """Numbers out of range and paths that do not exist."""
-    t = cfg.training
-    for key in ("local_batch_size", "seq_len"):
-        if getattr(t, key) < 1:
-            raise _err(cfg, "training", key, "must be >= 1")
-    if t.steps < 0:
-        raise _err(cfg, "training", "steps", "must be >= 0")
-    if cfg.lr_scheduler.warmup_steps < 0:
-        raise _err(cfg, "lr_scheduler", "warmup_steps", "must be >= 0")
-    if cfg.optimizer.lr <= 0:
-        raise _err(cfg, "optimizer", "lr", "must be > 0")
-    if cfg.metrics.log_freq < 1:
-        raise _err(cfg, "metrics", "log_freq", "must be >= 1")
-    ck = cfg.checkpoint
-    if ck.interval < 1:
-        raise _err(cfg, "checkpoint", "interval", "must be >= 1")
-    if ck.keep_latest_k < 0:
-        raise _err(cfg, "checkpoint", "keep_latest_k", "must be >= 0 (0 keeps all)")
-    ac = cfg.activation_checkpoint
-    if ac.mode == "selective" and ac.selective_ac_option != "op" and (
-            not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1):
-        raise _err(cfg, "activation_checkpoint", "selective_ac_option",
-                   "must be 'op' or a positive integer N (every N-th block) as a string")
-    if cfg.data.num_workers < 0:
-        raise _err(cfg, "data", "num_workers", "must be >= 0")
-    if cfg.data.path and not Path(cfg.data.path).exists():
-        raise _err(cfg, "data", "path", "no such file or folder")
-
-
-def _validate_hardware(cfg: JobConfig) -> None:
-    """Both hardware keys name a profile the planner can read (the planner's own loader)."""
-    for section in ("metrics", "parallelism"):
-        try:
-            load_hardware(getattr(cfg, section).hardware)
-        except ProfileError as e:
-            fix = "" if "available:" in str(e) else "; name a profile of configs/hardware/ or a valid profile .toml"
-            raise _err(cfg, section, "hardware", f"{e}{fix}") from None
-
-
-def _validate_parallelism(cfg: JobConfig, world_size: int) -> None:
-    """Degrees: positive, multiplying to the world size, EP dividing the data ranks."""
-    p = cfg.parallelism
-    names = ["data_parallel_replicate_degree", "tensor_parallel_degree",
-             "context_parallel_degree", "expert_parallel_degree"]
-    for key in names:
-        if getattr(p, key) < 1:
-            raise _err(cfg, "parallelism", key, "must be >= 1")
-    if p.data_parallel_shard_degree < 1 and p.data_parallel_shard_degree != -1:
-        raise _err(cfg, "parallelism", "data_parallel_shard_degree",
-                   "must be >= 1, or -1 for the rest of the world")
-    others = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.context_parallel_degree
-    desc = (f"data_parallel_replicate_degree={p.data_parallel_replicate_degree} x "
-            f"data_parallel_shard_degree={p.data_parallel_shard_degree} x "
-            f"tensor_parallel_degree={p.tensor_parallel_degree} x "
-            f"context_parallel_degree={p.context_parallel_degree}")
-    if p.data_parallel_shard_degree == -1:
-        if world_size % others:
-            raise ConfigError(
-                f"{cfg.source}: 'parallelism.data_parallel_shard_degree' = -1 cannot fill the "
-                f"world: {desc} does not divide the world size {world_size}; change the "
-                f"degrees or the number of processes")
-    elif others * p.data_parallel_shard_degree != world_size:
-        raise ConfigError(
-            f"{cfg.source}: parallelism degrees multiply to "
-            f"{others * p.data_parallel_shard_degree} ({desc}) but the world size is "
-            f"{world_size}; make the product equal the number of processes or set "
-            f"data_parallel_shard_degree = -1")
-    deg = p.resolved_degrees(world_size)
-    if p.expert_parallel_degree > 1:
-        dp_cp = deg["dp_shard"] * deg["cp"]
-        if dp_cp % p.expert_parallel_degree:
-            raise _err(cfg, "parallelism", "expert_parallel_degree",
-                       f"must divide data_parallel_shard_degree x context_parallel_degree "
-                       f"= {dp_cp}")
-
-
-def _validate_planner(cfg: JobConfig) -> None:
-    """The auto mode's knobs (checked in manual mode too: a typo should not wait)."""
-    p = cfg.parallelism
-    if p.solver not in SOLVERS:
-        raise _err(cfg, "parallelism", "solver",
-                   f"must be one of {', '.join(SOLVERS)} (highs, cbc: the ILP with that backend)")
-    for key in ("memory_budget_low", "memory_budget_high"):
-        v = getattr(p, key)
-        if v is not None and v < 0:
-            raise _err(cfg, "parallelism", key, "must be >= 0 (or left unset)")
-    if (p.memory_budget_low is not None and p.memory_budget_high is not None
-            and p.memory_budget_low > p.memory_budget_high):
-        raise _err(cfg, "parallelism", "memory_budget_low",
-                   f"must not exceed memory_budget_high = {p.memory_budget_high}")
-    if p.seed_radius < 0:
-        raise _err(cfg, "parallelism", "seed_radius", "must be >= 0 (mesh axes a seeded strategy may change)")
-    if p.seed_rounds < 1:
-        raise _err(cfg, "parallelism", "seed_rounds", "must be >= 1 (1: seed once, no re-seeding)")
-    if not p.time_limit > 0:
-        raise _err(cfg, "parallelism", "time_limit", "must be > 0 seconds")
-    if p.plan_file and not Path(p.plan_file).is_file():
-        raise _err(cfg, "parallelism", "plan_file",
-                   "no such file; point it at a plan.json the planner wrote (<dump_folder>/<job.name>/plan.json) "
-                   "or leave it empty to plan")
-
-
-def _validate_model(cfg: JobConfig) -> None:
-    """Known model and flavor; a sequence that fits the flavor's position tables."""
-    try:
-        spec = get_model_spec(cfg.model.name)
-    except ValueError as e:
-        raise _err(cfg, "model", "name", f"unknown model ({e})") from None
-    if cfg.model.flavor not in spec.flavors:
-        raise _err(cfg, "model", "flavor",
-                   f"no such flavor of {cfg.model.name}; flavors: {', '.join(spec.flavors)}")
-    max_seq_len = getattr(model_args(cfg.model.name, cfg.model.flavor), "max_seq_len", None)
-    if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
-        raise _err(cfg, "training", "seq_len",
-                   f"exceeds max_seq_len = {max_seq_len} of {cfg.model.name}/{cfg.model.flavor} (the length of its "
-                   f"RoPE tables); set training.seq_len <= {max_seq_len}, or pick a flavor with a longer max_seq_len")
 
 
 # --------------------------------------------------------------------------- printing

@@ -284,6 +284,7 @@ def _parallel_model(cfg: JobConfig, mesh: DeviceMesh, notes: list[str]) -> torch
     """The model on meta, in the master dtype, with the configured recipe applied; a
     degree that does not fit is a ConfigError naming the key."""
     overrides = {"vocab_size": cfg.model.vocab_size} if cfg.model.vocab_size > 0 else {}
+    overrides.update(cfg.model.arg_overrides())
     model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **overrides)
     if cfg.model.vocab_size <= 0:
         notes.append(f"vocab_size = {model.args.vocab_size} (the flavor's; the byte tokenizer would use 256)")
@@ -297,7 +298,7 @@ def _parallel_model(cfg: JobConfig, mesh: DeviceMesh, notes: list[str]) -> torch
 
 def _materialize(model: torch.nn.Module, uses_tp: bool) -> None:
     """Fake storage for the (local shards of the) parameters and buffers."""
-    model.to_empty(device="cpu")
+    model.to_empty(device=T.FAKE_DEVICE)
     if uses_tp:
         register_partial_grad_hooks(model)  # to_empty dropped the autograd hooks
     with torch.no_grad():
@@ -341,7 +342,7 @@ def dry_run(job_config: JobConfig, world_size: int) -> DryRunReport:
         raise ConfigError(f"{cfg.source}: 'parallelism.mode' = {cfg.parallelism.mode!r}: --dry-run simulates "
                           f'the manual recipes; set --parallelism.mode manual (or plan with scripts/plan.py)')
     with T.fake_world(world_size):
-        mesh = build_mesh(cfg.parallelism, world_size, "cpu")
+        mesh = build_mesh(cfg.parallelism, world_size, T.FAKE_DEVICE)
         names = tuple(mesh.mesh_dim_names or ())
         report = DryRunReport(world_size=world_size, mesh=" x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape)),
                               model=f"{cfg.model.name}/{cfg.model.flavor}", tokens=(0, 0))

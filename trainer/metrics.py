@@ -16,6 +16,8 @@ import torch
 from parallel.auto.cost import load_hardware
 from parallel.precision import dtype_of
 
+from .device import peak_memory_bytes
+
 logger = logging.getLogger("autotitan")
 
 
@@ -86,10 +88,10 @@ def cpu_rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def memory_bytes() -> int:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_allocated()
-    return cpu_rss_bytes()
+def memory_bytes(device: torch.device) -> int:
+    """Peak GPU bytes allocated on a GPU; the process's resident memory on a CPU."""
+    peak = peak_memory_bytes(device)
+    return peak if peak is not None else cpu_rss_bytes()
 
 
 # --------------------------------------------------------------------------- logger
@@ -100,8 +102,9 @@ class MetricsLogger:
     writes TensorBoard scalars; keeps ``losses.json`` ({step: loss}) in the run folder."""
 
     def __init__(self, metrics_cfg, run_dir: Path, *, rank: int, world_size: int,
-                 flops_per_token: float, compute_dtype: str, start_step: int = 0):
+                 flops_per_token: float, compute_dtype: str, device: torch.device, start_step: int = 0):
         self.cfg = metrics_cfg
+        self.device = device
         self.rank = rank
         self.world_size = world_size
         self.flops_per_token = flops_per_token
@@ -142,7 +145,7 @@ class MetricsLogger:
         # model FLOPs per second per device vs the device's peak
         mfu = (100.0 * tps * self.flops_per_token / (self.world_size * self.peak)
                if self.peak else None)
-        mem = memory_bytes()
+        mem = memory_bytes(self.device)
         m = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tps,
              "mfu_pct": mfu, "memory_gib": mem / 2**30}
         self.last = m

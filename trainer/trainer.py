@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from models import build_model, cross_entropy_loss
+from parallel import _torch as T
 from parallel.mesh import CP, build_mesh, dp_rank_and_degree
 from parallel.precision import dtype_of
 from parallel.recipes import RecipeError, apply_compile, apply_recipe
@@ -27,6 +28,7 @@ from parallel.recipes.tp import loss_parallel_context, loss_value
 
 from .auto import auto_parallelize_for_training
 from .checkpoint import CheckpointManager
+from .device import local_device
 from .config import ConfigError, JobConfig
 from .data import DataError, build_dataloader, build_tokenizer
 from .metrics import MetricsLogger, setup_logging
@@ -40,6 +42,8 @@ def parallelize(model: torch.nn.Module, mesh: Optional[DeviceMesh], job_config: 
     """The one place where the model becomes parallel. ``mesh`` is None without a
     process group (single process): the model is returned as is (compiled if asked).
     A recipe's error (a degree that does not fit) becomes a ConfigError naming the file."""
+    if job_config.training.compile and job_config.training.compile_fallback:
+        T.compile_errors_fall_back(True)  # manual mode's per-block torch.compile; auto mode has its own
     if job_config.parallelism.mode == "auto":
         return auto_parallelize_for_training(model, mesh, job_config, sample_batch)
     if mesh is None:
@@ -64,7 +68,7 @@ class Trainer:
         self.world_size = dist.get_world_size() if self.distributed else 1
         setup_logging(self.rank)
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
-        self.device = torch.device("cpu")
+        self.device = local_device(cfg.job.device)
         self.mesh = build_mesh(cfg.parallelism, self.world_size, self.device.type) if self.distributed else None
         self.dp_rank, self.dp_degree = dp_rank_and_degree(self.mesh)
         self.cp_axis = self.mesh is not None and CP in (self.mesh.mesh_dim_names or ())
@@ -108,7 +112,8 @@ class Trainer:
             raise ConfigError(f"{cfg.source}: 'model.vocab_size' = {vocab} is smaller than "
                               f"the tokenizer's vocabulary {self.tokenizer.vocab_size}; raise it or "
                               f"set -1 to take the tokenizer's")
-        model = build_model(cfg.model.name, cfg.model.flavor, device="meta", vocab_size=vocab)
+        model = build_model(cfg.model.name, cfg.model.flavor, device="meta", vocab_size=vocab,
+                            **cfg.model.arg_overrides())
         self.model_args = model.args
         model.to_empty(device=self.device)
         torch.manual_seed(cfg.job.seed)
@@ -138,36 +143,42 @@ class Trainer:
             return cp_shard_batch(inputs, labels, self.mesh, CP)
         return inputs, labels, None
 
-    def _reduce_mean(self, x: float) -> float:
+    def reduce_mean(self, x: float) -> float:
+        """The mean of a per-rank number over all ranks (the global loss of a step)."""
         if not self.distributed or self.world_size == 1:
             return x
-        t = torch.tensor([x], dtype=torch.float64)
+        t = torch.tensor([x], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return t.item() / self.world_size
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (local loss, total grad norm) as tensors."""
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
         inputs, labels, positions = self._shard_batch(inputs, labels)
         self.optimizer.zero_grad(set_to_none=True)
-        ctx = (torch.autocast(self.device.type, dtype=dtype_of(self.cfg.training.mixed_precision_param))
-               if self.autocast else contextlib.nullcontext())
-        # TP with loss parallel: vocab-sharded logits; loss and backward inside the context
-        with loss_parallel_context(self.model):
-            with ctx:
-                if getattr(self.model, "computes_loss", False):  # auto-mode ParallelModule
-                    loss = self.model(inputs, labels)
-                else:
-                    logits = (self.model(inputs) if positions is None
-                              else self.model(inputs, positions))
-                    loss = cross_entropy_loss(logits, labels)
-                    del logits
-            loss.backward()
-        loss = loss_value(loss)
+        if hasattr(self.model, "forward_backward"):  # auto mode: the step as one graph
+            loss = self.model.forward_backward(inputs, labels)
+        else:
+            loss = self._forward_backward(inputs, labels, positions)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         self.lr_used = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.lr_scheduler.step()
         return loss.detach(), grad_norm
+
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor,
+                          positions: Optional[torch.Tensor]) -> torch.Tensor:
+        """Manual mode: the model's forward, the loss and autograd's backward."""
+        ctx = (torch.autocast(self.device.type, dtype=dtype_of(self.cfg.training.mixed_precision_param))
+               if self.autocast else contextlib.nullcontext())
+        # TP with loss parallel: vocab-sharded logits; loss and backward inside the context
+        with loss_parallel_context(self.model):
+            with ctx:
+                logits = self.model(inputs) if positions is None else self.model(inputs, positions)
+                loss = cross_entropy_loss(logits, labels)
+                del logits
+            loss.backward()
+        return loss_value(loss)
 
     # ------------------------------------------------------------------ loop
 
@@ -177,7 +188,7 @@ class Trainer:
         self.metrics = MetricsLogger(
             cfg.metrics, self.run_dir, rank=self.rank, world_size=self.world_size,
             flops_per_token=self.flops_per_token, compute_dtype=self.compute_dtype,
-            start_step=self.step)
+            device=self.device, start_step=self.step)
         if self.rank == 0:
             logger.info(
                 f"job {cfg.job.name}: {cfg.model.name}/{cfg.model.flavor} "
@@ -203,7 +214,7 @@ class Trainer:
                 loss, grad_norm = self.train_step(inputs, labels)
                 self.metrics.add_tokens(inputs.numel() * self.dp_degree)
                 if self.metrics.should_log(self.step, t.steps):
-                    loss_v = self._reduce_mean(loss.item())
+                    loss_v = self.reduce_mean(loss.item())
                     self.metrics.log(self.step, loss_v, grad_norm.item(), self.lr_used)
                     logged[self.step] = loss_v
                 if self.checkpointer.should_save(self.step, t.steps):

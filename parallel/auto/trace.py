@@ -122,7 +122,7 @@ def _fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
     """
     clone = copy.deepcopy(model)  # cheap for a meta model (the intended use)
     with fake_mode:
-        clone.to_empty(device="cpu")
+        clone.to_empty(device=T.FAKE_DEVICE)
     return clone
 
 
@@ -131,8 +131,8 @@ def _to_fake(x: Any, fake_mode: Any) -> Any:
         if x.device.type == "meta":
             with fake_mode:
                 if x.dtype.is_floating_point:
-                    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
-                return torch.zeros(x.shape, dtype=x.dtype, device="cpu")
+                    return torch.empty(x.shape, dtype=x.dtype, device=T.FAKE_DEVICE)
+                return torch.zeros(x.shape, dtype=x.dtype, device=T.FAKE_DEVICE)
         return fake_mode.from_tensor(x)
     return x
 

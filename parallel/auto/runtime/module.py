@@ -122,9 +122,9 @@ class ParallelModuleMixin:
         self.load_full_weights(template)
 
     def _device(self) -> torch.device:
-        for p in self.parameters():
-            return (p.to_local() if isinstance(p, DTensor) else p).device
-        return torch.device("cpu")
+        """Where the parameters' shards live (the module's device)."""
+        p = next(iter(self.parameters()))
+        return (p.to_local() if isinstance(p, DTensor) else p).device
 
     @torch.no_grad()
     def load_full_weights(self, full: nn.Module) -> None:

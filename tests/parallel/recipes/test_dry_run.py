@@ -114,7 +114,7 @@ def test_invalid_degrees_are_recipe_errors(name, world, overrides, key):
     cfg = _cfg(name, world, *overrides)
     model = build_model(cfg.model.name, cfg.model.flavor)
     with fake_world(world):
-        mesh = build_mesh(cfg.parallelism, world)
+        mesh = build_mesh(cfg.parallelism, world, "cpu")
         with pytest.raises(RecipeError) as err:
             apply_recipe(model, mesh, cfg)
     assert err.value.key == key and str(err.value).startswith(f"'parallelism.{key}' = "), err.value

@@ -1,0 +1,112 @@
+"""What the trainer benchmarks share: spawn gloo ranks, build one Trainer per variant, time
+their steps round-robin, bring rank 0's figures back.
+
+Round-robin (step i of every variant before step i+1 of any) makes the shared cores'
+background load hit every variant alike, so ratios between variants hold even when the
+machine's speed drifts; figures are medians over the timed steps.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+BuildFn = Callable[[str, str], Any]  # (variant, tmp folder) -> Trainer
+
+
+def time_round_robin(built: dict[str, Any], warmup: int, steps: int,
+                     measure: Callable[[str, Any], dict] | None = None) -> dict[str, dict]:
+    """Median step time, tokens per step and losses of every built trainer."""
+    import torch.distributed as dist
+
+    iters = {v: iter(tr.dataloader) for v, tr in built.items()}
+    times: dict[str, list[float]] = {v: [] for v in built}
+    losses: dict[str, list[float]] = {v: [] for v in built}
+    tokens: dict[str, int] = {}
+    for step in range(warmup + steps):
+        for v, trainer in built.items():
+            inputs, labels = next(iters[v])
+            dist.barrier()
+            t = time.perf_counter()
+            loss, _ = trainer.train_step(inputs, labels)
+            losses[v].append(trainer.reduce_mean(float(loss)))
+            dist.barrier()
+            if step >= warmup:
+                times[v].append(time.perf_counter() - t)
+            tokens[v] = inputs.numel() * trainer.dp_degree
+    out = {}
+    for v, trainer in built.items():
+        out[v] = {"step_s": statistics.median(times[v]), "tokens": tokens[v], "losses": losses[v],
+                  "tokens_per_s": tokens[v] / statistics.median(times[v])}
+        if measure is not None:
+            out[v].update(measure(v, trainer))
+    return out
+
+
+def _worker(rank: int, nproc: int, port: int, threads: int, q: Any, job: Callable[[], Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=nproc)
+        buf = io.BytesIO()
+        torch.save(job(), buf)
+        q.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        q.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(job: Callable[[], Any], nproc: int, *, threads: int = 1, timeout: float = 3600) -> Any:
+    """Run `job()` on `nproc` spawned gloo ranks; rank 0's result (RuntimeError if one fails)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, nproc, port, threads, q, job), daemon=True) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(nproc):
+            rank, status, payload = q.get(timeout=timeout)
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    except queue.Empty:
+        raise RuntimeError(f"timed out after {timeout:.0f}s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return results[0]
+
+
+def temp_folder() -> str:
+    """A scratch folder for the benchmark's run folders (removed by the OS, not by us: the
+    spawned ranks write into it)."""
+    return tempfile.mkdtemp(prefix="autotitan_bench_")

@@ -1,0 +1,212 @@
+"""Validation of a loaded job config: every problem is one ConfigError naming the file, the
+`section.key`, its value and the fix. Never touches `torch.distributed`: the world size
+comes from `WORLD_SIZE` (1 when unset) or the caller, so every rank finds the same problem
+before any collective.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from models import build_model, get_model_spec, model_args, transformer_blocks
+from parallel.auto.cost import ProfileError, load_hardware
+from parallel.auto.solve import SOLVERS
+
+from .device import check_compiler, check_device
+from .errors import ConfigError
+
+JobConfig = Any  # trainer.config.JobConfig (this module sits below it)
+
+CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("training", "dtype"): ("float32", "bfloat16"),
+    ("training", "mixed_precision_param"): ("float32", "bfloat16"),
+    ("training", "mixed_precision_reduce"): ("float32", "bfloat16"),
+    ("optimizer", "name"): ("AdamW",),
+    ("optimizer", "implementation"): ("foreach", "for-loop"),
+    ("lr_scheduler", "decay"): ("linear", "cosine", "none"),
+    ("parallelism", "mode"): ("manual", "auto"),
+    ("job", "device"): ("auto", "cuda", "cpu"),
+    ("activation_checkpoint", "mode"): ("none", "full", "selective"),
+    ("data", "tokenizer"): ("byte",),
+}
+
+
+def _err(cfg: JobConfig, section: str, key: str, msg: str) -> ConfigError:
+    value = getattr(getattr(cfg, section), key)
+    return ConfigError(f"{cfg.source}: '{section}.{key}' = {value!r}: {msg}")
+
+
+def env_world_size() -> int:
+    """The world size torchrun announces (1 for a plain process)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ConfigError(f"environment: WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not "
+                          f"an integer") from None
+
+
+def validate_config(cfg: JobConfig, world_size: Optional[int] = None) -> None:
+    """Raise ConfigError for the first problem found. Touches no process group, so every
+    rank finds the same problem before any collective."""
+    for (section, key), choices in CHOICES.items():
+        if getattr(getattr(cfg, section), key) not in choices:
+            raise _err(cfg, section, key, f"must be one of {', '.join(map(repr, choices))}")
+    _validate_ranges(cfg)
+    _validate_hardware(cfg)
+    _validate_parallelism(cfg, env_world_size() if world_size is None else world_size)
+    _validate_planner(cfg)
+    _validate_model(cfg)
+    _validate_runtime(cfg)
+
+
+def _validate_ranges(cfg: JobConfig) -> None:
+    """Numbers out of range and paths that do not exist."""
+    t = cfg.training
+    for key in ("local_batch_size", "seq_len"):
+        if getattr(t, key) < 1:
+            raise _err(cfg, "training", key, "must be >= 1")
+    if t.steps < 0:
+        raise _err(cfg, "training", "steps", "must be >= 0")
+    if cfg.lr_scheduler.warmup_steps < 0:
+        raise _err(cfg, "lr_scheduler", "warmup_steps", "must be >= 0")
+    if cfg.optimizer.lr <= 0:
+        raise _err(cfg, "optimizer", "lr", "must be > 0")
+    if cfg.metrics.log_freq < 1:
+        raise _err(cfg, "metrics", "log_freq", "must be >= 1")
+    ck = cfg.checkpoint
+    if ck.interval < 1:
+        raise _err(cfg, "checkpoint", "interval", "must be >= 1")
+    if ck.keep_latest_k < 0:
+        raise _err(cfg, "checkpoint", "keep_latest_k", "must be >= 0 (0 keeps all)")
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option != "op" and (
+            not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1):
+        raise _err(cfg, "activation_checkpoint", "selective_ac_option",
+                   "must be 'op' or a positive integer N (every N-th block) as a string")
+    if cfg.data.num_workers < 0:
+        raise _err(cfg, "data", "num_workers", "must be >= 0")
+    if cfg.data.path and not Path(cfg.data.path).exists():
+        raise _err(cfg, "data", "path", "no such file or folder")
+
+
+def _validate_hardware(cfg: JobConfig) -> None:
+    """Both hardware keys name a profile the planner can read (the planner's own loader)."""
+    for section in ("metrics", "parallelism"):
+        try:
+            load_hardware(getattr(cfg, section).hardware)
+        except ProfileError as e:
+            fix = "" if "available:" in str(e) else "; name a profile of configs/hardware/ or a valid profile .toml"
+            raise _err(cfg, section, "hardware", f"{e}{fix}") from None
+
+
+def _validate_parallelism(cfg: JobConfig, world_size: int) -> None:
+    """Degrees: positive, multiplying to the world size, EP dividing the data ranks."""
+    p = cfg.parallelism
+    names = ["data_parallel_replicate_degree", "tensor_parallel_degree",
+             "context_parallel_degree", "expert_parallel_degree"]
+    for key in names:
+        if getattr(p, key) < 1:
+            raise _err(cfg, "parallelism", key, "must be >= 1")
+    if p.data_parallel_shard_degree < 1 and p.data_parallel_shard_degree != -1:
+        raise _err(cfg, "parallelism", "data_parallel_shard_degree",
+                   "must be >= 1, or -1 for the rest of the world")
+    others = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.context_parallel_degree
+    desc = (f"data_parallel_replicate_degree={p.data_parallel_replicate_degree} x "
+            f"data_parallel_shard_degree={p.data_parallel_shard_degree} x "
+            f"tensor_parallel_degree={p.tensor_parallel_degree} x "
+            f"context_parallel_degree={p.context_parallel_degree}")
+    if p.data_parallel_shard_degree == -1:
+        if world_size % others:
+            raise ConfigError(
+                f"{cfg.source}: 'parallelism.data_parallel_shard_degree' = -1 cannot fill the "
+                f"world: {desc} does not divide the world size {world_size}; change the "
+                f"degrees or the number of processes")
+    elif others * p.data_parallel_shard_degree != world_size:
+        raise ConfigError(
+            f"{cfg.source}: parallelism degrees multiply to "
+            f"{others * p.data_parallel_shard_degree} ({desc}) but the world size is "
+            f"{world_size}; make the product equal the number of processes or set "
+            f"data_parallel_shard_degree = -1")
+    deg = p.resolved_degrees(world_size)
+    if p.expert_parallel_degree > 1:
+        dp_cp = deg["dp_shard"] * deg["cp"]
+        if dp_cp % p.expert_parallel_degree:
+            raise _err(cfg, "parallelism", "expert_parallel_degree",
+                       f"must divide data_parallel_shard_degree x context_parallel_degree "
+                       f"= {dp_cp}")
+
+
+def _validate_planner(cfg: JobConfig) -> None:
+    """The auto mode's knobs (checked in manual mode too: a typo should not wait)."""
+    p = cfg.parallelism
+    if p.solver not in SOLVERS:
+        raise _err(cfg, "parallelism", "solver",
+                   f"must be one of {', '.join(SOLVERS)} (highs, cbc: the ILP with that backend)")
+    for key in ("memory_budget_low", "memory_budget_high"):
+        v = getattr(p, key)
+        if v is not None and v < 0:
+            raise _err(cfg, "parallelism", key, "must be >= 0 (or left unset)")
+    if (p.memory_budget_low is not None and p.memory_budget_high is not None
+            and p.memory_budget_low > p.memory_budget_high):
+        raise _err(cfg, "parallelism", "memory_budget_low",
+                   f"must not exceed memory_budget_high = {p.memory_budget_high}")
+    if p.seed_radius < 0:
+        raise _err(cfg, "parallelism", "seed_radius", "must be >= 0 (mesh axes a seeded strategy may change)")
+    if p.seed_rounds < 1:
+        raise _err(cfg, "parallelism", "seed_rounds", "must be >= 1 (1: seed once, no re-seeding)")
+    if not p.time_limit > 0:
+        raise _err(cfg, "parallelism", "time_limit", "must be > 0 seconds")
+    if p.plan_file and not Path(p.plan_file).is_file():
+        raise _err(cfg, "parallelism", "plan_file",
+                   "no such file; point it at a plan.json the planner wrote (<dump_folder>/<job.name>/plan.json) "
+                   "or leave it empty to plan")
+
+
+def _validate_model(cfg: JobConfig) -> None:
+    """Known model and flavor; a sequence that fits the flavor's position tables."""
+    try:
+        spec = get_model_spec(cfg.model.name)
+    except ValueError as e:
+        raise _err(cfg, "model", "name", f"unknown model ({e})") from None
+    if cfg.model.flavor not in spec.flavors:
+        raise _err(cfg, "model", "flavor",
+                   f"no such flavor of {cfg.model.name}; flavors: {', '.join(spec.flavors)}")
+    overrides = cfg.model.arg_overrides()
+    try:
+        args = model_args(cfg.model.name, cfg.model.flavor, **overrides)
+    except (ValueError, TypeError, AssertionError) as e:
+        key = next((k for k in overrides if k in str(e)), next(iter(overrides), "flavor"))
+        raise _err(cfg, "model", key, f"not an argument {cfg.model.name}/{cfg.model.flavor} can take ({e}); "
+                   "remove it or fix the value") from None
+    max_seq_len = getattr(args, "max_seq_len", None)
+    if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
+        raise _err(cfg, "training", "seq_len",
+                   f"exceeds max_seq_len = {max_seq_len} of {cfg.model.name}/{cfg.model.flavor} (the length of its "
+                   f"RoPE tables); set training.seq_len <= {max_seq_len}, or pick a flavor with a longer max_seq_len")
+
+
+def _validate_runtime(cfg: JobConfig) -> None:
+    """The device exists, and a compile has its compiler (Inductor's C++ toolchain on CPU)."""
+    why = check_device(cfg.job.device)
+    if why:
+        raise _err(cfg, "job", "device", why)
+    if cfg.activation_checkpoint.mode != "none":
+        why = _no_blocks(cfg)
+        if why:
+            raise _err(cfg, "activation_checkpoint", "mode", f"{why}; set mode = \"none\"")
+    if cfg.training.compile and not cfg.training.compile_fallback:
+        why = check_compiler(cfg.job.device)
+        if why:
+            raise _err(cfg, "training", "compile", why)
+
+
+def _no_blocks(cfg: JobConfig) -> str | None:
+    """Why activation checkpointing has nothing to work on (no transformer blocks), or None."""
+    try:
+        blocks = transformer_blocks(build_model(cfg.model.name, cfg.model.flavor, device="meta",
+                                                **cfg.model.arg_overrides()))
+    except (ValueError, AttributeError) as e:
+        return f"{cfg.model.name} has no transformer blocks to checkpoint ({e})"
+    return None if blocks else f"{cfg.model.name} has no transformer blocks to checkpoint"

@@ -1,0 +1,70 @@
+"""Where the job runs: the one place that names a device type.
+
+`[job] device = "auto" | "cuda" | "cpu"`: auto takes CUDA when torch sees a GPU. CUDA
+jobs use NCCL and one GPU per rank (torchrun's LOCAL_RANK); CPU jobs use gloo. Every
+other module takes the device (or its type) from here, so the same code runs on an
+H100 node and on this CPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+CPU, CUDA = "cpu", "cuda"
+
+
+def device_type(name: str = "auto") -> str:
+    """"cuda" or "cpu" for a `[job] device` value (auto: CUDA when available)."""
+    if name == "auto":
+        return CUDA if torch.cuda.is_available() else CPU
+    return name
+
+
+def check_device(name: str) -> str | None:
+    """Why `name` cannot be used on this machine, or None."""
+    if name == CUDA and not torch.cuda.is_available():
+        return ("CUDA is not available on this machine (no GPU visible to torch, or a CPU-only torch build); "
+                'set job.device = "cpu", or "auto" to use a GPU only where there is one')
+    return None
+
+
+def check_compiler(name: str) -> str | None:
+    """Why Inductor cannot compile here, or None: on CPU it needs a C++ compiler."""
+    if device_type(name) != CPU:
+        return None
+    candidates = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
+    if not any(c and shutil.which(c) for c in candidates):
+        return ("Inductor needs a C++ compiler on CPU and none was found (CXX, g++, c++, clang++); install one "
+                "(e.g. apt-get install g++), or set training.compile = false, or training.compile_fallback = "
+                "true to run eagerly")
+    return None
+
+
+def local_device(name: str = "auto") -> torch.device:
+    """This process's device: its GPU (LOCAL_RANK) for CUDA jobs, the CPU otherwise."""
+    if device_type(name) == CUDA:
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(index)
+        return torch.device(CUDA, index)
+    return torch.device(CPU)
+
+
+def backend(name: str = "auto") -> str:
+    """The process-group backend for the device: NCCL on GPUs, gloo on CPUs."""
+    return "nccl" if device_type(name) == CUDA else "gloo"
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """Peak bytes allocated on a GPU since the start (None on CPU: the caller measures RSS)."""
+    if device.type == CUDA:
+        return torch.cuda.max_memory_allocated(device)
+    return None
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (timing a GPU step needs it; a no-op on CPU)."""
+    if device.type == CUDA:
+        torch.cuda.synchronize(device)
