@@ -96,12 +96,14 @@ def _result_chain(w: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
 
 
 def _move_up(chain: list[fx.Node], anchor: fx.Node) -> bool:
-    """Place `chain` (in order) right after `anchor` when that is earlier than where it is."""
+    """Place the chain's nodes that come after `anchor` right after it (in order), when the
+    collective (the chain's last node) then starts earlier than it does now."""
     pos = _positions(anchor.graph)
-    if pos[anchor] + 1 >= pos[chain[0]]:
+    later = [n for n in chain if pos[n] > pos[anchor]]
+    if not later or pos[chain[-1]] <= pos[anchor] + len(later):
         return False
     at = anchor
-    for n in chain:
+    for n in later:
         at.append(n)
         at = n
     return True

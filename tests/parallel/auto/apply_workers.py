@@ -71,6 +71,8 @@ def add_constraints(autop, kind: str, mesh_ndim: int) -> None:
             autop.add_node_constraint(fqn, (Replicate(),) * mesh_ndim)
     elif kind == "fsdp":  # batch-sharded data, default (fully sharded) parameter budget
         pass
+    elif kind == "fsdp_strict":  # FSDP exactly: every forward matmul/embedding on a gathered weight
+        constrain_fsdp_compute(autop, mesh_ndim)
     elif kind == "tp":  # projections column/row sharded on the last (tp) axis; 2-D: FSDP on dp
         col, row = ((Shard(0),), (Shard(1),)) if mesh_ndim == 1 else ((Shard(1), Shard(0)), (Shard(0), Shard(1)))
         for fqn in autop.graph.params:
@@ -82,13 +84,35 @@ def add_constraints(autop, kind: str, mesh_ndim: int) -> None:
         raise ValueError(kind)
 
 
+def constrain_fsdp_compute(autop, mesh_ndim: int) -> None:
+    """Every forward matmul x @ W.t() takes a batch-sharded x and a replicated (gathered) W;
+    the embedding likewise: FSDP's compute, whatever the cost model prefers."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from parallel.auto.trace import FWD
+
+    data, rep = (Shard(0),) + (Replicate(),) * (mesh_ndim - 1), (Replicate(),) * mesh_ndim
+    jg = autop.graph
+    params = {n.name for n in jg.params.values()}
+    for n in jg.gm.graph.nodes:
+        if n.op != "call_function" or jg.phase.get(n.name) != FWD:
+            continue
+        if n.target is torch.ops.aten.mm.default:
+            w = n.args[1]
+            if w.op == "call_function" and w.target is torch.ops.aten.t.default and w.args[0].name in params:
+                autop.add_node_constraint(n.name, data, input_placements=[data, rep])
+        elif n.target is torch.ops.aten.embedding.default:
+            autop.add_node_constraint(n.name, data, input_placements=[rep, data])
+
+
 def _inputs(name: str):
     model = build(name)
     tok = torch.zeros(GLOBAL_B, SEQ, dtype=torch.long)
     return model, (tok, tok)
 
 
-def make_plan(name: str, shape, names, kind: str, time_limit: float = 15.0, solver: str = "auto") -> dict:
+def make_plan(name: str, shape, names, kind: str, time_limit: float = 15.0, solver: str = "auto",
+              hardware: str = "cpu") -> dict:
     """Plan on a fake world in this process; returns the plan JSON."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -101,7 +125,7 @@ def make_plan(name: str, shape, names, kind: str, time_limit: float = 15.0, solv
         mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
         model, inputs = _inputs(name)
         for attempt in range(3):  # a short time limit may end before any feasible point
-            with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="cpu", solver=solver,
+            with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware=hardware, solver=solver,
                               time_limit=time_limit * 2**attempt) as autop:
                 add_constraints(autop, kind, len(shape))
                 try:

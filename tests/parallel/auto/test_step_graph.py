@@ -1,0 +1,108 @@
+"""The training step as one per-device graph, built on a fake 2-rank world (no processes):
+what the overlap pass moves, what activation checkpointing recomputes, and that the
+recomputed ops keep their planned placements (same names as in the joint graph)."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from apply_workers import constrain_fsdp_compute
+from parallel import _torch as T
+from parallel.auto.api import AutoParallel, fake_world, lm_loss
+from parallel.auto.plan import Plan
+from parallel.auto.runtime import RuntimeOptions
+from parallel.auto.runtime.schedule import _buffer_chain, _input_derived, _is_collective, _is_wait
+from parallel.auto.runtime.step_graph import StepGraph
+
+from models import build_model
+
+
+GLOBAL_B, SEQ = 16, 128  # activations outweigh the weights: FSDP's gradient reduce-scatters pay
+
+
+def _model_and_inputs() -> tuple[torch.nn.Module, tuple]:
+    tok = torch.zeros(GLOBAL_B, SEQ, dtype=torch.long)
+    return build_model("llama3", "debug", device="meta", n_layers=2), (tok, tok)
+
+
+def _step_graph(plan_json: dict, options: RuntimeOptions) -> tuple[StepGraph, object]:
+    model, inputs = _model_and_inputs()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="h100") as autop:
+        pm = autop.apply_placement(Plan.from_json(plan_json), options)
+    runner = pm.plan_runner
+    with T.FakeTensorMode(allow_non_fake_inputs=True):
+        params = [DTensor.from_local(torch.empty(p.to_local().shape), mesh, p.placements, run_check=False,
+                                     shape=p.shape, stride=p.stride()) for p in pm.parameters()]
+        buffers = [torch.empty(b.shape, dtype=b.dtype) for b in pm.buffers()]
+        inputs = [DTensor.from_local(torch.zeros((GLOBAL_B // 2, SEQ), dtype=torch.long), mesh,
+                                     runner.input_placements(i), run_check=False, shape=(GLOBAL_B, SEQ),
+                                     stride=(SEQ, 1)) for i in range(2)]
+        return StepGraph(runner, params, buffers, inputs, overlap=options.overlap), runner
+
+
+@pytest.fixture(scope="module")
+def fsdp_plan() -> dict:
+    """FSDP's compute (every forward matmul on a gathered weight), batch-sharded data."""
+    model, inputs = _model_and_inputs()
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="h100") as autop:
+            autop.add_input_constraints([(Shard(0),), (Shard(0),)])
+            constrain_fsdp_compute(autop, 1)
+            return autop.optimize_placement(verbose=False).to_json()
+
+
+def _ops(gm: torch.fx.GraphModule, name: str) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem
+            and T.op_name(n.target) == name]
+
+
+def test_overlap_prefetches_gathers_and_defers_waits(fsdp_plan):
+    with fake_world(2):
+        plain, _ = _step_graph(fsdp_plan, RuntimeOptions(overlap=False))
+        sg, runner = _step_graph(fsdp_plan, RuntimeOptions(overlap=True))
+    rep = sg.overlap
+    print(rep)
+    assert rep.collectives == plain.collectives == sg.collectives > 0
+    assert rep.prefetched_gathers >= 4 and rep.waits_moved >= 2
+    nodes = list(sg.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    derived = _input_derived(sg.gm.graph)  # parameter gathers: fed by parameter shards only
+    gathers = [n for n in nodes if _is_collective(n) and T.op_name(n.target) == "all_gather_into_tensor"
+               and all(a in derived for c in _buffer_chain(n) for a in c.all_input_nodes if a not in _buffer_chain(n))]
+    assert len(gathers) >= 6
+    # prefetch: gather k starts before the first op that reads gather k-1's result ...
+    for prev, cur in zip(gathers, gathers[1:]):
+        wait = next(u for u in prev.users if _is_wait(u))
+        assert pos[cur] < max(pos[u] for u in wait.users), (prev, cur)
+    # ... and every wait sits right before (cheap ops aside) the first op that needs it
+    for w in [n for n in nodes if _is_wait(n)]:
+        assert all(pos[u] > pos[w] for u in w.users)
+    # gradient reductions are waited for at the end: after the last matmul of the backward
+    last_mm = max(pos[n] for n in _ops(sg.gm, "mm"))
+    rs_waits = [next(u for u in n.users if _is_wait(u)) for n in nodes
+                if _is_collective(n) and T.op_name(n.target) == "reduce_scatter_tensor"]
+    assert rs_waits and all(pos[w] > last_mm for w in rs_waits)
+
+
+@pytest.mark.parametrize("mode,option", [("full", "op"), ("selective", "op"), ("selective", "2")])
+def test_activation_checkpointing_recomputes_in_the_step_graph(fsdp_plan, mode, option):
+    with fake_world(2):
+        none, _ = _step_graph(fsdp_plan, RuntimeOptions())
+        ac, runner = _step_graph(fsdp_plan, RuntimeOptions(ac_mode=mode, ac_option=option))
+    saved_none = len(none.gm.graph.find_nodes(op="placeholder"))
+    mm_none, mm_ac = len(_ops(none.gm, "mm")), len(_ops(ac.gm, "mm"))
+    print(f"{mode}/{option}: {runner.recomputed} forward nodes recomputed, matmuls {mm_none} -> {mm_ac}, "
+          f"saved values {len(runner.saved_names)}")
+    assert runner.recomputed > 0
+    assert mm_ac > mm_none if (mode, option) != ("selective", "op") else mm_ac >= mm_none
+    assert saved_none == len(ac.gm.graph.find_nodes(op="placeholder"))  # same step inputs
+    # recomputed ops are the joint graph's own nodes: their planned specs apply in backward
+    assert set(n.name for n in runner.bwd_gm.graph.nodes if n.op == "call_function") <= set(runner.spec) | {
+        n.name for n in runner.bwd_gm.graph.nodes if n.target is operator.getitem}
