@@ -149,6 +149,9 @@ class PlanRunner:
         self.recomputed = tag_recomputation(forward, self.block_of, options.ac_mode, options.ac_option)
         with graph.fake_mode:  # the partitioner's RNG handling asks for the fake mode
             self.fwd_gm, self.bwd_gm = T.partition_joint(graph.gm, num_fwd_outputs=len(self.out_slots))
+        for gm in (self.fwd_gm, self.bwd_gm):  # the partitioner keeps unused random ops (attention): drop them
+            gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output"))
+            gm.recompile()
         self.saved_names = [a.name for a in self.fwd_gm.graph.output_node().args[0][len(self.out_slots):]]
         bucket = self.bucket = options.bucket
         self.reshard_after_forward = options.reshard_after_forward
