@@ -14,7 +14,7 @@ from models import build_model, get_model_spec, model_args, transformer_blocks
 from parallel.auto.cost import ProfileError, load_hardware
 from parallel.auto.solve import SOLVERS
 
-from .device import check_compiler, check_device
+from .device import CPU, CUDA, check_compiler, check_device
 from .errors import ConfigError
 
 JobConfig = Any  # trainer.config.JobConfig (this module sits below it)
@@ -27,7 +27,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("optimizer", "implementation"): ("foreach", "for-loop"),
     ("lr_scheduler", "decay"): ("linear", "cosine", "none"),
     ("parallelism", "mode"): ("manual", "auto"),
-    ("job", "device"): ("auto", "cuda", "cpu"),
+    ("job", "device"): ("auto", CUDA, CPU),
     ("activation_checkpoint", "mode"): ("none", "full", "selective"),
     ("data", "tokenizer"): ("byte",),
 }

@@ -52,6 +52,13 @@ def local_device(name: str = "auto") -> torch.device:
     return torch.device(CPU)
 
 
+def sharded_init_is_exact(device: torch.device) -> bool:
+    """True where DTensor's random ops give each shard the values a single-device init would
+    (CUDA's offset-based RNG tracker): then ranks initialise only their shards. On CPU they
+    do not, so every rank initialises the whole model and keeps its shards."""
+    return device.type == CUDA
+
+
 def backend(name: str = "auto") -> str:
     """The process-group backend for the device: NCCL on GPUs, gloo on CPUs."""
     return "nccl" if device_type(name) == CUDA else "gloo"

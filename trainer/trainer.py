@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from models import build_model, cross_entropy_loss
 from parallel import _torch as T
+from parallel.auto.runtime import CompileError, is_parallel_module
 from parallel.mesh import CP, build_mesh, dp_rank_and_degree
 from parallel.precision import dtype_of
 from parallel.recipes import RecipeError, apply_compile, apply_recipe
@@ -28,7 +29,7 @@ from parallel.recipes.tp import loss_parallel_context, loss_value
 
 from .auto import auto_parallelize_for_training
 from .checkpoint import CheckpointManager
-from .device import local_device
+from .device import local_device, sharded_init_is_exact
 from .config import ConfigError, JobConfig
 from .data import DataError, build_dataloader, build_tokenizer
 from .metrics import MetricsLogger, setup_logging
@@ -105,7 +106,13 @@ class Trainer:
             raise ConfigError(f"{cfg.source}: {e}") from None
 
     def _build_model(self) -> torch.nn.Module:
-        """The same full init on every rank (seeded), then parallelized (recipe or plan)."""
+        """The model, initialised from the job's seed and parallelized (recipe or plan).
+
+        Where sharded initialisation reproduces the single-device init (GPUs: DTensor's
+        offset-based RNG), the model is parallelized on meta and each rank initialises only
+        its shards: a 70B model never exists whole on one GPU. Elsewhere (CPU) every rank
+        initialises the whole model, then keeps its shards.
+        """
         cfg, t = self.cfg, self.cfg.training
         vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else self.tokenizer.vocab_size
         if vocab < self.tokenizer.vocab_size:
@@ -115,18 +122,25 @@ class Trainer:
         model = build_model(cfg.model.name, cfg.model.flavor, device="meta", vocab_size=vocab,
                             **cfg.model.arg_overrides())
         self.model_args = model.args
-        model.to_empty(device=self.device)
-        torch.manual_seed(cfg.job.seed)
-        with torch.no_grad():
-            model.init_weights()
-        if t.dtype != "float32":
-            model = model.to(dtype_of(t.dtype))
         self.num_params = sum(p.numel() for p in model.parameters())
         sample = (torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long),
                   torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long))
+        sharded = sharded_init_is_exact(self.device)
+        if not sharded:
+            self._init(model)  # in fp32, then cast: the same values as a single-device run
+        if t.dtype != "float32":
+            model = model.to(dtype_of(t.dtype))
         model = parallelize(model, self.mesh, cfg, sample)
+        if sharded:
+            self._init(model, sharded=True)
         model.train()
         return model
+
+    def _init(self, model: torch.nn.Module, sharded: bool = False) -> None:
+        model.to_empty(device=self.device)
+        torch.manual_seed(self.cfg.job.seed)
+        with torch.no_grad():
+            model.init_weights(sharded=True) if sharded and is_parallel_module(model) else model.init_weights()
 
     def _flops_per_token(self) -> float:
         """Model FLOPs per token of a training step (6 x params when the model does not say)."""
@@ -211,7 +225,7 @@ class Trainer:
             while self.step < t.steps:
                 self.step += 1
                 inputs, labels = next(data_iter)
-                loss, grad_norm = self.train_step(inputs, labels)
+                loss, grad_norm = self._checked_step(inputs, labels)
                 self.metrics.add_tokens(inputs.numel() * self.dp_degree)
                 if self.metrics.should_log(self.step, t.steps):
                     loss_v = self.reduce_mean(loss.item())
@@ -223,6 +237,13 @@ class Trainer:
         finally:
             self.metrics.close()
         return logged
+
+    def _checked_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A training step; Inductor's failure to compile is the job's error (key and fix)."""
+        try:
+            return self.train_step(inputs, labels)
+        except CompileError as e:
+            raise ConfigError(f"{self.cfg.source}: 'training.compile' = true: {e}") from None
 
     def _mesh_desc(self) -> str:
         if self.mesh is None:

@@ -114,8 +114,14 @@ class ParallelModuleMixin:
         return sg
 
     @torch.no_grad()
-    def init_weights(self, *args: Any, **kwargs: Any) -> None:
-        """The single-device init (same RNG draws), then each rank keeps its shards."""
+    def init_weights(self, *args: Any, sharded: bool = False, **kwargs: Any) -> None:
+        """The model's own init. `sharded`: on the DTensor parameters themselves (each rank
+        draws only its shards; equal to the single-device init where DTensor's RNG tracker
+        makes it so, on GPUs). Otherwise the single-device init of a full copy (same RNG
+        draws), of which each rank keeps its shards."""
+        if sharded:
+            super().init_weights(*args, **kwargs)  # the user's class's init, on DTensors
+            return
         template = copy.deepcopy(self.meta_template)
         template.to_empty(device=self._device())
         template.init_weights(*args, **kwargs)

@@ -1,0 +1,86 @@
+"""Auto mode's runtime options through the trainer, on 2 gloo ranks (one plan, replayed):
+activation checkpointing (every mode) and overlap change nothing in the numbers (1e-6),
+and a compile failure falls back to eager only when training.compile_fallback says so."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel" / "recipes"))
+from dist_utils import run_distributed  # noqa: E402
+
+TINY = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+        "--model.ffn_hidden_dim", "128", "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--training.steps", "3", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+        "--checkpoint.enable", "false", "--parallelism.mode", "auto"]
+VARIANTS = {
+    "none": [],
+    "full": ["--activation_checkpoint.mode", "full"],
+    "selective_op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    "selective_2": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+    "no_overlap": ["--parallelism.overlap", "false"],
+    "keep_gathered": ["--parallelism.reshard_after_forward", "false"],
+}
+
+
+def _train(tmp: str, job: str, extra: list[str]) -> tuple[dict, object]:
+    from trainer.config import load_config
+    from trainer.trainer import Trainer
+
+    tr = Trainer(load_config("llama3_debug", [*TINY, "--job.dump_folder", tmp, "--job.name", job, *extra], world_size=2))
+    return tr.train(), tr
+
+
+def _options_worker(rank: int, world: int, tmp: str) -> dict:
+    out = {}
+    losses, _ = _train(tmp, "none", VARIANTS["none"])
+    out["none"] = losses
+    replay = ["--parallelism.plan_file", str(Path(tmp) / "none" / "plan.json")]
+    for name, flags in VARIANTS.items():
+        if name != "none":
+            losses, tr = _train(tmp, name, [*flags, *replay])
+            out[name] = losses
+            out[f"{name}_recomputed"] = tr.model.plan_runner.recomputed
+    return out
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_and_overlap_keep_the_numbers(tmp_path):
+    out = run_distributed(_options_worker, 2, str(tmp_path), timeout=600)[0]
+    ref = out["none"]
+    for name in VARIANTS:
+        d = max(abs(out[name][s] - ref[s]) for s in ref)
+        print(f"{name}: max |loss - loss(no AC, overlap)| = {d:.1e}"
+              + (f", {out[name + '_recomputed']} forward nodes recomputed" if name + "_recomputed" in out else ""))
+        assert sorted(out[name]) == sorted(ref) and d <= 1e-6
+    assert out["full_recomputed"] > out["selective_2_recomputed"] > 0 and out["no_overlap_recomputed"] == 0
+
+
+def _fallback_worker(rank: int, world: int, tmp: str, fallback: bool) -> dict:
+    import torch
+
+    def broken_compile(*args, **kwargs):
+        def run(*a, **k):
+            raise RuntimeError("injected: the C++ compiler crashed")
+        return run
+
+    torch.compile = broken_compile  # this spawned rank only
+    try:
+        losses, tr = _train(tmp, f"fallback_{fallback}", ["--training.compile", "true", "--training.compile_fallback",
+                                                         str(fallback).lower()])
+        return {"losses": losses, "compile_failed": tr.model.compile_failed}
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fallback", [True, False])
+def test_compile_failure_falls_back_only_when_asked(tmp_path, fallback, caplog):
+    out = run_distributed(_fallback_worker, 2, str(tmp_path), fallback, timeout=600)[0]
+    if fallback:
+        assert out["compile_failed"] and sorted(out["losses"]) == [1, 2, 3]
+    else:
+        assert "CompileError" in out["error"] and "training.compile_fallback" in out["error"], out
