@@ -123,7 +123,7 @@ class AutoParallel:
                 self._input_placements.append(None)
                 plain.append(x)
         inputs = T.tree_unflatten(plain, spec)
-        self.graph = trace_joint(self.model, inputs, self.loss_fn)
+        self.graph = trace_joint(self.model, inputs, self.loss_fn, device=self.mesh.device_type)
         self.timings["trace"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         if not self._seeded():  # seeded candidates are enumerated in optimize_placement

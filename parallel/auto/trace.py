@@ -114,7 +114,7 @@ def model_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def _fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
+def _fake_copy(model: nn.Module, fake_mode: Any, device: str) -> nn.Module:
     """A copy of the model whose parameters/buffers are FakeTensors (the user's model is untouched).
 
     A raw meta module would trace forward only (every grad output None, silently), so
@@ -122,17 +122,17 @@ def _fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
     """
     clone = copy.deepcopy(model)  # cheap for a meta model (the intended use)
     with fake_mode:
-        clone.to_empty(device=T.FAKE_DEVICE)
+        clone.to_empty(device=device)
     return clone
 
 
-def _to_fake(x: Any, fake_mode: Any) -> Any:
+def _to_fake(x: Any, fake_mode: Any, device: str) -> Any:
     if isinstance(x, torch.Tensor) and not isinstance(x, T.FakeTensor):
         if x.device.type == "meta":
             with fake_mode:
                 if x.dtype.is_floating_point:
-                    return torch.empty(x.shape, dtype=x.dtype, device=T.FAKE_DEVICE)
-                return torch.zeros(x.shape, dtype=x.dtype, device=T.FAKE_DEVICE)
+                    return torch.empty(x.shape, dtype=x.dtype, device=device)
+                return torch.zeros(x.shape, dtype=x.dtype, device=device)
         return fake_mode.from_tensor(x)
     return x
 
@@ -141,12 +141,15 @@ def trace_joint(
     model: nn.Module,
     sample_inputs: tuple[Any, ...] | Callable[[], tuple[Any, ...]],
     loss_fn: Callable[..., torch.Tensor] | None = None,
+    device: str = T.FAKE_DEVICE,
 ) -> JointGraph:
     """Trace model (+ loss_fn(model, *inputs)) into a labelled joint fwd+bwd graph.
 
     sample_inputs are GLOBAL-shaped (the whole batch), real, meta or fake tensors; they
     are converted to FakeTensors, so nothing is allocated. The traced output must be a
-    scalar loss (pass loss_fn when the model returns logits).
+    scalar loss (pass loss_fn when the model returns logits). `device`: the device type
+    the plan will run on (its ATen ops differ: CPU and CUDA attention kernels), the
+    mesh's own; fake meshes for planning are on the CPU.
     """
     T.register_planner_ops()
     t0 = time.perf_counter()
@@ -155,10 +158,10 @@ def trace_joint(
     if not isinstance(sample_inputs, tuple):
         sample_inputs = (sample_inputs,)
     fake_mode = T.FakeTensorMode(allow_non_fake_inputs=True)
-    fake_model = _fake_copy(model, fake_mode)
+    fake_model = _fake_copy(model, fake_mode, device)
     wrapper = _LossModule(fake_model, loss_fn)
     flat, spec = T.tree_flatten(sample_inputs)
-    fake_flat = [_to_fake(x, fake_mode) for x in flat]
+    fake_flat = [_to_fake(x, fake_mode, device) for x in flat]
 
     fake_inputs = T.tree_unflatten(fake_flat, spec)
     ranges: list[tuple[int, int, str]] = []
