@@ -31,9 +31,13 @@ CAST_OPS = (aten._to_copy.default,)
 LAYOUT_OPS = (aten.t.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
               aten._to_copy.default, aten.detach.default, aten.clone.default)
 """Ops that only change layout or dtype: a sum over ranks commutes with them."""
-# inputs that keep their dtype under mixed precision (flattened argument positions):
-# the CPU flash-attention backward takes an fp32 logsumexp with bf16 q/k/v
-KEEP_DTYPE = {T.CPU_ATTENTION_BWD: (5,)}
+
+
+def _keeps_dtype(op: Any, v: torch.Tensor) -> bool:
+    """Inputs that keep their dtype under mixed precision: an attention backward (CPU or
+    CUDA kernels) takes its fp32 logsumexp [B, H, S] with bf16 q/k/v/out."""
+    name = T.op_name(op)
+    return "attention" in name and name.endswith("_backward") and v.ndim == 3 and v.dtype == torch.float32
 
 
 def _replicated(v: DTensor) -> tuple:
@@ -173,9 +177,8 @@ class PlacementOps:
         if len(dts) <= 1:
             return vals
         pd = self.param_dtype
-        keep = KEEP_DTYPE.get(n.target, ())
         return [v.to(pd) if isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.dtype != pd
-                and i not in keep else v for i, v in enumerate(vals)]
+                and not _keeps_dtype(n.target, v) else v for v in vals]
 
 
 class PlacementInterpreter(fx.Interpreter):
