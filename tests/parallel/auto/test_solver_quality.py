@@ -3,7 +3,8 @@
 The 3-D case is seeded with radius 1 to keep the ILP reference fast here; radius 2
 (the default) on LLaMA 3 8B is compared in scripts/bench_planner.py.
 
-Gaps are printed (run with -s to see them) and must stay within 0.1 %.
+Gaps are printed (run with -s to see them) and must stay within 0.1 %; under a partial
+parameter budget (a three-weight MLP) the MRF must find the ILP's optimum.
 """
 
 import numpy as np
@@ -14,11 +15,12 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
 from parallel.auto.api import fake_world, lm_loss
-from parallel.auto.problem import min_parameter_fraction
 from parallel.auto.cost import CostModel
 from parallel.auto.formulation import build_problem
-from parallel.auto.solve import ReducedMRF, solve
-from parallel.auto.solve.mrf import brute_force, greedy, solve_mrf
+from parallel.auto.problem import min_parameter_fraction
+from parallel.auto.solve import solve
+from parallel.auto.solve.mrf import PairwiseMRF, brute_force, greedy, solve_mrf
+from parallel.auto.solve.problem_mrf import ReducedMRF
 from parallel.auto.solve.seed import seeded_candidates
 from parallel.auto.strategies import build_candidates
 from parallel.auto.trace import trace_joint
@@ -65,7 +67,7 @@ def _compare(prob, what):
     gap = mrf.objective / ilp.objective - 1.0
     print(f"\n{what}: ILP {ilp.objective:,.2f} µs ({ilp.status}), MRF {mrf.objective:,.2f} µs, gap {gap:+.4%}, "
           f"{prob.num_groups} groups")
-    assert ilp.optimal
+    assert ilp.solver == "highs" and ilp.optimal  # solver="ilp" runs HiGHS when it is installed (README)
     assert mrf.objective == pytest.approx(prob.energy(mrf.labels))
     mem = sum(prob.param_bytes[g][mrf.labels[g]] for g in prob.param_groups) / prob.total_param_bytes
     assert mem <= prob.memory_high * (1 + 1e-9)  # the budget holds for the MRF plan too
@@ -101,8 +103,6 @@ def test_reduced_mrf_is_exact_and_never_worse_than_greedy(mlp):
 @pytest.mark.parametrize("seed", range(8))
 def test_random_small_mrfs(seed):
     rng = np.random.default_rng(seed)
-    from parallel.auto.solve.mrf import PairwiseMRF
-
     n = 7
     mrf = PairwiseMRF.from_unary([rng.uniform(0, 10, size=rng.integers(2, 5)) for _ in range(n)])
     for i in range(n - 1):  # a chain with skip edges, like a layer with residuals
@@ -133,10 +133,10 @@ class _DeepMLP(nn.Module):
 
 
 @pytest.mark.parametrize("high", [0.3, 0.5, 0.8])
-def test_partial_memory_budget(high):
+def test_partial_memory_budget_mrf_matches_ilp(high):
     """A budget between fully sharded and replicated: the MRF path (Lagrangian bisection on
-    parameter bytes + budget-keeping local search) keeps the budget and is never worse
-    than the fully sharded plan, which is always feasible; its gap to the ILP is printed."""
+    parameter bytes + budget-keeping local search) keeps the budget and finds the ILP's
+    optimum (printed with -s; 310.30 / 301.08 / 292.64 µs on h100 when written)."""
     with torch.device("meta"):
         m = _DeepMLP()
     jg = trace_joint(m, (torch.empty(4096, 256, device="meta"),))
@@ -154,7 +154,7 @@ def test_partial_memory_budget(high):
           f"MRF {mrf.objective:,.2f} µs (memory {mem:.3f}, gap {mrf.objective / ilp.objective - 1:+.3%}); "
           f"fully sharded {sharded.objective:,.2f} µs, unconstrained {free.objective:,.2f} µs")
     assert sharded.objective > free.objective  # the budget matters on this model
+    assert ilp.solver == "highs" and ilp.optimal
     assert mem <= high * (1 + 1e-9)
-    assert mrf.objective >= ilp.objective * (1 - 1e-9)
-    assert mrf.objective <= sharded.objective * (1 + 1e-9)
     assert mrf.objective == pytest.approx(prob.energy(mrf.labels))
+    assert mrf.objective == pytest.approx(ilp.objective, rel=1e-6)
