@@ -53,9 +53,11 @@ class Clustering:
 
     @property
     def num_clustered_nodes(self) -> int:
+        """Nodes that share their decision with at least one copy."""
         return sum(len(c) for c in self.clusters)
 
     def summary(self, num_decisions: int | None = None) -> str:
+        """One line for the log: clusters, layer instances and decisions saved."""
         saved = self.num_clustered_nodes - len(self.clusters)
         s = (f"clustering: {len(self.clusters)} clusters of repeated-layer copies over {self.num_instances} "
              f"layer instances ({self.num_clustered_nodes} nodes share {len(self.clusters)} decisions, "

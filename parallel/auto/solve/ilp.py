@@ -201,6 +201,7 @@ class _Reduced:
             self.unary[g] = np.where(keep, u, np.inf)
 
     def recover(self, labels: list[int | None]) -> list[int]:
+        """Fill in the eliminated groups' labels from the survivors', in reverse elimination order."""
         for step in reversed(self.steps):
             kind, g = step[0], step[1]
             if kind == "free":

@@ -110,6 +110,7 @@ class ReducedMRF:
                 self.mrf.factors.pop(pair, None)
 
     def labels_to_strategies(self, labels: np.ndarray) -> list[int]:
+        """Strategy index per group of an MRF assignment (each label is its signature's cheapest strategy)."""
         return [int(self.keep[g][int(a)]) for g, a in enumerate(labels)]
 
     def strategies_to_labels(self, strategies: list[int], default: np.ndarray | None = None) -> np.ndarray | None:
@@ -126,6 +127,7 @@ class ReducedMRF:
         return np.array(out, dtype=np.int64)
 
     def num_labels(self) -> int:
+        """Labels left after dominance pruning, over all groups (the MRF's size)."""
         return int(sum(k.size for k in self.keep))
 
 

@@ -19,4 +19,5 @@ class Solution:
 
     @property
     def optimal(self) -> bool:
+        """Proven optimal (an ILP that finished); a time-limited or approximate plan is not."""
         return self.status == "optimal"
