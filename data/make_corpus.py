@@ -12,11 +12,11 @@ different text, which is why the file itself ships and training never runs this 
 """
 
 import argparse
-import warnings
 import codecs
 import importlib
 import inspect
 import sys
+import warnings
 from pathlib import Path
 
 MODULES = [

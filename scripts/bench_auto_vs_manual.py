@@ -63,10 +63,10 @@ def _fsdp_plan(cfg, path: Path) -> None:
     (batch-sharded activation, replicated weight) -> batch-sharded output, i.e. FSDP."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
 
     from models import build_model
     from parallel.auto.api import AutoParallel, lm_loss
-    from torch.distributed.tensor import Replicate, Shard
     from parallel.auto.trace import FWD
     from parallel.mesh import build_mesh
     from trainer.auto import data_degree, data_placements

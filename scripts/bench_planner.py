@@ -37,9 +37,9 @@ def run_one(args: argparse.Namespace) -> dict:
 
     import torch
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
 
     from models import build_model
-    from torch.distributed.tensor import Replicate, Shard
     from parallel.auto.api import AutoParallel, fake_world, lm_loss
     from parallel.precision import mixed_precision_policy
 
@@ -77,9 +77,9 @@ def run_arm(args: argparse.Namespace) -> dict:
 
     import torch
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
 
     from models import build_model
-    from torch.distributed.tensor import Replicate, Shard
     from parallel.auto.api import AutoParallel, fake_world, lm_loss
     from parallel.precision import mixed_precision_policy
 

@@ -21,13 +21,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-
 from torch.distributed.tensor import Replicate, Shard  # noqa: E402
+
 from models import build_model  # noqa: E402
 from parallel.auto.api import AutoParallel, fake_world, lm_loss  # noqa: E402
 from parallel.precision import is_mixed, mixed_precision_policy  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-
 
 
 def parse_mesh(text: str, names: str | None) -> tuple[tuple[int, ...], tuple[str, ...]]:

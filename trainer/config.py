@@ -14,7 +14,6 @@ variable (1 when unset) or from the ``world_size`` argument.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import typing
 from dataclasses import dataclass, field, fields
@@ -23,7 +22,7 @@ from typing import Any, Optional
 
 from parallel.auto.cost import DEFAULT_HARDWARE
 
-from .config_checks import env_world_size, validate_config
+from .config_checks import validate_config
 from .errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -87,6 +86,7 @@ class Training:
     mixed_precision_reduce: str = "float32"
     compile: bool = False  # manual: torch.compile per block; auto: the whole step as one Inductor graph
     compile_fallback: bool = False  # on a compile error, run eagerly (logged) instead of failing
+    compile_mode: str = "default"  # torch.compile's mode: "default" | "max-autotune" (benchmarks GEMM kernels)
 
 
 @dataclass

@@ -28,6 +28,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("lr_scheduler", "decay"): ("linear", "cosine", "none"),
     ("parallelism", "mode"): ("manual", "auto"),
     ("job", "device"): ("auto", CUDA, CPU),
+    ("training", "compile_mode"): ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"),
     ("activation_checkpoint", "mode"): ("none", "full", "selective"),
     ("data", "tokenizer"): ("byte",),
 }

@@ -29,9 +29,9 @@ from parallel.recipes.tp import loss_parallel_context, loss_value
 
 from .auto import auto_parallelize_for_training
 from .checkpoint import CheckpointManager
-from .device import local_device, sharded_init_is_exact
 from .config import ConfigError, JobConfig
 from .data import DataError, build_dataloader, build_tokenizer
+from .device import local_device, sharded_init_is_exact
 from .metrics import MetricsLogger, setup_logging
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 

@@ -24,18 +24,17 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from models import cross_entropy_loss
 from parallel import _torch as T
 from parallel._torch import fake_world
-from parallel.auto.runtime import RuntimeOptions, apply_plan
 from parallel.auto.cost import DEFAULT_HARDWARE, CostModel, HardwareProfile
 from parallel.auto.formulation import build_problem
 from parallel.auto.placements import placement_str
 from parallel.auto.plan import Plan, build_plan
 from parallel.auto.problem import Constraint, PlanningError, Problem, min_parameter_fraction
+from parallel.auto.runtime import RuntimeOptions, apply_plan
 from parallel.auto.solve import Solution, check_solver, solve
 from parallel.auto.solve.seed import plan_candidates, reseeded_candidates, seeded_candidates, use_seeding
 from parallel.auto.strategies import Candidates, build_candidates

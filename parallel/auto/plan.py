@@ -9,28 +9,27 @@ replay on a different model or mesh is refused with a clear message.
 
 from __future__ import annotations
 
+import copy
 import json
-import os
 import logging
 import math
+import os
 import re
 from collections import defaultdict
-import copy
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 import torch
-
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.auto.cost import CostModel
-from parallel.auto.problem import Problem
-from parallel.auto.pricing import comm_dtype
 from parallel.auto.placements import placement_str, placement_words, spec_placement_strs
-from parallel.auto.trace import layer_prefix
+from parallel.auto.pricing import comm_dtype
+from parallel.auto.problem import Problem
 from parallel.auto.strategies import PLACEHOLDER, SLOT
+from parallel.auto.trace import layer_prefix
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import re
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field

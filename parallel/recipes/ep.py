@@ -34,8 +34,18 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from parallel import _torch as T
-from parallel.mesh import (CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, DP_SHARD_MOD_EP, EP, axis_names, axis_size,
-                           flatten_axes, submesh)
+from parallel.mesh import (
+    CP,
+    DP_REPLICATE,
+    DP_SHARD,
+    DP_SHARD_CP,
+    DP_SHARD_MOD_EP,
+    EP,
+    axis_names,
+    axis_size,
+    flatten_axes,
+    submesh,
+)
 
 from .errors import RecipeError
 

@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from trainer_helpers import make_config
 
 

@@ -6,10 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from trainer_helpers import FAST, read_losses
 
 from trainer.checkpoint import complete_checkpoints
 from trainer.trainer import Trainer
-from trainer_helpers import FAST, read_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 # a fixed schedule (decay_steps) so that a run split in two follows the same lr

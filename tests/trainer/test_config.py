@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from trainer.config import (CONFIGS_DIR, ConfigError, JobConfig, load_config,
-                            parse_overrides)
+from trainer.config import CONFIGS_DIR, ConfigError, JobConfig, load_config, parse_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL_CONFIGS = ["llama3_debug", "llama3_8b", "llama3_70b", "qwen3_debug", "qwen3_32b",

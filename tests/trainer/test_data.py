@@ -5,8 +5,7 @@ import json
 import torch
 
 from trainer.config import Data
-from trainer.data import (SHIPPED_CORPUS, ByteTokenizer, DPBatchSampler, build_dataloader,
-                          load_corpus)
+from trainer.data import SHIPPED_CORPUS, ByteTokenizer, DPBatchSampler, build_dataloader, load_corpus
 
 
 def test_shipped_corpus_and_byte_tokenizer():

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_helpers import FAST
 
 from trainer import config_checks, device
 from trainer.config import ConfigError, load_config
 from trainer.trainer import Trainer
-from trainer_helpers import FAST
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE_CHOOSERS = {ROOT / "trainer" / "device.py",  # the job's device

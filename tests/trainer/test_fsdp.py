@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from trainer_helpers import FAST, read_grad_norms, read_losses
 
 from trainer.trainer import Trainer
-from trainer_helpers import FAST, read_grad_norms, read_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 SPLIT = ["--lr_scheduler.decay_steps", "6"]

@@ -4,11 +4,10 @@ import math
 
 import pytest
 import torch
+from trainer_helpers import read_losses
 
 from trainer.optim import WarmupDecay, clip_grad_norm_, total_grad_norm
 from trainer.trainer import Trainer
-
-from trainer_helpers import read_losses
 
 
 @pytest.mark.parametrize("name", ["llama3_debug", "qwen3_debug", "deepseek_v3_debug"])

@@ -22,8 +22,9 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from .hardware import HardwareProfile
 from parallel import _torch as T
+
+from .hardware import HardwareProfile
 
 __all__ = [
     "ZERO_COST_OPS",

@@ -11,7 +11,10 @@ import os
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
+
+from parallel.auto.placements import local_shape
 
 from .comm import (
     AxisLink,
@@ -21,16 +24,11 @@ from .comm import (
     axis_links,
     collective_time,
     decompose_redistribution,
-
     placement_ids,
     step_bytes,
     summarize_collectives,
     transition_template,
 )
-from torch.distributed.device_mesh import DeviceMesh
-
-from parallel.auto.placements import local_shape
-
 from .compute import FlopCache, _as_shape_dtype, _freeze, _nbytes, _tensor_list, is_zero_cost, roofline_us
 from .hardware import HardwareProfile, load_hardware
 

@@ -28,8 +28,8 @@ from parallel import _torch as T
 from parallel.auto.placements import local_shape, placement_str
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.runtime.local_graphs import PlanFunction, dspec
-from parallel.auto.runtime.redistribute import contiguous_stride, local_shard
 from parallel.auto.runtime.options import RuntimeOptions
+from parallel.auto.runtime.redistribute import contiguous_stride, local_shard
 from parallel.auto.runtime.runner import PlanRunner
 from parallel.auto.runtime.step_graph import CompileError, StepGraph
 from parallel.auto.strategies import Candidates
@@ -108,7 +108,8 @@ class ParallelModuleMixin:
         if sg is None:
             opts = self.plan_runner.options
             sg = self.step_graphs[key] = StepGraph(self.plan_runner, params, buffers, inputs, overlap=opts.overlap,
-                                                   compile=opts.compile and not self.compile_failed)
+                                                   compile=opts.compile and not self.compile_failed,
+                                                   compile_mode=opts.compile_mode)
         if sg.compiled and sg.first_call_seconds is None and self.plan_runner.options.compile_fallback:
             return _FallbackOnCompileError(sg, self, params, buffers, inputs)
         return sg

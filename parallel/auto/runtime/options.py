@@ -18,8 +18,9 @@ class RuntimeOptions:
     bucket: one flat collective per block and placement group for parameter gathers and
         gradient reductions (instead of one per tensor);
     overlap: start collectives early and wait for them at first use (step graph);
-    compile / compile_fallback: Inductor-compile the step graph; on a compile error run
-        it eagerly (with a warning) instead of failing.
+    compile / compile_fallback / compile_mode: Inductor-compile the step graph (mode as
+        torch.compile's: "default", "max-autotune" benchmarks GEMM kernels); on a compile
+        error run it eagerly (with a warning) instead of failing.
     """
 
     ac_mode: str = "none"
@@ -29,6 +30,7 @@ class RuntimeOptions:
     overlap: bool = True
     compile: bool = False
     compile_fallback: bool = False
+    compile_mode: str = "default"
 
     def __post_init__(self) -> None:
         if self.ac_mode not in AC_MODES:

@@ -7,7 +7,6 @@ collective per placement group instead of one per parameter, as FSDP does).
 
 from __future__ import annotations
 
-
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard

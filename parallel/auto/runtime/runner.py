@@ -30,16 +30,16 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Replicate
 
 from parallel import _torch as T
 from parallel.activation_checkpoint import tag_recomputation
-from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.placements import spec_placement_strs
-from parallel.auto.runtime.options import RuntimeOptions
+from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.runtime.interpreter import LAYOUT_OPS, PlacementInterpreter, PlacementOps, is_tensor_node
+from parallel.auto.runtime.options import RuntimeOptions
 from parallel.auto.runtime.redistribute import bucket_key, bucketed_redistribute, redistribute
 from parallel.auto.strategies import PLACEHOLDER, Candidates
 from parallel.auto.trace import FWD, JointGraph, layer_prefix

@@ -45,7 +45,7 @@ class StepGraph:
     """One plan's forward + loss + backward for one input layout, on this rank's shards."""
 
     def __init__(self, runner: Any, params: list[DTensor], buffers: list[Any], inputs: list[DTensor], *,
-                 overlap: bool = True, compile: bool = False):
+                 overlap: bool = True, compile: bool = False, compile_mode: str = "default"):
         self.mesh = runner.mesh
         self.pspecs = [dspec(p) for p in params]
         bspecs = [dspec(b) if isinstance(b, DTensor) else None for b in buffers]
@@ -71,7 +71,8 @@ class StepGraph:
         self.collectives = count_collectives(self.gm)
         self.trace_seconds = time.perf_counter() - t0
         self.compiled = compile
-        self.fn: Callable[..., Any] = torch.compile(self.gm, fullgraph=True, dynamic=False) if compile else self.gm
+        self.fn: Callable[..., Any] = (torch.compile(self.gm, fullgraph=True, dynamic=False, mode=compile_mode)
+                                       if compile else self.gm)
         self.first_call_seconds: float | None = None
         log.info("apply: step graph traced in %.1fs (%d nodes, %d collectives)%s", self.trace_seconds,
                  len(self.gm.graph.nodes), self.collectives, ", compiling with Inductor" if compile else "")

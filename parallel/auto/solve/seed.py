@@ -29,18 +29,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial
 
-from torch.distributed.device_mesh import DeviceMesh
-
 from parallel.auto.cost import CostModel
-from parallel.auto.trace import JointGraph
-from parallel.auto.placements import placement_words, spec_placement_strs, strategy_key
 from parallel.auto.formulation import build_problem
+from parallel.auto.placements import placement_words, spec_placement_strs, strategy_key
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.problem import Constraint, min_parameter_fraction
 from parallel.auto.solve import solve
 from parallel.auto.strategies import PLACEHOLDER, Candidates, build_candidates
+from parallel.auto.trace import JointGraph
 
 log = logging.getLogger("parallel.auto.seed")
 

@@ -140,8 +140,8 @@ def make_plan(name: str, shape, names, kind: str, time_limit: float = 15.0, solv
 def run_job(mesh, job: dict) -> dict:
     """Replay a plan on this rank, train `steps` steps on local shards, gather results."""
     from parallel.auto.api import AutoParallel, lm_loss
-    from parallel.auto.runtime import local_shard
     from parallel.auto.plan import Plan
+    from parallel.auto.runtime import local_shard
 
     model, inputs = _inputs(job["model"])
     with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="cpu") as autop:

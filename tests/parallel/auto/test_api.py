@@ -3,9 +3,9 @@
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from models import build_model
-from torch.distributed.tensor import Partial, Replicate, Shard
 from parallel.auto.api import AutoParallel, PlanningError, fake_world, lm_loss
 from parallel.auto.placements import parse_placements
 

@@ -1,14 +1,12 @@
 """2-D fake mesh: FSDP on the inter-node dp axis + column/row tensor parallel on tp."""
 
 import pytest
-import torch
+from test_api import _fwd_weight_use, _plan
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 
 from models import build_model
-from torch.distributed.tensor import Replicate, Shard
 from parallel.auto.api import fake_world
-
-from test_api import _fwd_weight_use, _plan
 
 
 def test_fsdp_tp_emerges_on_2d_mesh():

@@ -6,7 +6,6 @@ ten AdamW steps track the 1-rank losses."""
 import functools
 
 import pytest
-
 from apply_workers import compare, grads_close, make_plan, reference, run_distributed, worker
 
 SHAPE, NAMES = (2,), ("dp",)

@@ -5,7 +5,6 @@ ten AdamW steps of the default LLaMA plan track the 1-rank losses."""
 import functools
 
 import pytest
-
 from apply_workers import compare, grads_close, make_plan, reference, run_distributed, worker
 
 SHAPE, NAMES = (2, 2), ("dp", "tp")

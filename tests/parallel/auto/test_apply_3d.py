@@ -4,7 +4,6 @@ candidates are rebuilt from the plan's own strategies — then trains like 1 ran
 rtol 1e-4, atol 1e-6)."""
 
 import pytest
-
 from apply_workers import compare, grads_close, make_plan, reference, run_distributed, worker
 
 SHAPE, NAMES = (2, 2, 2), ("dp", "cp", "tp")

@@ -4,7 +4,6 @@ DTensor parameters with the planned placements, `to_empty` + `init_weights()` eq
 the single-device init, per-rank local inputs validated, and bf16 mixed precision."""
 
 import pytest
-
 from apply_workers import GLOBAL_B, batch, build, reference, run_distributed
 
 
@@ -12,10 +11,9 @@ def _api_worker(rank, world_size):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from models import Llama3Model
-    from torch.distributed.tensor import Replicate, Shard
     from parallel.auto.api import auto_parallel, lm_loss
     from parallel.auto.runtime import InputShapeError, is_parallel_module
 
@@ -71,7 +69,6 @@ def results():
 @pytest.mark.slow
 def test_parallel_module_contract(results):
     import torch
-
     from torch.distributed.tensor import Shard
 
     ref = reference("llama3", 1)

@@ -6,8 +6,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
-from parallel.auto.cost import CostModel
 from parallel.auto.api import fake_world, lm_loss
+from parallel.auto.cost import CostModel
 from parallel.auto.formulation import build_problem
 from parallel.auto.problem import Constraint, PlanningError
 from parallel.auto.solve.ilp import solve_ilp

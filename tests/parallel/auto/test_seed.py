@@ -5,17 +5,16 @@ import math
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 
 from models import build_model
-from parallel.auto.enumeration import OpEnumerator
-from torch.distributed.tensor import Replicate, Shard
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
-from parallel.auto.problem import min_parameter_fraction
 from parallel.auto.cost import CostModel
+from parallel.auto.enumeration import OpEnumerator
 from parallel.auto.formulation import build_problem
-from parallel.auto.problem import Constraint
-from parallel.auto.solve import choose_solver, solve
 from parallel.auto.placements import strategy_key as _key
+from parallel.auto.problem import Constraint, min_parameter_fraction
+from parallel.auto.solve import choose_solver, solve
 from parallel.auto.solve.seed import FULL_MENU_MAX, hamming_ball, project_constraint, seeded_candidates, solve_axes
 from parallel.auto.strategies import build_candidates
 from parallel.auto.trace import trace_joint
@@ -154,8 +153,8 @@ def test_config_rejects_unknown_solver():
 def test_saved_plan_applies_on_a_seeded_mesh_without_solving(tmp_path):
     """A 3-D plan replayed from a file (or received from rank 0) is materialised without
     enumerating the full 3-D menus: each node gets exactly the saved strategy."""
-    from parallel.auto.plan import Plan
     from parallel.auto.placements import placement_str
+    from parallel.auto.plan import Plan
 
     shape, names = (2, 2, 2), ("dp", "cp", "tp")
     dp = (Shard(0), Replicate(), Replicate())

@@ -8,19 +8,17 @@ import operator
 
 import pytest
 import torch
+from apply_workers import constrain_fsdp_compute
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from apply_workers import constrain_fsdp_compute
+from models import build_model
 from parallel import _torch as T
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.plan import Plan
 from parallel.auto.runtime import RuntimeOptions
 from parallel.auto.runtime.schedule import _buffer_chain, _input_derived, _is_collective, _is_wait
 from parallel.auto.runtime.step_graph import StepGraph
-
-from models import build_model
-
 
 GLOBAL_B, SEQ = 16, 128  # activations outweigh the weights: FSDP's gradient reduce-scatters pay
 

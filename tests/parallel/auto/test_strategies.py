@@ -4,10 +4,9 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-
-from models import build_model, cross_entropy_loss
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from models import build_model, cross_entropy_loss
 from parallel._torch import fake_world
 from parallel.auto.placements import tensor_placements
 from parallel.auto.strategies import build_candidates

@@ -1,7 +1,6 @@
 """Tracing: labelled joint graph from a meta model, no real memory."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models import build_model, cross_entropy_loss

@@ -3,13 +3,12 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_utils import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_utils import run_distributed
 from parallel.mesh import CP
 from parallel.recipes import RecipeError
-from parallel.recipes.cp import (context_parallel_attention, cp_positions, shard_sequence, unshard_sequence,
-                                 validate_cp)
+from parallel.recipes.cp import context_parallel_attention, cp_positions, shard_sequence, unshard_sequence, validate_cp
 
 
 def _ref(B=2, H=4, S=16, D=8):

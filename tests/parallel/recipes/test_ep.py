@@ -3,9 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_utils import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_utils import run_distributed
 from parallel.mesh import EP
 from parallel.recipes import RecipeError
 from parallel.recipes.ep import _regroup_index, expert_parallel_dispatch, validate_ep

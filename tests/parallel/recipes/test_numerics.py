@@ -7,9 +7,9 @@ import functools
 import math
 
 import pytest
-
 from dist_utils import run_distributed
 from numerics import compare, run_steps, worker
+
 from parallel.activation_checkpoint import apply_ac
 from parallel.mesh import CP, DP_REPLICATE, DP_SHARD, TP
 from parallel.recipes.cp import apply_cp

@@ -4,8 +4,8 @@ both read the same batches)."""
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
+
 from trainer.config import load_config
 from trainer.trainer import Trainer
 
