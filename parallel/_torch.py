@@ -74,9 +74,11 @@ __all__ = [
     "OpOverload", "OpOverloadPacket", "OpSchema", "OpSpec", "OpStrategy", "ParamAOTInput", "PlainAOTInput",
     "PlainAOTOutput", "RuntimeSchemaInfo", "ShardingPlaceholder", "SingleDimStrategyInfo", "StridedShard",
     "TangentAOTInput", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "aot_export_joint_with_descriptors",
-    "clear_sharding_caches", "compile_errors_fall_back", "expand_to_full_mesh_op_strategy", "fake_world", "flatten_mesh", "foreach_mul_",
+    "clear_sharding_caches", "compile_errors_fall_back", "expand_to_full_mesh_op_strategy", "fake_world",
+    "flatten_mesh", "foreach_mul_",
     "foreach_norm", "get_all_output_and_tangent_nodes", "get_named_buffer_nodes", "get_param_and_grad_nodes",
-    "get_plain_input_and_grad_nodes", "is_fake", "op_name", "partition_joint", "partition_value", "register_planner_ops",
+    "get_plain_input_and_grad_nodes", "is_fake", "op_name", "partition_joint", "partition_value",
+    "register_planner_ops",
     "sequence_nr", "sharding_propagator", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_mesh",
     "CPU_ATTENTION_BWD", "CPU_ATTENTION_FWD",
 ]

@@ -167,7 +167,8 @@ def tag_recomputation(forward_nodes: list[Any], block_of: dict[str, int], mode: 
             mm_count[b] += 1
             if mm_count[b] % 2 == 1:
                 policy = CheckpointPolicy.MUST_SAVE
-        elif per_op and (n.target in SAC_SAVE_OPS or (n.target is operator.getitem and n.args[0].target in SAC_SAVE_OPS)):
+        elif per_op and (n.target in SAC_SAVE_OPS
+                         or (n.target is operator.getitem and n.args[0].target in SAC_SAVE_OPS)):
             policy = CheckpointPolicy.MUST_SAVE  # attention outputs (and their getitems)
         if _seeded(n):  # the partitioner would thread RNG state through a recomputed random op
             policy = CheckpointPolicy.MUST_SAVE

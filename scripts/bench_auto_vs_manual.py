@@ -216,12 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     tps = {}
     for v in args.variants:
         r = rows[v]
-        mesh = f"dp_shard={args.nproc}" if v in ("fsdp", "auto_1d", "auto_1d_fsdp") else f"dp_shard={args.nproc // 2} x tp=2"
+        mesh = (f"dp_shard={args.nproc}" if v in ("fsdp", "auto_1d", "auto_1d_fsdp")
+                else f"dp_shard={args.nproc // 2} x tp=2")
         if "error" in r:
             print(f"{v:<12} {mesh:<22} not available: {r['error'][:80]}")
             continue
         tps[v] = r["tokens"] / r["step_s"]
-        print(f"{v:<12} {mesh:<22} {r['step_s'] * 1e3:>11.1f} ms {tps[v]:>10.0f} {r['setup_s']:>7.1f}s  {r['loss']:.4f}")
+        print(f"{v:<12} {mesh:<22} {r['step_s'] * 1e3:>11.1f} ms {tps[v]:>10.0f} {r['setup_s']:>7.1f}s  "
+              f"{r['loss']:.4f}")
     recipes = [v for v in ("fsdp", "fsdp_tp") if v in tps]
     for a, m in (("auto_1d", "fsdp"), ("auto_2d", "fsdp_tp"), ("auto_2d", "fsdp"), ("auto_1d_fsdp", "fsdp")):
         if a in tps and m in tps:

@@ -32,8 +32,10 @@ COMPILE_VARIANTS = {
     "fsdp_compiled": ["--parallelism.mode", "manual", "--training.compile", "true"],
 }
 AC_MODES = {"none": ["--activation_checkpoint.mode", "none"], "full": ["--activation_checkpoint.mode", "full"],
-            "selective_op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
-            "selective_2": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]}
+            "selective_op": ["--activation_checkpoint.mode", "selective",
+                             "--activation_checkpoint.selective_ac_option", "op"],
+            "selective_2": ["--activation_checkpoint.mode", "selective",
+                            "--activation_checkpoint.selective_ac_option", "2"]}
 
 
 def _variants(args: argparse.Namespace) -> dict[str, list[str]]:

@@ -110,9 +110,11 @@ def run_arm(args: argparse.Namespace) -> dict:
         "build_s": t.get("candidates", 0.0) + t.get("seed", 0.0) + t.get("build", 0.0), "seed_s": t.get("seed", 0.0),
         "solve_s": t["solve"], "total_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
         "vars": (prob.num_node_vars() + prob.num_edge_vars()) if prob is not None else plan.num_vars,
-        "seed_rounds": getattr(autop.seed_info, "rounds", 0) if autop.seed_info else 0, "reseed_s": t.get("reseed", 0.0),
+        "seed_rounds": getattr(autop.seed_info, "rounds", 0) if autop.seed_info else 0,
+        "reseed_s": t.get("reseed", 0.0),
         "vars_estimate": getattr(autop.seed_info, "unseeded_vars_estimate", 0) if autop.seed_info else 0,
-        "decisions": prob.num_groups if prob is not None else 0, "nodes": sum(len(g) for g in prob.groups) if prob is not None else 0,
+        "decisions": prob.num_groups if prob is not None else 0,
+        "nodes": sum(len(g) for g in prob.groups) if prob is not None else 0,
         "objective_us": plan.objective_us, "status": plan.status, "solver": plan.solver,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "global_batch": global_bs,
     }
@@ -125,7 +127,8 @@ def table3(args: argparse.Namespace) -> int:
         for arm in ("ilp", "approx"):
             cmd = [sys.executable, os.path.abspath(__file__), "--one", mesh, "--arm", arm, "--flavor", args.flavor,
                    "--seq-len", str(args.seq_len), "--local-batch-size", str(args.local_batch_size),
-                   "--hardware", args.hardware, "--time-limit", str(args.time_limit), "--seed-rounds", str(args.seed_rounds)]
+                   "--hardware", args.hardware, "--time-limit", str(args.time_limit),
+                   "--seed-rounds", str(args.seed_rounds)]
             print(f"== llama3 {args.flavor} on mesh {mesh}: {arm} arm ...", flush=True)
             timeout = args.ilp_timeout if arm == "ilp" else args.approx_timeout
             w0 = time.perf_counter()
@@ -143,7 +146,8 @@ def table3(args: argparse.Namespace) -> int:
             r = json.loads(line[len("RESULT "):])
             r["wall_s"] = time.perf_counter() - w0  # the whole process: start-up, planning, exit
             results[(mesh, arm)] = r
-            print(f"   {arm}: objective {r['objective_us']:,.1f} µs ({r['solver']}, {r['status']}), build {r['build_s']:.1f}s, "
+            print(f"   {arm}: objective {r['objective_us']:,.1f} µs ({r['solver']}, {r['status']}), "
+                  f"build {r['build_s']:.1f}s, "
                   f"solve {r['solve_s']:.1f}s, planning {r['total_s']:.1f}s wall / {r['cpu_s']:.1f}s CPU, "
                   f"process {r['wall_s']:.1f}s, "
                   f"{r['nodes']:,} nodes -> {r['decisions']:,} decisions, RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
@@ -155,7 +159,8 @@ def table3(args: argparse.Namespace) -> int:
           f"ILP arm killed after {args.ilp_timeout:.0f}s; objectives in µs; total = planning wall s incl. tracing, "
           f"proc = the MRF arm's whole process (start-up and exit too)")
     hdr = (f"{'mesh':>9} {'ILP vars':>11} | {'build ILP':>9} {'build MRF':>9} | {'solve ILP':>9} {'solve MRF':>9} | "
-           f"{'obj ILP':>11} {'obj MRF':>11} {'gap':>7} | {'total ILP':>10} {'total MRF':>10} {'CPU MRF':>8} {'proc MRF':>8} | "
+           f"{'obj ILP':>11} {'obj MRF':>11} {'gap':>7} | "
+           f"{'total ILP':>10} {'total MRF':>10} {'CPU MRF':>8} {'proc MRF':>8} | "
            f"{'RSS ILP':>8} {'RSS MRF':>8}")
     print(hdr)
     print("-" * len(hdr))
@@ -171,7 +176,8 @@ def table3(args: argparse.Namespace) -> int:
         print(f"{mesh:>9} {nv:>11} | {f(a and a['build_s']):>9} {f(b and b['build_s']):>9} | "
               f"{f(a and a['solve_s']):>9} {f(b and b['solve_s']):>9} | {f(a and a['objective_us']):>11} "
               f"{f(b and b['objective_us']):>11} {gap:>7} | {f(a and a['total_s']):>10} {f(b and b['total_s']):>10} "
-              f"{f(b and b['cpu_s']):>8} {f(b and b['wall_s']):>8} | {f(a and a['peak_rss_mib'], '{:,.0f}M'):>8} {f(b and b['peak_rss_mib'], '{:,.0f}M'):>8}")
+              f"{f(b and b['cpu_s']):>8} {f(b and b['wall_s']):>8} | "
+              f"{f(a and a['peak_rss_mib'], '{:,.0f}M'):>8} {f(b and b['peak_rss_mib'], '{:,.0f}M'):>8}")
     return 0
 
 
@@ -212,11 +218,13 @@ def main() -> int:
             print(out.stdout[-2000:], out.stderr[-4000:])
             return 1
         rows.append(json.loads(line[len("RESULT "):]))
-    hdr = f"{'mesh':>6} {'trace s':>8} {'cand s':>7} {'build s':>8} {'solve s':>8} {'total s':>8} {'ILP vars':>9} {'objective µs':>14} {'status':>9} {'RSS MiB':>8}"
+    hdr = (f"{'mesh':>6} {'trace s':>8} {'cand s':>7} {'build s':>8} {'solve s':>8} {'total s':>8} "
+           f"{'ILP vars':>9} {'objective µs':>14} {'status':>9} {'RSS MiB':>8}")
     print(hdr)
     for r in rows:
         print(f"{r['mesh']:>6} {r['trace_s']:8.1f} {r['candidates_s']:7.1f} {r['build_s']:8.1f} {r['solve_s']:8.1f} "
-              f"{r['total_s']:8.1f} {r['ilp_vars']:9d} {r['objective_us']:14,.0f} {r['status']:>9} {r['peak_rss_mib']:8.0f}")
+              f"{r['total_s']:8.1f} {r['ilp_vars']:9d} {r['objective_us']:14,.0f} "
+              f"{r['status']:>9} {r['peak_rss_mib']:8.0f}")
     return 0
 
 

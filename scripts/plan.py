@@ -34,7 +34,8 @@ def parse_mesh(text: str, names: str | None) -> tuple[tuple[int, ...], tuple[str
     if names:
         axis_names = tuple(n.strip() for n in names.split(","))
     else:
-        axis_names = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp", "cp", "tp"), 4: ("dp_replicate", "dp_shard", "cp", "tp")}[len(sizes)]
+        axis_names = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp", "cp", "tp"),
+                      4: ("dp_replicate", "dp_shard", "cp", "tp")}[len(sizes)]
     if len(axis_names) != len(sizes):
         raise SystemExit(f"--axis-names {axis_names} does not match mesh {sizes}")
     kept = [(s, n) for s, n in zip(sizes, axis_names) if s > 1] or [(sizes[-1], axis_names[-1])]

@@ -202,7 +202,8 @@ def test_private_torch_apis_only_in_the_adapter(path: Path) -> None:
 
 def test_the_checks_can_fail(tmp_path: Path) -> None:
     """The detectors find what they look for (on synthetic code)."""
-    src = "import torch\nfrom torch.utils._pytree import tree_map\nx = torch.autograd._get_sequence_nr()\ny = op._opname\n"
+    src = ("import torch\nfrom torch.utils._pytree import tree_map\nx = torch.autograd._get_sequence_nr()\n"
+           "y = op._opname\n")
     p = ROOT / "parallel" / "_synthetic_probe.py"
     TREES[p] = ast.parse(src)
     try:

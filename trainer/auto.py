@@ -75,7 +75,8 @@ def planner_mp_policy(training_cfg: Any) -> Optional[MixedPrecisionPolicy]:
 def runtime_options(job_config: JobConfig) -> RuntimeOptions:
     """How the plan runs, from the job: AC, resharding, overlap, Inductor compilation."""
     ac, par, t = job_config.activation_checkpoint, job_config.parallelism, job_config.training
-    return RuntimeOptions(ac_mode=ac.mode, ac_option=ac.selective_ac_option, reshard_after_forward=par.reshard_after_forward,
+    return RuntimeOptions(ac_mode=ac.mode, ac_option=ac.selective_ac_option,
+                          reshard_after_forward=par.reshard_after_forward,
                           overlap=par.overlap, compile=t.compile, compile_fallback=t.compile_fallback,
                           compile_mode=t.compile_mode)
 

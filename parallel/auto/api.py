@@ -157,7 +157,8 @@ class AutoParallel:
             p = _as_placements(p, self.mesh.ndim, f"input constraint {i}")
             if p is None:
                 continue
-            self._add(Constraint("input", f"input constraint on input {i} {placement_str(p)}", node=jg.inputs[i].name, placements=p))
+            self._add(Constraint("input", f"input constraint on input {i} {placement_str(p)}", node=jg.inputs[i].name,
+                                 placements=p))
 
     def add_output_constraints(self, placements: Sequence[Any]) -> None:
         """One placement tuple per forward output (the loss is a scalar: Replicate)."""
@@ -181,7 +182,8 @@ class AutoParallel:
         self.memory_low = low
         self.memory_high = high
 
-    def add_node_constraint(self, node: Any, placements: Any = None, input_placements: Sequence[Any] | None = None) -> None:
+    def add_node_constraint(self, node: Any, placements: Any = None,
+                            input_placements: Sequence[Any] | None = None) -> None:
         """Fix a node's output placements (and optionally its inputs').
 
         `node`: an fx node, a node name, a parameter FQN or "output[i]" slot name.
@@ -309,7 +311,8 @@ def auto_parallel(model: nn.Module, mesh: DeviceMesh, sample_inputs: Any, out_sh
     pass `loss_fn(model, *inputs)` around a model that returns logits).
     """
     if dynamic:
-        raise NotImplementedError("dynamic=True (symbolic batch sizes) is not supported: the plan is made for fixed shapes")
+        raise NotImplementedError("dynamic=True (symbolic batch sizes) is not supported: "
+                                  "the plan is made for fixed shapes")
     inputs = sample_inputs() if callable(sample_inputs) else sample_inputs
     if not isinstance(inputs, tuple):
         inputs = (inputs,)

@@ -352,7 +352,8 @@ class OpEnumerator:
                 if len(ins) != len(in_metas):
                     continue
                 if is_multi(out_meta):
-                    outs = tuple(make_spec(mesh, p, m) if (p is not None and m is not None) else None for p, m in zip(o, out_meta))
+                    outs = tuple(make_spec(mesh, p, m) if (p is not None and m is not None) else None
+                                 for p, m in zip(o, out_meta))
                 else:
                     outs = make_spec(mesh, o, out_meta)
                 specs.append(T.OpSpec(outs, [make_spec(mesh, p, m) for p, m in zip(ins, in_metas)]))

@@ -46,7 +46,8 @@ def apply_constraint(prob: Problem, con: Constraint) -> None:
     if not mask.any():
         c = prob.candidates.nodes[con.node]
         menu = sorted({placement_str(_first_out(s)) for s in c.specs})
-        raise PlanningError(f"{con.description}: no candidate strategy has this placement; valid placements: {', '.join(menu)}")
+        raise PlanningError(f"{con.description}: no candidate strategy has this placement; "
+                            f"valid placements: {', '.join(menu)}")
     prob.allowed[g] = prob.allowed[g] & mask
 
 
@@ -122,9 +123,11 @@ def _feasible_with(prob: Problem, base: list[np.ndarray], cons: list[Constraint]
         lo, hi = _memory_range(prob, allowed)
         total = prob.total_param_bytes
         if prob.memory_high is not None and lo > prob.memory_high * total * (1 + 1e-9):
-            return f"parameters need at least {lo / total:.4g} of their bytes per device, above high={prob.memory_high:.4g}"
+            return (f"parameters need at least {lo / total:.4g} of their bytes per device, "
+                    f"above high={prob.memory_high:.4g}")
         if prob.memory_low is not None and hi < prob.memory_low * total * (1 - 1e-9):
-            return f"parameters take at most {hi / total:.4g} of their bytes per device, below low={prob.memory_low:.4g}"
+            return (f"parameters take at most {hi / total:.4g} of their bytes per device, "
+                    f"below low={prob.memory_low:.4g}")
     return None
 
 
@@ -156,7 +159,8 @@ def check_feasible(prob: Problem) -> None:
 
 
 def _memory_description(prob: Problem) -> str:
-    return f"parameter memory constraint (low={prob.memory_low}, high={prob.memory_high:.4g})" if prob.memory_high is not None else f"parameter memory constraint (low={prob.memory_low})"
+    return (f"parameter memory constraint (low={prob.memory_low}, high={prob.memory_high:.4g})"
+            if prob.memory_high is not None else f"parameter memory constraint (low={prob.memory_low})")
 
 
 def _propagated(prob: Problem) -> list[np.ndarray]:

@@ -103,7 +103,8 @@ class Plan:
         return self.node(node).output_placements[0]
 
     def param_placements(self) -> dict[str, str]:
-        return {n.label[len("param "):]: n.output_placements[0] for n in self.nodes.values() if n.label.startswith("param ")}
+        return {n.label[len("param "):]: n.output_placements[0]
+                for n in self.nodes.values() if n.label.startswith("param ")}
 
     def grad_placement(self, fqn: str) -> str:
         for n in self.nodes.values():
@@ -136,7 +137,8 @@ class Plan:
 
     # ------------------------------------------------------------------ save / load
     def to_json(self) -> dict:
-        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name not in ("problem", "labels", "nodes")}
+        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
+             if f.name not in ("problem", "labels", "nodes")}
         d["format_version"] = FORMAT_VERSION
         d["nodes"] = [asdict(n) for n in self.nodes.values()]
         return d
@@ -203,7 +205,8 @@ class Plan:
 
     # ------------------------------------------------------------------ reports
     def breakdown(self) -> str:
-        lines = [f"objective {self.objective_us:,.1f} µs = compute {self.compute_us:,.1f} µs + comm {sum(self.comm_us.values()):,.1f} µs"]
+        lines = [f"objective {self.objective_us:,.1f} µs = compute {self.compute_us:,.1f} µs "
+                 f"+ comm {sum(self.comm_us.values()):,.1f} µs"]
         for k in sorted(self.comm_us):
             lines.append(f"  {k:<28} {self.comm_us[k]:>12,.1f} µs  {self.comm_bytes.get(k, 0) / 2**20:>10,.1f} MiB")
         return "\n".join(lines)
@@ -298,7 +301,8 @@ class Plan:
 
     def _need_problem(self, what: str) -> Any:
         if self.problem is None or self.labels is None:
-            raise RuntimeError(f"Plan.{what} needs the in-memory plan from optimize_placement (a loaded plan has no costs)")
+            raise RuntimeError(f"Plan.{what} needs the in-memory plan from optimize_placement "
+                               "(a loaded plan has no costs)")
         return self.problem
 
     def __str__(self) -> str:
@@ -327,7 +331,8 @@ class PlanDiff:
                  f"({self.objective_delta:+,.1f})"]
         for name, a, b in self.changed[:50]:
             lines.append(f"  {name} [{a.label or a.target}]: {', '.join(a.input_placements) or '-'} -> "
-                         f"{', '.join(a.output_placements)}  =>  {', '.join(b.input_placements) or '-'} -> {', '.join(b.output_placements)}")
+                         f"{', '.join(a.output_placements)}  =>  "
+                         f"{', '.join(b.input_placements) or '-'} -> {', '.join(b.output_placements)}")
         if len(self.changed) > 50:
             lines.append(f"  ... {len(self.changed) - 50} more")
         return "\n".join(lines)
@@ -462,7 +467,8 @@ def _store_words(st: str) -> str:
     return "stored replicated" if st == "R" else f"stored {st}"
 
 
-def _forward_use(param: NodePlan, consumers: dict[str, list[NodePlan]]) -> tuple[list[str] | None, list[str] | None, dict[int, str]]:
+def _forward_use(param: NodePlan,
+                 consumers: dict[str, list[NodePlan]]) -> tuple[list[str] | None, list[str] | None, dict[int, str]]:
     """Weight placement seen by its first forward matmul/embedding, the activation's, and dim roles."""
     frontier = [(param.name, False)]
     seen = set()
@@ -488,7 +494,8 @@ def _forward_use(param: NodePlan, consumers: dict[str, list[NodePlan]]) -> tuple
                 use = placement_words(c.input_placements[0])
                 act = placement_words(c.input_placements[1])
                 return use, act, {0: "vocab-parallel", 1: "embedding-dim sharded"}
-            elif op in ("aten._to_copy.default", "aten.view.default", "aten._unsafe_view.default", "aten.detach.default"):
+            elif op in ("aten._to_copy.default", "aten.view.default", "aten._unsafe_view.default",
+                        "aten.detach.default"):
                 frontier.append((c.name, transposed))
             elif c.kind == "op":
                 use = placement_words(c.input_placements[k])
@@ -506,7 +513,8 @@ def _collapse_layers(by_layer: dict[str, list[str]]) -> list[tuple[str, list[str
         if out and m:
             prev_name, prev_items = out[-1]
             pm = re.match(r"(.*\.)(\d+)(?:-(\d+))?$", prev_name)
-            if pm and pm.group(1) == m.group(1) and prev_items == items and int(pm.group(3) or pm.group(2)) + 1 == int(m.group(2)):
+            if (pm and pm.group(1) == m.group(1) and prev_items == items
+                    and int(pm.group(3) or pm.group(2)) + 1 == int(m.group(2))):
                 out[-1] = (f"{pm.group(1)}{pm.group(2)}-{m.group(2)}", prev_items)
                 continue
         out.append((layer, items))

@@ -54,7 +54,8 @@ class StrategyPricer:
         node = c.node
         arr = np.zeros(len(c.specs))
         for j, s in enumerate(c.specs):
-            local = {a.name: (local_shape(tuple(a.meta["val"].shape), spec.placements, self.mesh_shape), a.meta["val"].dtype)
+            local = {a.name: (local_shape(tuple(a.meta["val"].shape), spec.placements, self.mesh_shape),
+                              a.meta["val"].dtype)
                      for a, spec in zip(c.inputs, s.input_specs)}
 
             def conv(a: Any) -> Any:
@@ -68,10 +69,12 @@ class StrategyPricer:
             kwargs = T.tree_map(conv, dict(node.kwargs))
             outs = s.output_specs
             if isinstance(outs, tuple):
-                out_meta = [(local_shape(tuple(o.tensor_meta.shape), o.placements, self.mesh_shape), o.tensor_meta.dtype)
+                out_meta = [(local_shape(tuple(o.tensor_meta.shape), o.placements, self.mesh_shape),
+                             o.tensor_meta.dtype)
                             for o in outs if o is not None]
             else:
-                out_meta = [(local_shape(tuple(outs.tensor_meta.shape), outs.placements, self.mesh_shape), outs.tensor_meta.dtype)]
+                out_meta = [(local_shape(tuple(outs.tensor_meta.shape), outs.placements, self.mesh_shape),
+                             outs.tensor_meta.dtype)]
             try:
                 arr[j] = self.cm.compute_cost(node.target, args, local_kwargs_meta=kwargs, out_meta=out_meta)
             except Exception:  # noqa: BLE001 - cost model could not run the op: charge bytes only

@@ -151,7 +151,8 @@ class _CandidateBuilder:
         if all(a.name in self.constants for a in ins):
             self.constants.add(n.name)
             en.coverage.explained[str(n.target)] = CONSTANT_REASON
-            specs, source = en.replicate_only(n, [tensor_meta(a.meta["val"]) for a in ins], out_meta_of(val)), "constant"
+            specs, source = (en.replicate_only(n, [tensor_meta(a.meta["val"]) for a in ins], out_meta_of(val)),
+                             "constant")
         elif n.name in self.restrict:
             specs, source = en.restricted(n, self.restrict[n.name])
         else:

@@ -235,7 +235,8 @@ def _assign_modules(gm: fx.GraphModule, ranges: list[tuple[int, int, str]]) -> d
         if not hit:
             # gradient accumulation adds carry no (or a foreign) seq_nr: inherit from an input
             # (the most specific one: the residual stream's grad would drag "norm" along)
-            cands = [(a.name in direct, out[a.name].count("."), out[a.name]) for a in n.all_input_nodes if out.get(a.name)]
+            cands = [(a.name in direct, out[a.name].count("."), out[a.name])
+                     for a in n.all_input_nodes if out.get(a.name)]
             hit = max(cands)[2] if cands else ""
         else:
             direct.add(n.name)

@@ -152,7 +152,7 @@ def test_deepseek_structure():
     lora = build_model("deepseek_v3", "debug", q_lora_rank=32).layers[0].attention
     assert hasattr(lora, "wq_a") and hasattr(lora, "q_norm") and not hasattr(lora, "wq")
     big = build_model("deepseek_v3", "16B")
-    assert [hasattr(l, "moe") for l in big.layers] == [False] + [True] * 26
+    assert [hasattr(layer, "moe") for layer in big.layers] == [False] + [True] * 26
 
 
 # ---------------------------------------------------------------- numerics

@@ -30,7 +30,8 @@ def _train(tmp: str, job: str, extra: list[str]) -> tuple[dict, object]:
     from trainer.config import load_config
     from trainer.trainer import Trainer
 
-    tr = Trainer(load_config("llama3_debug", [*TINY, "--job.dump_folder", tmp, "--job.name", job, *extra], world_size=2))
+    tr = Trainer(load_config("llama3_debug", [*TINY, "--job.dump_folder", tmp, "--job.name", job, *extra],
+                             world_size=2))
     return tr.train(), tr
 
 

@@ -67,7 +67,7 @@ def test_metrics_and_tensorboard(cfg_factory, tmp_path):
         Trainer(cfg).train()
     finally:
         logging.getLogger("autotitan").removeHandler(handler)
-    line = [l for l in buf.getvalue().splitlines() if l.startswith("step 2 |")][0]
+    line = [ln for ln in buf.getvalue().splitlines() if ln.startswith("step 2 |")][0]
     for field in ("loss", "grad_norm", "lr", "tok/s", "mfu", "mem"):
         assert f"| {field} " in line, line
     tb = list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))

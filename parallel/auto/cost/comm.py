@@ -177,7 +177,8 @@ def decompose_redistribution(src: Sequence[Placement], dst: Sequence[Placement],
     """The per-axis steps (kind + bytes) to go from ``src`` to ``dst`` placements of a
     tensor of global ``shape``. A step with ``kind=None`` is not allowed (→ inf cost)."""
     if len(src) != len(mesh_shape) or len(dst) != len(mesh_shape):
-        raise ValueError(f"placements {tuple(src)} -> {tuple(dst)} do not match a {len(mesh_shape)}-D mesh {tuple(mesh_shape)}")
+        raise ValueError(f"placements {tuple(src)} -> {tuple(dst)} do not match a "
+                         f"{len(mesh_shape)}-D mesh {tuple(mesh_shape)}")
     ndim = len(shape)
     s_ids, d_ids = placement_ids(src, ndim), placement_ids(dst, ndim)
     cur = list(s_ids)
@@ -228,7 +229,8 @@ _REPLICATE_ID = _placement_id(Replicate(), 1)
 
 @functools.lru_cache(maxsize=None)
 def transition_template(src: tuple[int, ...], dst: tuple[int, ...], ndim: int,
-                        mesh_shape: tuple[int, ...]) -> tuple[tuple[int, str | None, tuple[tuple[int, int], ...], bool], ...]:
+                        mesh_shape: tuple[int, ...]
+                        ) -> tuple[tuple[int, str | None, tuple[tuple[int, int], ...], bool], ...]:
     """The shape-independent part of a redistribution between placement ids: per step its
     axis, collective kind, the (tensor dim, mesh-axis size) divisions that give the bytes
     it moves, and whether it goes to Replicate first (a nested shard, see below).
@@ -250,7 +252,9 @@ def transition_template(src: tuple[int, ...], dst: tuple[int, ...], ndim: int,
                 via = False
                 td = info[t][0]
                 if td is not None:
-                    if [i for i in range(ax) if info[cur[i]][0] == td] != [i for i in range(ax) if info[dst[i]][0] == td]:
+                    cur_outer = [i for i in range(ax) if info[cur[i]][0] == td]
+                    dst_outer = [i for i in range(ax) if info[dst[i]][0] == td]
+                    if cur_outer != dst_outer:
                         t, via = _REPLICATE_ID, True
                 if c != t:
                     moves.append((ax, c, t, via))

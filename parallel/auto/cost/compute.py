@@ -165,7 +165,8 @@ class FlopCache:
     def __len__(self) -> int:
         return len(self._cache)
 
-    def estimate(self, op: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> ComputeEstimate:
+    def estimate(self, op: Callable[..., Any], args: Sequence[Any],
+                 kwargs: Mapping[str, Any] | None = None) -> ComputeEstimate:
         kwargs = dict(kwargs or {})
         key = (op, _freeze(tuple(args)), _freeze(kwargs))
         hit = self._cache.get(key)

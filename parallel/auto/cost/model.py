@@ -76,7 +76,7 @@ class CostModel:
             self.hw, self.mesh_shape, mesh_axis_names)
         if len(self.links) != len(self.mesh_shape):
             raise ValueError(f"{len(self.links)} links for a {len(self.mesh_shape)}-D mesh")
-        self.mesh_axis_names: tuple[str, ...] = tuple(l.name for l in self.links)
+        self.mesh_axis_names: tuple[str, ...] = tuple(link.name for link in self.links)
         self.compute_dtype = compute_dtype
         self.flop_cache = FlopCache()
         self._redist_cache: dict[Any, tuple[Step, ...]] = {}
@@ -95,7 +95,7 @@ class CostModel:
 
     def describe(self) -> str:
         """Profile and per-axis links, for logs and plan reports."""
-        return "\n".join([self.hw.summary(), *(l.describe() for l in self.links)])
+        return "\n".join([self.hw.summary(), *(link.describe() for link in self.links)])
 
     def is_intra_node(self, mesh_axis: int) -> bool:
         return self.links[mesh_axis].intra_node
@@ -221,7 +221,8 @@ class CostModel:
         if tensor_meta is None:
             tensor_meta = getattr(src, "tensor_meta", None) or getattr(dst, "tensor_meta", None)
         shape, dtype = getattr(tensor_meta, "shape", None), getattr(tensor_meta, "dtype", None)
-        if shape is None or not isinstance(dtype, torch.dtype) or isinstance(tensor_meta, tuple) and len(tensor_meta) == 2:
+        if (shape is None or not isinstance(dtype, torch.dtype)
+                or isinstance(tensor_meta, tuple) and len(tensor_meta) == 2):
             sd = _as_shape_dtype(tensor_meta) if tensor_meta is not None else None
             if sd is None:
                 raise ValueError("redistribute needs the tensor's global shape and dtype: pass tensor_meta "

@@ -84,7 +84,8 @@ class PlacementOps:
         if key[1] is None:
             return None
         self.stats["bucketed_param_gathers"] += 1
-        outs = bucketed_redistribute([self.param_values[m] for m in members], [_replicated(v)] * len(members), self.mesh)
+        outs = bucketed_redistribute([self.param_values[m] for m in members], [_replicated(v)] * len(members),
+                                     self.mesh)
         self.cache.update(zip(members, outs))
         return self.cache[name]
 
@@ -145,7 +146,8 @@ class PlacementOps:
         if isinstance(out, (tuple, list)):
             outs = list(out)
             for i, o in enumerate(outs):
-                if isinstance(o_spec, tuple) and i < len(o_spec) and o_spec[i] is not None and isinstance(o, torch.Tensor):
+                if (isinstance(o_spec, tuple) and i < len(o_spec) and o_spec[i] is not None
+                        and isinstance(o, torch.Tensor)):
                     outs[i] = self._fix(o, tuple(o_spec[i].placements), n)
             return type(out)(outs) if isinstance(out, tuple) else outs
         if isinstance(out, torch.Tensor):

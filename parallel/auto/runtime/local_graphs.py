@@ -57,12 +57,14 @@ class LocalGraphs:
         self.param_dtypes = [p.dtype for p in params]
         bspecs = [dspec(b) if isinstance(b, DTensor) else None for b in buffers]
         ispecs = [dspec(x) for x in inputs]
-        plocs, blocs, ilocs = [p.to_local() for p in params], [local_value(b) for b in buffers], [x.to_local() for x in inputs]
+        plocs, blocs, ilocs = ([p.to_local() for p in params], [local_value(b) for b in buffers],
+                               [x.to_local() for x in inputs])
         layout: dict[str, Any] = {}
 
         def fwd(plocs: list[torch.Tensor], blocs: list[Any], ilocs: list[torch.Tensor]) -> Any:
             m = self.mesh
-            outs, saved = runner.run_forward(wrap(plocs, self.pspecs, m), wrap(blocs, bspecs, m), wrap(ilocs, ispecs, m))
+            outs, saved = runner.run_forward(wrap(plocs, self.pspecs, m), wrap(blocs, bspecs, m),
+                                             wrap(ilocs, ispecs, m))
             cache = saved.pop("__cache__", {})
             layout["keys"], layout["ckeys"] = sorted(saved), sorted(cache)
             layout["saved"] = [dspec(saved[k]) if isinstance(saved[k], DTensor) else None for k in layout["keys"]]
@@ -107,7 +109,8 @@ class LocalGraphs:
                 if has else None for has, sp in zip(self.has_grad, self.pspecs)]
 
 
-def local_graphs_for(runner: Any, params: list[DTensor], buffers: list[Any], inputs: list[DTensor]) -> LocalGraphs | None:
+def local_graphs_for(runner: Any, params: list[DTensor], buffers: list[Any],
+                     inputs: list[DTensor]) -> LocalGraphs | None:
     """The LocalGraphs for these argument layouts (built on first use), or None (interpret eagerly)."""
     if not runner.use_local_graphs:
         return None

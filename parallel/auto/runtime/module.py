@@ -66,7 +66,8 @@ class ParallelModuleMixin:
         pl = runner.input_placements(i)
         if isinstance(x, DTensor):
             if tuple(x.shape) != tuple(val.shape):
-                raise InputShapeError(f"input {i}: global shape {tuple(x.shape)}, the plan was made for {tuple(val.shape)}")
+                raise InputShapeError(f"input {i}: global shape {tuple(x.shape)}, "
+                                      f"the plan was made for {tuple(val.shape)}")
             return runner.to_placements(x, pl)
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"input {i}: expected a tensor, got {type(x).__name__}")
@@ -103,7 +104,8 @@ class ParallelModuleMixin:
         return outs[0]
 
     def _step_graph(self, params: list[Any], buffers: list[Any], inputs: list[DTensor]) -> StepGraph:
-        key = tuple(dspec(x) if isinstance(x, DTensor) else (tuple(x.shape), x.dtype) for x in params + buffers + inputs)
+        key = tuple(dspec(x) if isinstance(x, DTensor) else (tuple(x.shape), x.dtype)
+                    for x in params + buffers + inputs)
         sg = self.step_graphs.get(key)
         if sg is None:
             opts = self.plan_runner.options
@@ -202,7 +204,8 @@ def _shard_parameters(pm: nn.Module, runner: PlanRunner, mesh: DeviceMesh, on_me
     """Replace every parameter of `pm` by an nn.Parameter(DTensor) at its planned placement."""
     named = dict(pm.named_parameters())
     if set(named) != set(runner.param_names):
-        raise PlanMismatchError(f"model parameters {sorted(set(named) ^ set(runner.param_names))[:5]} are not in the plan")
+        raise PlanMismatchError(f"model parameters {sorted(set(named) ^ set(runner.param_names))[:5]} "
+                                "are not in the plan")
     refs = {}
     for fqn in runner.param_names:
         p, pl = named[fqn], runner.param_placements(fqn)
@@ -210,7 +213,8 @@ def _shard_parameters(pm: nn.Module, runner: PlanRunner, mesh: DeviceMesh, on_me
             local = torch.empty(local_shape(tuple(p.shape), pl, tuple(mesh.shape)), dtype=p.dtype, device="meta")
         else:
             local = local_shard(p.detach(), mesh, pl).clone()
-        dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=p.shape, stride=contiguous_stride(tuple(p.shape)))
+        dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=p.shape,
+                                stride=contiguous_stride(tuple(p.shape)))
         mod, leaf, refs[fqn] = _attr_ref(pm, fqn)
         setattr(mod, leaf, nn.Parameter(dt, requires_grad=p.requires_grad))
     return refs

@@ -44,7 +44,8 @@ def redistribute(x: DTensor, mesh: DeviceMesh, target: tuple) -> DTensor:
             continue
         if c == t:
             continue
-        if isinstance(c, Partial) and type(t) is Partial and c.reduce_op in ("sum", "avg") and t.reduce_op in ("sum", "avg"):
+        if (isinstance(c, Partial) and type(t) is Partial
+                and c.reduce_op in ("sum", "avg") and t.reduce_op in ("sum", "avg")):
             n = mesh.size(ax)
             if c.reduce_op == "sum" and t.reduce_op == "avg":
                 scale *= n

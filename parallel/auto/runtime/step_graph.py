@@ -55,7 +55,8 @@ class StepGraph:
 
         def step(plocs: list[torch.Tensor], blocs: list[Any], ilocs: list[torch.Tensor]) -> Any:
             m = self.mesh
-            outs, saved = runner.run_forward(wrap(plocs, self.pspecs, m), wrap(blocs, bspecs, m), wrap(ilocs, ispecs, m))
+            outs, saved = runner.run_forward(wrap(plocs, self.pspecs, m), wrap(blocs, bspecs, m),
+                                             wrap(ilocs, ispecs, m))
             layout["outs"] = [dspec(o) for o in outs]
             tangents = [DTensor.from_local(torch.ones_like(o.to_local()), m, o.placements, run_check=False,
                                            shape=o.shape, stride=o.stride()) for o in outs]

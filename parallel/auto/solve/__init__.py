@@ -38,7 +38,8 @@ def check_solver(name: str) -> str:
     return name
 
 
-def choose_solver(prob: Problem, solver: str = "auto", *, max_ilp_edge_vars: int = ILP_MAX_EDGE_VARS) -> tuple[str, str]:
+def choose_solver(prob: Problem, solver: str = "auto", *,
+                  max_ilp_edge_vars: int = ILP_MAX_EDGE_VARS) -> tuple[str, str]:
     """(kind, reason): kind is "ilp" or "mrf"."""
     check_solver(solver)
     if solver in ("ilp", "highs", "cbc"):

@@ -187,7 +187,8 @@ def _axis_submesh(mesh: DeviceMesh, axis: int) -> DeviceMesh:
     return mesh[names[axis]]
 
 
-def solve_axes(graph: JointGraph, mesh: DeviceMesh, cost_model: CostModel, constraints: list[Constraint] | None = None, *,
+def solve_axes(graph: JointGraph, mesh: DeviceMesh, cost_model: CostModel,
+               constraints: list[Constraint] | None = None, *,
                mp_dtype: Any = None, cluster_layers: bool = True, solver: str = "auto",
                time_limit: float | None = 120.0) -> tuple[list[tuple[Candidates, list[int], Any]], list[dict]]:
     """One 1-D plan per mesh axis: [(1-D candidates, strategy index per node name... as labels, problem)]."""
@@ -221,7 +222,8 @@ def solve_axes(graph: JointGraph, mesh: DeviceMesh, cost_model: CostModel, const
     return results, info
 
 
-def seeded_candidates(graph: JointGraph, mesh: DeviceMesh, cost_model: CostModel, constraints: list[Constraint] | None = None, *,
+def seeded_candidates(graph: JointGraph, mesh: DeviceMesh, cost_model: CostModel,
+                      constraints: list[Constraint] | None = None, *,
                       radius: int = DEFAULT_RADIUS, mp_dtype: Any = None, cluster_layers: bool = True,
                       solver: str = "auto", time_limit: float | None = 120.0) -> tuple[Candidates, SeedInfo]:
     """D-dim candidates restricted to the Hamming ball of `radius` around the 1-D seeds."""
@@ -373,5 +375,5 @@ def use_seeding(mesh_ndim: int, seed: bool | None) -> bool:
     return mesh_ndim >= SEED_FROM_NDIM if seed is None else bool(seed)
 
 
-__all__ = ["DEFAULT_RADIUS", "FULL_MENU_MAX", "SEED_FROM_NDIM", "SeedInfo", "hamming_ball", "plan_candidates", "project_constraint", "seeded_candidates",
-           "solve_axes", "use_seeding"]
+__all__ = ["DEFAULT_RADIUS", "FULL_MENU_MAX", "SEED_FROM_NDIM", "SeedInfo", "hamming_ball", "plan_candidates",
+           "project_constraint", "seeded_candidates", "solve_axes", "use_seeding"]

@@ -21,7 +21,8 @@ def _fwd_weight_use(plan, fqn):
     pnode = plan.node(fqn)
     users = {n.name: n for n in plan.nodes.values() if pnode.name in n.inputs}
     t = next(n for n in users.values() if n.target == "aten.t.default" and n.phase == "fwd")
-    mm = next(n for n in plan.nodes.values() if t.name in n.inputs and n.target == "aten.mm.default" and n.phase == "fwd")
+    mm = next(n for n in plan.nodes.values()
+              if t.name in n.inputs and n.target == "aten.mm.default" and n.phase == "fwd")
     k = mm.inputs.index(t.name)
     return parse_placements(mm.input_placements[k]), parse_placements(mm.input_placements[1 - k])
 
@@ -32,7 +33,8 @@ def _grad_path(plan, fqn):
     names = [node.name]
     while True:
         src = plan.nodes[node.inputs[0]] if node.inputs else None
-        if src is None or src.target not in ("aten.t.default", "aten.view.default", "aten._unsafe_view.default", "output"):
+        if src is None or src.target not in ("aten.t.default", "aten.view.default", "aten._unsafe_view.default",
+                                             "output"):
             break
         names.append(src.name)
         node = src

@@ -24,5 +24,6 @@ def test_fsdp_tp_emerges_on_2d_mesh():
         assert w[0] == Replicate(), f"{name}: weight gathered on dp {w}"
         assert x[0] == Shard(0), f"{name}: batch on dp {x}"
     summary = plan.summary()
-    assert "column-parallel on tp" in summary and "row-parallel on tp" in summary and "FSDP (all-gather) on dp" in summary
+    assert ("column-parallel on tp" in summary and "row-parallel on tp" in summary
+            and "FSDP (all-gather) on dp" in summary)
     assert plan.memory_fraction == pytest.approx(1 / 16)

@@ -7,9 +7,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
 from parallel.auto.api import fake_world, lm_loss
+from parallel.auto.cluster import find_clusters, layer_instance, menu_of
 from parallel.auto.cost import CostModel
 from parallel.auto.formulation import build_problem
-from parallel.auto.cluster import find_clusters, layer_instance, menu_of
 from parallel.auto.strategies import build_candidates
 from parallel.auto.trace import trace_joint
 

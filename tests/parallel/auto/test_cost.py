@@ -199,7 +199,8 @@ def test_2d_decomposition() -> None:
     assert [(c.kind, c.axis_name, c.bytes) for c in cs] == [("all_gather", "tp", S4K // 4), ("all_gather", "dp", S4K)]
     # gradient: Partial on both → Shard on dp (reduce-scatter full S) then all-reduce S/4 on tp
     cs = cm.redistribute_collectives((Partial(), Partial()), (Shard(0), R), BF16_4K)
-    assert [(c.kind, c.axis_name, c.bytes) for c in cs] == [("reduce_scatter", "dp", S4K), ("all_reduce", "tp", S4K // 4)]
+    assert [(c.kind, c.axis_name, c.bytes) for c in cs] == [("reduce_scatter", "dp", S4K),
+                                                            ("all_reduce", "tp", S4K // 4)]
     # nested shard on the same dim must be undone inner → outer, then re-sharded locally
     cs = cm.redistribute_collectives((Shard(0), Shard(0)), (R, Shard(0)), BF16_4K)
     assert [(c.kind, c.axis_name, c.bytes) for c in cs] == [
@@ -287,7 +288,8 @@ def test_matmul_bf16_vs_fp32_peak_ratio() -> None:
     assert t16 == pytest.approx(flops / (989e12 * 0.78) * 1e6)
     assert t32 / t16 == pytest.approx(989 / 67)
     # mixed precision: the planner says compute is bf16
-    assert cm.compute_cost(mm, args(torch.float32), compute_dtype=torch.bfloat16) == pytest.approx(t16 + hw.kernel_floor_us)
+    assert (cm.compute_cost(mm, args(torch.float32), compute_dtype=torch.bfloat16)
+            == pytest.approx(t16 + hw.kernel_floor_us))
     # given flops are used as is
     assert cm.compute_cost(mm, args(torch.bfloat16), flops=0.0) < t16
 

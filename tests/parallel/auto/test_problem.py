@@ -64,4 +64,5 @@ def test_memory_bounds_conflict_is_reported(cands, cm):
 
 def test_bad_node_constraint(cands, cm):
     with pytest.raises(PlanningError, match="no node named"):
-        build_problem(cands, cm, constraints=[Constraint("node", "node constraint on `nope`", node="nope", placements=())])
+        build_problem(cands, cm,
+                      constraints=[Constraint("node", "node constraint on `nope`", node="nope", placements=())])

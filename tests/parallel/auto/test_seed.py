@@ -175,7 +175,8 @@ def test_saved_plan_applies_on_a_seeded_mesh_without_solving(tmp_path):
     assert set(runner.spec) == set(plan.nodes)
     for name, spec in runner.spec.items():
         outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
-        assert [placement_str(o.placements) if o is not None else "-" for o in outs] == plan.nodes[name].output_placements
+        assert ([placement_str(o.placements) if o is not None else "-" for o in outs]
+                == plan.nodes[name].output_placements)
         if plan.nodes[name].kind != "placeholder":
             assert [placement_str(i.placements) for i in spec.input_specs] == plan.nodes[name].input_placements
     params = plan.param_placements()

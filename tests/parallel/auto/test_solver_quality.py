@@ -31,8 +31,8 @@ NAMES = ("dp", "cp", "tp")
 
 @pytest.fixture(scope="module")
 def llama():
-    return trace_joint(build_model("llama3", "debug", device="meta", **TINY), (torch.zeros(8, 16, dtype=torch.long),) * 2,
-                       lm_loss)
+    return trace_joint(build_model("llama3", "debug", device="meta", **TINY),
+                       (torch.zeros(8, 16, dtype=torch.long),) * 2, lm_loss)
 
 
 class _MLP(nn.Module):
@@ -82,7 +82,8 @@ def test_mlp_known_optimum(mlp, shape):
     assert _compare(prob, f"mlp {shape}") == pytest.approx(0.0, abs=1e-9)
 
 
-@pytest.mark.parametrize("shape,seeded", [((4,), False), ((2, 2), False), ((2, 2, 2), True)], ids=["1d", "2d", "3d-seeded"])
+@pytest.mark.parametrize("shape,seeded", [((4,), False), ((2, 2), False), ((2, 2, 2), True)],
+                         ids=["1d", "2d", "3d-seeded"])
 def test_debug_llama(llama, shape, seeded):
     _compare(_problem(llama, shape, seeded), f"llama3 debug {shape}{' seeded' if seeded else ''}")
 

@@ -71,7 +71,7 @@ def test_placeholder_placements_divide_evenly():
 def test_coverage_dense_models(mesh2d, name, kw):
     model = build_model(name, "debug", device="meta", n_layers=2 if name != "deepseek_v3" else 3, **kw)
     toks = torch.zeros(4, 32, dtype=torch.long)
-    jg = trace_joint(model, (toks, toks), lambda m, t, l: cross_entropy_loss(m(t), l))
+    jg = trace_joint(model, (toks, toks), lambda m, t, labels: cross_entropy_loss(m(t), labels))
     cands = build_candidates(jg, mesh2d)
     assert cands.coverage.ok, str(cands.coverage)
     # attention has our batch/head rule: more than the replicate strategy

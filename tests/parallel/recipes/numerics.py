@@ -49,7 +49,7 @@ def run_steps(spec) -> dict:
         model = spec["apply"](model, mesh)
         dp_rank, dp_size = dp_rank_and_degree(mesh)  # row-major over the data axes
         if CP in names:
-            pos_fn = lambda t, l: cp_shard_batch(t, l, mesh, CP)  # noqa: E731
+            pos_fn = lambda t, labels: cp_shard_batch(t, labels, mesh, CP)  # noqa: E731
     opt = torch.optim.AdamW(model.parameters(), lr=spec.get("lr", 1e-3), foreach=False)
     losses, grads = [], {}
     steps = spec.get("steps", 5)
