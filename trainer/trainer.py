@@ -236,7 +236,16 @@ class Trainer:
                     self.metrics.reset_timer()
         finally:
             self.metrics.close()
+        self._log_runtime()
         return logged
+
+    def _log_runtime(self) -> None:
+        """Auto mode: how the plan ran (one graph per step, deviations from the plan)."""
+        runner = getattr(self.model, "plan_runner", None)
+        if runner is not None and self.rank == 0:
+            st = runner.stats
+            logger.info(f"runtime: {st['step_graph_steps']} steps as one step graph per rank, "
+                        f"{st['deviations']} deviations from the plan")
 
     def _checked_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A training step; Inductor's failure to compile is the job's error (key and fix)."""

@@ -107,5 +107,12 @@ def test_grad_norm_of_sharded_replicated_partial_dtensors_on_two_meshes(tmp_path
     import torch.multiprocessing as mp
     out = tmp_path / "out.txt"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    mp.spawn(_norm_worker, args=(2, str(tmp_path / "store"), str(out)), nprocs=2)
+    ctx = mp.spawn(_norm_worker, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=False)
+    for _ in range(300):  # at most 5 minutes
+        if ctx.join(timeout=1):
+            break
+    else:
+        for p in ctx.processes:
+            p.kill()
+        pytest.fail("the grad-norm ranks did not finish within 5 minutes")
     assert out.read_text().startswith("True"), out.read_text()

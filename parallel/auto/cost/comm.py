@@ -227,6 +227,37 @@ def placement_ids(placements: Sequence[Placement], ndim: int) -> tuple[int, ...]
 _REPLICATE_ID = _placement_id(Replicate(), 1)
 
 
+def _greedy_moves(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, int, int, bool]]:
+    """(axis, from id, to id, via replicate) per step, in DTensor's greedy order."""
+    info = _INFO
+    cur = list(src)
+    moves: list[tuple[int, int, int, bool]] = []
+    if len(cur) == 1:
+        return [(0, cur[0], dst[0], False)] if cur[0] != dst[0] else []
+    # DTensor's greedy order (generate_greedy_transform_infos): when anything is sharded,
+    # inner → outer first: a target shard on a tensor dim sharded differently on the
+    # outer axes (nested / misaligned) is replicated first ...
+    if any(info[c][0] is not None for c in cur):
+        for ax in reversed(range(len(cur))):
+            c, t = cur[ax], dst[ax]
+            via = False
+            td = info[t][0]
+            if td is not None:
+                cur_outer = [i for i in range(ax) if info[cur[i]][0] == td]
+                dst_outer = [i for i in range(ax) if info[dst[i]][0] == td]
+                if cur_outer != dst_outer:
+                    t, via = _REPLICATE_ID, True
+            if c != t:
+                moves.append((ax, c, t, via))
+                cur[ax] = t
+    # ... then outer → inner to the targets
+    for ax in range(len(cur)):
+        if cur[ax] != dst[ax]:
+            moves.append((ax, cur[ax], dst[ax], False))
+            cur[ax] = dst[ax]
+    return moves
+
+
 @functools.lru_cache(maxsize=None)
 def transition_template(src: tuple[int, ...], dst: tuple[int, ...], ndim: int,
                         mesh_shape: tuple[int, ...]
@@ -238,35 +269,8 @@ def transition_template(src: tuple[int, ...], dst: tuple[int, ...], ndim: int,
     is computed once per pair."""
     info = _INFO
     cur = list(src)
-    moves: list[tuple[int, int, int, bool]] = []  # (axis, from id, to id, via replicate)
-    if len(cur) == 1:
-        if cur[0] != dst[0]:
-            moves.append((0, cur[0], dst[0], False))
-    else:
-        # DTensor's greedy order (generate_greedy_transform_infos): when anything is sharded,
-        # inner → outer first: a target shard on a tensor dim sharded differently on the
-        # outer axes (nested / misaligned) is replicated first ...
-        if any(info[c][0] is not None for c in cur):
-            for ax in reversed(range(len(cur))):
-                c, t = cur[ax], dst[ax]
-                via = False
-                td = info[t][0]
-                if td is not None:
-                    cur_outer = [i for i in range(ax) if info[cur[i]][0] == td]
-                    dst_outer = [i for i in range(ax) if info[dst[i]][0] == td]
-                    if cur_outer != dst_outer:
-                        t, via = _REPLICATE_ID, True
-                if c != t:
-                    moves.append((ax, c, t, via))
-                    cur[ax] = t
-        # ... then outer → inner to the targets
-        for ax in range(len(cur)):
-            if cur[ax] != dst[ax]:
-                moves.append((ax, cur[ax], dst[ax], False))
-                cur[ax] = dst[ax]
-    cur = list(src)
     out = []
-    for ax, c, t, via in moves:
+    for ax, c, t, via in _greedy_moves(src, dst):
         cd, cp, _ = info[c]
         td, tp, tr = info[t]
         counted, skip = cur, None

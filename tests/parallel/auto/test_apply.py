@@ -36,6 +36,7 @@ def test_matches_one_rank(results, model, kind, steps):
               f"({out['stats'].get('local_graph_collectives', '-')} collectives)")
         assert not grads_close(out, ref), grads_close(out, ref)
         assert out["local_graphs"]  # the plan ran as per-device graphs with explicit collectives
+        assert out["deviations"] == 0  # every op produced the placement the plan says
         assert loss_d <= 1e-4 * max(ref["losses"]), (out["losses"], ref["losses"])
     placements = results[(model, kind)][0]["placements"]
     if kind == "ddp":

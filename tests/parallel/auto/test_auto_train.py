@@ -27,6 +27,7 @@ def torchrun(tmp_path, job, extra, nproc=2, config="llama3_debug", check=True):
            "--parallelism.mode", "auto", "--job.dump_folder", str(tmp_path), "--job.name", job, *extra]
     env = {k: v for k, v in os.environ.items()
            if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
     if check:
         assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
@@ -45,6 +46,8 @@ def test_auto_mode_matches_one_rank_resumes_and_replays(tmp_path):
     out = r.stdout + r.stderr
     assert "auto-parallel plan solved by" in out and "parameter memory per device" in out
     assert out.index("auto-parallel plan") < out.index("step 1 |")  # plan summary, then the log
+    assert "step graph traced" in out  # each rank ran its whole step as one local graph ...
+    assert "runtime: 4 steps as one step graph per rank, 0 deviations from the plan" in out  # ... as planned
     plan_path = tmp_path / "auto" / "plan.json"
     plan = json.loads(plan_path.read_text())
     assert plan["mesh_shape"] == [2] and plan["mesh_axis_names"] == ["dp_shard"]
