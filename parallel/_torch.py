@@ -68,7 +68,7 @@ from torch.utils.flop_counter import (
 )
 
 __all__ = [
-    "FAKE_DEVICE",
+    "FAKE_BACKEND", "FAKE_DEVICE",
     "all_to_all_single_autograd", "wait_tensor",
     "BufferAOTInput", "DTensorSpec", "FakeTensor", "FakeTensorMode", "GradAOTOutput", "MaskPartial",
     "OpOverload", "OpOverloadPacket", "OpSchema", "OpSpec", "OpStrategy", "ParamAOTInput", "PlainAOTInput",
@@ -168,18 +168,18 @@ def unflatten_mesh(mesh: Any, dim: int, sizes: tuple[int, ...], names: tuple[str
 # Fake world for planning without hardware
 # ---------------------------------------------------------------------------
 
-_FAKE_BACKEND = "fake"
+FAKE_BACKEND = "fake"
 
 
 def _register_fake_backend() -> None:
     """The "fake" c10d backend: collectives that hallucinate results (no communication)."""
-    if _FAKE_BACKEND.upper() in getattr(dist.Backend, "_plugins", {}):
+    if FAKE_BACKEND.upper() in getattr(dist.Backend, "_plugins", {}):
         return
 
     def create(common_opts: Any, backend_opts: Any) -> Any:
         return FakeProcessGroup._create_internal(common_opts.group_rank, common_opts.group_size, backend_opts)
 
-    dist.Backend.register_backend(_FAKE_BACKEND, create, extended_api=True, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(FAKE_BACKEND, create, extended_api=True, devices=["cpu", "cuda"])
 
 
 @contextlib.contextmanager
@@ -196,7 +196,7 @@ def fake_world(world_size: int) -> Iterator[None]:
         yield
         return
     _register_fake_backend()
-    dist.init_process_group(_FAKE_BACKEND, store=dist.HashStore(), rank=0, world_size=world_size)
+    dist.init_process_group(FAKE_BACKEND, store=dist.HashStore(), rank=0, world_size=world_size)
     try:
         yield
     finally:

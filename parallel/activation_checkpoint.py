@@ -31,8 +31,10 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from models import transformer_blocks
+from parallel import _torch as T
 
-__all__ = ["apply_ac", "sac_policy_context", "SAC_SAVE_OPS", "checkpointed_blocks", "tag_recomputation"]
+__all__ = ["apply_ac", "sac_policy_context", "SAC_SAVE_OPS", "checkpointed_blocks", "recompute_parameter_views",
+           "tag_recomputation"]
 
 aten = torch.ops.aten
 
@@ -128,6 +130,29 @@ def _seeded(n: Any) -> bool:
     if n.target is operator.getitem:
         n = n.args[0]
     return torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+
+
+_PARAMETER_VIEWS = {"t", "transpose", "view", "_unsafe_view", "reshape", "_to_copy", "permute", "expand",
+                    "unsqueeze", "squeeze", "detach", "alias"}
+
+
+def recompute_parameter_views(forward_nodes: list[Any], params: set[str], block_of: dict[str, int]) -> int:
+    """Tag the forward's views of parameters (a transposed weight, a cast one) for
+    recomputation, so the backward takes them from the sharded parameter again instead of
+    keeping the gathered copy from the forward: FSDP's reshard after forward. Tags already
+    set (MUST_SAVE by an AC policy) are kept. Returns the number of nodes tagged."""
+    derived, tagged = set(params), 0
+    for n in forward_nodes:
+        if n.op != "call_function" or n.target is operator.getitem:
+            continue
+        if T.op_name(n.target) not in _PARAMETER_VIEWS or not all(a.name in derived for a in n.all_input_nodes):
+            continue
+        derived.add(n.name)
+        if n.meta.get("recompute") != CheckpointPolicy.MUST_SAVE:
+            n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+            n.meta["ac_graph_id"] = block_of.get(n.name, -1)
+            tagged += 1
+    return tagged
 
 
 def checkpointed_blocks(mode: str, selective_ac_option: str | int, n_blocks: int) -> set[int]:

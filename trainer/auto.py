@@ -38,7 +38,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
 
 from parallel.auto.api import AutoParallel, lm_loss
-from parallel.auto.cost import ProfileError
+from parallel.auto.cost import AUTO, HardwareProfile, ProfileError
+from parallel.auto.cost.calibrate import profile_for_group
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.problem import PlanningError
 from parallel.auto.runtime import RuntimeOptions
@@ -46,6 +47,7 @@ from parallel.mesh import CP, DATA_AXES
 from parallel.precision import is_mixed, mixed_precision_policy
 
 from .config import ConfigError, JobConfig
+from .device import gpu_profile
 
 logger = logging.getLogger("autotitan")
 
@@ -70,6 +72,14 @@ def planner_mp_policy(training_cfg: Any) -> Optional[MixedPrecisionPolicy]:
     """The `[training]` policy for the planner (None when training is plain fp32)."""
     policy = mixed_precision_policy(training_cfg.mixed_precision_param, training_cfg.mixed_precision_reduce)
     return policy if is_mixed(policy) else None
+
+
+def planning_hardware(par: Any, mesh: DeviceMesh) -> str | HardwareProfile:
+    """The cost model's profile: a named one, or with "auto" this GPU's shipped profile or
+    this machine measured for the job's world size (cached; every rank takes part)."""
+    if par.hardware != AUTO:
+        return par.hardware
+    return gpu_profile() or profile_for_group(recalibrate=par.recalibrate, device=torch.device(mesh.device_type))
 
 
 def runtime_options(job_config: JobConfig) -> RuntimeOptions:
@@ -152,9 +162,9 @@ def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, s
     saved = Plan.load(par.plan_file) if par.plan_file else None  # a bad file fails before tracing
     pl = data_placements(mesh)
     with AutoParallel(model, g_inputs, mesh, loss_fn=lm_loss, mp_policy=planner_mp_policy(job_config.training),
-                      hardware=par.hardware, solver=par.solver, time_limit=par.time_limit,
+                      hardware=planning_hardware(par, mesh), solver=par.solver, time_limit=par.time_limit,
                       cluster_layers=par.cluster_layers, seed=par.seed, seed_radius=par.seed_radius,
-                      seed_rounds=par.seed_rounds) as autop:
+                      seed_rounds=par.seed_rounds, runtime=runtime_options(job_config)) as autop:
         autop.add_input_constraints([pl, pl])
         if par.memory_budget_low is not None or par.memory_budget_high is not None:
             autop.add_parameter_memory_constraint(low=par.memory_budget_low, high=par.memory_budget_high)
@@ -169,7 +179,7 @@ def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, s
         _check_agreement(digest)
         if _rank() == 0:
             _log_and_save(plan, how, digest, Path(job_config.job.dump_folder) / job_config.job.name)
-        return autop.apply_placement(plan, runtime_options(job_config))
+        return autop.apply_placement(plan)
 
 
 def _solve_on_rank0(autop: AutoParallel) -> Plan:

@@ -120,7 +120,8 @@ class Parallelism:
     expert_parallel_degree: int = 1
     enable_sequence_parallel: bool = True
     # auto mode: the planner's knobs (parallel.auto.api.AutoParallel)
-    hardware: str = DEFAULT_HARDWARE  # profile: configs/hardware/NAME.toml, or a path
+    hardware: str = DEFAULT_HARDWARE  # "auto" (this machine, measured), a configs/hardware/NAME.toml, or a path
+    recalibrate: bool = False  # hardware "auto": measure again instead of reading the cached profile
     plan_file: str = ""  # replay this plan.json instead of solving
     memory_budget_low: Optional[float] = None
     memory_budget_high: Optional[float] = None

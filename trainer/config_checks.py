@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from models import build_model, get_model_spec, model_args, transformer_blocks
-from parallel.auto.cost import ProfileError, load_hardware
+from parallel.auto.cost import AUTO, ProfileError, load_hardware
 from parallel.auto.solve import SOLVERS
 
 from .device import CPU, CUDA, check_compiler, check_device
@@ -95,6 +95,8 @@ def _validate_ranges(cfg: JobConfig) -> None:
 def _validate_hardware(cfg: JobConfig) -> None:
     """Both hardware keys name a profile the planner can read (the planner's own loader)."""
     for section in ("metrics", "parallelism"):
+        if getattr(cfg, section).hardware == AUTO:
+            continue  # this machine, measured when the job starts
         try:
             load_hardware(getattr(cfg, section).hardware)
         except ProfileError as e:

@@ -59,6 +59,17 @@ def sharded_init_is_exact(device: torch.device) -> bool:
     return device.type == CUDA
 
 
+GPU_PROFILES = {"H100": "h100", "H200": "h200", "A100": "a100"}
+
+
+def gpu_profile() -> str | None:
+    """The shipped hardware profile of this process's GPU (by its name), or None."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((p for key, p in GPU_PROFILES.items() if key in name), None)
+
+
 def backend(name: str = "auto") -> str:
     """The process-group backend for the device: NCCL on GPUs, gloo on CPUs."""
     return "nccl" if device_type(name) == CUDA else "gloo"

@@ -13,10 +13,10 @@ from typing import Optional
 
 import torch
 
-from parallel.auto.cost import load_hardware
+from parallel.auto.cost import AUTO, load_hardware
 from parallel.precision import dtype_of
 
-from .device import peak_memory_bytes
+from .device import gpu_profile, peak_memory_bytes
 
 logger = logging.getLogger("autotitan")
 
@@ -70,6 +70,11 @@ def peak_flops(hardware: str, dtype: str = "float32") -> tuple[Optional[float], 
     ``cpu`` is measured (fp32 matmul, once): the shared machine's figure beats a profile's.
     Other names are read by the planner's loader (configs/hardware/NAME.toml or a path),
     the same profile the cost model uses; the config validated that it loads."""
+    if hardware == AUTO:
+        gpu = gpu_profile()
+        if gpu is None:
+            return measure_cpu_peak_flops(), "auto: measured fp32 matmul peak"
+        hardware = gpu
     if hardware == "cpu":
         return measure_cpu_peak_flops(), "cpu: measured fp32 matmul peak"
     hw = load_hardware(hardware)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -86,6 +88,7 @@ class Trainer:
             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, dp_rank=self.dp_rank)
         self.step = 0
+        self._step_times: list[float] = []
         self.flops_per_token = self._flops_per_token()
         self.compute_dtype = t.mixed_precision_param if t.dtype == "float32" else t.dtype
         self.metrics: Optional[MetricsLogger] = None
@@ -225,7 +228,10 @@ class Trainer:
             while self.step < t.steps:
                 self.step += 1
                 inputs, labels = next(data_iter)
+                t0 = time.perf_counter()
                 loss, grad_norm = self._checked_step(inputs, labels)
+                self._step_times.append(time.perf_counter() - t0)
+                self._maybe_log_prediction()
                 self.metrics.add_tokens(inputs.numel() * self.dp_degree)
                 if self.metrics.should_log(self.step, t.steps):
                     loss_v = self.reduce_mean(loss.item())
@@ -238,6 +244,20 @@ class Trainer:
             self.metrics.close()
         self._log_runtime()
         return logged
+
+    def _maybe_log_prediction(self, warmup: int = 2, timed: int = 5) -> None:
+        """Auto mode, once: the measured step time (median after the warm-up) next to the
+        cost model's prediction for the same step, so a user sees when the model is off."""
+        if len(self._step_times) != warmup + timed or not hasattr(self.model, "predict_step"):
+            return
+        measured = self.reduce_mean(statistics.median(self._step_times[warmup:]))
+        if self.rank == 0:
+            pred = self.model.predict_step()
+            hw = self.model.plan_cost_model.hw.name
+            logger.info(f"step time: measured {measured * 1e3:,.1f} ms (median of steps "
+                        f"{warmup + 1}-{warmup + timed}), predicted {pred.step_us / 1e3:,.1f} ms by the cost model "
+                        f"({hw}; {pred.summary()}); "
+                        f"measured / predicted = {measured * 1e6 / pred.step_us:.2f}")
 
     def _log_runtime(self) -> None:
         """Auto mode: how the plan ran (one graph per step, deviations from the plan)."""

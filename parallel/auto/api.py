@@ -29,7 +29,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate
 from models import cross_entropy_loss
 from parallel import _torch as T
 from parallel._torch import fake_world
-from parallel.auto.cost import DEFAULT_HARDWARE, CostModel, HardwareProfile
+from parallel.auto.cost import AUTO, DEFAULT_HARDWARE, CostModel, HardwareProfile, RuntimeSchedule
+from parallel.auto.cost.calibrate import resolve_auto
 from parallel.auto.formulation import build_problem
 from parallel.auto.placements import placement_str
 from parallel.auto.plan import Plan, build_plan
@@ -80,6 +81,7 @@ class AutoParallel:
         seed: bool | None = None,
         seed_radius: int = 2,
         seed_rounds: int = 1,
+        runtime: RuntimeOptions | None = None,
     ) -> None:
         self.model = model
         self.input_fn = input_fn
@@ -95,6 +97,7 @@ class AutoParallel:
         self.seed_info: Any = None
         self.time_limit = time_limit
         self.cluster_layers = cluster_layers
+        self.runtime = runtime if runtime is not None else RuntimeOptions()  # how the plan will run: priced
         self.mp_dtype: torch.dtype | None = getattr(mp_policy, "param_dtype", None) if mp_policy is not None else None
         self._cost_model = cost_model
         self.graph: JointGraph | None = None
@@ -221,8 +224,13 @@ class AutoParallel:
         """The cost model of this mesh and hardware (built once)."""
         if self._cost_model is None:
             names = list(self.mesh.mesh_dim_names or [f"axis{i}" for i in range(self.mesh.ndim)])
-            self._cost_model = CostModel(self.hardware, mesh_shape=tuple(self.mesh.shape), mesh_axis_names=names,
-                                         compute_dtype=self.mp_dtype)
+            rt = self.runtime
+            schedule = RuntimeSchedule(bucket=rt.bucket, overlap=rt.overlap,
+                                       reshard_after_forward=rt.reshard_after_forward,
+                                       reduce_dtype=getattr(self.mp_policy, "reduce_dtype", None))
+            hw = resolve_auto(self.mesh.size()) if self.hardware == AUTO else self.hardware
+            self._cost_model = CostModel(hw, mesh_shape=tuple(self.mesh.shape), mesh_axis_names=names,
+                                         compute_dtype=self.mp_dtype, schedule=schedule)
         return self._cost_model
 
     def _memory_bounds(self) -> tuple[float | None, float | None]:
@@ -286,7 +294,8 @@ class AutoParallel:
         jg = self._need_graph()
         if self.candidates is None:  # seeded mesh and nothing solved here: a replayed or received plan
             self.candidates = plan_candidates(jg, self.mesh, plan)
-        return apply_plan(self.model, jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy, options=options)
+        return apply_plan(self.model, jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy,
+                          options=options if options is not None else self.runtime, cost_model=self.cost_model())
 
 
 # ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -18,9 +19,10 @@ from parallel.auto.cluster import decision_groups
 from parallel.auto.cost import CostModel
 from parallel.auto.feasibility import apply_constraint, check_feasible
 from parallel.auto.placements import shard_factor
-from parallel.auto.pricing import StrategyPricer
+from parallel.auto.pricing import ACTIVATION, EdgeRole, StrategyPricer
 from parallel.auto.problem import Constraint, Edge, Problem
 from parallel.auto.strategies import GETITEM, PLACEHOLDER, Candidates, NodeCandidates
+from parallel.auto.trace import BWD, FWD, layer_prefix
 
 log = logging.getLogger("parallel.auto.problem")
 
@@ -50,8 +52,38 @@ def _edge_tensor(src_node: Any, idx: int | None) -> tuple[tuple[int, ...], torch
     return tuple(val.shape), val.dtype
 
 
+class _Roles:
+    """The runtime role of each edge (pricing.EdgeRole): parameter gathers and gradient
+    reductions are bucketed per block, the rest is issued where it is needed."""
+
+    def __init__(self, cands: Candidates, reshard: bool):
+        jg = cands.graph
+        self.graph, self.reshard = jg, reshard
+        self.param_of = {n.name: fqn for fqn, n in jg.params.items()}
+        blocks = Counter(layer_prefix(fqn) for fqn in jg.params)
+        self.bucket = {fqn: blocks[layer_prefix(fqn)] for fqn in jg.params}
+        self.grad_of = {f"output[{s.index}]": s.of for s in jg.slots if s.kind == "grad_param"}
+
+    def __call__(self, src_name: str, c: NodeCandidates) -> EdgeRole:
+        fqn = self.param_of.get(src_name)
+        if fqn is not None:
+            jg = self.graph
+            again = (self.reshard and c.node is not None and jg.phase.get(c.name) == FWD
+                     and any(jg.phase.get(u.name) == BWD for u in c.node.users))
+            return EdgeRole("param", self.bucket[fqn], 2 if again else 1)
+        if c.name in self.grad_of:
+            return EdgeRole("grad", self.bucket[self.grad_of[c.name]])
+        return ACTIVATION
+
+
+def edge_roles(cands: Candidates, cost_model: CostModel) -> _Roles:
+    """The runtime role of every edge of `cands` under `cost_model`'s schedule."""
+    schedule = getattr(cost_model, "schedule", None)
+    return _Roles(cands, bool(schedule and schedule.reshard_after_forward))
+
+
 def _price_edges(cands: Candidates, group_of: dict[str, int], unary: list[np.ndarray],
-                 pricer: StrategyPricer) -> list[Edge]:
+                 pricer: StrategyPricer, roles: _Roles) -> list[Edge]:
     """One Edge per (producer group, consumer group, getitem index, input position), summed
     over the copies of repeated layers; a producer tied to its consumer pays on the diagonal."""
     nodes = cands.nodes
@@ -66,12 +98,13 @@ def _price_edges(cands: Candidates, group_of: dict[str, int], unary: list[np.nda
             src_c, src_g = nodes[src_node.name], group_of[src_node.name]
             shape, dtype = _edge_tensor(src_node, idx)
             # copies of one op in repeated layers share their specs lists: price the edge once
-            ek = (id(src_c.specs), idx, id(c.specs), k, shape, dtype)
+            role = roles(src_node.name, c)
+            ek = (id(src_c.specs), idx, id(c.specs), k, shape, dtype, role)
             hit = edge_cache.get(ek)
             if hit is None:
                 src_cls, src_uniq = _classes(_output_placements(src_c, idx))
                 dst_cls, dst_uniq = _classes([s.input_specs[k].placements for s in c.specs])
-                m = pricer.redistribution(shape, dtype, src_uniq, dst_uniq)
+                m = pricer.redistribution(shape, dtype, src_uniq, dst_uniq, role)
                 hit = edge_cache[ek] = (src_cls, src_uniq, dst_cls, dst_uniq, m, src_c.specs, c.specs)
             src_cls, src_uniq, dst_cls, dst_uniq, m = hit[:5]
             if src_g == dst_g:  # tied producer/consumer: cost on the diagonal
@@ -120,7 +153,7 @@ def build_problem(cands: Candidates, cost_model: CostModel, *, constraints: list
     for name, c in cands.nodes.items():
         compute[name] = pricer.compute(c)
         unary[group_of[name]] += compute[name]
-    edges = _price_edges(cands, group_of, unary, pricer)
+    edges = _price_edges(cands, group_of, unary, pricer, edge_roles(cands, cost_model))
     param_groups, param_bytes, total = _parameter_bytes(cands, group_of)
     prob = Problem(candidates=cands, cost_model=cost_model, groups=groups, group_of=group_of, n_strategies=n_strat,
                    unary=unary, compute=compute, edges=edges, allowed=[np.isfinite(u) for u in unary],

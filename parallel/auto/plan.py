@@ -25,8 +25,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.auto.cost import CostModel
+from parallel.auto.formulation import edge_roles
 from parallel.auto.placements import placement_str, placement_words, spec_placement_strs
-from parallel.auto.pricing import comm_dtype
+from parallel.auto.pricing import StrategyPricer, comm_dtype
 from parallel.auto.problem import Problem
 from parallel.auto.strategies import PLACEHOLDER, SLOT
 from parallel.auto.trace import layer_prefix
@@ -246,10 +247,12 @@ class Plan:
                 a = e.src_cls[self.labels[e.src]]
                 comm += e.cost[a, e.dst_cls]
         rows = []
+        pbytes = prob.param_bytes.get(g)
         for s, spec in enumerate(cands.specs):
             outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
             rows.append({
                 "strategy": s,
+                "param_bytes": float(pbytes[s]) if pbytes is not None else 0.0,
                 "inputs": [placement_str(i.placements) for i in (spec.input_specs or [])],
                 "outputs": [placement_str(o.placements) if o is not None else "-" for o in outs],
                 "compute_us": float(prob.unary[g][s]),
@@ -280,6 +283,8 @@ class Plan:
             why = "forbidden by a constraint" if not r["allowed"] else (
                 "not allowed (needs a Replicate->Partial redistribution)" if not math.isfinite(r["total_us"])
                 else f"+{r['total_us'] - chosen['total_us']:.1f} µs")
+            if r["param_bytes"] > chosen["param_bytes"] and r["total_us"] < chosen["total_us"]:
+                why += f", but {r['param_bytes'] / 2**20:,.1f} MiB of parameters per device: over the memory budget"
             lines.append(
                 f"  alt {r['strategy']}: {', '.join(r['inputs']) or '-'} -> {', '.join(r['outputs'])}: "
                 f"compute {r['compute_us']:.1f} + comm {r['comm_us']:.1f} = {r['total_us']:.1f} µs ({why})"
@@ -361,24 +366,31 @@ def _node_plan(prob: Problem, name: str, s: int) -> NodePlan:
                     output_placements=out_strs, compute_us=float(prob.compute[name][s]))
 
 
-def _add_collectives(acc: tuple[dict, dict], cm: CostModel, src: tuple, dst: tuple, meta: tuple, copies: int) -> None:
-    for col in cm.redistribute_collectives(src, dst, meta):
-        if col.kind != "local":
-            key = f"{col.kind}@{col.axis_name}"
-            acc[0][key] += col.time_us * copies
-            acc[1][key] += col.bytes * copies
+def _add_collectives(acc: tuple[dict, dict], cm: CostModel, src: tuple, dst: tuple, meta: tuple, copies: int,
+                     priced_us: float) -> None:
+    """Add one redistribution's collectives, their µs scaled so that they sum to what the
+    problem priced (bucketed and overlapped collectives cost less than issued alone)."""
+    cols = [c for c in cm.redistribute_collectives(src, dst, meta) if c.kind != "local"]
+    raw = sum(c.time_us for c in cols) * copies
+    for col in cols:
+        key = f"{col.kind}@{col.axis_name}"
+        acc[0][key] += col.time_us * copies * (priced_us / raw if raw else 0.0)
+        acc[1][key] += col.bytes * copies
 
 
 def _comm_breakdown(prob: Problem, labels: list[int]) -> tuple[dict[str, float], dict[str, float]]:
     """(µs, bytes) per "kind@axis": the edges between groups, and the redistributions inside
-    a group (a producer tied to its consumer, folded into the unary cost)."""
+    a group (a producer tied to its consumer, folded into the unary cost), at their prices."""
     acc: tuple[dict, dict] = (defaultdict(float), defaultdict(float))
     cm = prob.cost_model
     for e in prob.edges:
-        src, dst = e.src_placements[e.src_cls[labels[e.src]]], e.dst_placements[e.dst_cls[labels[e.dst]]]
+        a, b = e.src_cls[labels[e.src]], e.dst_cls[labels[e.dst]]
+        src, dst = e.src_placements[a], e.dst_placements[b]
         if src != dst:
-            _add_collectives(acc, cm, src, dst, (e.tensor[0], comm_dtype(e.tensor[1], prob.mp_dtype)), len(e.members))
+            meta = (e.tensor[0], comm_dtype(e.tensor[1], prob.mp_dtype))
+            _add_collectives(acc, cm, src, dst, meta, len(e.members), float(e.cost[a, b]))
     cands = prob.candidates
+    pricer, roles = StrategyPricer(cands, cm, prob.mp_dtype), edge_roles(cands, cm)
     for name, c in cands.nodes.items():
         if c.kind == PLACEHOLDER:
             continue
@@ -392,8 +404,11 @@ def _comm_breakdown(prob: Problem, labels: list[int]) -> tuple[dict[str, float],
             dst_pl = c.specs[s].input_specs[k].placements
             if src_spec.placements != dst_pl:
                 val = src_node.meta["val"]
+                val = val[c.getitem_index or 0] if isinstance(val, (tuple, list)) else val
                 meta = (tuple(val.shape), comm_dtype(val.dtype, prob.mp_dtype))
-                _add_collectives(acc, cm, src_spec.placements, dst_pl, meta, 1)
+                priced = pricer.redistribution(meta[0], val.dtype, [src_spec.placements], [dst_pl],
+                                               roles(src_node.name, c))[0, 0]
+                _add_collectives(acc, cm, src_spec.placements, dst_pl, meta, 1, float(priced))
     return dict(acc[0]), dict(acc[1])
 
 

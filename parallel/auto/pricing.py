@@ -8,6 +8,7 @@ placement classes, consumer placement classes), priced on interned placement ids
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,22 @@ from parallel.auto.cost.comm import placement_ids
 from parallel.auto.cost.model import CostModel
 from parallel.auto.placements import local_shape
 from parallel.auto.strategies import OP, Candidates, NodeCandidates
+
+
+@dataclass(frozen=True)
+class EdgeRole:
+    """What the runtime does with the tensor crossing an edge (cost/model.RuntimeSchedule):
+    "param": a parameter on its way to an op (bucketed, prefetched; `repeat` 2 when the
+    backward gathers it again); "grad": a gradient reduced into its parameter's placement
+    (bucketed, overlapped, in the reduce dtype); "act": anything else (issued where needed).
+    `bucket`: tensors sharing its bucketed collective."""
+
+    kind: str = "act"
+    bucket: int = 1
+    repeat: int = 1
+
+
+ACTIVATION = EdgeRole()
 
 
 def comm_dtype(dtype: torch.dtype, mp_dtype: torch.dtype | None) -> torch.dtype:
@@ -82,12 +99,24 @@ class StrategyPricer:
         self.compute_cache[key] = arr
         return arr
 
-    def redistribution(self, shape: tuple, dtype: torch.dtype, src: list[tuple], dst: list[tuple]) -> np.ndarray:
-        key = (shape, dtype, tuple(src), tuple(dst))
+    def _role_terms(self, dtype: torch.dtype, role: EdgeRole) -> tuple[torch.dtype, float, float]:
+        """(dtype on the wire, latency share, cost multiplier) of an edge of this role."""
+        sched = getattr(self.cm, "schedule", None)
+        if sched is None or role.kind == "act":
+            return comm_dtype(dtype, self.mp_dtype), 1.0, 1.0
+        cdt = comm_dtype(dtype, self.mp_dtype)
+        if role.kind == "grad" and sched.reduce_dtype is not None and dtype.is_floating_point:
+            cdt = sched.reduce_dtype
+        scale = 1.0 / role.bucket if sched.bucket else 1.0
+        return cdt, scale, role.repeat * sched.overlapped_share(self.cm.hw.comm_overlap)
+
+    def redistribution(self, shape: tuple, dtype: torch.dtype, src: list[tuple], dst: list[tuple],
+                       role: EdgeRole = ACTIVATION) -> np.ndarray:
+        key = (shape, dtype, tuple(src), tuple(dst), role)
         hit = self.redist_cache.get(key)
         if hit is not None:
             return hit
-        cdt = comm_dtype(dtype, self.mp_dtype)
+        cdt, scale, mult = self._role_terms(dtype, role)
         meta = (shape, cdt)
         m = np.empty((len(src), len(dst)))
         sid = [self._intern(p) for p in src]
@@ -103,15 +132,15 @@ class StrategyPricer:
                 if sid[a] == did[b]:
                     m[a, b] = 0.0
                     continue
-                k = (shape, dtype, sid[a], did[b])
+                k = (shape, cdt, sid[a], did[b], scale)
                 c = pairs.get(k)
                 if c is None:
                     if by_ids:
-                        c = self.cm.redistribute_cost_ids(s_ids[a], d_ids[b], shape, cdt.itemsize)
+                        c = self.cm.redistribute_cost_ids(s_ids[a], d_ids[b], shape, cdt.itemsize, scale)
                     else:
                         c = self.cm.redistribute_cost(sp, dp, meta)
                     pairs[k] = c
-                m[a, b] = c
+                m[a, b] = c * mult
         self.redist_cache[key] = m
         return m
 

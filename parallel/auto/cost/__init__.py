@@ -60,6 +60,7 @@ from .comm import (
 )
 from .compute import ZERO_COST_OPS, FlopCache, is_zero_cost, op_name, roofline_us
 from .hardware import (
+    AUTO,
     COLLECTIVE_KINDS,
     DEFAULT_HARDWARE,
     HardwareProfile,
@@ -72,10 +73,11 @@ from .hardware import (
     profile_from_dict,
     profile_to_toml,
 )
-from .model import CostModel
+from .model import CostModel, RuntimeSchedule
 
 __all__ = [
     "AxisLink",
+    "AUTO",
     "COLLECTIVE_KINDS",
     "DEFAULT_HARDWARE",
     "Collective",
@@ -85,6 +87,7 @@ __all__ = [
     "InterNodeLink",
     "IntraNodeLink",
     "ProfileError",
+    "RuntimeSchedule",
     "RedistributionNotAllowed",
     "Step",
     "ZERO_COST_OPS",

@@ -147,8 +147,10 @@ def _us(nbytes: float, gbps: float) -> float:
     return nbytes / (gbps * 1e3)
 
 
-def collective_time(kind: str, nbytes: float, link: AxisLink) -> tuple[float, str]:
-    """(µs, algorithm) of one collective of ``nbytes`` (see module doc) on ``link``."""
+def collective_time(kind: str, nbytes: float, link: AxisLink, latency_scale: float = 1.0) -> tuple[float, str]:
+    """(µs, algorithm) of one collective of ``nbytes`` (see module doc) on ``link``.
+    `latency_scale`: the share of the latency this tensor pays (1/k when k tensors share
+    one bucketed collective: latency once, bytes summed)."""
     n = link.size
     if kind == "local":
         return 0.0, "local"
@@ -156,7 +158,7 @@ def collective_time(kind: str, nbytes: float, link: AxisLink) -> tuple[float, st
         raise ValueError(f"unknown collective kind {kind!r}; expected one of {COLLECTIVE_KINDS}")
     if n <= 1 or nbytes <= 0:
         return 0.0, "ring"
-    a, b = link.latency_us, link.hop_latency_us
+    a, b = link.latency_us * latency_scale, link.hop_latency_us * latency_scale
     bw = link.bus_bandwidth_gbps[kind]
     frac = (n - 1) / n
     if kind in ("all_gather", "reduce_scatter"):

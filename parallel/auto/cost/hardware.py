@@ -26,6 +26,7 @@ except ModuleNotFoundError:  # pragma: no cover - 3.10
 import torch
 
 __all__ = [
+    "AUTO",
     "DEFAULT_HARDWARE",
     "COLLECTIVE_KINDS",
     "HardwareProfile",
@@ -58,9 +59,12 @@ _PEAK_FALLBACK = {"fp8": "bf16", "fp16": "bf16", "bf16": "fp32", "tf32": "fp32",
 _PEAK_KEYS = ("bf16", "fp16", "fp32", "fp8", "tf32", "fp64")
 
 
-DEFAULT_HARDWARE = "cpu"
-"""The profile used when none is named: the API, `auto_parallel`, the trainer's
-`[parallelism] hardware` and `[metrics] hardware`, and the scripts all read this one."""
+DEFAULT_HARDWARE = "auto"
+"""The profile used when none is named: the trainer's `[parallelism] hardware` and
+`[metrics] hardware`, the API and the scripts all read this one. "auto": this machine,
+measured for the job's world size (cost/calibrate.py; a GPU's shipped profile when its
+name is known)."""
+AUTO = "auto"
 
 
 class ProfileError(ValueError):
@@ -113,6 +117,9 @@ class HardwareProfile:
       * ``tree_bandwidth_factor``: tree all-reduce reaches this fraction of the ring's
         bus bandwidth (it wins on latency for small messages on many nodes, loses on
         bandwidth for large ones).
+      * ``comm_overlap``: the share of a collective's time that runs beside compute (1 on
+        GPUs, whose copy engines and NICs move the bytes; lower on CPUs, whose cores also
+        drive gloo). The runtime overlaps collectives; the cost model prices what stays.
     """
 
     name: str
@@ -126,6 +133,7 @@ class HardwareProfile:
     intra_node: IntraNodeLink
     inter_node: InterNodeLink
     tree_bandwidth_factor: float = 0.45
+    comm_overlap: float = 1.0
     description: str = ""
     source: str = field(default="<dict>", compare=False)
 
@@ -322,13 +330,15 @@ def _inter_link(data: Mapping[str, Any], source: str) -> InterNodeLink:
     )
 
 
-def _tree_factor(data: Mapping[str, Any], source: str) -> float:
-    """[collectives] tree_bandwidth_factor, 0.45 when absent."""
+def _collective_figures(data: Mapping[str, Any], source: str) -> tuple[float, float]:
+    """[collectives] (tree_bandwidth_factor, comm_overlap): 0.45 and 1.0 when absent."""
     coll = data.get("collectives", {})
-    _check_keys(coll, {"tree_bandwidth_factor": False}, "collectives", source)
-    if "tree_bandwidth_factor" in coll:
-        return _num(coll, "tree_bandwidth_factor", "collectives.", source, at_most=1.0)
-    return 0.45
+    _check_keys(coll, {"tree_bandwidth_factor": False, "comm_overlap": False}, "collectives", source)
+    tree = _num(coll, "tree_bandwidth_factor", "collectives.", source, at_most=1.0) \
+        if "tree_bandwidth_factor" in coll else 0.45
+    overlap = _num(coll, "comm_overlap", "collectives.", source, positive=False, at_most=1.0) \
+        if "comm_overlap" in coll else 1.0
+    return tree, overlap
 
 
 def _description(data: Mapping[str, Any], source: str) -> str:
@@ -349,7 +359,7 @@ def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Hardwa
     mm_eff, mem_eff = _efficiencies(data, source)
     intra_link = _intra_link(data, source)
     inter_link = _inter_link(data, source)
-    tree_f = _tree_factor(data, source)
+    tree_f, overlap = _collective_figures(data, source)
     desc = _description(data, source)
     return HardwareProfile(
         name=name,
@@ -363,6 +373,7 @@ def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Hardwa
         intra_node=intra_link,
         inter_node=inter_link,
         tree_bandwidth_factor=tree_f,
+        comm_overlap=overlap,
         description=desc,
         source=source,
     )
@@ -401,6 +412,7 @@ def profile_to_toml(hw: HardwareProfile) -> str:
         "",
         "[collectives]",
         f"tree_bandwidth_factor = {hw.tree_bandwidth_factor:.6g}",
+        f"comm_overlap = {hw.comm_overlap:.6g}",
         "",
     ]
     return "\n".join(lines)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -32,7 +33,7 @@ from .comm import (
 from .compute import FlopCache, _as_shape_dtype, _freeze, _nbytes, _tensor_list, is_zero_cost, roofline_us
 from .hardware import HardwareProfile, load_hardware
 
-__all__ = ["CostModel"]
+__all__ = ["CostModel", "RuntimeSchedule"]
 
 PlacementsLike = Any  # DTensorSpec | Sequence[Placement]
 TensorMetaLike = Any  # TensorMeta | (shape, dtype) | torch.Tensor | None (taken from a DTensorSpec)
@@ -47,6 +48,34 @@ def _placements(x: PlacementsLike) -> tuple[Placement, ...]:
     return tuple(x)
 
 
+@dataclass(frozen=True)
+class RuntimeSchedule:
+    """What the runtime does with a plan's collectives (runtime/), so the cost model prices
+    that and not one collective per tensor issued where it is needed.
+
+    bucket: the parameter gathers and gradient reductions of one block run as one flat
+        collective per placement group: each tensor pays latency / (tensors in the block);
+    overlap: those collectives run beside compute (prefetched one block ahead, reductions
+        during the rest of the backward): they cost what the cores spend driving them,
+        (1 - comm_overlap) of their time, plus `exposed` of the rest that compute cannot
+        always hide;
+    reshard_after_forward: parameters used again by the backward are gathered again there;
+    reduce_dtype: gradients are reduced in this dtype (the mixed-precision policy's).
+    """
+
+    bucket: bool = True
+    overlap: bool = True
+    reshard_after_forward: bool = True
+    reduce_dtype: torch.dtype | None = None
+    exposed: float = 0.2
+
+    def overlapped_share(self, comm_overlap: float) -> float:
+        """Share of an overlapped collective's time a step still pays."""
+        if not self.overlap:
+            return 1.0
+        return (1.0 - comm_overlap) + comm_overlap * self.exposed
+
+
 class CostModel:
     """Costs in µs for the planner: ``compute_cost`` (roofline per op on local shapes),
     ``redistribute_cost`` / ``redistribute_collectives`` (collectives per mesh axis).
@@ -59,6 +88,8 @@ class CostModel:
         compute_dtype: mixed precision: when set (e.g. torch.bfloat16), floating ops use
             this dtype's peak and floating tensors count at its size in memory traffic.
         links: override the per-axis links (used by ``project`` for 1-D seeding problems).
+        schedule: what the runtime does with collectives (bucketing, overlap, resharding,
+            reduce dtype); the default is the runtime's default.
     """
 
     def __init__(
@@ -69,8 +100,10 @@ class CostModel:
         *,
         compute_dtype: torch.dtype | None = None,
         links: Sequence[AxisLink] | None = None,
+        schedule: RuntimeSchedule | None = None,
     ) -> None:
         self.hw: HardwareProfile = load_hardware(hw)
+        self.schedule = schedule if schedule is not None else RuntimeSchedule()
         self.mesh_shape: tuple[int, ...] = tuple(int(s) for s in mesh_shape)
         self.links: list[AxisLink] = list(links) if links is not None else axis_links(
             self.hw, self.mesh_shape, mesh_axis_names)
@@ -103,9 +136,8 @@ class CostModel:
     def project(self, mesh_axis: int) -> "CostModel":
         """A 1-D cost model for one axis with that axis's link (split-dimension seeding)."""
         link = self.links[mesh_axis]
-        from dataclasses import replace
         return type(self)(self.hw, (link.size,), compute_dtype=self.compute_dtype,
-                          links=[replace(link, axis=0)])
+                          links=[replace(link, axis=0)], schedule=self.schedule)
 
     # ------------------------------------------------------------------ compute
     def compute_cost(
@@ -269,14 +301,15 @@ class CostModel:
         return total
 
     def redistribute_cost_ids(self, src: tuple[int, ...], dst: tuple[int, ...], shape: tuple[int, ...],
-                              itemsize: int) -> float:
+                              itemsize: int, latency_scale: float = 1.0) -> float:
         """`redistribute_cost` on interned placement ids (comm.placement_ids): the planner's
-        hot path (~10^6 calls on a 4-D mesh), without hashing placement objects."""
+        hot path (~10^6 calls on a 4-D mesh), without hashing placement objects.
+        `latency_scale`: see comm.collective_time (bucketed collectives)."""
         total = 0.0
         for ax, kind, divisors, _ in transition_template(src, dst, len(shape), self.mesh_shape):
             if kind is None:
                 return math.inf
-            total += collective_time(kind, step_bytes(shape, divisors, itemsize), self.links[ax])[0]
+            total += collective_time(kind, step_bytes(shape, divisors, itemsize), self.links[ax], latency_scale)[0]
         return total
 
     def collective_cost(self, kind: str, nbytes: float, mesh_axis: int) -> float:

@@ -25,6 +25,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from parallel import _torch as T
+from parallel.auto.cost import CostModel
+from parallel.auto.cost.simulate import StepPrediction, simulate_step
 from parallel.auto.placements import local_shape, placement_str
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.runtime.local_graphs import PlanFunction, dspec
@@ -151,6 +153,19 @@ class ParallelModuleMixin:
     def plan(self) -> Plan:
         return self.plan_runner.plan
 
+    def predict_step(self, cost_model: CostModel | None = None) -> StepPrediction:
+        """The cost model's time for one training step as this module runs it: its step graph
+        (built by the first `forward_backward`) simulated on the planner's cost model."""
+        if not self.step_graphs:
+            raise RuntimeError("predict_step needs the step graph: call forward_backward once first")
+        cm = cost_model if cost_model is not None else self.plan_cost_model
+        sg = next(iter(self.step_graphs.values()))
+        mesh = self.plan_runner.mesh
+        links = {mesh.get_group(i).group_name: cm.links[i] for i in range(mesh.ndim)}
+        params = [self.param_refs[f]() for f in self.plan_runner.param_names]
+        local_bytes = sum(p.to_local().numel() * 4 for p in params)  # fp32 master weights and states
+        return simulate_step(sg.gm, cm, links, optimizer_param_bytes=local_bytes, optimizer_tensors=len(params))
+
 
 class _FallbackOnCompileError:
     """The first call of a compiled step graph; on a compile error, the eager graph instead
@@ -222,7 +237,7 @@ def _shard_parameters(pm: nn.Module, runner: PlanRunner, mesh: DeviceMesh, on_me
 
 def apply_plan(model: nn.Module, graph: JointGraph, candidates: Candidates, plan: Plan, mesh: DeviceMesh, *,
                mp_policy: MixedPrecisionPolicy | None = None, options: RuntimeOptions | None = None,
-               computes_loss: bool = True) -> nn.Module:
+               computes_loss: bool = True, cost_model: CostModel | None = None) -> nn.Module:
     """Materialise `plan` for `model`: a ParallelModule with DTensor parameters (see module doc).
 
     `model` may be on meta (then `to_empty` + `init_weights()` later) or materialised (then
@@ -239,6 +254,7 @@ def apply_plan(model: nn.Module, graph: JointGraph, candidates: Candidates, plan
     # plain attributes, not submodules or parameters: state_dict and named_modules stay the user's
     for name, value in (("plan_runner", runner), ("meta_template", template), ("param_refs", param_refs),
                         ("buffer_refs", buffer_refs), ("computes_loss", computes_loss), ("step_graphs", {}),
+                        ("plan_cost_model", cost_model),
                         ("compile_failed", False)):
         object.__setattr__(pm, name, value)
     log.info("apply: materialised %s with %d DTensor parameters on mesh %s", type(pm).__name__, len(param_refs),

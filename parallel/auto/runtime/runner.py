@@ -35,7 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate
 
 from parallel import _torch as T
-from parallel.activation_checkpoint import tag_recomputation
+from parallel.activation_checkpoint import recompute_parameter_views, tag_recomputation
 from parallel.auto.placements import spec_placement_strs
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.runtime.interpreter import LAYOUT_OPS, PlacementInterpreter, PlacementOps, is_tensor_node
@@ -147,6 +147,9 @@ class PlanRunner:
         self.block_of = block_indices(graph)
         forward = [n for n in graph.gm.graph.nodes if graph.phase.get(n.name) == FWD and n.op == "call_function"]
         self.recomputed = tag_recomputation(forward, self.block_of, options.ac_mode, options.ac_option)
+        if options.reshard_after_forward:  # the backward gathers its parameters again (FSDP)
+            params = {n.name for n in graph.params.values()}
+            self.recomputed += recompute_parameter_views(forward, params, self.block_of)
         with graph.fake_mode:  # the partitioner's RNG handling asks for the fake mode
             self.fwd_gm, self.bwd_gm = T.partition_joint(graph.gm, num_fwd_outputs=len(self.out_slots))
         for gm in (self.fwd_gm, self.bwd_gm):  # the partitioner keeps unused random ops (attention): drop them

@@ -20,7 +20,10 @@ def test_fsdp_tp_emerges_on_2d_mesh():
     for name, tp_dim in roles.items():
         mod = "attention" if name.startswith("w") and name in ("wq", "wk", "wv", "wo") else "feed_forward"
         w, x = _fwd_weight_use(plan, f"layers.0.{mod}.{name}.weight")
-        assert w[1] == Shard(tp_dim), f"{name}: weight on tp {w}"
+        # the small GQA key/value projections may be gathered on tp instead (their bucketed,
+        # prefetched gather costs less than sharding them; the heads are sharded after)
+        allowed = (Shard(tp_dim), Replicate()) if name in ("wk", "wv") else (Shard(tp_dim),)
+        assert w[1] in allowed, f"{name}: weight on tp {w}"
         assert w[0] == Replicate(), f"{name}: weight gathered on dp {w}"
         assert x[0] == Shard(0), f"{name}: batch on dp {x}"
     summary = plan.summary()

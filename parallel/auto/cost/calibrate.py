@@ -1,0 +1,291 @@
+"""Measure this machine for the cost model: `hardware = "auto"`.
+
+A named profile (h100, ...) holds published figures; a CPU job's figures are this machine's
+and depend on how many ranks share its cores, so they are measured, once, and cached under
+the user's cache folder keyed by host, world size and torch version:
+
+    ~/.cache/autotitan/hardware/<host>-w<world>-torch<version>.toml   ($XDG_CACHE_HOME honoured)
+
+`measure_in_group()` runs on every rank of a process group (all ranks compute and
+communicate at once, as in training) and returns the profile; `calibrated_profile()` reads
+the cache or, when asked (`recalibrate`) or missing, spawns `world_size` gloo ranks to
+measure. What is measured, per rank:
+
+  * matmul TFLOP/s per dtype, copy GB/s and an op's dispatch floor (µs) -> the roofline;
+  * gloo all-gather / reduce-scatter / all-reduce / all-to-all at three sizes on the whole
+    world and, with more than 2 ranks, on pairs -> latency, bus bandwidth per kind, and the
+    bandwidth factor of small groups;
+  * a collective beside a matmul loop -> `comm_overlap`, the share of communication time
+    that compute hides (gloo's copies run on the same cores).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from parallel import _torch as T
+
+from .hardware import (
+    COLLECTIVE_KINDS,
+    HardwareProfile,
+    IntraNodeLink,
+    load_hardware,
+    profile_from_dict,
+    profile_to_toml,
+)
+
+try:  # Python >= 3.11
+    import tomllib as _toml
+except ModuleNotFoundError:  # pragma: no cover - 3.10
+    import tomli as _toml  # type: ignore[no-redef]
+
+log = logging.getLogger("parallel.auto.cost")
+
+SIZES = (16 * 1024, 512 * 1024, 4 * 1024 * 1024)  # bytes (nccl-tests size), fp32
+
+
+def cache_path(world_size: int) -> Path:
+    """Where the profile measured on this host for `world_size` ranks is kept."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autotitan" / "hardware"
+    version = torch.__version__.split("+")[0]
+    return root / f"{socket.gethostname()}-w{world_size}-torch{version}.toml"
+
+
+def _sync() -> None:
+    """Wait for the accelerator's queued work (timing GPU kernels needs it; no-op on CPU)."""
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+
+
+def _median_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2]
+
+
+def measure_compute(n: int = 768, device: torch.device | None = None) -> dict[str, float]:
+    """This rank's matmul TFLOP/s (fp32, bf16), copy GB/s and op floor (µs), all ranks busy."""
+    out: dict[str, float] = {}
+    for key, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(n, n, dtype=dt, device=device), torch.randn(n, n, dtype=dt, device=device)
+        out[key] = 2 * n**3 / _median_time(lambda: a @ b, 5) / 1e12
+    x = torch.randn(8 * 1024 * 1024, device=device)
+    y = torch.empty_like(x)
+    out["copy_gbps"] = 2 * x.numel() * 4 / _median_time(lambda: y.copy_(x), 5) / 1e9
+    s = torch.randn(16, device=device)
+    out["floor_us"] = _median_time(lambda: [s.add(s) for _ in range(200)], 5) / 200 * 1e6
+    return out
+
+
+def _collective_fn(kind: str, numel: int, group: dist.ProcessGroup | None,
+                   device: torch.device | None) -> Callable[[], object]:
+    n = dist.get_world_size(group)
+    full, shard = torch.randn(numel, device=device), torch.randn(numel // n, device=device)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_into_tensor(full, shard, group=group)
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(shard, full, group=group)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    out = torch.empty_like(full)
+    return lambda: dist.all_to_all_single(out, full, group=group)
+
+
+def measure_collectives(group: dist.ProcessGroup | None = None, reps: int = 7,
+                        device: torch.device | None = None) -> dict[tuple[str, int], float]:
+    """Median seconds per (kind, bytes) on `group` (every member calls it)."""
+    n = dist.get_world_size(group)
+    warm = torch.zeros(16, device=device)
+    for _ in range(3):
+        dist.all_reduce(warm, group=group)
+    res = {}
+    for kind in COLLECTIVE_KINDS:
+        for size in SIZES:
+            numel = max(n, size // 4 // n * n)
+            fn = _collective_fn(kind, numel, group, device)
+            dist.barrier(group=group)
+            res[(kind, numel * 4)] = _median_time(fn, reps)
+    return res
+
+
+def fit_link(res: dict[tuple[str, int], float], n: int) -> tuple[dict[str, float], float]:
+    """(bus GB/s per kind, latency µs): least squares of t = latency + bus bytes / busBW."""
+    bws, lats = {}, []
+    frac = (n - 1) / n
+    for kind in COLLECTIVE_KINDS:
+        mult = 2 * frac if kind == "all_reduce" else frac
+        pts = [(b * mult, t) for (k, b), t in res.items() if k == kind]
+        mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+        var = sum((x - mx) ** 2 for x, _ in pts)
+        slope = max(sum((x - mx) * (y - my) for x, y in pts) / var if var else 0.0, 1e-11)  # s per byte
+        bws[kind] = 1 / slope / 1e9
+        lats.append(max(my - slope * mx, 1e-6) * 1e6)
+    return bws, sorted(lats)[len(lats) // 2]
+
+
+def measure_overlap(n: int = 512, size: int = 4 * 1024 * 1024, device: torch.device | None = None) -> float:
+    """Share of an all-reduce's time hidden behind a matmul loop running beside it."""
+    a = torch.randn(n, n, device=device)
+    buf = torch.randn(size // 4, device=device)
+    reps = 3
+
+    def compute() -> None:
+        for _ in range(8):
+            a @ a
+
+    def comm() -> None:
+        dist.all_reduce(buf)
+
+    def both() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    dist.barrier()
+    t_c, t_m = _median_time(compute, reps), _median_time(comm, reps)
+    dist.barrier()
+    t_b = _median_time(both, reps)
+    hidden = (t_c + t_m - t_b) / t_m if t_m > 0 else 1.0
+    return min(1.0, max(0.0, hidden))
+
+
+def _mean_over_ranks(values: dict[str, float], device: torch.device | None = None) -> dict[str, float]:
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return dict(zip(keys, (t / dist.get_world_size()).tolist()))
+
+
+def _pair_group() -> tuple[dist.ProcessGroup | None, bool]:
+    """A group of this rank and its neighbour (for the small-group bandwidth), if world > 2."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world <= 2:
+        return None, False
+    groups = [dist.new_group([i, i + 1]) for i in range(0, world - 1, 2)]
+    return (groups[rank // 2] if rank // 2 < len(groups) else None), True
+
+
+def measure_in_group(base: str | HardwareProfile = "cpu", device: torch.device | None = None) -> HardwareProfile:
+    """The profile of this host as a job of this process group sees it (call on every rank);
+    `device`: where the job's tensors live (None: torch's default device)."""
+    t0 = time.perf_counter()
+    world = dist.get_world_size()
+    dist.barrier()
+    comp = _mean_over_ranks(measure_compute(device=device), device)
+    bws, lat = fit_link(measure_collectives(device=device), world)
+    gsf: dict[int, float] = {}
+    pair, has_pairs = _pair_group()
+    if has_pairs:
+        pair_res = measure_collectives(pair, device=device) if pair is not None else {}
+        dist.barrier()
+        if pair_res:
+            pair_bws, _ = fit_link(pair_res, 2)
+            gsf[2] = max(0.1, sum(pair_bws.values()) / max(sum(bws.values()), 1e-9))
+    overlap = _mean_over_ranks({"overlap": measure_overlap(device=device)}, device)["overlap"]
+    hw = load_hardware(base)
+    steps = max(1, world - 1)
+    hw = hw.replace(
+        name="auto", description=f"measured on {socket.gethostname()}: {world} ranks, torch {torch.__version__}",
+        peak_tflops={"fp32": comp["fp32"], "bf16": comp["bf16"]}, memory_bandwidth_gbps=comp["copy_gbps"],
+        kernel_floor_us=comp["floor_us"], matmul_efficiency=1.0, memory_efficiency=1.0, comm_overlap=overlap,
+        intra_node=IntraNodeLink(bus_bandwidth_gbps=bws, latency_us=lat / 2, hop_latency_us=lat / 2 / steps,
+                                 group_size_factor=gsf))
+    log.info("calibrated in %.1fs: fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s, copy %.1f GB/s, op floor %.1f µs; "
+             "gloo latency %.0f µs, bus GB/s %s, comm overlap %.2f", time.perf_counter() - t0, comp["fp32"] * 1e3,
+             comp["bf16"] * 1e3, comp["copy_gbps"], comp["floor_us"], lat,
+             {k: round(v, 2) for k, v in bws.items()}, overlap)
+    return hw
+
+
+def save_profile(hw: HardwareProfile, path: Path) -> None:
+    """Write the profile TOML (write-then-rename: never half-written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(profile_to_toml(hw))
+    os.replace(tmp, path)
+
+
+def _spawned_rank(rank: int, world: int, init_file: str, base: str, queue: object) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        hw = measure_in_group(base)
+        if rank == 0:
+            queue.put(profile_to_toml(hw))
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrated_profile(world_size: int, *, recalibrate: bool = False, base: str = "cpu") -> HardwareProfile:
+    """This host's profile for `world_size` ranks: the cached one, or measured now by
+    `world_size` spawned gloo ranks (and cached)."""
+    path = cache_path(world_size)
+    if path.is_file() and not recalibrate:
+        return load_hardware(path)
+    log.info("calibrating this machine for %d ranks (cached in %s)", world_size, path)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        procs = [ctx.Process(target=_spawned_rank, args=(r, world_size, os.path.join(d, "init"), base, queue))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        try:
+            text = queue.get(timeout=600)
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+    hw = profile_from_dict(_toml.loads(text), source=str(path))
+    save_profile(hw, path)
+    return load_hardware(path)
+
+
+def profile_for_group(*, recalibrate: bool = False, base: str = "cpu",
+                      device: torch.device | None = None) -> HardwareProfile:
+    """This host's profile for the current process group's world size: every rank gets the
+    same one (rank 0's cache, or measured now by all ranks together and cached by rank 0)."""
+    world = dist.get_world_size()
+    path = cache_path(world)
+    flag = [path.is_file() and not recalibrate]
+    dist.broadcast_object_list(flag, src=0)
+    if flag[0]:
+        text = [path.read_text() if dist.get_rank() == 0 else None]
+    else:
+        hw = measure_in_group(base, device)
+        if dist.get_rank() == 0:
+            save_profile(hw, path)
+        text = [profile_to_toml(hw) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(text, src=0)
+    return profile_from_dict(_toml.loads(text[0]), source=str(path))
+
+
+def resolve_auto(world_size: int, device: torch.device | None = None) -> HardwareProfile:
+    """`hardware = "auto"` for the planner: inside a real process group, this machine measured
+    by its ranks (cached); on a fake world (planning for a cluster elsewhere), the cached
+    measurement for that world size when there is one, else the shipped `cpu` profile (a
+    named profile, e.g. "h100", is what planning for other hardware wants)."""
+    if dist.is_initialized() and dist.get_backend() != T.FAKE_BACKEND:
+        return profile_for_group(device=device)
+    path = cache_path(world_size)
+    if path.is_file():
+        return load_hardware(path)
+    log.info('hardware "auto" on a fake world of %d ranks with nothing measured for it: the cpu profile '
+             "(name a profile, e.g. hardware=\"h100\", to plan for other hardware)", world_size)
+    return load_hardware("cpu")
