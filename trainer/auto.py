@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -107,7 +108,8 @@ def _world() -> int:
 
 
 def auto_parallelize_for_training(model: nn.Module, mesh: Optional[DeviceMesh], job_config: JobConfig,
-                                  sample_batch: Any) -> nn.Module:
+                                  sample_batch: Any, constraints: Optional[Callable[[AutoParallel], None]] = None,
+                                  ) -> nn.Module:
     """Plan (or replay a plan for) `model` on `mesh` and return the ParallelModule.
 
     sample_batch: the per-rank (tokens, labels) of the data loader; the global batch is
@@ -120,7 +122,7 @@ def auto_parallelize_for_training(model: nn.Module, mesh: Optional[DeviceMesh], 
     _check_supported(job_config, mesh)
     par, src = job_config.parallelism, job_config.source
     try:
-        return _plan_and_apply(model, mesh, job_config, sample_batch)
+        return _plan_and_apply(model, mesh, job_config, sample_batch, constraints)
     except PlanMismatchError as e:
         raise ConfigError(f"{src}: 'parallelism.plan_file' = {par.plan_file!r}: {e}") from None
     except PlanningError as e:
@@ -152,7 +154,8 @@ def _planning_error(job_config: JobConfig, e: PlanningError) -> ConfigError:
     return ConfigError(f"{job_config.source}: {what}: the planner finds no plan ({e}); {fix}")
 
 
-def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, sample_batch: Any) -> nn.Module:
+def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, sample_batch: Any,
+                    constraints: Optional[Callable[[AutoParallel], None]] = None) -> nn.Module:
     """Trace, get the plan (replayed, or solved on rank 0 and broadcast), check, log, apply."""
     par = job_config.parallelism
     tokens, labels = sample_batch
@@ -168,6 +171,8 @@ def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, s
         autop.add_input_constraints([pl, pl])
         if par.memory_budget_low is not None or par.memory_budget_high is not None:
             autop.add_parameter_memory_constraint(low=par.memory_budget_low, high=par.memory_budget_high)
+        if constraints is not None:
+            constraints(autop)
         if saved is not None:
             input_shapes = [[list(x.shape), str(x.dtype)] for x in g_inputs]
             saved.check_compatible(model=model, mesh=mesh, input_shapes=input_shapes, source=par.plan_file)

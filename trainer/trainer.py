@@ -12,6 +12,7 @@ import contextlib
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -41,14 +42,15 @@ logger = logging.getLogger("autotitan")
 
 
 def parallelize(model: torch.nn.Module, mesh: Optional[DeviceMesh], job_config: JobConfig,
-                sample_batch: Any) -> torch.nn.Module:
+                sample_batch: Any, plan_constraints: Optional[Callable[[Any], None]] = None) -> torch.nn.Module:
     """The one place where the model becomes parallel. ``mesh`` is None without a
     process group (single process): the model is returned as is (compiled if asked).
-    A recipe's error (a degree that does not fit) becomes a ConfigError naming the file."""
+    A recipe's error (a degree that does not fit) becomes a ConfigError naming the file.
+    `plan_constraints(autop)`: auto mode, constraints added to the planner before solving."""
     if job_config.training.compile and job_config.training.compile_fallback:
         T.compile_errors_fall_back(True)  # manual mode's per-block torch.compile; auto mode has its own
     if job_config.parallelism.mode == "auto":
-        return auto_parallelize_for_training(model, mesh, job_config, sample_batch)
+        return auto_parallelize_for_training(model, mesh, job_config, sample_batch, plan_constraints)
     if mesh is None:
         return apply_compile(model) if job_config.training.compile else model
     try:
@@ -64,7 +66,8 @@ def _is_fsdp(model: torch.nn.Module) -> bool:
 class Trainer:
     """One training job: mesh, data, model (parallelized), optimizer, checkpoints, metrics."""
 
-    def __init__(self, job_config: JobConfig):
+    def __init__(self, job_config: JobConfig, plan_constraints: Optional[Callable[[Any], None]] = None):
+        self.plan_constraints = plan_constraints  # auto mode: applied to the planner (parallel.auto.presets)
         self.cfg = cfg = job_config
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -133,7 +136,7 @@ class Trainer:
             self._init(model)  # in fp32, then cast: the same values as a single-device run
         if t.dtype != "float32":
             model = model.to(dtype_of(t.dtype))
-        model = parallelize(model, self.mesh, cfg, sample)
+        model = parallelize(model, self.mesh, cfg, sample, self.plan_constraints)
         if sharded:
             self._init(model, sharded=True)
         model.train()

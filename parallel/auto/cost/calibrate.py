@@ -13,8 +13,10 @@ measure. What is measured, per rank:
 
   * matmul TFLOP/s per dtype, copy GB/s and an op's dispatch floor (µs) -> the roofline;
   * gloo all-gather / reduce-scatter / all-reduce / all-to-all at three sizes on the whole
-    world and, with more than 2 ranks, on pairs -> latency, bus bandwidth per kind, and the
-    bandwidth factor of small groups;
+    world and, with more than 2 ranks, on pairs, each right after a burst of compute as in
+    training (with more ranks than cores, waiting for every rank to be scheduled is most of
+    a small collective's time) -> latency, bus bandwidth per kind, the bandwidth factor of
+    small groups;
   * a collective beside a matmul loop -> `comm_overlap`, the share of communication time
     that compute hides (gloo's copies run on the same cores).
 """
@@ -110,18 +112,29 @@ def _collective_fn(kind: str, numel: int, group: dist.ProcessGroup | None,
 
 def measure_collectives(group: dist.ProcessGroup | None = None, reps: int = 7,
                         device: torch.device | None = None) -> dict[tuple[str, int], float]:
-    """Median seconds per (kind, bytes) on `group` (every member calls it)."""
+    """Median seconds per (kind, bytes) on `group` (every member calls it), measured as in
+    training: each collective follows a burst of compute, so ranks arrive when the OS has
+    let them finish (with more ranks than cores that wait is most of a small collective's
+    time), and the burst's own time is taken away."""
     n = dist.get_world_size(group)
     warm = torch.zeros(16, device=device)
     for _ in range(3):
         dist.all_reduce(warm, group=group)
+    a = torch.randn(256, 256, device=device)
+
+    def burst() -> None:
+        for _ in range(6):
+            a @ a
+
+    dist.barrier(group=group)
+    t_burst = _median_time(burst, reps)
     res = {}
     for kind in COLLECTIVE_KINDS:
         for size in SIZES:
             numel = max(n, size // 4 // n * n)
             fn = _collective_fn(kind, numel, group, device)
             dist.barrier(group=group)
-            res[(kind, numel * 4)] = _median_time(fn, reps)
+            res[(kind, numel * 4)] = max(_median_time(lambda: (burst(), fn()), reps) - t_burst, 1e-6)
     return res
 
 

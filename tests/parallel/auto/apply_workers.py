@@ -14,8 +14,6 @@ from dist_utils import run_distributed  # noqa: E402,F401
 GLOBAL_B, SEQ = 4, 16
 OVERRIDES = {"n_layers": 2}
 LR = 1e-3
-PROJ_COL = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
-PROJ_ROW = ("attention.wo", "feed_forward.w2")
 
 
 def batch(vocab: int, step: int):
@@ -56,8 +54,10 @@ def reference(name: str, steps: int) -> dict:
 
 
 def add_constraints(autop, kind: str, mesh_ndim: int) -> None:
-    """Constraint sets that force the plan into a DDP-, FSDP- or TP-like shape."""
+    """Constraint sets that force the plan into a DDP-, FSDP- or TP-like shape (presets)."""
     from torch.distributed.tensor import Replicate, Shard
+
+    from parallel.auto import presets
 
     if kind == "default":
         return
@@ -66,43 +66,15 @@ def add_constraints(autop, kind: str, mesh_ndim: int) -> None:
         data = (Replicate(),)
     autop.add_input_constraints([data, data])
     if kind == "ddp":  # replicated parameters, batch-sharded data: gradient all-reduce
-        autop.add_parameter_memory_constraint(high=1.0)
-        for fqn in autop.graph.params:
-            autop.add_node_constraint(fqn, (Replicate(),) * mesh_ndim)
+        presets.ddp(autop)
     elif kind == "fsdp":  # batch-sharded data, default (fully sharded) parameter budget
         pass
     elif kind == "fsdp_strict":  # FSDP exactly: every forward matmul/embedding on a gathered weight
-        constrain_fsdp_compute(autop, mesh_ndim)
+        presets.fsdp(autop)
     elif kind == "tp":  # projections column/row sharded on the last (tp) axis; 2-D: FSDP on dp
-        col, row = ((Shard(0),), (Shard(1),)) if mesh_ndim == 1 else ((Shard(1), Shard(0)), (Shard(0), Shard(1)))
-        for fqn in autop.graph.params:
-            if any(f".{p}." in f".{fqn}" for p in PROJ_COL):
-                autop.add_node_constraint(fqn, col)
-            elif any(f".{p}." in f".{fqn}" for p in PROJ_ROW):
-                autop.add_node_constraint(fqn, row)
+        presets.megatron(autop, mesh_ndim - 1, fsdp_other_axes=mesh_ndim > 1)
     else:
         raise ValueError(kind)
-
-
-def constrain_fsdp_compute(autop, mesh_ndim: int) -> None:
-    """Every forward matmul x @ W.t() takes a batch-sharded x and a replicated (gathered) W;
-    the embedding likewise: FSDP's compute, whatever the cost model prefers."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    from parallel.auto.trace import FWD
-
-    data, rep = (Shard(0),) + (Replicate(),) * (mesh_ndim - 1), (Replicate(),) * mesh_ndim
-    jg = autop.graph
-    params = {n.name for n in jg.params.values()}
-    for n in jg.gm.graph.nodes:
-        if n.op != "call_function" or jg.phase.get(n.name) != FWD:
-            continue
-        if n.target is torch.ops.aten.mm.default:
-            w = n.args[1]
-            if w.op == "call_function" and w.target is torch.ops.aten.t.default and w.args[0].name in params:
-                autop.add_node_constraint(n.name, data, input_placements=[data, rep])
-        elif n.target is torch.ops.aten.embedding.default:
-            autop.add_node_constraint(n.name, data, input_placements=[rep, data])
 
 
 def _inputs(name: str):

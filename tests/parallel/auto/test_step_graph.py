@@ -8,12 +8,12 @@ import operator
 
 import pytest
 import torch
-from apply_workers import constrain_fsdp_compute
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from models import build_model
 from parallel import _torch as T
+from parallel.auto import presets
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.plan import Plan
 from parallel.auto.runtime import RuntimeOptions
@@ -52,7 +52,7 @@ def fsdp_plan() -> dict:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
         with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="h100") as autop:
             autop.add_input_constraints([(Shard(0),), (Shard(0),)])
-            constrain_fsdp_compute(autop, 1)
+            presets.fsdp(autop)
             return autop.optimize_placement(verbose=False).to_json()
 
 
