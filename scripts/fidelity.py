@@ -53,7 +53,7 @@ def _variants(ndim: int) -> dict[str, object]:
         "ddp": lambda a: presets.ddp(a),
         "tp": lambda a: presets.megatron(a, last, fsdp_other_axes=ndim > 1, data_axes=data),
         "tp_attention_fsdp_mlp": lambda a: (presets.megatron(a, last, fragments=["attention"], data_axes=data),
-                                            presets.fsdp(a, data_axes=data)),
+                                            presets.fsdp(a, data_axes=(0,), fragments=["feed_forward"])),
         "tp_mlp_only": lambda a: presets.megatron(a, last, fragments=["feed_forward"], data_axes=data),
         "budget_0.5": lambda a: a.add_parameter_memory_constraint(high=0.5),
         "budget_1.0": lambda a: a.add_parameter_memory_constraint(high=1.0),

@@ -251,16 +251,17 @@ class Trainer:
     def _maybe_log_prediction(self, warmup: int = 2, timed: int = 5) -> None:
         """Auto mode, once: the measured step time (median after the warm-up) next to the
         cost model's prediction for the same step, so a user sees when the model is off."""
-        if len(self._step_times) != warmup + timed or not hasattr(self.model, "predict_step"):
+        last = min(warmup + timed, self.cfg.training.steps - self.step + len(self._step_times))
+        if len(self._step_times) != last or not hasattr(self.model, "predict_step"):
             return
-        measured = self.reduce_mean(statistics.median(self._step_times[warmup:]))
+        times = self._step_times[warmup:] or self._step_times[-1:]
+        measured = self.reduce_mean(statistics.median(times))
         if self.rank == 0:
             pred = self.model.predict_step()
             hw = self.model.plan_cost_model.hw.name
-            logger.info(f"step time: measured {measured * 1e3:,.1f} ms (median of steps "
-                        f"{warmup + 1}-{warmup + timed}), predicted {pred.step_us / 1e3:,.1f} ms by the cost model "
-                        f"({hw}; {pred.summary()}); "
-                        f"measured / predicted = {measured * 1e6 / pred.step_us:.2f}")
+            logger.info(f"step time: measured {measured * 1e3:,.1f} ms (median of {len(times)} steps after the "
+                        f"warm-up), predicted {pred.step_us / 1e3:,.1f} ms by the cost model ({hw}; "
+                        f"{pred.summary()}); measured / predicted = {measured * 1e6 / pred.step_us:.2f}")
 
     def _log_runtime(self) -> None:
         """Auto mode: how the plan ran (one graph per step, deviations from the plan)."""

@@ -33,13 +33,16 @@ def _matches(fqn: str, fragments: Iterable[str]) -> bool:
     return any(f".{p}." in f".{fqn}" for p in fragments)
 
 
-def fsdp(autop: AutoParallel, data_axes: Sequence[int] = (0,)) -> None:
-    """FSDP's compute: gathered weights, batch-sharded activations on `data_axes`."""
+def fsdp(autop: AutoParallel, data_axes: Sequence[int] = (0,), fragments: Iterable[str] | None = None) -> None:
+    """FSDP's compute: gathered weights, batch-sharded activations on `data_axes`;
+    `fragments`: only the matmuls of weights whose FQN contains one of these."""
     ndim = autop.mesh.ndim
     data = tuple(Shard(0) if i in data_axes else Replicate() for i in range(ndim))
     rep = (Replicate(),) * ndim
     jg = autop.graph
-    params = {n.name for n in jg.params.values()}
+    frags = list(fragments) if fragments is not None else None
+    params = {n.name: fqn for fqn, n in jg.params.items()
+              if frags is None or any(f in fqn for f in frags)}
     for n in jg.gm.graph.nodes:
         if n.op != "call_function" or jg.phase.get(n.name) != FWD:
             continue
@@ -47,7 +50,7 @@ def fsdp(autop: AutoParallel, data_axes: Sequence[int] = (0,)) -> None:
             w = n.args[1]
             if w.op == "call_function" and w.target is torch.ops.aten.t.default and w.args[0].name in params:
                 autop.add_node_constraint(n.name, data, input_placements=[data, rep])
-        elif n.target is torch.ops.aten.embedding.default:
+        elif n.target is torch.ops.aten.embedding.default and n.args[0].name in params:
             autop.add_node_constraint(n.name, data, input_placements=[rep, data])
 
 
