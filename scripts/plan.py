@@ -1,6 +1,11 @@
 """Plan a job's model on a fake mesh (no GPU): progress, per-layer summary, objective, JSON plan.
 
     python scripts/plan.py --config llama3_8b.toml --mesh 4x8 [--hardware h100] [--out plan.json]
+        [--html plan.html] [--diff other_plan.json]
+
+--html writes the plan as a self-contained page (parameters per layer group and mesh axis,
+collectives, memory); with --diff OTHER it is the side-by-side diff of OTHER (a saved plan)
+and this one instead.
 
 The global batch is local_batch_size x the product of the data-parallel axes (axes whose
 name starts with "dp"; all axes if none do), and the token/label inputs are constrained
@@ -25,6 +30,8 @@ from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 
 from models import build_model  # noqa: E402
 from parallel.auto.api import AutoParallel, fake_world, lm_loss  # noqa: E402
+from parallel.auto.plan import Plan, PlanMismatchError  # noqa: E402
+from parallel.auto.plan_html import save_diff_html, save_html  # noqa: E402
 from parallel.precision import is_mixed, mixed_precision_policy  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 
@@ -90,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--axis-names", default=None, help="comma-separated mesh axis names (default dp[,tp])")
     ap.add_argument("--hardware", default=None, help="hardware profile (default: [parallelism].hardware)")
     ap.add_argument("--out", default=None, help="write the plan JSON here")
+    ap.add_argument("--html", default=None, help="write the plan as a self-contained HTML page here")
+    ap.add_argument("--diff", default=None, metavar="OTHER_PLAN_JSON",
+                    help="with --html: the page is OTHER (a saved plan.json) and this plan side by side")
     ap.add_argument("--local-batch-size", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--memory-high", type=float, default=None, help="parameter memory budget (fraction)")
@@ -99,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     # anything else is a config override, e.g. --training.seq_len 2048
     args, extra = ap.parse_known_args(argv)
     args.overrides = extra
+    if args.diff and not args.html:
+        ap.error("--diff needs --html (the page it writes)")
+    try:
+        other = Plan.load(args.diff) if args.diff else None  # fail before planning, not after
+    except PlanMismatchError as e:
+        ap.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
     plan, _ = plan_job(args)
     print(plan.summary())
@@ -107,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         plan.save(args.out)
         print(f"plan written to {args.out}")
+    if args.html and other is not None:
+        save_diff_html(other, plan, args.html, names=(os.path.basename(args.diff), "this plan"))
+        print(f"{len(other.diff(plan))} nodes changed; diff page written to {args.html}")
+    elif args.html:
+        save_html(plan, args.html)
+        print(f"plan page written to {args.html}")
     return 0
 
 

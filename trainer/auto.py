@@ -42,6 +42,7 @@ from parallel.auto.api import AutoParallel, lm_loss
 from parallel.auto.cost import AUTO, HardwareProfile, ProfileError
 from parallel.auto.cost.calibrate import profile_for_group
 from parallel.auto.plan import Plan, PlanMismatchError
+from parallel.auto.plan_html import save_html
 from parallel.auto.problem import PlanningError
 from parallel.auto.runtime import RuntimeOptions
 from parallel.mesh import CP, DATA_AXES
@@ -171,6 +172,8 @@ def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, s
         autop.add_input_constraints([pl, pl])
         if par.memory_budget_low is not None or par.memory_budget_high is not None:
             autop.add_parameter_memory_constraint(low=par.memory_budget_low, high=par.memory_budget_high)
+        elif _states_fit_replicated(model, autop):
+            autop.add_parameter_memory_constraint(high=1.0)  # memory is no object: let speed decide
         if constraints is not None:
             constraints(autop)
         if saved is not None:
@@ -185,6 +188,18 @@ def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, s
         if _rank() == 0:
             _log_and_save(plan, how, digest, Path(job_config.job.dump_folder) / job_config.job.name)
         return autop.apply_placement(plan)
+
+
+STATE_BYTES_PER_PARAM = 16  # fp32 parameter, gradient and AdamW's two moments
+REPLICATED_STATES_SHARE = 0.25  # of a device's memory, at most, for fully replicated model states
+
+
+def _states_fit_replicated(model: nn.Module, autop: AutoParallel) -> bool:
+    """The unset parameter budget: free (the planner may replicate parameters when that is
+    faster) when every rank could hold all model states (parameters, gradients, optimizer)
+    in a quarter of its memory; otherwise fully sharded, as AutoParallel defaults."""
+    states = STATE_BYTES_PER_PARAM * sum(p.numel() for p in model.parameters())
+    return states <= REPLICATED_STATES_SHARE * autop.cost_model().hw.memory_bytes
 
 
 def _solve_on_rank0(autop: AutoParallel) -> Plan:
@@ -222,6 +237,8 @@ def _log_and_save(plan: Plan, how: str, digest: str, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     plan.save(str(run_dir / "plan.json"))
     logger.info("plan saved to %s", run_dir / "plan.json")
+    save_html(plan, run_dir / "plan.html")
+    logger.info("plan picture (parameters per mesh axis, collectives, memory) saved to %s", run_dir / "plan.html")
 
 
 def _check_agreement(digest: str) -> None:

@@ -34,9 +34,11 @@ def _matches(fqn: str, fragments: Iterable[str]) -> bool:
 
 
 def fsdp(autop: AutoParallel, data_axes: Sequence[int] = (0,), fragments: Iterable[str] | None = None) -> None:
-    """FSDP's compute: gathered weights, batch-sharded activations on `data_axes`;
-    `fragments`: only the matmuls of weights whose FQN contains one of these."""
+    """FSDP: fully sharded parameters (the default budget), gathered for compute; activations
+    batch-sharded on `data_axes`; `fragments`: only the matmuls of weights whose FQN
+    contains one of these."""
     ndim = autop.mesh.ndim
+    autop.add_parameter_memory_constraint()  # FSDP's storage: fully sharded (the default budget)
     data = tuple(Shard(0) if i in data_axes else Replicate() for i in range(ndim))
     rep = (Replicate(),) * ndim
     jg = autop.graph
@@ -91,8 +93,11 @@ def _megatron_compute(autop: AutoParallel, axis: int, roles: dict[str, int], dat
     jg = autop.graph
     fqn_of = {n.name: fqn for fqn, n in jg.params.items()}
 
-    def on(axis_p: object) -> tuple:
+    def act(axis_p: object) -> tuple:  # an activation: batch-sharded on the data axes
         return tuple(axis_p if i == axis else (Shard(0) if i in data_axes else Replicate()) for i in range(ndim))
+
+    def weight(axis_p: object) -> tuple:  # a (transposed) weight: whole on the other axes
+        return tuple(axis_p if i == axis else Replicate() for i in range(ndim))
 
     for n in jg.gm.graph.nodes:
         if n.op != "call_function" or n.target is not torch.ops.aten.mm.default or jg.phase.get(n.name) != FWD:
@@ -102,9 +107,9 @@ def _megatron_compute(autop: AutoParallel, axis: int, roles: dict[str, int], dat
             continue
         dim = roles.get(fqn_of[w.args[0].name])
         if dim == 0:  # column: full x, W.t() sharded by columns -> output sharded by features
-            autop.add_node_constraint(n.name, on(Shard(1)), input_placements=[on(Replicate()), on(Shard(1))])
+            autop.add_node_constraint(n.name, act(Shard(1)), input_placements=[act(Replicate()), weight(Shard(1))])
         elif dim == 1:  # row: feature-sharded x, W.t() sharded by rows -> partial sums
-            autop.add_node_constraint(n.name, on(Partial()), input_placements=[on(Shard(1)), on(Shard(0))])
+            autop.add_node_constraint(n.name, act(Partial()), input_placements=[act(Shard(1)), weight(Shard(0))])
 
 
 def replicated(autop: AutoParallel, fragments: Iterable[str]) -> None:

@@ -106,6 +106,11 @@ def _collective_fn(kind: str, numel: int, group: dist.ProcessGroup | None,
         return lambda: dist.reduce_scatter_tensor(shard, full, group=group)
     if kind == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
+    if dist.get_backend(group) == "gloo":
+        # DTensor's Shard(i) -> Shard(j) on a CPU group is an all-gather of every rank's buffer
+        # and a local chunk ("does not support alltoall yet"): time what actually runs
+        gathered = torch.empty(numel * n, device=device)
+        return lambda: dist.all_gather_into_tensor(gathered, full, group=group)
     out = torch.empty_like(full)
     return lambda: dist.all_to_all_single(out, full, group=group)
 
