@@ -1,0 +1,139 @@
+"""plan.html: one self-contained page per plan (layer groups x mesh axes, collectives, memory),
+rendered from a loaded plan too; two plans side by side with the changed nodes; scripts/plan.py --html/--diff."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate
+
+from models import build_model
+from parallel.auto.api import AutoParallel, fake_world, lm_loss
+from parallel.auto.plan import Plan
+from parallel.auto.plan_html import TOP, fmt_bytes, params_table, plan_diff_html, plan_html, save_html
+
+_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "plan.py"
+PROJECTIONS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+               "feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "tok_embeddings", "output")
+WQ = "layers.0.attention.wq.weight"
+
+
+def _plan(ddp: bool) -> Plan:
+    model = build_model("llama3", "debug", device="meta", n_layers=2)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    inputs = lambda: (torch.zeros(8, 64, dtype=torch.long),) * 2  # noqa: E731
+    with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="h100") as autop:
+        if ddp:  # DDP-like: every parameter replicated, memory no object
+            autop.add_parameter_memory_constraint(high=1.0)
+            for fqn in autop.graph.params:
+                autop.add_node_constraint(fqn, (Replicate(), Replicate()))
+        return autop.optimize_placement(verbose=False)
+
+
+@pytest.fixture(scope="module")
+def plans():
+    with fake_world(4):
+        yield _plan(ddp=False), _plan(ddp=True)
+
+
+def _self_contained(page: str) -> None:
+    for bad in ("http://", "https://", "<script", "<link", "@import", "url("):
+        assert bad not in page, bad
+
+
+def test_page_shows_axes_layer_groups_placements_collectives_memory(plans):
+    plan, _ = plans
+    page = plan_html(plan)
+    _self_contained(page)
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    for axis in ("dp", "tp"):  # one column per mesh axis
+        assert page.count(f'<th class="axis">{axis}</th>') == 1
+    # one row per layer group (the two blocks collapse) plus the top-level parameters
+    assert re.search(r'<th class="group" rowspan="\d+">layers\.0-1</th>', page)
+    assert f'<th class="group" rowspan="3">{TOP}</th>' in page  # tok_embeddings, norm, output
+    for name in PROJECTIONS:
+        assert f"<code>{name}.weight</code>" in page
+    stored = plan.placement(WQ)  # e.g. (S(0), S(0)): the parameter's storage and its gradient
+    assert f"<code>{stored} → {plan.grad_placement(WQ)}</code>" in page
+    assert page.count('<span class="tag">fwd</span>') == page.count('<span class="tag">bwd</span>') > 0
+    assert re.search(r"stored <code>(S\(\d\)|R)</code>", page) and re.search(r"grad <code>(S\(\d\)|R)</code>", page)
+    # collectives: the objective's per kind@axis, with bytes and µs, and one by one grouped by phase
+    assert plan.comm_us
+    for key, us in plan.comm_us.items():
+        kind, _, axis = key.partition("@")
+        assert (f'<td>{kind}</td><td>{axis}</td><td class="num">{fmt_bytes(plan.comm_bytes[key])}</td>'
+                f'<td class="num">{us:,.1f}</td>') in page
+    assert '<table class="collectives">' in page and "<td>fwd</td>" in page
+    assert "parameter memory per device: 0.2500 of all parameter bytes = " in page
+    assert f"{plan.objective_us:,.1f} µs = compute {plan.compute_us:,.1f} µs" in page
+    assert "h100" in page and "dp=2 × tp=2" in page and "solve" in page
+
+
+def test_loaded_plan_renders_from_json(plans, tmp_path):
+    plan, _ = plans
+    plan.save(str(tmp_path / "plan.json"))
+    loaded = Plan.load(str(tmp_path / "plan.json"))
+    assert loaded.problem is None
+    page = plan_html(loaded)
+    _self_contained(page)
+    assert params_table(loaded) == params_table(plan)  # the same picture without the problem
+    assert "this one was loaded" in page and "parameter memory per device: 0.2500" in page
+    path = tmp_path / "sub" / "plan.html"
+    save_html(loaded, path)
+    assert path.read_text(encoding="utf-8") == page and not list(tmp_path.glob("sub/*.tmp"))
+
+
+def test_ddp_plan_reduces_gradients_with_all_reduce(plans):
+    _, ddp = plans
+    assert set(ddp.param_placements().values()) == {"(R, R)"}
+    page = plan_html(ddp)
+    assert "grad <code>R</code>, all-reduce" in page and "reduce-scatter" not in page.split("Collectives")[0]
+
+
+def test_diff_page_side_by_side_with_changed_nodes(plans):
+    a, b = plans
+    diff = a.diff(b)
+    assert len(diff) > 0
+    page = plan_diff_html(a, b, names=("sharded", "ddp"))
+    _self_contained(page)
+    assert '<div class="side">' in page and page.count('<table class="params">') == 2
+    assert "<h2>sharded: " in page and "<h2>ddp: " in page
+    assert f"{a.objective_us:,.1f}" in page and f"{b.objective_us:,.1f}" in page
+    assert f"{len(diff)} nodes changed" in page
+    name, na, nb = diff.changed[0]
+    assert f"<code>{name}</code>" in page
+    assert page.count('class="changed"') > len(diff.changed[:500])  # listed, and cells highlighted
+    assert "(R, R) → (R, R)" in page  # the DDP side's parameter and gradient
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("plan_script", _SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_script_writes_html_and_diff(plans, tmp_path, capsys):
+    _, ddp = plans
+    other = tmp_path / "ddp.json"
+    ddp.save(str(other))
+    args = ["--config", "llama3_debug", "--mesh", "2x2", "--axis-names", "dp,tp", "--hardware", "h100",
+            "--model.n_layers", "2", "--seq-len", "64", "--local-batch-size", "4"]
+    html_path, diff_path = tmp_path / "tmp" / "x.html", tmp_path / "diff.html"
+    main = _script().main
+    assert main(args + ["--html", str(html_path), "--out", str(tmp_path / "p.json")]) == 0
+    page = html_path.read_text(encoding="utf-8")
+    _self_contained(page)
+    assert "layers.0-1" in page and '<th class="axis">tp</th>' in page
+    assert "plan page written to" in capsys.readouterr().out
+    # the diff against a saved plan, rendered from its JSON fields
+    assert main(args + ["--html", str(diff_path), "--diff", str(other)]) == 0
+    page = diff_path.read_text(encoding="utf-8")
+    assert "<h2>ddp.json: " in page and "<h2>this plan: " in page and "nodes changed" in page
+    with pytest.raises(SystemExit):
+        main(args + ["--diff", str(other)])  # --diff needs --html
