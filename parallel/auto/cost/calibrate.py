@@ -12,11 +12,11 @@ the cache or, when asked (`recalibrate`) or missing, spawns `world_size` gloo ra
 measure. What is measured, per rank:
 
   * matmul TFLOP/s per dtype, copy GB/s and an op's dispatch floor (µs) -> the roofline;
-  * gloo all-gather / reduce-scatter / all-reduce / all-to-all at three sizes on the whole
-    world and, with more than 2 ranks, on pairs, each right after a burst of compute as in
-    training (with more ranks than cores, waiting for every rank to be scheduled is most of
-    a small collective's time) -> latency, bus bandwidth per kind, the bandwidth factor of
-    small groups;
+  * gloo all-gather / reduce-scatter / all-reduce / all-to-all at three sizes (16 KiB-16 MiB,
+    averaged over ranks) on the whole world and, with more than 2 ranks, on pairs, each right
+    after a burst of compute as in training (with more ranks than cores, waiting for every
+    rank to be scheduled is most of a small collective's time) -> latency, bus bandwidth per
+    kind, the bandwidth factor of small groups;
   * a collective beside a matmul loop -> `comm_overlap`, the share of communication time
     that compute hides (gloo's copies run on the same cores).
 """
@@ -53,7 +53,7 @@ except ModuleNotFoundError:  # pragma: no cover - 3.10
 
 log = logging.getLogger("parallel.auto.cost")
 
-SIZES = (16 * 1024, 512 * 1024, 4 * 1024 * 1024)  # bytes (nccl-tests size), fp32
+SIZES = (16 * 1024, 1024 * 1024, 16 * 1024 * 1024)  # bytes (nccl-tests size), fp32
 
 
 def cache_path(world_size: int) -> Path:
@@ -143,26 +143,32 @@ def measure_collectives(group: dist.ProcessGroup | None = None, reps: int = 7,
     return res
 
 
-def fit_link(res: dict[tuple[str, int], float], n: int) -> tuple[dict[str, float], float]:
-    """(bus GB/s per kind, latency µs): least squares of t = latency + bus bytes / busBW."""
-    bws, lats = {}, []
+def fit_link(res: dict[tuple[str, int], float], n: int,
+             max_gbps: float | None = None) -> tuple[dict[str, float], float]:
+    """(bus GB/s per kind, latency µs) of t = latency + bus bytes / busBW.
+
+    On shared cores the small sizes are mostly scheduling noise, so one latency is taken
+    for the link (the median of every kind's smallest-size time) and each kind's bandwidth
+    from its largest size, where bytes dominate; a bandwidth above `max_gbps` (this host's
+    copy bandwidth: gloo moves bytes through memory) is noise and is capped there."""
     frac = (n - 1) / n
-    for kind in COLLECTIVE_KINDS:
-        mult = 2 * frac if kind == "all_reduce" else frac
-        pts = [(b * mult, t) for (k, b), t in res.items() if k == kind]
-        mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
-        var = sum((x - mx) ** 2 for x, _ in pts)
-        slope = max(sum((x - mx) * (y - my) for x, y in pts) / var if var else 0.0, 1e-11)  # s per byte
-        bws[kind] = 1 / slope / 1e9
-        lats.append(max(my - slope * mx, 1e-6) * 1e6)
-    return bws, sorted(lats)[len(lats) // 2]
+    smallest, largest = min(b for _, b in res), max(b for _, b in res)
+    mult = {kind: 2 * frac if kind == "all_reduce" else frac for kind in COLLECTIVE_KINDS}
+    bws = {kind: float("inf") for kind in COLLECTIVE_KINDS}
+    for _ in range(3):  # the small size's bytes take a little of its time: refine both
+        small = sorted(res[(k, smallest)] - smallest * mult[k] / bws[k] for k in COLLECTIVE_KINDS)
+        lat = max(small[len(small) // 2], 0.0)
+        for kind in COLLECTIVE_KINDS:
+            bw = largest * mult[kind] / max(res[(kind, largest)] - lat, 1e-6)
+            bws[kind] = min(bw, max_gbps * 1e9) if max_gbps else bw
+    return {k: v / 1e9 for k, v in bws.items()}, lat * 1e6
 
 
 def measure_overlap(n: int = 512, size: int = 4 * 1024 * 1024, device: torch.device | None = None) -> float:
     """Share of an all-reduce's time hidden behind a matmul loop running beside it."""
     a = torch.randn(n, n, device=device)
     buf = torch.randn(size // 4, device=device)
-    reps = 3
+    reps = 7
 
     def compute() -> None:
         for _ in range(8):
@@ -207,14 +213,17 @@ def measure_in_group(base: str | HardwareProfile = "cpu", device: torch.device |
     world = dist.get_world_size()
     dist.barrier()
     comp = _mean_over_ranks(measure_compute(device=device), device)
-    bws, lat = fit_link(measure_collectives(device=device), world)
+    res = measure_collectives(device=device)
+    mean = _mean_over_ranks({f"{k}:{b}": t for (k, b), t in res.items()}, device)
+    res = {(key.split(":")[0], int(key.split(":")[1])): t for key, t in mean.items()}
+    bws, lat = fit_link(res, world, max_gbps=comp["copy_gbps"])
     gsf: dict[int, float] = {}
     pair, has_pairs = _pair_group()
     if has_pairs:
         pair_res = measure_collectives(pair, device=device) if pair is not None else {}
         dist.barrier()
         if pair_res:
-            pair_bws, _ = fit_link(pair_res, 2)
+            pair_bws, _ = fit_link(pair_res, 2, max_gbps=comp["copy_gbps"])
             gsf[2] = max(0.1, sum(pair_bws.values()) / max(sum(bws.values()), 1e-9))
     overlap = _mean_over_ranks({"overlap": measure_overlap(device=device)}, device)["overlap"]
     hw = load_hardware(base)
