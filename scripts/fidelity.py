@@ -52,7 +52,8 @@ def _variants(ndim: int) -> dict[str, object]:
         "fsdp": lambda a: presets.fsdp(a),
         "ddp": lambda a: presets.ddp(a),
         "tp": lambda a: presets.megatron(a, last, fsdp_other_axes=ndim > 1, data_axes=data),
-        "tp_attention_fsdp_mlp": lambda a: (presets.megatron(a, last, fragments=["attention"], data_axes=data),
+        "tp_attention_fsdp_mlp": lambda a: (presets.megatron(a, last, fragments=["attention"], data_axes=data,
+                                                             fsdp_other_axes=ndim > 1),
                                             presets.fsdp(a, data_axes=(0,), fragments=["feed_forward"])),
         "tp_mlp_only": lambda a: presets.megatron(a, last, fragments=["feed_forward"], data_axes=data),
         "budget_0.5": lambda a: a.add_parameter_memory_constraint(high=0.5),
@@ -62,7 +63,7 @@ def _variants(ndim: int) -> dict[str, object]:
     }
     if ndim > 1:
         out["tp_on_dp_axis"] = lambda a: presets.megatron(a, 0, fsdp_other_axes=True)
-        out["fsdp_on_both_axes"] = lambda a: presets.fsdp(a, data_axes=(0,))
+        out["fsdp_on_both_axes"] = lambda a: presets.fsdp(a, data_axes=(0, 1))
     else:
         out["tp_attention_ddp_mlp"] = lambda a: (presets.megatron(a, 0, fragments=["attention"]),
                                                 presets.replicated(a, ["feed_forward"]))
@@ -92,6 +93,8 @@ class _Job:
         import torch.distributed as dist
 
         variants = _variants(2 if self.args.mesh == "2x2" else 1)
+        if self.args.plans:
+            variants = {k: v for k, v in variants.items() if k in self.args.plans.split(",")}
         built = {name: self._trainer(name, how) for name, how in variants.items()}
         out = time_round_robin(built, self.args.warmup, self.args.steps)
         if dist.get_rank() == 0:
@@ -99,6 +102,9 @@ class _Job:
                 auto_hw = built["auto"].model.plan_cost_model  # every plan predicted on the calibrated profile
                 pred = tr.model.predict_step(auto_hw)
                 out[name].update(predicted_s=pred.step_us / 1e6, objective_us=tr.model.plan.objective_us,
+                                 explain=f"{tr.model.plan.breakdown()}\n{pred.summary()}\n"
+                                         + "\n".join(f"  step graph {k}: {v['count']} x, {v['bytes'] / 2**20:.1f} MiB, "
+                                                     f"{v['us']:,.0f} µs" for k, v in pred.collectives.items()),
                                  summary=tr.model.plan.summary().splitlines()[0] if tr.model.plan else "")
         return out
 
@@ -128,11 +134,12 @@ def report(rows: dict, args: argparse.Namespace) -> None:
     names = sorted(rows, key=lambda n: rows[n]["step_s"])
     pred = [rows[n]["predicted_s"] for n in names]
     meas = [rows[n]["step_s"] for n in names]
-    print(f"{'plan':<32} {'predicted ms':>13} {'measured ms':>12} {'meas/pred':>10}")
+    print(f"{'plan':<32} {'objective ms':>13} {'predicted ms':>13} {'measured ms':>12} {'meas/pred':>10}")
     for n in names:
         r = rows[n]
         ratio = r["step_s"] / r["predicted_s"]
-        print(f"{n:<32} {r['predicted_s'] * 1e3:>13.1f} {r['step_s'] * 1e3:>12.1f} {ratio:>10.2f}")
+        print(f"{n:<32} {r['objective_us'] / 1e3:>13.1f} {r['predicted_s'] * 1e3:>13.1f} {r['step_s'] * 1e3:>12.1f} "
+              f"{ratio:>10.2f}")
     mape = statistics.median(abs(p - m) / m for p, m in zip(pred, meas)) * 100
     best_pred = names[min(range(len(names)), key=pred.__getitem__)]
     regret = rows[best_pred]["step_s"] / min(meas) - 1
@@ -148,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mesh", choices=["4", "2x2", "2"], default="4")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--plans", default="", help="comma-separated subset of the plans (default: all)")
+    p.add_argument("--explain", action="store_true", help="print each plan's objective breakdown and prediction")
     args = p.parse_args(argv)
     args.nproc = 4 if args.mesh in ("4", "2x2") else 2
     t0 = time.perf_counter()
@@ -156,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.config} ({args.model}: {' '.join(MODELS[args.model])}) on {args.nproc} gloo ranks, "
           f"mesh {args.mesh}; {args.steps} timed steps after {args.warmup} warm-up, round-robin ({took:.0f}s)")
     report(rows, args)
+    if args.explain:
+        for name, r in rows.items():
+            print(f"\n== {name}\n{r['explain']}")
     return 0
 
 

@@ -139,6 +139,21 @@ def _parameter_bytes(cands: Candidates, group_of: dict[str, int]) -> tuple[list[
     return groups, per_group, total
 
 
+def _price_optimizer(cands: Candidates, group_of: dict[str, int], cost_model: CostModel,
+                     compute: dict[str, np.ndarray], unary: list[np.ndarray]) -> None:
+    """A parameter node's work is its optimizer update on the local shard (the step runs
+    AdamW on every rank's own bytes): a sharded parameter updates faster."""
+    if not hasattr(cost_model, "optimizer_cost"):  # a duck-typed model without it
+        return
+    mesh_shape = tuple(cands.mesh.shape)
+    for fqn, pnode in cands.graph.params.items():
+        b = float(cands.graph.param_bytes[fqn])
+        us = np.array([cost_model.optimizer_cost(b / shard_factor(s.output_specs.placements, mesh_shape))
+                       for s in cands.nodes[pnode.name].specs])
+        compute[pnode.name] = compute[pnode.name] + us
+        unary[group_of[pnode.name]] += us
+
+
 def build_problem(cands: Candidates, cost_model: CostModel, *, constraints: list[Constraint] | None = None,
                   memory_low: float | None = None, memory_high: float | None = None, cluster_layers: bool = True,
                   mp_dtype: torch.dtype | None = None) -> Problem:
@@ -155,6 +170,7 @@ def build_problem(cands: Candidates, cost_model: CostModel, *, constraints: list
         unary[group_of[name]] += compute[name]
     edges = _price_edges(cands, group_of, unary, pricer, edge_roles(cands, cost_model))
     param_groups, param_bytes, total = _parameter_bytes(cands, group_of)
+    _price_optimizer(cands, group_of, cost_model, compute, unary)
     prob = Problem(candidates=cands, cost_model=cost_model, groups=groups, group_of=group_of, n_strategies=n_strat,
                    unary=unary, compute=compute, edges=edges, allowed=[np.isfinite(u) for u in unary],
                    param_groups=param_groups, param_bytes=param_bytes, total_param_bytes=total,

@@ -62,6 +62,47 @@ def normalize(placements: Sequence[Placement], ndim: int) -> tuple[Placement, ..
     return tuple(out)
 
 
+def bucket_shard_dim(src: tuple, dst: tuple) -> int | None:
+    """The one tensor dim the Shard placements of src and dst split (0 if none), else None
+    (a flat-buffer collective moves that dim to the front)."""
+    dims = {p.dim for p in src + dst if isinstance(p, Shard)}
+    if any(isinstance(p, Shard) and type(p) is not Shard for p in src + dst):
+        return None  # _StridedShard
+    if len(dims) > 1:
+        return None
+    return dims.pop() if dims else 0
+
+
+def _as_dim0(placements: tuple) -> tuple:
+    return tuple(Shard(0) if isinstance(p, Shard) else p for p in placements)
+
+
+def bucket_key(src: tuple, dst: tuple) -> tuple | None:
+    """Normalised (src, dst) when a flat-buffer collective can do src -> dst, else None.
+
+    Per mesh axis: (S(d) -> R) gathers, or (P(sum) -> S(d) | R) reductions, or unchanged
+    R / S(d); one tensor dim d per tensor (moved to the front in the buffer); gathers and
+    reductions are not mixed; at least one axis changes.
+    """
+    d = bucket_shard_dim(src, dst)
+    if d is None:
+        return None
+    a_, b_ = _as_dim0(src), _as_dim0(dst)
+    changed = gather = reduce = False
+    for a, b in zip(a_, b_):
+        if a == b and isinstance(a, (Replicate, Shard)) and not isinstance(a, Partial):
+            continue
+        if isinstance(a, Shard) and isinstance(b, Replicate):
+            gather = changed = True
+        elif type(a) is Partial and a.reduce_op == "sum" and isinstance(b, (Replicate, Shard)):
+            reduce = changed = True
+        else:
+            return None
+    if not changed or (gather and reduce):
+        return None
+    return (a_, b_)
+
+
 def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int],
                 skip_axis: int | None = None) -> tuple[int, ...]:
     """Per-rank shape of a tensor of global ``shape`` placed by ``placements`` (ceil:

@@ -13,11 +13,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import Replicate
 
 from parallel import _torch as T
 from parallel.auto.cost.comm import placement_ids
 from parallel.auto.cost.model import CostModel
-from parallel.auto.placements import local_shape
+from parallel.auto.placements import bucket_key, local_shape
 from parallel.auto.strategies import OP, Candidates, NodeCandidates
 
 
@@ -56,6 +57,7 @@ class StrategyPricer:
         self.pair_cache: dict[tuple, float] = {}  # (shape, dtype, src id, dst id) -> µs
         self.placement_ids: dict[tuple, int] = {}
         self.id_cache: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.bucketed_cache: dict[tuple[int, int, str], bool] = {}  # (src id, dst id, role kind)
         # the id-based fast path prices exactly like redistribute_cost; a cost model that
         # overrides redistribute_cost is asked through it
         self.fast_pricing = (hasattr(cm, "redistribute_cost_ids") and
@@ -99,16 +101,29 @@ class StrategyPricer:
         self.compute_cache[key] = arr
         return arr
 
-    def _role_terms(self, dtype: torch.dtype, role: EdgeRole) -> tuple[torch.dtype, float, float]:
-        """(dtype on the wire, latency share, cost multiplier) of an edge of this role."""
+    def _role_terms(self, dtype: torch.dtype, role: EdgeRole) -> tuple[torch.dtype, float, float, float]:
+        """(dtype on the wire, latency share and cost multiplier when the runtime buckets the
+        transition, cost multiplier when it does not) of an edge of this role."""
         sched = getattr(self.cm, "schedule", None)
         if sched is None or role.kind == "act":
-            return comm_dtype(dtype, self.mp_dtype), 1.0, 1.0
+            return comm_dtype(dtype, self.mp_dtype), 1.0, 1.0, 1.0
         cdt = comm_dtype(dtype, self.mp_dtype)
         if role.kind == "grad" and sched.reduce_dtype is not None and dtype.is_floating_point:
             cdt = sched.reduce_dtype
-        scale = 1.0 / role.bucket if sched.bucket else 1.0
-        return cdt, scale, role.repeat * sched.overlapped_share(self.cm.hw.comm_overlap)
+        share = sched.overlapped_share(self.cm.hw.comm_overlap)
+        if not sched.bucket:
+            return cdt, 1.0, role.repeat * share, share
+        return cdt, 1.0 / role.bucket, role.repeat * share, share
+
+    @staticmethod
+    def _bucketed(role: EdgeRole, src: tuple, dst: tuple) -> bool:
+        """Whether the runtime does src -> dst in its block's flat-buffer collective: a
+        parameter gathered whole for an op (then also re-gathered in the backward when
+        resharding), or a gradient reduced into its parameter's placement
+        (runtime/interpreter.py, runner.py); any other transition runs on its own."""
+        if role.kind == "param" and not all(isinstance(p, Replicate) for p in dst):
+            return False
+        return bucket_key(tuple(src), tuple(dst)) is not None
 
     def redistribution(self, shape: tuple, dtype: torch.dtype, src: list[tuple], dst: list[tuple],
                        role: EdgeRole = ACTIVATION) -> np.ndarray:
@@ -116,7 +131,7 @@ class StrategyPricer:
         hit = self.redist_cache.get(key)
         if hit is not None:
             return hit
-        cdt, scale, mult = self._role_terms(dtype, role)
+        cdt, bucket_scale, bucket_mult, plain_mult = self._role_terms(dtype, role)
         meta = (shape, cdt)
         m = np.empty((len(src), len(dst)))
         sid = [self._intern(p) for p in src]
@@ -132,6 +147,13 @@ class StrategyPricer:
                 if sid[a] == did[b]:
                     m[a, b] = 0.0
                     continue
+                bucketed = False
+                if role.kind != "act":
+                    bk = (sid[a], did[b], role.kind)
+                    bucketed = self.bucketed_cache.get(bk)
+                    if bucketed is None:
+                        bucketed = self.bucketed_cache[bk] = self._bucketed(role, sp, dp)
+                scale, mult = (bucket_scale, bucket_mult) if bucketed else (1.0, plain_mult)
                 k = (shape, cdt, sid[a], did[b], scale)
                 c = pairs.get(k)
                 if c is None:

@@ -35,6 +35,10 @@ from .hardware import HardwareProfile, load_hardware
 
 __all__ = ["CostModel", "RuntimeSchedule"]
 
+# AdamW reads and writes param, grad, exp_avg, exp_avg_sq (fp32: 32 B per parameter); the
+# gradient-norm clipping reads every gradient and scales it (16 B)
+OPTIMIZER_BYTES_PER_PARAM = 4 * 4 * 2 + 4 * 2 * 2
+
 PlacementsLike = Any  # DTensorSpec | Sequence[Placement]
 TensorMetaLike = Any  # TensorMeta | (shape, dtype) | torch.Tensor | None (taken from a DTensorSpec)
 
@@ -311,6 +315,13 @@ class CostModel:
                 return math.inf
             total += collective_time(kind, step_bytes(shape, divisors, itemsize), self.links[ax], latency_scale)[0]
         return total
+
+    def optimizer_cost(self, local_param_bytes: float) -> float:
+        """µs of the optimizer step and gradient clipping over this many local fp32 parameter
+        bytes: memory-bound passes over each rank's own shard, so a plan that shards a
+        parameter also shards its update (charged to the parameter's placement)."""
+        elems = local_param_bytes / 4
+        return elems * OPTIMIZER_BYTES_PER_PARAM / (self.hw.memory_bandwidth * self.hw.memory_efficiency) * 1e6
 
     def collective_cost(self, kind: str, nbytes: float, mesh_axis: int) -> float:
         """µs of one collective of ``nbytes`` (nccl-tests size) on a mesh axis."""

@@ -37,7 +37,6 @@ from .comm import AxisLink, collective_time
 
 _KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
           "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
-ADAM_BYTES_PER_PARAM = 4 * 4 * 2  # AdamW reads and writes param, grad, exp_avg, exp_avg_sq (fp32)
 
 
 @dataclass
@@ -125,18 +124,18 @@ def simulate_step(gm: fx.GraphModule, cost_model: Any, links: Mapping[str, AxisL
             us = cost_model.compute_cost(n)
             clocks.compute += us
             compute += us
-    opt = _optimizer_us(hw, optimizer_param_bytes, optimizer_tensors)
+    opt = _optimizer_us(cost_model, optimizer_param_bytes, optimizer_tensors)
     step = max(clocks.compute, max(clocks.link_free.values(), default=0.0)) + opt
     return StepPrediction(step, compute, clocks.comm, clocks.exposed, opt, clocks.driving,
                           {k: dict(v) for k, v in per_kind.items()})
 
 
-def _optimizer_us(hw: Any, param_bytes: int, tensors: int) -> float:
-    """AdamW (foreach) and gradient-norm clipping: memory-bound over the local parameters,
-    a floor per tensor group, and the norm's small all-reduce (latency)."""
+def _optimizer_us(cost_model: Any, param_bytes: int, tensors: int) -> float:
+    """AdamW (foreach) and gradient-norm clipping: memory-bound over the local parameters
+    (CostModel.optimizer_cost, what the planner charges), a floor per tensor group, and the
+    norm's small all-reduce (latency)."""
     if not tensors:
         return 0.0
-    elems = param_bytes / 4
-    traffic = elems * (ADAM_BYTES_PER_PARAM + 2 * 4 * 2)  # adam + norm + scale passes
-    t = traffic / (hw.memory_bandwidth * hw.memory_efficiency) * 1e6
-    return t + hw.kernel_floor_us * (10 + math.ceil(tensors / 64)) + hw.intra_node.latency_us
+    hw = cost_model.hw
+    return (cost_model.optimizer_cost(param_bytes) + hw.kernel_floor_us * (10 + math.ceil(tensors / 64))
+            + hw.intra_node.latency_us)

@@ -20,8 +20,8 @@ from torch import fx
 from torch.distributed.tensor import DTensor, Replicate
 
 from parallel import _torch as T
-from parallel.auto.placements import placement_str
-from parallel.auto.runtime.redistribute import bucket_key, bucketed_redistribute, redistribute
+from parallel.auto.placements import bucket_key, placement_str
+from parallel.auto.runtime.redistribute import bucketed_redistribute, redistribute
 
 log = logging.getLogger("parallel.auto.runtime")
 

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from parallel import _torch as T
+from parallel.auto.placements import bucket_key, bucket_shard_dim
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -71,46 +72,6 @@ def redistribute(x: DTensor, mesh: DeviceMesh, target: tuple) -> DTensor:
     return DTensor.from_local(local, mesh, target, run_check=False, shape=x.shape, stride=x.stride())
 
 
-def _shard_dim(src: tuple, dst: tuple) -> int | None:
-    """The one tensor dim the Shard placements of src and dst split (0 if none), else None."""
-    dims = {p.dim for p in src + dst if isinstance(p, Shard)}
-    if any(isinstance(p, Shard) and type(p) is not Shard for p in src + dst):
-        return None  # _StridedShard
-    if len(dims) > 1:
-        return None
-    return dims.pop() if dims else 0
-
-
-def _as_dim0(placements: tuple) -> tuple:
-    return tuple(Shard(0) if isinstance(p, Shard) else p for p in placements)
-
-
-def bucket_key(src: tuple, dst: tuple) -> tuple | None:
-    """Normalised (src, dst) when a flat-buffer collective can do src -> dst, else None.
-
-    Per mesh axis: (S(d) -> R) gathers, or (P(sum) -> S(d) | R) reductions, or unchanged
-    R / S(d); one tensor dim d per tensor (moved to the front in the buffer); gathers and
-    reductions are not mixed; at least one axis changes.
-    """
-    d = _shard_dim(src, dst)
-    if d is None:
-        return None
-    a_, b_ = _as_dim0(src), _as_dim0(dst)
-    changed = gather = reduce = False
-    for a, b in zip(a_, b_):
-        if a == b and isinstance(a, (Replicate, Shard)) and not isinstance(a, Partial):
-            continue
-        if isinstance(a, Shard) and isinstance(b, Replicate):
-            gather = changed = True
-        elif type(a) is Partial and a.reduce_op == "sum" and isinstance(b, (Replicate, Shard)):
-            reduce = changed = True
-        else:
-            return None
-    if not changed or (gather and reduce):
-        return None
-    return (a_, b_)
-
-
 def _n_chunks(placements: tuple, mesh: DeviceMesh) -> int:
     k = 1
     for ax, p in enumerate(placements):
@@ -132,7 +93,7 @@ def bucketed_redistribute(items: list[DTensor], targets: list[tuple], mesh: Devi
     # the finest split has max(k_src, k_dst) chunks; this rank's source local tensor holds q
     # of them (q > 1 only when reducing onto a finer shard)
     q = k_dst // k_src if k_dst > k_src else 1
-    dims = [_shard_dim(tuple(x.placements), t) for x, t in zip(items, targets)]
+    dims = [bucket_shard_dim(tuple(x.placements), t) for x, t in zip(items, targets)]
     moved = [x.to_local().movedim(d, 0) if d else x.to_local() for x, d in zip(items, dims)]
     parts = [m.contiguous().reshape(q, -1) for m in moved]
     widths = [pt.shape[1] for pt in parts]
