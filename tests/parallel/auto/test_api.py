@@ -7,6 +7,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from models import build_model
 from parallel.auto.api import AutoParallel, PlanningError, fake_world, lm_loss
+from parallel.auto.cost.hardware import load_hardware
 from parallel.auto.placements import parse_placements
 
 WQ = "layers.0.attention.wq.weight"
@@ -41,8 +42,8 @@ def _grad_path(plan, fqn):
     return set(names)
 
 
-def _plan(mesh, model, b, s, *, high=None, input_constraints=None, node_constraints=()):
-    with AutoParallel(model, _inputs(b, s), mesh, loss_fn=lm_loss, hardware="h100") as autop:
+def _plan(mesh, model, b, s, *, high=None, input_constraints=None, node_constraints=(), hardware="h100"):
+    with AutoParallel(model, _inputs(b, s), mesh, loss_fn=lm_loss, hardware=hardware) as autop:
         if input_constraints:
             autop.add_input_constraints(input_constraints)
         if high is not None:
@@ -68,9 +69,13 @@ def fsdp_plan(world8, llama):
     return _plan(world8, llama, 32, 256)
 
 
+# eight nodes of one H100 each: the dp axis runs over InfiniBand
+ACROSS_NODES = load_hardware("h100").replace(gpus_per_node=1)
+
+
 @pytest.fixture(scope="module")
 def ddp_plan(world8, llama):
-    return _plan(world8, llama, 64, 256, high=1.0)
+    return _plan(world8, llama, 64, 256, high=1.0, hardware=ACROSS_NODES)
 
 
 def test_fsdp_emerges_on_1d_mesh(fsdp_plan):
@@ -90,13 +95,28 @@ def test_fsdp_emerges_on_1d_mesh(fsdp_plan):
 
 
 def test_ddp_emerges_with_full_memory_budget(ddp_plan):
+    """Across nodes, gathering weights (twice, when resharded) costs more than a sharded
+    optimizer update saves: with memory free every parameter is replicated."""
     plan = ddp_plan
+    assert set(plan.param_placements().values()) == {"(R)"}
     for fqn in (WQ, "layers.1.feed_forward.w2.weight", "output.weight"):
         assert plan.placement(fqn) == "(R)"
         assert plan.grad_placement(fqn) == "(R)"
     kinds = [c["kind"] for c in plan.collectives() if c["consumer"] in _grad_path(plan, WQ)]
     assert kinds == ["all_reduce"]
     assert not any(c["kind"] == "all_gather" and c["producer"] == plan.node(WQ).name for c in plan.collectives())
+
+
+def test_free_budget_within_a_node_shards_the_big_weights(world8, llama):
+    """Within a node the gathers hide behind compute and each parameter's AdamW update runs
+    on its local shard: with memory free the large projections are still sharded (their
+    update shards), the norms stay replicated (a gather costs more than their update)."""
+    plan = _plan(world8, llama, 64, 256, high=1.0)
+    for layer in (0, 1):
+        for w in ("w1", "w2", "w3"):
+            assert plan.placement(f"layers.{layer}.feed_forward.{w}.weight") != "(R)"
+        assert plan.placement(f"layers.{layer}.ffn_norm.weight") == "(R)"
+    assert 1 / 8 < plan.memory_fraction < 1
 
 
 def test_fwd_bwd_pairs_agree(fsdp_plan, ddp_plan):
@@ -109,7 +129,8 @@ def test_fwd_bwd_pairs_agree(fsdp_plan, ddp_plan):
 
 
 def test_node_constraint_changes_objective_as_diff_reports(world8, llama, ddp_plan):
-    constrained = _plan(world8, llama, 64, 256, high=1.0, node_constraints=[(WQ, (Shard(0),))])
+    constrained = _plan(world8, llama, 64, 256, high=1.0, node_constraints=[(WQ, (Shard(0),))],
+                        hardware=ACROSS_NODES)
     assert constrained.placement(WQ) == "(S(0))"
     assert constrained.grad_placement(WQ) == "(S(0))"
     d = ddp_plan.diff(constrained)
