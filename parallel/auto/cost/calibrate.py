@@ -213,6 +213,14 @@ def measure_in_group(base: str | HardwareProfile = "cpu", device: torch.device |
     world = dist.get_world_size()
     dist.barrier()
     comp = _mean_over_ranks(measure_compute(device=device), device)
+    if world == 1:  # one rank never communicates: keep the base profile's link, measure compute only
+        hw = load_hardware(base).replace(
+            name="auto", description=f"measured on {socket.gethostname()}: 1 rank, torch {torch.__version__}",
+            peak_tflops={"fp32": comp["fp32"], "bf16": comp["bf16"]}, memory_bandwidth_gbps=comp["copy_gbps"],
+            kernel_floor_us=comp["floor_us"], matmul_efficiency=1.0, memory_efficiency=1.0)
+        log.info("calibrated in %.1fs (1 rank, compute only): fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s, copy %.1f GB/s",
+                 time.perf_counter() - t0, comp["fp32"] * 1e3, comp["bf16"] * 1e3, comp["copy_gbps"])
+        return hw
     res = measure_collectives(device=device)
     mean = _mean_over_ranks({f"{k}:{b}": t for (k, b), t in res.items()}, device)
     res = {(key.split(":")[0], int(key.split(":")[1])): t for key, t in mean.items()}
