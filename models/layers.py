@@ -15,10 +15,12 @@ so that a tensor-parallel recipe that shards the projections sees its local head
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 # Std of the truncated-normal init used for most Linear weights (TorchTitan default).
 INIT_STD = 0.02
@@ -33,11 +35,41 @@ def trunc_normal_(t: torch.Tensor, std: float) -> None:
     fixed number of elementwise ops, so it is deterministic and traceable.
     """
     lo = (1.0 + math.erf(-3.0 / math.sqrt(2.0))) / 2.0  # CDF(-3)
+
+    def draw(x: torch.Tensor) -> None:
+        x.uniform_(2 * lo - 1, 1 - 2 * lo)  # symmetric: CDF(3) = 1 - CDF(-3)
+        x.erfinv_()
+        x.mul_(std * math.sqrt(2.0))
+        x.clamp_(min=-3 * std, max=3 * std)
+
     with torch.no_grad():
-        t.uniform_(2 * lo - 1, 1 - 2 * lo)  # symmetric: CDF(3) = 1 - CDF(-3)
-        t.erfinv_()
-        t.mul_(std * math.sqrt(2.0))
-        t.clamp_(min=-3 * std, max=3 * std)
+        draw_like_cpu(t, draw)
+
+
+def normal_(t: torch.Tensor, std: float = 1.0) -> None:
+    """N(0, std), drawn as on the CPU whatever the device (see `draw_like_cpu`)."""
+    with torch.no_grad():
+        draw_like_cpu(t, lambda x: x.normal_(0.0, std))
+
+
+def draw_like_cpu(t: torch.Tensor, draw: Callable[[torch.Tensor], None]) -> None:
+    """Fill `t` in place with `draw`, from the CPU generator when `t` lives on an accelerator.
+
+    Why: CUDA's generator gives other numbers than the CPU's for the same seed, so a GPU
+    job would start from other weights than the CPU run it is checked against. Drawing the
+    full tensor on the CPU (and keeping this rank's shard of a DTensor) makes the init the
+    same on every device and mesh, at the price of drawing every weight on every rank's CPU.
+    """
+    if t.device.type in ("cpu", "meta"):
+        draw(t)
+        return
+    full = torch.empty(t.shape, dtype=t.dtype)
+    draw(full)
+    if isinstance(t, DTensor):
+        local = distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local()
+        t.to_local().copy_(local)
+    else:
+        t.copy_(full)
 
 
 def depth_init_std(layer_id: int) -> float:
@@ -287,7 +319,7 @@ class DecoderBase(nn.Module):
         with the same seed end up identical.
         """
         self.rope.init_weights(buffer_device)
-        nn.init.normal_(self.tok_embeddings.weight)
+        normal_(self.tok_embeddings.weight)
         for layer in self.layers:
             layer.init_weights()
         self.norm.init_weights()
