@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from parallel import _torch as T
 
@@ -168,6 +169,10 @@ def trace_joint(
     handles = _record_module_ranges(fake_model, ranges)
     try:
         with contextlib.ExitStack() as stack:
+            if device != "cpu":
+                # CUDA's fused attention kernels return RNG/bookkeeping outputs that DTensor's
+                # rules leave without a placement; attention as plain ATen ops plans everywhere
+                stack.enter_context(sdpa_kernel(SDPBackend.MATH))
             joint = T.aot_export_joint_with_descriptors(stack, wrapper, tuple(fake_inputs))
             gm = joint.graph_module
             jg = _label(gm, joint.fake_mode)
