@@ -51,7 +51,20 @@ def build_mesh(parallelism_cfg: Any, world_size: int, device_type: str) -> Devic
     if dist.is_initialized() and dist.get_world_size() != world_size:
         raise ValueError(f"build_mesh: world_size {world_size} but the process group has "
                          f"{dist.get_world_size()} ranks")
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    world = dist.group.WORLD if dist.is_initialized() else None
+    key = (device_type, shape, names, id(world))
+    cached = _MESHES.get(key)
+    if cached is None or cached[0] is not world:
+        cached = _MESHES[key] = (world, init_device_mesh(device_type, shape, mesh_dim_names=names))
+    return cached[1]
+
+
+_MESHES: dict[tuple, tuple[Any, DeviceMesh]] = {}
+"""One mesh per (device, shape, axes) and default process group in a process. Why: every
+new mesh makes new sub-groups, whose names the compiled step graph bakes in; a second
+trainer of the same shape in one process (a sweep, a resume test) then misses Inductor's
+cache and leaks groups. The group is kept with its mesh so a re-created world never
+matches a stale entry."""
 
 
 def axis_names(mesh: DeviceMesh | None) -> tuple[str, ...]:
