@@ -60,7 +60,12 @@ def cache_path(world_size: int) -> Path:
     """Where the profile measured on this host for `world_size` ranks is kept."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autotitan" / "hardware"
     version = torch.__version__.split("+")[0]
-    return root / f"{socket.gethostname()}-w{world_size}-torch{version}.toml"
+    return root / f"{socket.gethostname()}-w{world_size}-torch{version}-m{METHOD_VERSION}.toml"
+
+
+METHOD_VERSION = 2
+"""Bumped when what is measured changes, so older cached profiles are measured again
+(2: the latency of a 2-rank group fixes the per-hop latency)."""
 
 
 def _sync() -> None:
@@ -164,6 +169,19 @@ def fit_link(res: dict[tuple[str, int], float], n: int,
     return {k: v / 1e9 for k, v in bws.items()}, lat * 1e6
 
 
+def split_latency(world_latency_us: float, world: int, pair_latency_us: float | None) -> tuple[float, float]:
+    """(fixed, per-hop) µs of the link model latency(n) = fixed + (n - 1) per hop.
+
+    Through both measured points when a 2-rank group's latency is known and below the
+    whole world's (a pair of ranks in a bigger job syncs faster than all of them: pricing
+    its collectives at the world's latency over-prices TP on a 2 x 2 mesh ~1.5x); else
+    half of the world's latency is fixed and half is spread over its hops."""
+    if pair_latency_us is not None and world > 2 and 0 < pair_latency_us < world_latency_us:
+        hop = (world_latency_us - pair_latency_us) / (world - 2)
+        return pair_latency_us - hop, hop
+    return world_latency_us / 2, world_latency_us / 2 / max(1, world - 1)
+
+
 def measure_overlap(n: int = 512, size: int = 4 * 1024 * 1024, device: torch.device | None = None) -> float:
     """Share of an all-reduce's time hidden behind a matmul loop running beside it."""
     a = torch.randn(n, n, device=device)
@@ -226,25 +244,27 @@ def measure_in_group(base: str | HardwareProfile = "cpu", device: torch.device |
     res = {(key.split(":")[0], int(key.split(":")[1])): t for key, t in mean.items()}
     bws, lat = fit_link(res, world, max_gbps=comp["copy_gbps"])
     gsf: dict[int, float] = {}
+    pair_lat = None
     pair, has_pairs = _pair_group()
     if has_pairs:
         pair_res = measure_collectives(pair, device=device) if pair is not None else {}
         dist.barrier()
         if pair_res:
-            pair_bws, _ = fit_link(pair_res, 2, max_gbps=comp["copy_gbps"])
+            pair_bws, pair_lat = fit_link(pair_res, 2, max_gbps=comp["copy_gbps"])
             gsf[2] = max(0.1, sum(pair_bws.values()) / max(sum(bws.values()), 1e-9))
+    base_lat, hop_lat = split_latency(lat, world, pair_lat)
     overlap = _mean_over_ranks({"overlap": measure_overlap(device=device)}, device)["overlap"]
     hw = load_hardware(base)
-    steps = max(1, world - 1)
     hw = hw.replace(
         name="auto", description=f"measured on {socket.gethostname()}: {world} ranks, torch {torch.__version__}",
         peak_tflops={"fp32": comp["fp32"], "bf16": comp["bf16"]}, memory_bandwidth_gbps=comp["copy_gbps"],
         kernel_floor_us=comp["floor_us"], matmul_efficiency=1.0, memory_efficiency=1.0, comm_overlap=overlap,
-        intra_node=IntraNodeLink(bus_bandwidth_gbps=bws, latency_us=lat / 2, hop_latency_us=lat / 2 / steps,
+        intra_node=IntraNodeLink(bus_bandwidth_gbps=bws, latency_us=base_lat, hop_latency_us=hop_lat,
                                  group_size_factor=gsf))
     log.info("calibrated in %.1fs: fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s, copy %.1f GB/s, op floor %.1f µs; "
-             "gloo latency %.0f µs, bus GB/s %s, comm overlap %.2f", time.perf_counter() - t0, comp["fp32"] * 1e3,
-             comp["bf16"] * 1e3, comp["copy_gbps"], comp["floor_us"], lat,
+             "gloo latency %.0f µs (fixed %.0f + %.0f per hop), bus GB/s %s, comm overlap %.2f",
+             time.perf_counter() - t0, comp["fp32"] * 1e3, comp["bf16"] * 1e3, comp["copy_gbps"], comp["floor_us"],
+             lat, base_lat, hop_lat,
              {k: round(v, 2) for k, v in bws.items()}, overlap)
     return hw
 

@@ -1,6 +1,7 @@
 """Calibration for `hardware = "auto"`: 2 gloo ranks measure this machine and cache it."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import pytest
 
 from parallel.auto.cost import CostModel, load_hardware
 from parallel.auto.cost.calibrate import cache_path, calibrated_profile
+from parallel.auto.cost.comm import collective_time
 
 _SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "calibrate.py"
 
@@ -31,3 +33,16 @@ def test_calibration_measures_caches_and_reuses(tmp_path, monkeypatch, capsys) -
     assert calibrated_profile(2) == load_hardware(cached)  # served from the cache: not measured again
     assert cached.stat().st_mtime == mtime
     CostModel(str(out), (2,))  # usable as a profile
+
+
+def test_latency_split_passes_through_the_pair_and_the_world():
+    from parallel.auto.cost.calibrate import split_latency
+
+    fixed, hop = split_latency(6000.0, 4, 2000.0)  # 4 ranks sync in 6 ms, a pair of them in 2 ms
+    assert fixed + hop == pytest.approx(2000.0) and fixed + 3 * hop == pytest.approx(6000.0)
+    link = CostModel("cpu", (2, 2)).links[0]
+    link = dataclasses.replace(link, latency_us=fixed, hop_latency_us=hop)
+    assert collective_time("all_gather", 1.0, link)[0] == pytest.approx(2000.0, rel=1e-3)  # a pair's gather
+    # no pair measured (2 ranks), or a noisy pair slower than the world: half fixed, half per hop
+    assert split_latency(6000.0, 2, None) == (3000.0, 3000.0)
+    assert split_latency(6000.0, 4, 7000.0) == (3000.0, 1000.0)
