@@ -175,10 +175,11 @@ def split_latency(world_latency_us: float, world: int, pair_latency_us: float | 
     Through both measured points when a 2-rank group's latency is known and below the
     whole world's (a pair of ranks in a bigger job syncs faster than all of them: pricing
     its collectives at the world's latency over-prices TP on a 2 x 2 mesh ~1.5x); else
-    half of the world's latency is fixed and half is spread over its hops."""
+    half of the world's latency is fixed and half is spread over its hops. The world's point
+    is always kept."""
     if pair_latency_us is not None and world > 2 and 0 < pair_latency_us < world_latency_us:
-        hop = (world_latency_us - pair_latency_us) / (world - 2)
-        return pair_latency_us - hop, hop
+        hop = min((world_latency_us - pair_latency_us) / (world - 2), world_latency_us / (world - 1))
+        return world_latency_us - (world - 1) * hop, hop  # a pair measured implausibly fast: no fixed part
     return world_latency_us / 2, world_latency_us / 2 / max(1, world - 1)
 
 

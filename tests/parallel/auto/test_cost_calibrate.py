@@ -46,3 +46,4 @@ def test_latency_split_passes_through_the_pair_and_the_world():
     # no pair measured (2 ranks), or a noisy pair slower than the world: half fixed, half per hop
     assert split_latency(6000.0, 2, None) == (3000.0, 3000.0)
     assert split_latency(6000.0, 4, 7000.0) == (3000.0, 1000.0)
+    assert split_latency(6000.0, 4, 500.0) == (0.0, 2000.0)  # a pair too fast to be linear: no fixed part
