@@ -129,7 +129,7 @@ class Parallelism:
     seed: Optional[bool] = None  # split-dimension seeding; unset: on from 3-D meshes
     seed_radius: int = 2  # mesh axes a seeded strategy may differ from its seeds on
     seed_rounds: int = 1  # > 1: re-seed around the solved plan while it improves
-    time_limit: float = 600.0  # seconds for the ILP solver
+    time_limit: float = 600.0  # seconds for the ILP solver; for the MRF solver, per TRW-S run
     cluster_layers: bool = True  # one decision for the repeated copies of a layer
     # both modes: gather parameters again in the backward (FSDP's default, less memory)
     reshard_after_forward: bool = True

@@ -60,4 +60,4 @@ def solve(prob: Problem, solver: str = "auto", *, time_limit: float | None = 600
     if kind == "ilp":
         backend = solver if solver in ("highs", "cbc") else "auto"
         return solve_ilp(prob, solver=backend, time_limit=time_limit, verbose=verbose)
-    return solve_problem_mrf(prob)
+    return solve_problem_mrf(prob, time_budget=time_limit)
