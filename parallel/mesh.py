@@ -52,9 +52,9 @@ def build_mesh(parallelism_cfg: Any, world_size: int, device_type: str) -> Devic
         raise ValueError(f"build_mesh: world_size {world_size} but the process group has "
                          f"{dist.get_world_size()} ranks")
     world = dist.group.WORLD if dist.is_initialized() else None
-    key = (device_type, shape, names, id(world))
+    key = (device_type, shape, names)
     cached = _MESHES.get(key)
-    if cached is None or cached[0] is not world:
+    if cached is None or cached[0] is not world:  # first of its shape, or the world was re-created
         cached = _MESHES[key] = (world, init_device_mesh(device_type, shape, mesh_dim_names=names))
     return cached[1]
 
@@ -63,8 +63,8 @@ _MESHES: dict[tuple, tuple[Any, DeviceMesh]] = {}
 """One mesh per (device, shape, axes) and default process group in a process. Why: every
 new mesh makes new sub-groups, whose names the compiled step graph bakes in; a second
 trainer of the same shape in one process (a sweep, a resume test) then misses Inductor's
-cache and leaks groups. The group is kept with its mesh so a re-created world never
-matches a stale entry."""
+cache and leaks groups. The default group is kept with its mesh: a re-created world
+replaces the entry."""
 
 
 def axis_names(mesh: DeviceMesh | None) -> tuple[str, ...]:

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import Replicate
 
 from parallel.auto.cluster import decision_groups
 from parallel.auto.cost import CostModel
@@ -36,20 +35,12 @@ def _classes(placements: list[tuple]) -> tuple[np.ndarray, list[tuple]]:
     return cls, list(index)
 
 
-def _flat_specs(o: Any) -> tuple:
-    return o if isinstance(o, tuple) else (o,)
-
-
 def _output_placements(c: NodeCandidates, idx: int | None) -> list[tuple]:
     out = []
     for s in c.specs:
         o = s.output_specs
         if isinstance(o, tuple):
             o = o[idx or 0]
-        if o is None:  # no spec for this output (older torch rules): it is not sharded
-            ndim = next(len(x.placements) for x in (*s.input_specs, *_flat_specs(s.output_specs)) if x is not None)
-            out.append((Replicate(),) * ndim)
-            continue
         out.append(o.placements)
     return out
 

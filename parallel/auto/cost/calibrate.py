@@ -255,18 +255,18 @@ def measure_in_group(base: str | HardwareProfile = "cpu", device: torch.device |
     world = dist.get_world_size()
     dist.barrier()
     comp = _mean_over_ranks(measure_compute(device=device), device)
+    measured = load_hardware(base).replace(
+        name="auto", description=f"measured on {socket.gethostname()}: {world} ranks, torch {torch.__version__}",
+        peak_tflops={"fp32": comp["fp32"], "bf16": comp["bf16"]}, memory_bandwidth_gbps=comp["copy_gbps"],
+        kernel_floor_us=comp["floor_us"], matmul_efficiency=1.0, memory_efficiency=1.0)
     if world == 1:  # one rank never communicates: keep the base profile's link, measure compute only
-        hw = load_hardware(base).replace(
-            name="auto", description=f"measured on {socket.gethostname()}: 1 rank, torch {torch.__version__}",
-            peak_tflops={"fp32": comp["fp32"], "bf16": comp["bf16"]}, memory_bandwidth_gbps=comp["copy_gbps"],
-            kernel_floor_us=comp["floor_us"], matmul_efficiency=1.0, memory_efficiency=1.0)
         log.info("calibrated in %.1fs (1 rank, compute only): fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s, copy %.1f GB/s",
                  time.perf_counter() - t0, comp["fp32"] * 1e3, comp["bf16"] * 1e3, comp["copy_gbps"])
-        return hw
+        return measured
     res = measure_collectives(device=device)
     mean = _mean_over_ranks({f"{k}:{b}": t for (k, b), t in res.items()}, device)
     res = {(key.split(":")[0], int(key.split(":")[1])): t for key, t in mean.items()}
-    bws, lat = fit_link(res, world, max_gbps=comp["copy_gbps"])
+    bws, _ = fit_link(res, world, max_gbps=comp["copy_gbps"])
     lat = _mean_over_ranks({"lat": measure_stream_latency(device=device)}, device)["lat"] * 1e6
     gsf: dict[int, float] = {}
     pair_lat = None
@@ -280,11 +280,8 @@ def measure_in_group(base: str | HardwareProfile = "cpu", device: torch.device |
             gsf[2] = max(0.1, sum(pair_bws.values()) / max(sum(bws.values()), 1e-9))
     base_lat, hop_lat = split_latency(lat, world, pair_lat)
     overlap = _mean_over_ranks({"overlap": measure_overlap(device=device)}, device)["overlap"]
-    hw = load_hardware(base)
-    hw = hw.replace(
-        name="auto", description=f"measured on {socket.gethostname()}: {world} ranks, torch {torch.__version__}",
-        peak_tflops={"fp32": comp["fp32"], "bf16": comp["bf16"]}, memory_bandwidth_gbps=comp["copy_gbps"],
-        kernel_floor_us=comp["floor_us"], matmul_efficiency=1.0, memory_efficiency=1.0, comm_overlap=overlap,
+    hw = measured.replace(
+        comm_overlap=overlap,
         intra_node=IntraNodeLink(bus_bandwidth_gbps=bws, latency_us=base_lat, hop_latency_us=hop_lat,
                                  group_size_factor=gsf))
     log.info("calibrated in %.1fs: fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s, copy %.1f GB/s, op floor %.1f µs; "
