@@ -118,6 +118,7 @@ def _script():
     return mod
 
 
+@pytest.mark.slow  # re-plans the debug LLaMA on a fake 2x2 in the script
 def test_script_writes_html_and_diff(plans, tmp_path, capsys):
     _, ddp = plans
     other = tmp_path / "ddp.json"

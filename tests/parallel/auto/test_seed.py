@@ -49,6 +49,7 @@ def test_project_constraint():
     assert "mesh axis 2" in project_constraint(con, 2).description
 
 
+@pytest.mark.slow  # plans on a fake 2x2/3-D world: 12-43 s here
 def test_radius_covering_the_mesh_gives_the_full_problem(jg):
     """On 2-D, radius 2 covers every per-axis combination: same menus, same optimum."""
     shape, names = (2, 2), ("dp", "tp")
@@ -115,6 +116,7 @@ def _axis(key, a):
     return (tuple(None if x is None else repr(x[a]) for x in outs), tuple(repr(i[a]) for i in ins))
 
 
+@pytest.mark.slow  # plans on a fake 2x2/3-D world: 12-43 s here
 def test_api_seeds_3d_by_default_and_solver_choice(jg):
     model = build_model("llama3", "debug", device="meta", **TINY)
     with fake_world(8):
@@ -150,6 +152,7 @@ def test_config_rejects_unknown_solver():
         load_config("llama3_debug", ["--parallelism.solver", "gurobi"])
 
 
+@pytest.mark.slow  # plans on a fake 2x2/3-D world: 12-43 s here
 def test_saved_plan_applies_on_a_seeded_mesh_without_solving(tmp_path):
     """A 3-D plan replayed from a file (or received from rank 0) is materialised without
     enumerating the full 3-D menus: each node gets exactly the saved strategy."""
@@ -183,6 +186,7 @@ def test_saved_plan_applies_on_a_seeded_mesh_without_solving(tmp_path):
     assert {n: placement_str(p.placements) for n, p in pm.named_parameters()} == params
 
 
+@pytest.mark.slow  # plans on a fake 2x2/3-D world: 12-43 s here
 def test_saved_placements_no_axis_menu_has_are_refused_on_a_seeded_mesh():
     from parallel.auto.plan import PlanMismatchError
     from parallel.auto.solve.seed import plan_candidates

@@ -83,7 +83,9 @@ def test_mlp_known_optimum(mlp, shape):
     assert _compare(prob, f"mlp {shape}") == pytest.approx(0.0, abs=1e-9)
 
 
-@pytest.mark.parametrize("shape,seeded", [((4,), False), ((2, 2), False), ((2, 2, 2), True)],
+@pytest.mark.parametrize("shape,seeded", [((4,), False),
+                                          pytest.param((2, 2), False, marks=pytest.mark.slow),
+                                          pytest.param((2, 2, 2), True, marks=pytest.mark.slow)],
                          ids=["1d", "2d", "3d-seeded"])
 def test_debug_llama(llama, shape, seeded):
     _compare(_problem(llama, shape, seeded), f"llama3 debug {shape}{' seeded' if seeded else ''}")
