@@ -76,3 +76,22 @@ def test_auto_mode_matches_one_rank_resumes_and_replays(tmp_path):
                  config="qwen3_debug", check=False)
     assert r.returncode != 0
     assert "different model" in r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_qwen3_auto_mode_through_train_py_matches_one_rank(tmp_path):
+    """The second model family in auto mode: its own config (q/k norms, tied shapes of its
+    attention) planned on rank 0, replayed on rank 1, losses equal to 1 rank."""
+    from trainer.trainer import Trainer
+
+    small = ["--model.n_layers", "2", "--training.steps", "3"]
+    ref = Trainer(make_config(tmp_path, "qwen3_debug", extra=[*small, *SPLIT], job="ref")).train()
+    r = torchrun(tmp_path, "auto", small, config="qwen3_debug_auto")
+    out = r.stdout + r.stderr
+    assert "auto-parallel plan solved by" in out
+    assert "runtime: 3 steps as one step graph per rank, 0 deviations from the plan" in out
+    assert json.loads((tmp_path / "auto" / "plan.json").read_text())["mesh_axis_names"] == ["dp_shard"]
+    two = read_losses(tmp_path, "auto")
+    diff = max(abs(two[s] - ref[s]) for s in two)
+    print(f"qwen3 auto 2 ranks vs 1 rank: max |dloss| = {diff:.2e} over {len(two)} steps")
+    assert sorted(two) == [1, 2, 3] and diff < TOL, (two, ref)
