@@ -23,6 +23,7 @@ from torch import fx, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from parallel import _torch as T
+from parallel.auto.fold import ConstantReads, FoldedRead
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,10 @@ class JointGraph:
     module_of: dict[str, str] = field(default_factory=dict)  # node name -> innermost module FQN ("" = root)
     trace_seconds: float = 0.0
     param_bytes: dict[str, int] = field(default_factory=dict)
+    # lifted constants: get_attr nodes of plain tensor attributes (`torch.tensor(...)` in
+    # forward, tables kept as attributes); replicated inputs of the plan
+    constants: dict[str, fx.Node] = field(default_factory=dict)
+    folded: list[FoldedRead] = field(default_factory=list)  # data-dependent reads folded at trace time
 
     def summary(self) -> str:
         ops = sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
@@ -89,7 +94,8 @@ class JointGraph:
         return (
             f"JointGraph: {len(self.gm.graph.nodes)} nodes ({ops} ops, {nb} backward), "
             f"{len(self.params)} params, {len(self.buffers)} buffers, {len(self.inputs)} inputs, "
-            f"{len(self.tangents)} tangents, traced in {self.trace_seconds:.2f}s"
+            f"{len(self.tangents)} tangents, {len(self.constants)} lifted constants, "
+            f"{len(self.folded)} folded reads, traced in {self.trace_seconds:.2f}s"
         )
 
 
@@ -167,8 +173,10 @@ def trace_joint(
     fake_inputs = T.tree_unflatten(fake_flat, spec)
     ranges: list[tuple[int, int, str]] = []
     handles = _record_module_ranges(fake_model, ranges)
+    reads = ConstantReads(fake_model)
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(reads)
             if device != "cpu":
                 # CUDA's fused attention kernels return RNG/bookkeeping outputs that DTensor's
                 # rules leave without a placement; attention as plain ATen ops plans everywhere
@@ -180,6 +188,7 @@ def trace_joint(
         for h in handles:
             h.remove()
     jg.module_of = _assign_modules(gm, ranges)
+    jg.folded = reads.folded
     jg.fingerprint = model_fingerprint(model)
     jg.input_shapes = [(list(x.shape), str(x.dtype)) for x in flat if isinstance(x, torch.Tensor)]
     jg.trace_seconds = time.perf_counter() - t0
@@ -308,6 +317,8 @@ def _label(gm: fx.GraphModule, fake_mode: Any) -> JointGraph:
     labels.update({n.name: f"buffer {fqn}" for fqn, n in buffers.items()})
     labels.update({n.name: f"input {d.idx}" for d, (n, _) in input_pairs})
     labels.update({t.name: f"tangent of {d}" for d, t in out_tangents})
+    constants = {n.name: n for n in g.find_nodes(op="get_attr")}
+    labels.update({n.name: f"constant {n.target}" for n in constants.values()})
     slots, fwd_index = _output_slots(gm, labels)
     tangents = [t for _, t in out_tangents]
     return JointGraph(
@@ -317,4 +328,5 @@ def _label(gm: fx.GraphModule, fake_mode: Any) -> JointGraph:
         output_tangents=[(fwd_index.get(d, 0), t) for d, t in out_tangents],
         labels=labels, phase=_phases(gm, tangents), fingerprint="", input_shapes=[],
         param_bytes={fqn: n.meta["val"].numel() * n.meta["val"].element_size() for fqn, n in params.items()},
+        constants=constants,
     )
