@@ -41,6 +41,7 @@ from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
+    FakeTensorDeviceMismatchError,
     FakeTensorMode,
     unset_fake_temporarily,
 )
@@ -78,7 +79,7 @@ __all__ = [
     "FAKE_BACKEND", "FAKE_DEVICE",
     "all_to_all_single_autograd", "wait_tensor",
     "BufferAOTInput", "DTensorSpec", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor",
-    "FakeTensorMode", "GradAOTOutput", "MaskPartial",
+    "FakeTensorDeviceMismatchError", "FakeTensorMode", "GradAOTOutput", "MaskPartial",
     "OpOverload", "OpOverloadPacket", "OpSchema", "OpSpec", "OpStrategy", "ParamAOTInput", "PlainAOTInput",
     "PlainAOTOutput", "RuntimeSchemaInfo", "ShardingPlaceholder", "SingleDimStrategyInfo", "StridedShard",
     "TangentAOTInput", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "aot_export_joint_with_descriptors",

@@ -86,7 +86,7 @@ class JointGraph:
     # lifted constants: get_attr nodes of plain tensor attributes (`torch.tensor(...)` in
     # forward, tables kept as attributes); replicated inputs of the plan
     constants: dict[str, fx.Node] = field(default_factory=dict)
-    folded: list[FoldedRead] = field(default_factory=list)  # data-dependent reads folded at trace time
+    folded: list[FoldedRead] = field(default_factory=list)  # distinct data-dependent reads folded at trace time
 
     def summary(self) -> str:
         ops = sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
@@ -181,14 +181,18 @@ def trace_joint(
                 # CUDA's fused attention kernels return RNG/bookkeeping outputs that DTensor's
                 # rules leave without a placement; attention as plain ATen ops plans everywhere
                 stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-            joint = T.aot_export_joint_with_descriptors(stack, wrapper, tuple(fake_inputs))
+            try:
+                joint = T.aot_export_joint_with_descriptors(stack, wrapper, tuple(fake_inputs))
+            except T.FakeTensorDeviceMismatchError as e:
+                _raise_on_meta_constants(fake_model, e)
+                raise
             gm = joint.graph_module
             jg = _label(gm, joint.fake_mode)
     finally:
         for h in handles:
             h.remove()
     jg.module_of = _assign_modules(gm, ranges)
-    jg.folded = reads.folded
+    jg.folded = list(dict.fromkeys(reads.folded))  # AOTAutograd runs forward twice (metadata, then the graph)
     jg.fingerprint = model_fingerprint(model)
     jg.input_shapes = [(list(x.shape), str(x.dtype)) for x in flat if isinstance(x, torch.Tensor)]
     jg.trace_seconds = time.perf_counter() - t0
@@ -202,6 +206,19 @@ def trace_joint(
         raise ValueError("no parameter received a gradient: is the loss connected to the parameters?")
     log.info("trace: %s", jg.summary())
     return jg
+
+
+def _raise_on_meta_constants(model: nn.Module, cause: Exception) -> None:
+    """Plain tensor attributes on the meta device (built with the model on meta) have no
+    values anywhere, and meet the fake CPU tensors of the trace: say which ones, and the fix."""
+    found = [f"{fqn + '.' if fqn else ''}{k} {tuple(v.shape)}" for fqn, mod in model.named_modules()
+             for k, v in vars(mod).items() if isinstance(v, torch.Tensor) and v.device.type == "meta"]
+    if found:
+        raise ValueError(
+            f"the model's plain tensor attribute(s) {', '.join(found)} are on the meta device: a constant that is "
+            "not a parameter or buffer gets no values from to_empty/init_weights. Register it as a buffer "
+            "(register_buffer(..., persistent=False), set in init_weights) or create it on a real device "
+            "(`with torch.device('cpu'):` around it)") from cause
 
 
 def _record_module_ranges(model: nn.Module, ranges: list[tuple[int, int, str]]) -> list[Any]:

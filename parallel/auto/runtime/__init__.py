@@ -10,8 +10,8 @@ forward and backward, bucketed gathers and gradient reductions, mixed precision)
 from parallel.auto.runtime.module import InputShapeError, ParallelModuleMixin, apply_plan, is_parallel_module
 from parallel.auto.runtime.options import RuntimeOptions
 from parallel.auto.runtime.redistribute import local_shard
-from parallel.auto.runtime.runner import ConstantError, PlanRunner
+from parallel.auto.runtime.runner import PlanRunner
 from parallel.auto.runtime.step_graph import CompileError
 
-__all__ = ["CompileError", "ConstantError", "RuntimeOptions", "InputShapeError", "ParallelModuleMixin", "PlanRunner",
+__all__ = ["CompileError", "RuntimeOptions", "InputShapeError", "ParallelModuleMixin", "PlanRunner",
            "apply_plan", "is_parallel_module", "local_shard"]

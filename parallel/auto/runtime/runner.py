@@ -125,24 +125,12 @@ def _replicated_param_uses(graph: JointGraph, spec: dict[str, Any]) -> list[str]
     return out
 
 
-class ConstantError(ValueError):
-    """A lifted constant of the graph has no values (the model was built on the meta device)."""
-
-
-def _place_constants(gm: fx.GraphModule, graph: JointGraph, device_type: str) -> None:
+def _place_constants(gm: fx.GraphModule, device_type: str) -> None:
     """Lifted constants (get_attr) on the mesh's device: every rank holds them whole (the
-    plan replicates them). A meta constant has no values to hold: refused, naming it."""
+    plan replicates them)."""
     for n in gm.graph.find_nodes(op="get_attr"):
         value = getattr(gm, n.target)
-        if not isinstance(value, torch.Tensor):
-            continue
-        if value.device.type == "meta":
-            raise ConstantError(
-                f"lifted constant {n.target} {tuple(value.shape)} (used in module "
-                f"'{graph.module_of.get(n.name, '') or '(root)'}') is a meta tensor: a plain tensor attribute of a "
-                "model built on the meta device has no values; register it as a buffer (set in init_weights) or "
-                "create the model with its constants on a real device")
-        if value.device.type != device_type:
+        if isinstance(value, torch.Tensor) and value.device.type != device_type:
             setattr(gm, n.target, value.to(device_type))
 
 
@@ -176,7 +164,7 @@ class PlanRunner:
         for gm in (self.fwd_gm, self.bwd_gm):  # the partitioner keeps unused random ops (attention): drop them
             gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output"))
             gm.recompile()
-            _place_constants(gm, graph, mesh.device_type)
+            _place_constants(gm, mesh.device_type)
         self.saved_names = [a.name for a in self.fwd_gm.graph.output_node().args[0][len(self.out_slots):]]
         bucket = self.bucket = options.bucket
         self.reshard_after_forward = options.reshard_after_forward
