@@ -58,12 +58,18 @@ def _name(func: Any) -> str:
     return qual if qual.startswith("Tensor.") or "." in qual else f"torch.{qual}"
 
 
-def _is_mutating(func: Any, kwargs: dict) -> bool:
-    """In-place methods (`masked_fill_`, `__setitem__`, `__iadd__`) and `out=` calls."""
+_INPLACE_DUNDERS = {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or",
+                                              "xor", "lshift", "rshift", "matmul")} | {"__setitem__"}
+
+
+def _mutated(func: Any, kwargs: dict, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors a call changes in place: `out=` tensors, else the first tensor of an in-place
+    method (`masked_fill_`, `__setitem__`, `__iadd__`)."""
+    if "out" in kwargs:
+        return [t for t in T.tree_flatten(kwargs["out"])[0] if isinstance(t, torch.Tensor)]
     name = getattr(func, "__name__", "")
-    dunder = name.startswith("__") and name.endswith("__")
-    return "out" in kwargs or name == "__setitem__" or (dunder and name[2:3] == "i" and name != "__index__") or (
-        not dunder and name.endswith("_"))
+    inplace = name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__"))
+    return tensors[:1] if inplace else []
 
 
 class ConstantReads(TorchFunctionMode):
@@ -95,8 +101,8 @@ class ConstantReads(TorchFunctionMode):
             out = func(*args, **kwargs)
         except (T.DataDependentOutputException, T.DynamicOutputShapeException) as e:
             raise self._error(func, e) from None
-        if _is_mutating(func, kwargs) and tensors:
-            self._forget(tensors[0])
+        for t in _mutated(func, kwargs, tensors):
+            self._forget(t)
         if known:
             self._shadow_outputs(out, func, leaves, spec, reals)
         return out
