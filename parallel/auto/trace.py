@@ -168,9 +168,7 @@ def trace_joint(
     fake_model = _fake_copy(model, fake_mode, device)
     wrapper = _LossModule(fake_model, loss_fn)
     flat, spec = T.tree_flatten(sample_inputs)
-    fake_flat = [_to_fake(x, fake_mode, device) for x in flat]
-
-    fake_inputs = T.tree_unflatten(fake_flat, spec)
+    fake_inputs = T.tree_unflatten([_to_fake(x, fake_mode, device) for x in flat], spec)
     ranges: list[tuple[int, int, str]] = []
     handles = _record_module_ranges(fake_model, ranges)
     reads = ConstantReads(fake_model)
@@ -181,11 +179,7 @@ def trace_joint(
                 # CUDA's fused attention kernels return RNG/bookkeeping outputs that DTensor's
                 # rules leave without a placement; attention as plain ATen ops plans everywhere
                 stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-            try:
-                joint = T.aot_export_joint_with_descriptors(stack, wrapper, tuple(fake_inputs))
-            except T.FakeTensorDeviceMismatchError as e:
-                _raise_on_meta_constants(fake_model, e)
-                raise
+            joint = _export(stack, wrapper, tuple(fake_inputs))
             gm = joint.graph_module
             jg = _label(gm, joint.fake_mode)
     finally:
@@ -206,6 +200,15 @@ def trace_joint(
         raise ValueError("no parameter received a gradient: is the loss connected to the parameters?")
     log.info("trace: %s", jg.summary())
     return jg
+
+
+def _export(stack: contextlib.ExitStack, wrapper: _LossModule, inputs: tuple) -> Any:
+    """AOTAutograd's joint export; a device clash with meta constants becomes a clear error."""
+    try:
+        return T.aot_export_joint_with_descriptors(stack, wrapper, inputs)
+    except T.FakeTensorDeviceMismatchError as e:
+        _raise_on_meta_constants(wrapper.model, e)
+        raise
 
 
 def _raise_on_meta_constants(model: nn.Module, cause: Exception) -> None:
