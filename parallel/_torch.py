@@ -37,7 +37,14 @@ from torch._functorch._aot_autograd.fx_utils import (
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._functorch.partitioners import default_partition
 from torch._ops import OpOverload, OpOverloadPacket
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorDeviceMismatchError,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -58,7 +65,8 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor._ops.single_dim_strategy import register_single_dim_strategy
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import (
     flop_registry,
@@ -70,7 +78,8 @@ from torch.utils.flop_counter import (
 __all__ = [
     "FAKE_BACKEND", "FAKE_DEVICE",
     "all_to_all_single_autograd", "wait_tensor",
-    "BufferAOTInput", "DTensorSpec", "FakeTensor", "FakeTensorMode", "GradAOTOutput", "MaskPartial",
+    "BufferAOTInput", "DTensorSpec", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor",
+    "FakeTensorDeviceMismatchError", "FakeTensorMode", "GradAOTOutput", "MaskPartial",
     "OpOverload", "OpOverloadPacket", "OpSchema", "OpSpec", "OpStrategy", "ParamAOTInput", "PlainAOTInput",
     "PlainAOTOutput", "RuntimeSchemaInfo", "ShardingPlaceholder", "SingleDimStrategyInfo", "StridedShard",
     "TangentAOTInput", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "aot_export_joint_with_descriptors",
@@ -78,7 +87,7 @@ __all__ = [
     "flatten_mesh", "foreach_mul_",
     "foreach_norm", "get_all_output_and_tangent_nodes", "get_named_buffer_nodes", "get_param_and_grad_nodes",
     "get_plain_input_and_grad_nodes", "is_fake", "op_name", "partition_joint", "partition_value",
-    "register_planner_ops",
+    "real_tensors", "register_planner_ops", "trace_fake",
     "sequence_nr", "sharding_propagator", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_mesh",
     "CPU_ATTENTION_BWD", "CPU_ATTENTION_FWD",
 ]
@@ -118,6 +127,20 @@ def sequence_nr() -> int:
 def partition_value(placement: Partial, local: torch.Tensor, mesh: Any, mesh_axis: int) -> torch.Tensor:
     """This rank's share of a replicated value under `placement` (Replicate -> Partial)."""
     return placement._partition_value(local, mesh, mesh_axis)
+
+
+@contextlib.contextmanager
+def real_tensors() -> Iterator[None]:
+    """Run ops on real tensors inside a trace: every dispatch mode (fake, proxy, functional)
+    off, so nothing is recorded in the graph (trace-time constant folding, fold.py)."""
+    with unset_fake_temporarily(), _disable_current_modes():
+        yield
+
+
+def trace_fake(fn: Any) -> Any:
+    """`make_fx` with fake tensors that keeps real tensors it meets (the plan's lifted
+    constants, held whole by every rank) as constants of the traced graph."""
+    return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)
 
 
 def partition_joint(gm: Any, num_fwd_outputs: int) -> tuple[Any, Any]:
@@ -239,7 +262,8 @@ def register_planner_ops() -> None:
 
     DTensor ships no rule for the CPU flash-attention ops and FlopCounterMode counts
     them as zero, so both are registered here: batch (dim 0) or head (dim 1) sharding
-    of every input and output, and torch's SDPA FLOP count.
+    of every input and output, and torch's SDPA FLOP count. The functional `aten.copy`
+    gets DTensor's rule of `copy_`.
     """
     global _registered
     with _lock:
@@ -256,5 +280,21 @@ def register_planner_ops() -> None:
         for packet, formula in packets:
             if packet not in flop_registry:
                 register_flop_formula(packet, get_raw=True)(formula)
+        _alias_rule(prop, aten.copy.default, aten.copy_.default)
         clear_sharding_caches()
         _registered = True
+
+
+def _alias_rule(prop: Any, op: Any, like: Any) -> None:
+    """Give `op` DTensor's own single-dim rule of `like` (same semantics, no rule of its own).
+
+    The functional `aten.copy` (what AOTAutograd makes of `x.copy_(y)` and `x[i] = y`) has
+    none in torch 2.13; its in-place twin `copy_` has the pointwise one (Partial preserved).
+    """
+    if op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs:
+        return
+    if like in prop.op_single_dim_strategy_funcs:
+        prop.op_single_dim_strategy_funcs[op] = prop.op_single_dim_strategy_funcs[like]
+        info = prop.op_to_schema_info_for_single_dim_strategy.get(like)
+        if info is not None:
+            prop.op_to_schema_info_for_single_dim_strategy[op] = info

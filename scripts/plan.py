@@ -1,11 +1,12 @@
 """Plan a job's model on a fake mesh (no GPU): progress, per-layer summary, objective, JSON plan.
 
     python scripts/plan.py --config llama3_8b.toml --mesh 4x8 [--hardware h100] [--out plan.json]
-        [--html plan.html] [--diff other_plan.json]
+        [--html plan.html] [--diff other_plan.json] [--coverage]
 
 --html writes the plan as a self-contained page (parameters per layer group and mesh axis,
 collectives, memory); with --diff OTHER it is the side-by-side diff of OTHER (a saved plan)
-and this one instead.
+and this one instead. --coverage prints every ATen op of the traced graph and how the
+planner handles it (DTensor rule, constant, lifted constant, fallback, folded, unhandled).
 
 The global batch is local_batch_size x the product of the data-parallel axes (axes whose
 name starts with "dp"; all axes if none do), and the token/label inputs are constrained
@@ -78,6 +79,8 @@ def plan_job(args: argparse.Namespace) -> tuple:
         t0 = time.perf_counter()
         with AutoParallel(model, input_fn, mesh, loss_fn=lm_loss, mp_policy=mp, hardware=hardware,
                           solver=args.solver or cfg.parallelism.solver, time_limit=args.time_limit) as autop:
+            if args.coverage:
+                print(autop.coverage(), flush=True)
             if not args.free_inputs:
                 p = tuple(Shard(0) if i in dp else Replicate() for i in range(len(sizes)))
                 autop.add_input_constraints([p, p])
@@ -106,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--solver", default=None, choices=["auto", "ilp", "mrf", "highs", "cbc"])
     ap.add_argument("--time-limit", type=float, default=600.0)
     ap.add_argument("--free-inputs", action="store_true", help="do not constrain inputs to batch sharding")
+    ap.add_argument("--coverage", action="store_true",
+                    help="print every ATen op of the traced graph and how the planner handles it")
     # anything else is a config override, e.g. --training.seq_len 2048
     args, extra = ap.parse_known_args(argv)
     args.overrides = extra

@@ -31,6 +31,7 @@ from parallel import _torch as T
 from parallel._torch import fake_world
 from parallel.auto.cost import AUTO, DEFAULT_HARDWARE, CostModel, HardwareProfile, RuntimeSchedule
 from parallel.auto.cost.calibrate import resolve_auto
+from parallel.auto.coverage import GraphCoverage, coverage_of, coverage_report
 from parallel.auto.formulation import build_problem
 from parallel.auto.placements import placement_str
 from parallel.auto.plan import Plan, build_plan
@@ -149,6 +150,12 @@ class AutoParallel:
 
     def _add(self, con: Constraint) -> None:
         self.constraints.append(con)
+
+    def coverage(self) -> GraphCoverage:
+        """How every ATen op of the traced graph is handled on this mesh (coverage.py): print it to
+        see what a model nobody here wrote turned into, and what was folded or fell back."""
+        jg = self._need_graph()
+        return coverage_of(self.candidates) if self.candidates is not None else coverage_report(jg, self.mesh)
 
     # ------------------------------------------------------------------ constraints
     def add_input_constraints(self, placements: Sequence[Any]) -> None:

@@ -183,9 +183,12 @@ class OpEnumerator:
                 specs = self._decomp(node, inputs)
             except Exception as e:  # noqa: BLE001
                 errors.append(f"decomposition: {type(e).__name__}: {e}"[:200])
+        found = len(specs)
         specs = self.finalize(specs, in_metas, out_meta)
         if not specs or all(self._all_replicate(s) for s in specs):
-            why = "; ".join(errors) if errors else "no sharding rule"
+            why = "; ".join(errors) if errors else (
+                f"no strategy of its DTensor rule shards evenly on mesh {self.mesh_shape}" if found
+                else "no sharding rule")
             return self.replicate_only(node, in_metas, out_meta), "replicate_fallback", why
         return specs, source, None
 

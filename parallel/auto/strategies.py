@@ -4,8 +4,13 @@ Op strategies come from DTensor's own sharding-propagation rules (enumeration.py
 ATen ops there are three node kinds: placeholders (params, buffers, inputs, tangents) get
 every evenly-divisible placement; getitem picks one output of a tuple; and one virtual
 "slot" per graph output (loss, gradients) where the output placement is decided, so a
-Partial gradient can be reduce-scattered or all-reduced into it. Ops computed from no
-data input at all (causal masks, scalars) are constants: replicated by design.
+Partial gradient can be reduce-scattered or all-reduced into it. Lifted constants
+(get_attr: plain tensor attributes, `torch.tensor(...)` in forward) are placeholders with one
+strategy, Replicate: every rank holds them (a consumer that wants a shard slices it locally,
+for free). Ops computed from no data input at all (factory ops, causal masks, scalars, ops on
+lifted constants) are constants: replicated by design. Nodes the planner cannot place (an op
+returning no tensor) are collected and refused together with `UnsupportedGraphError`,
+naming each op and its module (coverage.py reports them without raising).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -81,6 +86,7 @@ class Candidates:
     coverage: CoverageReport
     unique_keys: int
     seconds: float
+    unhandled: list[Unhandled] = field(default_factory=list)  # only when built with strict=False
 
     def __getitem__(self, name: str) -> NodeCandidates:
         return self.nodes[name]
@@ -96,17 +102,37 @@ class Candidates:
 CONSTANT_REASON = "constant built without data inputs (causal mask, scalar): replicated on every rank by design"
 
 
+class UnsupportedGraphError(NotImplementedError):
+    """The joint graph holds nodes the planner cannot place (listed with their modules)."""
+
+
+@dataclass(frozen=True)
+class Unhandled:
+    """A node without candidate strategies: what it is, where it comes from, why."""
+
+    node: str
+    op: str
+    module: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.op} (node {self.node}) in module '{self.module or '(root)'}': {self.reason}"
+
+
 class _CandidateBuilder:
     """Walks the joint graph once, node kind by node kind (see the module docstring)."""
 
-    def __init__(self, mesh: DeviceMesh, restrict: dict[str, list[tuple]] | None):
+    def __init__(self, mesh: DeviceMesh, restrict: dict[str, list[tuple]] | None,
+                 module_of: dict[str, str] | None = None):
         self.mesh = mesh
+        self.module_of = module_of or {}
         self.mesh_shape = tuple(mesh.shape)
         self.restrict = restrict or {}
         self.en = OpEnumerator(mesh)
         self.nodes: dict[str, NodeCandidates] = {}
         self.placeholder_cache: dict[Any, list[Any]] = {}
         self.constants: set[str] = set()  # nodes computed from no data input at all
+        self.unhandled: list[Unhandled] = []
 
     def placeholder_specs(self, val: torch.Tensor, shard: bool = True) -> list[Any]:
         key = (tuple(val.shape), tuple(val.stride()), val.dtype, shard)
@@ -131,6 +157,12 @@ class _CandidateBuilder:
                  else self.placeholder_specs(val, shard))
         self.nodes[n.name] = NodeCandidates(n.name, PLACEHOLDER, n, [], specs, key=None, source=PLACEHOLDER)
 
+    def add_constant(self, n: fx.Node) -> None:
+        """A lifted constant (get_attr): a replicated input of the plan, like a placeholder."""
+        self.constants.add(n.name)
+        specs = self.placeholder_specs(n.meta["val"], shard=False)
+        self.nodes[n.name] = NodeCandidates(n.name, PLACEHOLDER, n, [], specs, key=None, source="lifted_constant")
+
     def add_getitem(self, n: fx.Node) -> None:
         src, idx = n.args[0], n.args[1]
         seen: dict[Any, Any] = {}
@@ -145,7 +177,8 @@ class _CandidateBuilder:
     def add_op(self, n: fx.Node) -> None:
         val = n.meta.get("val")
         if not isinstance(val, (torch.Tensor, tuple, list)):
-            raise NotImplementedError(f"node {n.name} ({n.target}) has a non-tensor output {type(val)}")
+            self.skip(n, f"returns {type(val).__name__}, not a tensor (a data-dependent scalar or a side effect)")
+            return
         en = self.en
         ins = en.tensor_inputs(n)
         if all(a.name in self.constants for a in ins):
@@ -159,6 +192,9 @@ class _CandidateBuilder:
             specs, source = en.enumerate(n)
         self.nodes[n.name] = NodeCandidates(n.name, OP, n, ins, specs, key=en.key(n), source=source)
 
+    def skip(self, n: fx.Node, reason: str) -> None:
+        self.unhandled.append(Unhandled(n.name, str(n.target), self.module_of.get(n.name, ""), reason))
+
     def add_slot(self, slot: Any) -> None:
         val = slot.node.meta["val"]
         name = f"output[{slot.index}]"
@@ -171,29 +207,40 @@ class _CandidateBuilder:
                                           slot_index=slot.index)
 
 
-def build_candidates(graph: JointGraph, mesh: DeviceMesh, restrict: dict[str, list[tuple]] | None = None) -> Candidates:
+def build_candidates(graph: JointGraph, mesh: DeviceMesh, restrict: dict[str, list[tuple]] | None = None, *,
+                     strict: bool = True) -> Candidates:
     """Enumerate the candidate strategies of every node of `graph` on `mesh`.
 
     `restrict` (split-dimension seeding, solve/seed.py): node name -> the only strategy
     keys (output placements, input placements per tensor input) that node may take; the
-    full product over the mesh is then never expanded for it.
+    full product over the mesh is then never expanded for it. `strict`: refuse a graph with
+    nodes the planner cannot place (UnsupportedGraphError listing all of them); otherwise
+    they are left out and listed in `Candidates.unhandled` (the coverage report).
     """
     T.register_planner_ops()
     t0 = time.perf_counter()
-    b = _CandidateBuilder(mesh, restrict)
+    b = _CandidateBuilder(mesh, restrict, graph.module_of)
     for n in graph.gm.graph.nodes:
         if n.op == "placeholder":
             b.add_placeholder(n)
+        elif n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor):
+            b.add_constant(n)
         elif n.op == "call_function" and n.target is operator.getitem:
             b.add_getitem(n)
         elif n.op == "call_function" and isinstance(n.target, T.OpOverload):
             b.add_op(n)
         elif n.op != "output":
-            raise NotImplementedError(f"unsupported node {n.name}: {n.op} {n.target}")
+            b.skip(n, f"{n.op} node the planner cannot place")
+    if b.unhandled and strict:
+        raise UnsupportedGraphError(
+            f"{len(b.unhandled)} node(s) of the joint graph cannot be planned:\n  "
+            + "\n  ".join(map(str, b.unhandled[:20]))
+            + "\nsee parallel.auto.coverage.coverage_report(graph, mesh) for every op and how it is handled")
     for slot in graph.slots:
         if slot.node is not None:
             b.add_slot(slot)
-    cands = Candidates(graph, mesh, b.nodes, b.en.coverage, len(b.en.cache), time.perf_counter() - t0)
+    cands = Candidates(graph, mesh, b.nodes, b.en.coverage, len(b.en.cache), time.perf_counter() - t0,
+                       unhandled=b.unhandled)
     log.info("candidates: %s", cands.summary())
     if not b.en.coverage.ok:
         log.info("%s", b.en.coverage)

@@ -23,6 +23,7 @@ from torch import fx, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from parallel import _torch as T
+from parallel.auto.fold import ConstantReads, FoldedRead
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,10 @@ class JointGraph:
     module_of: dict[str, str] = field(default_factory=dict)  # node name -> innermost module FQN ("" = root)
     trace_seconds: float = 0.0
     param_bytes: dict[str, int] = field(default_factory=dict)
+    # lifted constants: get_attr nodes of plain tensor attributes (`torch.tensor(...)` in
+    # forward, tables kept as attributes); replicated inputs of the plan
+    constants: dict[str, fx.Node] = field(default_factory=dict)
+    folded: list[FoldedRead] = field(default_factory=list)  # distinct data-dependent reads folded at trace time
 
     def summary(self) -> str:
         ops = sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
@@ -89,7 +94,8 @@ class JointGraph:
         return (
             f"JointGraph: {len(self.gm.graph.nodes)} nodes ({ops} ops, {nb} backward), "
             f"{len(self.params)} params, {len(self.buffers)} buffers, {len(self.inputs)} inputs, "
-            f"{len(self.tangents)} tangents, traced in {self.trace_seconds:.2f}s"
+            f"{len(self.tangents)} tangents, {len(self.constants)} lifted constants, "
+            f"{len(self.folded)} folded reads, traced in {self.trace_seconds:.2f}s"
         )
 
 
@@ -162,24 +168,25 @@ def trace_joint(
     fake_model = _fake_copy(model, fake_mode, device)
     wrapper = _LossModule(fake_model, loss_fn)
     flat, spec = T.tree_flatten(sample_inputs)
-    fake_flat = [_to_fake(x, fake_mode, device) for x in flat]
-
-    fake_inputs = T.tree_unflatten(fake_flat, spec)
+    fake_inputs = T.tree_unflatten([_to_fake(x, fake_mode, device) for x in flat], spec)
     ranges: list[tuple[int, int, str]] = []
     handles = _record_module_ranges(fake_model, ranges)
+    reads = ConstantReads(fake_model)
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(reads)
             if device != "cpu":
                 # CUDA's fused attention kernels return RNG/bookkeeping outputs that DTensor's
                 # rules leave without a placement; attention as plain ATen ops plans everywhere
                 stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-            joint = T.aot_export_joint_with_descriptors(stack, wrapper, tuple(fake_inputs))
+            joint = _export(stack, wrapper, tuple(fake_inputs))
             gm = joint.graph_module
             jg = _label(gm, joint.fake_mode)
     finally:
         for h in handles:
             h.remove()
     jg.module_of = _assign_modules(gm, ranges)
+    jg.folded = list(dict.fromkeys(reads.folded))  # AOTAutograd runs forward twice (metadata, then the graph)
     jg.fingerprint = model_fingerprint(model)
     jg.input_shapes = [(list(x.shape), str(x.dtype)) for x in flat if isinstance(x, torch.Tensor)]
     jg.trace_seconds = time.perf_counter() - t0
@@ -193,6 +200,28 @@ def trace_joint(
         raise ValueError("no parameter received a gradient: is the loss connected to the parameters?")
     log.info("trace: %s", jg.summary())
     return jg
+
+
+def _export(stack: contextlib.ExitStack, wrapper: _LossModule, inputs: tuple) -> Any:
+    """AOTAutograd's joint export; a device clash with meta constants becomes a clear error."""
+    try:
+        return T.aot_export_joint_with_descriptors(stack, wrapper, inputs)
+    except T.FakeTensorDeviceMismatchError as e:
+        _raise_on_meta_constants(wrapper.model, e)
+        raise
+
+
+def _raise_on_meta_constants(model: nn.Module, cause: Exception) -> None:
+    """Plain tensor attributes on the meta device (built with the model on meta) have no
+    values anywhere, and meet the fake CPU tensors of the trace: say which ones, and the fix."""
+    found = [f"{fqn + '.' if fqn else ''}{k} {tuple(v.shape)}" for fqn, mod in model.named_modules()
+             for k, v in vars(mod).items() if isinstance(v, torch.Tensor) and v.device.type == "meta"]
+    if found:
+        raise ValueError(
+            f"the model's plain tensor attribute(s) {', '.join(found)} are on the meta device: a constant that is "
+            "not a parameter or buffer gets no values from to_empty/init_weights. Register it as a buffer "
+            "(register_buffer(..., persistent=False), set in init_weights) or create it on a real device "
+            "(`with torch.device('cpu'):` around it)") from cause
 
 
 def _record_module_ranges(model: nn.Module, ranges: list[tuple[int, int, str]]) -> list[Any]:
@@ -308,6 +337,8 @@ def _label(gm: fx.GraphModule, fake_mode: Any) -> JointGraph:
     labels.update({n.name: f"buffer {fqn}" for fqn, n in buffers.items()})
     labels.update({n.name: f"input {d.idx}" for d, (n, _) in input_pairs})
     labels.update({t.name: f"tangent of {d}" for d, t in out_tangents})
+    constants = {n.name: n for n in g.find_nodes(op="get_attr")}
+    labels.update({n.name: f"constant {n.target}" for n in constants.values()})
     slots, fwd_index = _output_slots(gm, labels)
     tangents = [t for _, t in out_tangents]
     return JointGraph(
@@ -317,4 +348,5 @@ def _label(gm: fx.GraphModule, fake_mode: Any) -> JointGraph:
         output_tangents=[(fwd_index.get(d, 0), t) for d, t in out_tangents],
         labels=labels, phase=_phases(gm, tangents), fingerprint="", input_shapes=[],
         param_bytes={fqn: n.meta["val"].numel() * n.meta["val"].element_size() for fqn, n in params.items()},
+        constants=constants,
     )

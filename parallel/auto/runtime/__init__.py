@@ -13,5 +13,5 @@ from parallel.auto.runtime.redistribute import local_shard
 from parallel.auto.runtime.runner import PlanRunner
 from parallel.auto.runtime.step_graph import CompileError
 
-__all__ = ["CompileError", "RuntimeOptions", "InputShapeError", "ParallelModuleMixin", "PlanRunner", "apply_plan",
-           "is_parallel_module", "local_shard"]
+__all__ = ["CompileError", "RuntimeOptions", "InputShapeError", "ParallelModuleMixin", "PlanRunner",
+           "apply_plan", "is_parallel_module", "local_shard"]

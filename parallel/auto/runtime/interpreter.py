@@ -31,6 +31,9 @@ CAST_OPS = (aten._to_copy.default,)
 LAYOUT_OPS = (aten.t.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
               aten._to_copy.default, aten.detach.default, aten.clone.default)
 """Ops that only change layout or dtype: a sum over ranks commutes with them."""
+NEW_FACTORIES = (aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
+                 aten.new_empty_strided.default)
+"""`x.new_zeros(shape)` and kin: the output's values do not depend on `x` (only its dtype and device)."""
 
 
 def _keeps_dtype(op: Any, v: torch.Tensor) -> bool:
@@ -123,13 +126,21 @@ class PlacementOps:
         """Run op node `n` with its inputs (from `env`) at their planned placements."""
         in_specs = list(self.spec[n.name].input_specs or [])
         leaves, tree = T.tree_flatten((n.args, dict(n.kwargs)))
+        # an op on lifted constants only (plain tensors every rank holds whole: lift_fresh_copy of
+        # a torch.tensor literal) runs on them as they are; its output is wrapped Replicate below
+        plain = not any(isinstance(env[a], DTensor) for a in leaves if is_tensor_node(a))
         vals, k = [], 0
         for a in leaves:
-            if is_tensor_node(a):
+            if is_tensor_node(a) and not plain:
                 vals.append(self._input(n, a, env[a], in_specs[k] if k < len(in_specs) else None))
                 k += 1
             else:
                 vals.append(env[a] if isinstance(a, fx.Node) else a)
+        if n.target in NEW_FACTORIES and isinstance(vals[0], DTensor) and all(
+                isinstance(p, Replicate) for p in self.out_placements(n.name)):
+            # planned whole on every rank: made from the local tensor (DTensor's dispatch would
+            # shard it like `x`, and the plan's replicated output would cost an all-gather)
+            vals[0] = vals[0].to_local()
         if self.param_dtype is not None:
             vals = self._harmonize(vals, n)
         args, kwargs = T.tree_unflatten(vals, tree)

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from parallel import _torch as T
 from parallel.auto.placements import local_shape
@@ -73,7 +72,7 @@ class LocalGraphs:
             return ([o.to_local() for o in outs],
                     [local_value(saved[k]) for k in layout["keys"]] + [cache[k].to_local() for k in layout["ckeys"]])
 
-        self.fwd = make_fx(fwd, tracing_mode="fake")(plocs, blocs, ilocs)
+        self.fwd = T.trace_fake(fwd)(plocs, blocs, ilocs)
         self.out_specs: list[DSpec] = layout["outs"]
         outs_l, slocs = self.fwd(plocs, blocs, ilocs)
         self.bwd = self._trace_backward(runner, layout, slocs, outs_l)
@@ -96,7 +95,7 @@ class LocalGraphs:
             return [g.to_local() for g in grads if g is not None]
 
         tlocs = [torch.ones(self.local_out_shape(sp), dtype=o.dtype) for sp, o in zip(self.out_specs, outs_l)]
-        gm = make_fx(bwd, tracing_mode="fake")(slocs, tlocs)
+        gm = T.trace_fake(bwd)(slocs, tlocs)
         self.has_grad: list[bool] = layout["has_grad"]
         return gm
 

@@ -125,6 +125,15 @@ def _replicated_param_uses(graph: JointGraph, spec: dict[str, Any]) -> list[str]
     return out
 
 
+def _place_constants(gm: fx.GraphModule, device_type: str) -> None:
+    """Lifted constants (get_attr) on the mesh's device: every rank holds them whole (the
+    plan replicates them)."""
+    for n in gm.graph.find_nodes(op="get_attr"):
+        value = getattr(gm, n.target)
+        if isinstance(value, torch.Tensor) and value.device.type != device_type:
+            setattr(gm, n.target, value.to(device_type))
+
+
 class PlanRunner:
     """Executes the joint graph of `graph` with the placements of `plan` on `mesh`."""
 
@@ -155,6 +164,7 @@ class PlanRunner:
         for gm in (self.fwd_gm, self.bwd_gm):  # the partitioner keeps unused random ops (attention): drop them
             gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output"))
             gm.recompile()
+            _place_constants(gm, mesh.device_type)
         self.saved_names = [a.name for a in self.fwd_gm.graph.output_node().args[0][len(self.out_slots):]]
         bucket = self.bucket = options.bucket
         self.reshard_after_forward = options.reshard_after_forward

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.fx.experimental.proxy_tensor import make_fx
 
+from parallel import _torch as T
 from parallel.auto.runtime.local_graphs import dspec, local_value, wrap
 from parallel.auto.runtime.schedule import OverlapReport, count_collectives, schedule_overlap
 
@@ -66,7 +66,7 @@ class StepGraph:
 
         t0 = time.perf_counter()
         args = ([p.to_local() for p in params], [local_value(b) for b in buffers], [x.to_local() for x in inputs])
-        self.gm = make_fx(step, tracing_mode="fake")(*args)
+        self.gm = T.trace_fake(step)(*args)
         self.out_specs, self.has_grad = layout["outs"], layout["has_grad"]
         self.overlap: OverlapReport | None = schedule_overlap(self.gm) if overlap else None
         self.collectives = count_collectives(self.gm)
