@@ -5,7 +5,8 @@
     python scripts/plan.py --config llama3_8b.toml --mesh auto --world-size 32 --hardware h100 [--workers 2]
 
 --mesh auto plans every mesh of --world-size devices (trainer/mesh_auto.py; cached), prints
-them ranked by predicted step time (meshes that do not fit dropped) and goes on with the best.
+them ranked by predicted step time per token (tokens/s; meshes that do not fit dropped) and
+goes on with the best.
 
 --html writes the plan as a self-contained page (parameters per layer group and mesh axis,
 collectives, memory); with --diff OTHER it is the side-by-side diff of OTHER (a saved plan)
@@ -115,7 +116,7 @@ def search_job(args: argparse.Namespace) -> Plan:
     except MeshSearchError as e:
         raise SystemExit(f"--world-size {args.world_size}: {e}") from None
     print(f"meshes of {args.world_size} devices for {cfg.model.name} {cfg.model.flavor} on {hardware}, "
-          f"local batch {cfg.training.local_batch_size} x seq {cfg.training.seq_len}, ranked by predicted step time:")
+          f"local batch {cfg.training.local_batch_size} x seq {cfg.training.seq_len}, ranked by predicted tokens/s:")
     print(ranked_table(rows))
     best = next((r for r in rows if r["rank"] == 1), None)
     if best is None:

@@ -4,7 +4,8 @@ Every mesh of the world size that the layout rules allow (parallel/auto/mesh_sea
 dp_replicate, dp_shard, tp; cp is not searched, the planner cannot express the trainer's
 context-parallel split yet) is planned as a sweep point with the job's model, shapes,
 planner knobs and budget (cached, seeded as the planner seeds), meshes whose memory does
-not fit are dropped, the rest ranked by predicted step time. The trainer then builds the
+not fit are dropped, the rest ranked by predicted step time per token (tokens/s: the
+global batch, local batch x data-parallel degree, differs between meshes). The trainer then builds the
 best one: rank 0 searches in a spawned process (its own fake world; the job's real process
 group stays untouched) and broadcasts the chosen degrees, or the error, to every rank.
 """
@@ -50,10 +51,11 @@ def search_points(cfg: JobConfig, world: int, hardware: str | HardwareProfile,
 
 
 def rank_rows(points: list[Point], rows: list[dict]) -> list[dict]:
-    """Rows ranked: fitting meshes by predicted step time (``rank`` 1, 2, ...), then the
-    dropped ones (OOM, planning failures) with ``rank`` "-" and their reason."""
-    cands = [Candidate(p.mesh, r.get("objective_us"), r.get("status") == "ok", r.get("status", ""))
-             for p, r in zip(points, rows)]
+    """Rows ranked: fitting meshes by predicted step time per token, i.e. tokens/s (``rank``
+    1, 2, ...; see :func:`rank_candidates`), then the dropped ones (OOM, planning failures)
+    with ``rank`` "-" and their reason."""
+    cands = [Candidate(p.mesh, r.get("objective_us"), r.get("status") == "ok", r.get("status", ""),
+                       tokens=p.global_batch * p.seq_len) for p, r in zip(points, rows)]
     by_mesh = {p.mesh: r for p, r in zip(points, rows)}
     out = []
     for i, c in enumerate(rank_candidates(cands)):
@@ -76,7 +78,7 @@ def search_meshes(cfg: JobConfig, world: int, hardware: str | HardwareProfile, *
 
 def ranked_table(rows: list[dict]) -> str:
     """The ranked rows as Markdown, with the memory column's meaning under it."""
-    table = markdown_table(rows, columns=RANK_COLUMNS + ("#",))
+    table = markdown_table(rows, columns=RANK_COLUMNS)
     note = memory_note(rows)
     return table + (f"\n{note}" if note else "")
 
@@ -111,7 +113,7 @@ def _search_on_rank0(cfg: JobConfig, world: int, hw: Any, vocab_size: int) -> di
         rows = search_meshes(cfg, world, hw, workers=1, vocab_size=vocab_size, out=logger.info)
     except (MeshSearchError, ProfileError) as e:
         return ConfigError(f"{where}: {e}; set the degrees instead")
-    logger.info("mesh search, ranked by predicted step time:\n%s", ranked_table(rows))
+    logger.info("mesh search, ranked by predicted tokens/s:\n%s", ranked_table(rows))
     best = next((r for r in rows if r["rank"] == 1), None)
     if best is None:
         return ConfigError(f"{where}: no mesh of {world} devices has a plan that fits ({rows[0]['status']} ...); "

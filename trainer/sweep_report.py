@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 COLUMNS = [  # (header, row key, format)
-    ("#", "index", "{}"), ("model", "model", "{}"), ("hw", "hardware", "{}"), ("world", "world", "{}"),
-    ("mesh", "mesh", "{}"), ("batch x seq", None, ""), ("AC", "ac_mode", "{}"), ("budget", "budget", "{:.4g}"),
+    ("rank", "rank", "{}"), ("#", "index", "{}"), ("model", "model", "{}"), ("hw", "hardware", "{}"),
+    ("world", "world", "{}"), ("mesh", "mesh", "{}"), ("batch x seq", None, ""), ("AC", "ac_mode", "{}"),
+    ("budget", "budget", "{:.4g}"),
     ("step ms", "step_ms", "{:,.1f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"), ("MFU", "mfu", "{:.1%}"),
     ("mem GiB", "mem_gib", "{:.2f}"), ("OOM", "oom", ""), ("plan s", "plan_s", "{:.1f}"), ("status", "status", "{}"),
     ("plan", "summary", "{}"),
@@ -39,8 +40,8 @@ def _cell(row: dict, key: str | None, fmt: str) -> str:
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
-    """The rows as a Markdown table (``columns``: headers to keep, default all)."""
-    cols = [c for c in COLUMNS if columns is None or c[0] in columns]
+    """The rows as a Markdown table (``columns``: headers to keep, default all but rank)."""
+    cols = [c for c in COLUMNS if (c[0] != "rank" if columns is None else c[0] in columns)]
     lines = ["| " + " | ".join(h for h, _, _ in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
         lines.append("| " + " | ".join(_cell(r, k, f).replace("|", "/") for _, k, f in cols) + " |")

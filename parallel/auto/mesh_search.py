@@ -3,7 +3,7 @@
 The planner decides what every mesh axis does, but not the mesh itself. This module
 enumerates the meshes a user could build — factorizations of N into the named axes
 ``dp_replicate, dp_shard, (cp,) tp``, outermost first, laid out on nodes of
-``gpus_per_node`` devices — and ranks planned candidates by predicted step time.
+``gpus_per_node`` devices — and ranks planned candidates by predicted step time per token.
 
 Layout rules (ranks are numbered row-major, the last axis varies fastest):
   * ``tp`` divides the node size: tensor parallelism stays on the intra-node links;
@@ -142,15 +142,24 @@ def uses_context_parallel(spec: MeshSpec) -> bool:
 
 @dataclass
 class Candidate:
-    """One planned mesh: predicted step time (None when planning failed), fit, reason."""
+    """One planned mesh: predicted step time (None when planning failed), the tokens one
+    step processes, whether it fits, and why not."""
 
     mesh: MeshSpec
     step_us: float | None
     fits: bool
     reason: str = ""
+    tokens: int = 1
+
+    @property
+    def us_per_token(self) -> float:
+        return self.step_us / self.tokens if self.step_us is not None else float("inf")
 
 
 def rank_candidates(cands: Sequence[Candidate]) -> list[Candidate]:
-    """Fitting meshes by predicted step time (fastest first), then the rest in order."""
-    ok = sorted((c for c in cands if c.fits and c.step_us is not None), key=lambda c: (c.step_us, c.mesh.shape))
+    """Fitting meshes by predicted step time per token (fastest first), then the rest in
+    their order. Per token: a mesh's global batch is the local batch times its
+    data-parallel degree, so meshes of one world size step over different token counts
+    (equal counts: the order of the step times)."""
+    ok = sorted((c for c in cands if c.fits and c.step_us is not None), key=lambda c: (c.us_per_token, c.mesh.shape))
     return ok + [c for c in cands if c not in ok]

@@ -8,7 +8,7 @@ import pytest
 
 from parallel.auto.cost import load_hardware
 from trainer import sweep_point
-from trainer.config import load_config
+from trainer.config import ConfigError, load_config
 from trainer.mesh_auto import degrees_of, search_meshes
 from trainer.sweep import Progress, run_points
 from trainer.sweep_point import PlanCache
@@ -134,7 +134,8 @@ def test_mesh_search_ranks_and_drops(tmp_path):
     rows = search_meshes(cfg, 2, "h100", workers=1, cache=cache, out=lambda s: None)
     assert sorted(r["mesh"] for r in rows) == ["dp_shard=2", "tp=2"]
     assert [r["rank"] for r in rows] == [1, 2]
-    assert rows[0]["step_ms"] <= rows[1]["step_ms"]
+    assert rows[0]["tokens_per_s"] >= rows[1]["tokens_per_s"]  # dp_shard=2 steps over twice the tokens of tp=2
+    assert rows[0]["mesh"] == "dp_shard=2"
     assert degrees_of(rows[0])["data_parallel_shard_degree"] * degrees_of(rows[0])["tensor_parallel_degree"] == 2
     tiny = load_hardware("h100").replace(memory_bytes=1024)  # nothing fits in 1 KiB
     dropped = search_meshes(cfg, 2, tiny, workers=1, cache=cache, out=lambda s: None)
@@ -148,3 +149,16 @@ def test_worker_processes_report_every_point(tmp_path):
     assert [r["mesh"] for r in rows] == ["dp_shard=2", "tp=2"]
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert lines[-1].startswith("[sweep] 2/2 done (0 cached, 0 failed)") and "ETA" in lines[0]
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["--parallelism.mesh", "dp4"], r"'parallelism\.mesh' = 'dp4': must be \"auto\""),
+    (["--parallelism.mesh", "auto", "--parallelism.mode", "manual"],
+     r"'parallelism\.mesh' = 'auto': .*mode = \"auto\""),
+    (["--parallelism.mesh", "auto", "--parallelism.tensor_parallel_degree", "2"],
+     r"'parallelism\.tensor_parallel_degree' = 2: is set, but mesh = \"auto\" chooses the degrees"),
+])
+def test_mesh_auto_config_errors(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config("llama3_debug_auto", overrides, world_size=2)
+    assert load_config("llama3_debug_auto", ["--parallelism.mesh", "auto"], world_size=2).parallelism.mesh == "auto"

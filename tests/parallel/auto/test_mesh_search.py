@@ -65,3 +65,6 @@ def test_rank_fitting_by_step_time_then_dropped():
     ranked = rank_candidates([Candidate(a, 30.0, True), Candidate(b, 10.0, False, "OOM"),
                               Candidate(c, 20.0, True), Candidate(d, None, False, "no plan")])
     assert [x.mesh for x in ranked] == [c, a, b, d]
+    # per token: a mesh stepping over twice the tokens in 1.5x the time is faster
+    big = Candidate(b, 30.0, True, tokens=2)
+    assert [x.mesh for x in rank_candidates([Candidate(a, 20.0, True), big])] == [b, a]
