@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     if note:
         print(note)
     planned = [r for r in rows if not r.get("cached")]
+    cpu = sum(r.get("cpu_s") or 0.0 for r in planned)
     print(f"\n{len(rows)} points in {wall:.1f} s ({len(planned)} planned, {len(rows) - len(planned)} from the cache; "
+          f"planning CPU {cpu:.0f} s, {cpu / max(1, len(planned)):.1f} s a point; "
           f"{sum(r.get('status') not in ('ok', 'OOM') for r in rows)} failed, "
           f"{sum(r.get('status') == 'OOM' for r in rows)} OOM)")
     limits = {memory_limit(load_hardware(p.hardware)) / 2**30 for p in points}

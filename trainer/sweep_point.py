@@ -99,7 +99,7 @@ def plan_point(point: Point, cache: PlanCache | None) -> dict:
     hit = cache.get(key) if cache is not None else None
     if hit is not None:
         return {**hit, "index": point.index, "cached": True, "key": key}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     plan = None
     try:
         plan, row = _plan_and_row(point)
@@ -111,6 +111,7 @@ def plan_point(point: Point, cache: PlanCache | None) -> dict:
         row["plan_s"] = time.perf_counter() - t0
         return row  # not cached: it may not fail next time
     row["plan_s"] = time.perf_counter() - t0
+    row["cpu_s"] = time.process_time() - c0  # this process's CPU: what the point costs on an idle core
     row["key"] = key
     if cache is not None:
         cache.put(key, row, plan)
@@ -150,13 +151,15 @@ def _plan_and_row(point: Point) -> tuple[Plan, dict]:
            "mfu": fpt * tps / peak, "mem_gib": mem / 2**30, "mem_kind": kind, "oom": mem > limit,
            "summary": one_line_summary(plan), "objective_us": plan.objective_us, "compute_us": plan.compute_us,
            "comm_us": sum(plan.comm_us.values()), "solver": plan.solver, "plan_status": plan.status,
-           "timings": {k: round(v, 2) for k, v in plan.timings.items()}}
+           "timings": {k: round(v, 2) for k, v in plan.timings.items()},
+           "trace_reused": plan.timings.get("trace", 0.0) == 0.0}
     row["status"] = "OOM" if row["oom"] else "ok"
     return plan, row
 
 
 def _plan(point: Point, hw: Any) -> tuple[Plan, int, int, float | None]:
-    """Plan the point on a fake world: (plan, parameters, parameter bytes, the budget used)."""
+    """Plan the point on a fake world: (plan, parameters, parameter bytes, the budget used).
+    ``plan.timings["trace"]`` is 0 when this process's last trace was reused."""
     tkey = trace_key(point)
     cached = _TRACES.get(tkey)
     kw = {"vocab_size": point.vocab_size} if point.vocab_size else {}
@@ -183,7 +186,6 @@ def _plan(point: Point, hw: Any) -> tuple[Plan, int, int, float | None]:
             autop.add_input_constraints([p, p])
             autop.add_parameter_memory_constraint(low=pl.memory_budget_low, high=high)
             plan = autop.optimize_placement(verbose=False)
-    plan.timings["trace_reused"] = 1.0 if cached else 0.0
     used = high if high is not None else max(1.0 / spec.world, 0.0)
     return plan, n_params, param_bytes, used
 

@@ -91,14 +91,6 @@ class Point:
             dp *= self.mesh.shape[i]
         return self.local_batch_size * dp
 
-    def axis_value(self, axis: str) -> Any:
-        """The value of a swept axis at this point (for tables and pictures)."""
-        simple = {"model": self.model, "flavor": self.flavor, "world_size": self.mesh.world,
-                  "mesh": self.mesh.label, "local_batch_size": self.local_batch_size, "seq_len": self.seq_len,
-                  "ac_mode": self.ac_mode, "memory_budget_high": self.memory_high,
-                  "hardware": getattr(self.hardware, "name", self.hardware)}
-        return simple[axis] if axis in simple else dict(self.model_args).get(axis)
-
 
 @dataclass
 class SweepSpec:
@@ -295,19 +287,21 @@ def _meshes(axes: dict[str, list], hw: Any, source: str) -> list[tuple[MeshSpec,
                              "(every mesh of it is planned) or mesh = [\"4x8\", ...]")
     out: list[tuple[MeshSpec, bool]] = []
     for m in meshes:
+        if m == "auto":
+            if not worlds:
+                raise SweepSpecError(f"{source}: 'axes.mesh' has the value 'auto' but no axes.world_size; "
+                                     "give the world sizes to search")
+            for w in worlds:
+                try:
+                    out += [(s, True) for s in enumerate_meshes(w, hw.gpus_per_node)]
+                except MeshSearchError as e:
+                    raise SweepSpecError(f"{source}: 'axes.world_size' has the value {w} ({hw.name}): {e}") from None
+            continue
         try:
-            if m == "auto":
-                if not worlds:
-                    raise SweepSpecError(f"{source}: 'axes.mesh' has the value 'auto' but no axes.world_size; "
-                                         "give the world sizes to search")
-                out += [(s, True) for w in worlds for s in enumerate_meshes(w, hw.gpus_per_node)]
-                continue
             spec = parse_mesh(m)
             check_world(spec.world, hw.gpus_per_node)
         except MeshSearchError as e:
-            bad = m if m != "auto" else worlds
-            raise SweepSpecError(f"{source}: 'axes.{'mesh' if m != 'auto' else 'world_size'}' has the value "
-                                 f"{bad!r} ({hw.name}): {e}") from None
+            raise SweepSpecError(f"{source}: 'axes.mesh' has the value {m!r} ({hw.name}): {e}") from None
         if worlds and spec.world not in worlds:
             raise SweepSpecError(f"{source}: 'axes.mesh' has the value {m!r} ({spec.world} devices), not one of "
                                  f"axes.world_size {worlds}; add {spec.world} or drop the mesh")
