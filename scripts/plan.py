@@ -2,6 +2,11 @@
 
     python scripts/plan.py --config llama3_8b.toml --mesh 4x8 [--hardware h100] [--out plan.json]
         [--html plan.html] [--diff other_plan.json] [--coverage]
+    python scripts/plan.py --config llama3_8b.toml --mesh auto --world-size 32 --hardware h100 [--workers 2]
+
+--mesh auto plans every mesh of --world-size devices (trainer/mesh_auto.py; cached), prints
+them ranked by predicted step time per token (tokens/s; meshes that do not fit dropped) and
+goes on with the best.
 
 --html writes the plan as a self-contained page (parameters per layer group and mesh axis,
 collectives, memory); with --diff OTHER it is the side-by-side diff of OTHER (a saved plan)
@@ -31,10 +36,13 @@ from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 
 from models import build_model  # noqa: E402
 from parallel.auto.api import AutoParallel, fake_world, lm_loss  # noqa: E402
+from parallel.auto.mesh_search import MeshSearchError  # noqa: E402
 from parallel.auto.plan import Plan, PlanMismatchError  # noqa: E402
 from parallel.auto.plan_html import save_diff_html, save_html  # noqa: E402
 from parallel.precision import is_mixed, mixed_precision_policy  # noqa: E402
 from trainer.config import load_config  # noqa: E402
+from trainer.mesh_auto import ranked_table, search_meshes  # noqa: E402
+from trainer.sweep_point import PlanCache  # noqa: E402
 
 
 def parse_mesh(text: str, names: str | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -93,10 +101,43 @@ def plan_job(args: argparse.Namespace) -> tuple:
     return plan, autop
 
 
+def search_job(args: argparse.Namespace) -> Plan:
+    """--mesh auto: plan every mesh of --world-size (cached), print them ranked, return the best plan."""
+    cfg = load_config(args.config, args.overrides, validate=False)
+    hardware = args.hardware or cfg.parallelism.hardware
+    if hardware == "auto":
+        raise SystemExit("--mesh auto plans for a named profile: pass --hardware (e.g. h100)")
+    cfg.training.local_batch_size = args.local_batch_size or cfg.training.local_batch_size
+    cfg.training.seq_len = args.seq_len or cfg.training.seq_len
+    if args.memory_high is not None:
+        cfg.parallelism.memory_budget_high = args.memory_high
+    cfg.parallelism.solver = args.solver or cfg.parallelism.solver
+    cfg.parallelism.time_limit = args.time_limit
+    cache = PlanCache(args.cache_dir)
+    try:
+        rows = search_meshes(cfg, args.world_size, hardware, workers=args.workers, cache=cache)
+    except MeshSearchError as e:
+        raise SystemExit(f"--world-size {args.world_size}: {e}") from None
+    print(f"meshes of {args.world_size} devices for {cfg.model.name} {cfg.model.flavor} on {hardware}, "
+          f"local batch {cfg.training.local_batch_size} x seq {cfg.training.seq_len}, ranked by predicted tokens/s:")
+    print(ranked_table(rows))
+    best = next((r for r in rows if r["rank"] == 1), None)
+    if best is None:
+        raise SystemExit(f"no mesh of {args.world_size} devices fits; lower the batch, the sequence or the budget")
+    plan = cache.plan(best["key"])
+    if plan is None:
+        raise SystemExit(f"the best mesh's plan is missing from the cache {cache.folder}; run again")
+    print(f"best mesh: {best['mesh']} ({best['step_ms']:.1f} ms per step predicted)")
+    return plan
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="job TOML (path or name under configs/)")
-    ap.add_argument("--mesh", required=True, help="mesh shape, e.g. 8 or 4x8")
+    ap.add_argument("--mesh", required=True, help="mesh shape, e.g. 8 or 4x8; auto: search every mesh of --world-size")
+    ap.add_argument("--world-size", type=int, default=None, help="with --mesh auto: the number of devices")
+    ap.add_argument("--workers", type=int, default=2, help="with --mesh auto: planning processes")
+    ap.add_argument("--cache-dir", default=None, help="with --mesh auto: plan cache (default ~/.cache/autotitan/plans)")
     ap.add_argument("--axis-names", default=None, help="comma-separated mesh axis names (default dp[,tp])")
     ap.add_argument("--hardware", default=None, help="hardware profile (default: [parallelism].hardware)")
     ap.add_argument("--out", default=None, help="write the plan JSON here")
@@ -120,8 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         other = Plan.load(args.diff) if args.diff else None  # fail before planning, not after
     except PlanMismatchError as e:
         ap.error(str(e))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
-    plan, _ = plan_job(args)
+    if (args.mesh == "auto") != (args.world_size is not None):
+        ap.error("--mesh auto and --world-size N go together")
+    if args.mesh == "auto":
+        plan = search_job(args)
+    else:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
+        plan, _ = plan_job(args)
     print(plan.summary())
     print(f"objective: {plan.objective_us:,.1f} µs per step ({plan.status}, {plan.solver}); "
           f"timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in plan.timings.items()))

@@ -76,12 +76,13 @@ def planner_mp_policy(training_cfg: Any) -> Optional[MixedPrecisionPolicy]:
     return policy if is_mixed(policy) else None
 
 
-def planning_hardware(par: Any, mesh: DeviceMesh) -> str | HardwareProfile:
+def planning_hardware(par: Any, mesh: DeviceMesh | None, device_type: str | None = None) -> str | HardwareProfile:
     """The cost model's profile: a named one, or with "auto" this GPU's shipped profile or
     this machine measured for the job's world size (cached; every rank takes part)."""
     if par.hardware != AUTO:
         return par.hardware
-    return gpu_profile() or profile_for_group(recalibrate=par.recalibrate, device=torch.device(mesh.device_type))
+    device = torch.device(mesh.device_type if mesh is not None else device_type)
+    return gpu_profile() or profile_for_group(recalibrate=par.recalibrate, device=device)
 
 
 def runtime_options(job_config: JobConfig) -> RuntimeOptions:
@@ -194,12 +195,17 @@ STATE_BYTES_PER_PARAM = 16  # fp32 parameter, gradient and AdamW's two moments
 REPLICATED_STATES_SHARE = 0.25  # of a device's memory, at most, for fully replicated model states
 
 
+def default_memory_high(num_params: int, hw: HardwareProfile) -> float | None:
+    """The unset parameter budget: free (1.0: the planner may replicate parameters when that
+    is faster) when every rank could hold all model states (parameters, gradients, optimizer)
+    in a quarter of its memory; otherwise None, fully sharded, as AutoParallel defaults."""
+    states = STATE_BYTES_PER_PARAM * num_params
+    return 1.0 if states <= REPLICATED_STATES_SHARE * hw.memory_bytes else None
+
+
 def _states_fit_replicated(model: nn.Module, autop: AutoParallel) -> bool:
-    """The unset parameter budget: free (the planner may replicate parameters when that is
-    faster) when every rank could hold all model states (parameters, gradients, optimizer)
-    in a quarter of its memory; otherwise fully sharded, as AutoParallel defaults."""
-    states = STATE_BYTES_PER_PARAM * sum(p.numel() for p in model.parameters())
-    return states <= REPLICATED_STATES_SHARE * autop.cost_model().hw.memory_bytes
+    """Whether the unset budget is free (:func:`default_memory_high`)."""
+    return default_memory_high(sum(p.numel() for p in model.parameters()), autop.cost_model().hw) is not None
 
 
 def _solve_on_rank0(autop: AutoParallel) -> Plan:

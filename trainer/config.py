@@ -119,6 +119,9 @@ class Parallelism:
     context_parallel_degree: int = 1
     expert_parallel_degree: int = 1
     enable_sequence_parallel: bool = True
+    # auto mode: "" builds the mesh from the degrees; "auto" plans every mesh of the world
+    # size (trainer/mesh_auto.py) and builds the fastest that fits
+    mesh: str = ""
     # auto mode: the planner's knobs (parallel.auto.api.AutoParallel)
     hardware: str = DEFAULT_HARDWARE  # "auto" (this machine, measured), a configs/hardware/NAME.toml, or a path
     recalibrate: bool = False  # hardware "auto": measure again instead of reading the cached profile

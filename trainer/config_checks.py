@@ -141,9 +141,27 @@ def _validate_parallelism(cfg: JobConfig, world_size: int) -> None:
                        f"= {dp_cp}")
 
 
+def _validate_mesh(cfg: JobConfig) -> None:
+    """`mesh = "auto"`: auto mode, and no degrees set (the search chooses them)."""
+    p = cfg.parallelism
+    if p.mesh not in ("", "auto"):
+        raise _err(cfg, "parallelism", "mesh", 'must be "auto" (search the meshes) or "" (build it from the degrees)')
+    if p.mesh != "auto":
+        return
+    if p.mode != "auto":
+        raise _err(cfg, "parallelism", "mesh", 'the mesh search plans each mesh: it needs mode = "auto"')
+    defaults = {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1, "tensor_parallel_degree": 1,
+                "context_parallel_degree": 1, "expert_parallel_degree": 1}
+    for key, default in defaults.items():
+        if getattr(p, key) != default:
+            raise _err(cfg, "parallelism", key, f'is set, but mesh = "auto" chooses the degrees; remove it '
+                       f'(default {default}) or set mesh = ""')
+
+
 def _validate_planner(cfg: JobConfig) -> None:
     """The auto mode's knobs (checked in manual mode too: a typo should not wait)."""
     p = cfg.parallelism
+    _validate_mesh(cfg)
     if p.solver not in SOLVERS:
         raise _err(cfg, "parallelism", "solver",
                    f"must be one of {', '.join(SOLVERS)} (highs, cbc: the ILP with that backend)")

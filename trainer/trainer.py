@@ -35,6 +35,7 @@ from .checkpoint import CheckpointManager
 from .config import ConfigError, JobConfig
 from .data import DataError, build_dataloader, build_tokenizer
 from .device import local_device, sharded_init_is_exact
+from .mesh_auto import choose_mesh
 from .metrics import MetricsLogger, setup_logging
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 
@@ -75,6 +76,8 @@ class Trainer:
         setup_logging(self.rank)
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
         self.device = local_device(cfg.job.device)
+        if cfg.parallelism.mesh == "auto" and self.distributed:  # plan every mesh, build the best
+            self.cfg = cfg = choose_mesh(cfg, self.world_size, self.device.type, self._vocab_size())
         self.mesh = build_mesh(cfg.parallelism, self.world_size, self.device.type) if self.distributed else None
         self.dp_rank, self.dp_degree = dp_rank_and_degree(self.mesh)
         self.cp_axis = self.mesh is not None and CP in (self.mesh.mesh_dim_names or ())
@@ -97,6 +100,15 @@ class Trainer:
         self.metrics: Optional[MetricsLogger] = None
 
     # ------------------------------------------------------------------ building
+
+    def _vocab_size(self) -> int:
+        """The model's vocabulary: `model.vocab_size`, or the tokenizer's when it is -1."""
+        if self.cfg.model.vocab_size > 0:
+            return self.cfg.model.vocab_size
+        try:
+            return build_tokenizer(self.cfg.data.tokenizer).vocab_size
+        except DataError as e:
+            raise ConfigError(f"{self.cfg.source}: {e}") from None
 
     def _build_data(self) -> None:
         """Tokenizer and this data-parallel rank's loader; text that cannot fill a batch is

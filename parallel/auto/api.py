@@ -83,6 +83,7 @@ class AutoParallel:
         seed_radius: int = 2,
         seed_rounds: int = 1,
         runtime: RuntimeOptions | None = None,
+        graph: JointGraph | None = None,
     ) -> None:
         self.model = model
         self.input_fn = input_fn
@@ -101,6 +102,9 @@ class AutoParallel:
         self.runtime = runtime if runtime is not None else RuntimeOptions()  # how the plan will run: priced
         self.mp_dtype: torch.dtype | None = getattr(mp_policy, "param_dtype", None) if mp_policy is not None else None
         self._cost_model = cost_model
+        # a joint graph traced earlier for this model and these global inputs (a sweep plans one
+        # trace on many meshes: the trace does not depend on the mesh); None: trace on entry
+        self._given_graph = graph
         self.graph: JointGraph | None = None
         self.candidates: Candidates | None = None
         self.constraints: list[Constraint] = []
@@ -126,8 +130,15 @@ class AutoParallel:
                 self._input_placements.append(None)
                 plain.append(x)
         inputs = T.tree_unflatten(plain, spec)
-        self.graph = trace_joint(self.model, inputs, self.loss_fn, device=self.mesh.device_type)
-        self.timings["trace"] = time.perf_counter() - t0
+        if self._given_graph is not None:
+            shapes = [list(x.shape) for x in T.tree_flatten(inputs)[0] if isinstance(x, torch.Tensor)]
+            if shapes != [list(s) for s, _ in self._given_graph.input_shapes]:
+                raise ValueError(f"the given graph was traced for inputs {self._given_graph.input_shapes}, "
+                                 f"not {shapes}; trace again for these inputs")
+            self.graph = self._given_graph
+        else:
+            self.graph = trace_joint(self.model, inputs, self.loss_fn, device=self.mesh.device_type)
+        self.timings["trace"] = time.perf_counter() - t0 if self._given_graph is None else 0.0  # 0: not traced here
         t1 = time.perf_counter()
         if not self._seeded():  # seeded candidates are enumerated in optimize_placement
             self.candidates = build_candidates(self.graph, self.mesh)

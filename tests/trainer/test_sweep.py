@@ -1,0 +1,166 @@
+"""Sweep specs (validation, expansion), the plan cache, failing points, mesh search ranking.
+
+Planning tests use a one-layer LLaMA of width 64 on fake worlds of 2 ranks (h100 profile),
+in-process (workers=1): a few seconds each.
+"""
+
+import pytest
+
+from parallel.auto.cost import load_hardware
+from trainer import sweep_point
+from trainer.config import ConfigError, load_config
+from trainer.mesh_auto import degrees_of, search_meshes
+from trainer.sweep import Progress, run_points
+from trainer.sweep_point import PlanCache
+from trainer.sweep_report import markdown_table, svg_picture, write_csv
+from trainer.sweep_spec import SweepSpecError, load_sweep
+
+TINY = """
+[sweep]
+name = "tiny"
+config = "llama3_debug"
+[axes]
+hardware = "h100"
+n_layers = 1
+dim = 64
+n_heads = 4
+n_kv_heads = 2
+ffn_hidden_dim = 128
+seq_len = 32
+local_batch_size = 1
+"""
+
+
+def spec_file(tmp_path, text, name="s.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def quiet():
+    return Progress(0, out=lambda s: None)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ("[axes]\nworld_size = [4]\nbogus = 3", r"s\.toml: unknown key 'axes\.bogus' = 3; keys of \[axes\]: model, flavor"),
+    ("[sweep]\nnmae = 'x'\n[axes]\nworld_size = [4]", r"unknown key 'sweep\.nmae' = 'x'; keys of \[sweep\]: name"),
+    ("[axes]\nworld_size = [8, 12]\nhardware = 'h100'",
+     r"'axes\.world_size' has the value 12 \(h100\): world size 12 is not a whole number of nodes of 8"),
+    ("[axes]\nmesh = ['3x4']\nhardware = 'h100'",
+     r"'axes\.mesh' has the value '3x4' \(h100\): world size 12 is not a whole number of nodes of 8"),
+    ("[axes]\nworld_size = [4]\nhardware = 'h100'\nseq_len = [128, 4096]",
+     r"'axes\.seq_len' has the value 4096: llama3/debug takes at most max_seq_len = 2048"),
+    ("[axes]\nworld_size = [4]\nhardware = 'h100'\nmesh = ['2x4']",
+     r"'axes\.mesh' has the value '2x4' \(8 devices\), not one of"),
+    ("[axes]\nworld_size = [4]\nac_mode = 'some'", r"'axes\.ac_mode' has the value 'some': must be one of none"),
+    ("[axes]\nworld_size = [4]\nmemory_budget_high = ['1/0']", r"memory_budget_high' has the value '1/0'"),
+    ("[axes]\nworld_size = [4]\nflavor = '9B'", r"'axes\.flavor' has the value '9B': no such flavor of llama3"),
+    ("[axes]\nhardware = 'h100'\nseq_len = 64", r"names neither world_size nor mesh"),
+    ("[axes]\nworld_size = [4]\nhardware = 'auto'", r"'axes\.hardware' has the value 'auto'"),
+])
+def test_spec_errors_name_file_key_value(tmp_path, extra, match):
+    text = ("[sweep]\nconfig = 'llama3_debug'\n" if "[sweep]" not in extra else "") + extra
+    if "config" not in text:
+        text = text.replace("[sweep]", "[sweep]\nconfig = 'llama3_debug'", 1)
+    with pytest.raises(SweepSpecError, match=match):
+        load_sweep(spec_file(tmp_path, text))
+
+
+def test_expansion_is_the_cartesian_product(tmp_path):
+    text = TINY.replace("seq_len = 32\nlocal_batch_size = 1", "seq_len = [32, 64]\nlocal_batch_size = [1, 2]")
+    spec = load_sweep(spec_file(tmp_path, text + "world_size = [4, 8]\nmesh = ['auto', '2x2']\n"))
+    # meshes of 4 on a node of 8: 4 (dp_shard=4, tp=4, dp_shard=2,tp=2, dp_replicate=2,dp_shard=2) + the explicit 2x2
+    # (the same as dp_shard=2,tp=2, planned again under its own index); 8: 7 meshes
+    assert len(spec.points) == (4 + 1 + 7) * 2 * 2
+    assert [p.index for p in spec.points] == list(range(len(spec.points)))
+    assert spec.x == "world_size"
+    p = spec.points[0]
+    assert dict(p.model_args) == {"n_layers": 1, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden_dim": 128}
+    assert {q.global_batch for q in spec.points if q.mesh.label == "tp=4"} == {1, 2}  # tp alone: one batch
+
+
+def test_shipped_specs_expand():
+    assert len(load_sweep("llama3_8b_meshes100").points) == 100
+    assert [p.mesh.world for p in load_sweep("llama3_8b_ladder").points] == [8, 16, 32, 64, 128]
+    t7 = load_sweep("llama3_70b_table7").points
+    assert [p.memory_high for p in t7] == [1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0]
+
+
+def test_cache_hit_replans_nothing_and_trace_is_reused(tmp_path, monkeypatch):
+    spec = load_sweep(spec_file(tmp_path, TINY + "mesh = '2'\nmemory_budget_high = ['1/2', 1.0]\n"))
+    cache = PlanCache(tmp_path / "cache")
+    rows = run_points(spec.points, workers=1, cache=cache, progress=quiet())
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert [r["cached"] for r in rows] == [False, False]
+    assert rows[1]["trace_reused"] and not rows[0]["trace_reused"]  # same model and shapes, another budget: one trace
+    assert rows[0]["tokens_per_s"] == pytest.approx(2 * 32 / (rows[0]["objective_us"] * 1e-6))
+    assert 0 < rows[0]["mfu"] < 1 and rows[0]["mem_kind"] == "states" and rows[0]["oom"] is False
+    assert cache.plan(rows[0]["key"]).objective_us == rows[0]["objective_us"]
+
+    def boom(point):
+        raise AssertionError("planned again")
+
+    monkeypatch.setattr(sweep_point, "_plan_and_row", boom)
+    again = run_points(spec.points, workers=1, cache=cache, progress=quiet())
+    assert [r["cached"] for r in again] == [True, True]
+    assert [r["step_ms"] for r in again] == [r["step_ms"] for r in rows]
+
+
+def test_failing_point_is_a_row_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    spec = load_sweep(spec_file(tmp_path, TINY + "mesh = ['2', 'tp=2']\n"))
+    real = sweep_point._plan_and_row
+
+    def flaky(point):
+        if point.index == 0:
+            raise RuntimeError("planner exploded")
+        return real(point)
+
+    monkeypatch.setattr(sweep_point, "_plan_and_row", flaky)
+    rows = run_points(spec.points, workers=1, cache=PlanCache(tmp_path / "c"), progress=quiet())
+    assert rows[0]["status"] == "error: RuntimeError: planner exploded" and rows[0]["step_ms"] is None
+    assert rows[1]["status"] == "ok"
+    table = markdown_table(rows)
+    assert "error: RuntimeError: planner exploded" in table and table.count("\n") == 3
+    write_csv(rows, tmp_path / "rows.csv")
+    assert (tmp_path / "rows.csv").read_text().count("\n") == 3
+    svg = svg_picture(rows, "mesh", "t")
+    assert svg.startswith("<svg") and svg.count("<circle") == 2  # one point per panel: the failed one has none
+
+
+def test_mesh_search_ranks_and_drops(tmp_path):
+    cfg = load_config("llama3_debug_auto", ["--model.n_layers", "1", "--model.dim", "64", "--model.n_heads", "4",
+                                            "--model.n_kv_heads", "2", "--model.ffn_hidden_dim", "128",
+                                            "--training.seq_len", "32", "--training.local_batch_size", "2"],
+                      validate=False)
+    cache = PlanCache(tmp_path / "cache")
+    rows = search_meshes(cfg, 2, "h100", workers=1, cache=cache, out=lambda s: None)
+    assert sorted(r["mesh"] for r in rows) == ["dp_shard=2", "tp=2"]
+    assert [r["rank"] for r in rows] == [1, 2]
+    assert rows[0]["tokens_per_s"] >= rows[1]["tokens_per_s"]  # dp_shard=2 steps over twice the tokens of tp=2
+    assert rows[0]["mesh"] == "dp_shard=2"
+    assert degrees_of(rows[0])["data_parallel_shard_degree"] * degrees_of(rows[0])["tensor_parallel_degree"] == 2
+    tiny = load_hardware("h100").replace(memory_bytes=1024)  # nothing fits in 1 KiB
+    dropped = search_meshes(cfg, 2, tiny, workers=1, cache=cache, out=lambda s: None)
+    assert [r["rank"] for r in dropped] == ["-", "-"] and {r["status"] for r in dropped} == {"OOM"}
+
+
+def test_worker_processes_report_every_point(tmp_path):
+    spec = load_sweep(spec_file(tmp_path, TINY + "mesh = ['2', 'tp=2']\n"))
+    lines = []
+    rows = run_points(spec.points, workers=2, cache=PlanCache(tmp_path / "c"), progress=Progress(2, out=lines.append))
+    assert [r["mesh"] for r in rows] == ["dp_shard=2", "tp=2"]
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert lines[-1].startswith("[sweep] 2/2 done (0 cached, 0 failed)") and "ETA" in lines[0]
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["--parallelism.mesh", "dp4"], r"'parallelism\.mesh' = 'dp4': must be \"auto\""),
+    (["--parallelism.mesh", "auto", "--parallelism.mode", "manual"],
+     r"'parallelism\.mesh' = 'auto': .*mode = \"auto\""),
+    (["--parallelism.mesh", "auto", "--parallelism.tensor_parallel_degree", "2"],
+     r"'parallelism\.tensor_parallel_degree' = 2: is set, but mesh = \"auto\" chooses the degrees"),
+])
+def test_mesh_auto_config_errors(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config("llama3_debug_auto", overrides, world_size=2)
+    assert load_config("llama3_debug_auto", ["--parallelism.mesh", "auto"], world_size=2).parallelism.mesh == "auto"

@@ -1,0 +1,223 @@
+"""Plan one sweep point on a fake world and turn the plan into a table row; cache both.
+
+Each point is planned in a fake process group of its world size (no GPU): the model is
+built on meta, traced once per (model, global batch, sequence) in a process (the joint
+graph does not depend on the mesh, the hardware or the budget, so points differing only
+in those reuse it), and solved by the planner. The plan and its row are stored under a
+hash of everything that decides the plan (:func:`point_key`), written then renamed, so a
+re-run plans only new points.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import json
+import os
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+from models import build_model, model_args
+from parallel.auto.api import AutoParallel, fake_world, lm_loss
+from parallel.auto.cost import load_hardware, profile_to_toml
+from parallel.auto.plan import Plan, linear_roles
+from parallel.auto.problem import PlanningError
+from parallel.auto.runtime import RuntimeOptions
+from parallel.precision import is_mixed, mixed_precision_policy
+
+from .auto import default_memory_high
+from .sweep_spec import Point
+
+PLANNER_VERSION = 1
+"""Part of every cache key: bump it when the planner's plans change meaning."""
+DEFAULT_CACHE = Path(os.environ.get("AUTOTITAN_CACHE", Path.home() / ".cache" / "autotitan")) / "plans"
+
+_TRACES: dict[tuple, Any] = {}  # this process's last joint graph, by trace key
+_STATS = {"traced": 0, "reused": 0}
+
+
+def point_key(point: Point) -> str:
+    """Hash of what decides the plan: model and dims, mesh, shapes, AC, hardware figures,
+    budget, planner knobs, planner and torch versions."""
+    hw = point.hardware
+    d = {"model": point.model, "flavor": point.flavor, "args": list(point.model_args), "vocab": point.vocab_size,
+         "mesh": [list(point.mesh.shape), list(point.mesh.names)], "lb": point.local_batch_size,
+         "seq": point.seq_len, "ac": point.ac_mode, "hw": profile_to_toml(load_hardware(hw)),
+         "high": point.memory_high, "planner": dataclasses.asdict(point.planner), "v": PLANNER_VERSION,
+         "torch": torch.__version__}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def trace_key(point: Point) -> tuple:
+    """What the joint graph depends on (not the mesh, hardware, budget or AC mode)."""
+    return (point.model, point.flavor, point.model_args, point.vocab_size, point.global_batch, point.seq_len)
+
+
+class PlanCache:
+    """Rows and plans on disk, one pair of files per point key (written, then renamed)."""
+
+    def __init__(self, folder: str | os.PathLike | None = None) -> None:
+        self.folder = Path(folder) if folder is not None else DEFAULT_CACHE
+
+    def get(self, key: str) -> dict | None:
+        try:
+            return json.loads((self.folder / f"{key}.row.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def plan(self, key: str) -> Plan | None:
+        try:
+            with gzip.open(self.folder / f"{key}.plan.json.gz", "rt") as f:
+                return Plan.from_json(json.load(f), source=f"cached plan {key}")
+        except (OSError, json.JSONDecodeError, ValueError):
+            return None
+
+    def put(self, key: str, row: dict, plan: Plan | None) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if plan is not None:
+            tmp = self.folder / f"{key}.plan.json.gz.tmp{os.getpid()}"
+            with gzip.open(tmp, "wt") as f:
+                json.dump(plan.to_json(), f)
+            os.replace(tmp, self.folder / f"{key}.plan.json.gz")
+        tmp = self.folder / f"{key}.row.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(row, default=str))
+        os.replace(tmp, self.folder / f"{key}.row.json")
+
+
+def plan_point(point: Point, cache: PlanCache | None) -> dict:
+    """The row of one point: from the cache, else planned (and cached). A failure is a row
+    whose status says why; planning errors (no plan within the budget) are cached too."""
+    key = point_key(point)
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None:
+        return {**hit, "index": point.index, "cached": True, "key": key}
+    t0, c0 = time.perf_counter(), time.process_time()
+    plan = None
+    try:
+        plan, row = _plan_and_row(point)
+    except PlanningError as e:
+        row = failure_row(point, f"no plan: {e}")
+    except Exception as e:  # noqa: BLE001 - a failing point is a row, never the end of the sweep
+        row = failure_row(point, f"error: {type(e).__name__}: {e}")
+        row["traceback"] = traceback.format_exc(limit=8)
+        row["plan_s"] = time.perf_counter() - t0
+        return row  # not cached: it may not fail next time
+    row["plan_s"] = time.perf_counter() - t0
+    row["cpu_s"] = time.process_time() - c0  # this process's CPU: what the point costs on an idle core
+    row["key"] = key
+    if cache is not None:
+        cache.put(key, row, plan)
+    return row
+
+
+def base_row(point: Point) -> dict:
+    hw = load_hardware(point.hardware)
+    dims = ",".join(f"{k}={v}" for k, v in point.model_args)
+    return {"index": point.index, "model": f"{point.model}/{point.flavor}" + (f"[{dims}]" if dims else ""),
+            "hardware": hw.name, "world": point.mesh.world, "mesh": point.mesh.label,
+            "global_batch": point.global_batch, "local_batch": point.local_batch_size, "seq_len": point.seq_len,
+            "ac_mode": point.ac_mode, "budget": point.memory_high, "cached": False, "mesh_auto": point.mesh_auto,
+            **dict(point.model_args)}
+
+
+def failure_row(point: Point, reason: str) -> dict:
+    return {**base_row(point), "status": reason, "step_ms": None, "tokens_per_s": None, "mfu": None,
+            "mem_gib": None, "mem_kind": "", "oom": None, "summary": ""}
+
+
+def _plan_and_row(point: Point) -> tuple[Plan, dict]:
+    hw = load_hardware(point.hardware)
+    plan, n_params, param_bytes, budget = _plan(point, hw)
+    step_s = plan.objective_us * 1e-6
+    tokens = point.global_batch * point.seq_len
+    tps = tokens / step_s if step_s > 0 else float("inf")
+    args = model_args(point.model, point.flavor, **dict(point.model_args))
+    try:
+        fpt = float(args.flops_per_token(point.seq_len))
+    except (AttributeError, TypeError):
+        fpt = 6.0 * n_params
+    peak = hw.peak_flops(point.planner.mp_param) * point.mesh.world
+    mem, kind = memory_estimate(plan, param_bytes)
+    limit = memory_limit(hw)
+    row = {**base_row(point), "budget": budget, "step_ms": step_s * 1e3, "tokens_per_s": tps,
+           "mfu": fpt * tps / peak, "mem_gib": mem / 2**30, "mem_kind": kind, "oom": mem > limit,
+           "summary": one_line_summary(plan), "objective_us": plan.objective_us, "compute_us": plan.compute_us,
+           "comm_us": sum(plan.comm_us.values()), "solver": plan.solver, "plan_status": plan.status,
+           "timings": {k: round(v, 2) for k, v in plan.timings.items()},
+           "trace_reused": plan.timings.get("trace", 0.0) == 0.0}
+    row["status"] = "OOM" if row["oom"] else "ok"
+    return plan, row
+
+
+def _plan(point: Point, hw: Any) -> tuple[Plan, int, int, float | None]:
+    """Plan the point on a fake world: (plan, parameters, parameter bytes, the budget used).
+    ``plan.timings["trace"]`` is 0 when this process's last trace was reused."""
+    tkey = trace_key(point)
+    cached = _TRACES.get(tkey)
+    kw = {"vocab_size": point.vocab_size} if point.vocab_size else {}
+    model = cached[0] if cached else build_model(point.model, point.flavor, device="meta",
+                                                 **dict(point.model_args), **kw)
+    n_params = sum(p.numel() for p in model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    pl = point.planner
+    mp = mixed_precision_policy(pl.mp_param, pl.mp_reduce)
+    high = default_memory_high(n_params, hw) if point.memory_high == "auto" else point.memory_high
+    inputs = tuple(torch.zeros(point.global_batch, point.seq_len, dtype=torch.long, device="meta") for _ in range(2))
+    runtime = RuntimeOptions(ac_mode=point.ac_mode, overlap=pl.overlap, reshard_after_forward=pl.reshard_after_forward)
+    spec = point.mesh
+    with fake_world(spec.world):
+        mesh = init_device_mesh("cpu", spec.shape, mesh_dim_names=spec.names)
+        with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, mp_policy=mp if is_mixed(mp) else None, hardware=hw,
+                          solver=pl.solver, time_limit=pl.time_limit, cluster_layers=pl.cluster_layers, seed=pl.seed,
+                          seed_radius=pl.seed_radius, seed_rounds=pl.seed_rounds, runtime=runtime,
+                          graph=cached[1] if cached else None) as autop:
+            _STATS["reused" if cached else "traced"] += 1
+            _TRACES.clear()
+            _TRACES[tkey] = (model, autop.graph)  # one graph a process: an 8B trace holds ~0.5 GB
+            p = tuple(Shard(0) if i in spec.data_axes() else Replicate() for i in range(len(spec.shape)))
+            autop.add_input_constraints([p, p])
+            autop.add_parameter_memory_constraint(low=pl.memory_budget_low, high=high)
+            plan = autop.optimize_placement(verbose=False)
+    used = high if high is not None else max(1.0 / spec.world, 0.0)
+    return plan, n_params, param_bytes, used
+
+
+def memory_limit(hw: Any) -> float:
+    """Bytes a device may hold: the profile's memory_limit_gib when it has one, else its memory."""
+    gib = getattr(hw, "memory_limit_gib", None)
+    return gib * 2**30 if gib else float(hw.memory_bytes)
+
+
+def memory_estimate(plan: Plan, param_bytes: int) -> tuple[float, str]:
+    """(bytes per device, what they count). The plan's peak estimate when it has one
+    (`plan.memory.peak_bytes`); else the model states its parameter placements imply:
+    parameters + gradients + AdamW's two moments, in the parameters' dtype ("states")."""
+    mem = getattr(plan, "memory", None)
+    if mem is not None:
+        return float(mem.peak_bytes), "peak"
+    return plan.memory_fraction * param_bytes * 4, "states"  # parameter, gradient, 2 moments: each its size
+
+
+def one_line_summary(plan: Plan) -> str:
+    """Per mesh axis, what the first block's weight matrices do there, with counts:
+    ``dp_shard: FSDP (all-gather) x7 | tp: column-parallel x4, row-parallel x3``."""
+    rows = [(fqn, words) for fqn, words in linear_roles(plan) if ".0." in fqn and "norm" not in fqn]
+    rows = rows or linear_roles(plan)
+    parts = []
+    for i, axis in enumerate(plan.mesh_axis_names):
+        roles = Counter(words.split("; ")[i].rsplit(" on ", 1)[0] for _, words in rows)
+        parts.append(f"{axis}: " + ", ".join(f"{r} x{n}" for r, n in roles.most_common()))
+    return " | ".join(parts)
+
+
+def trace_stats() -> dict[str, int]:
+    """Traces made and reused in this process (for the sweep's progress report)."""
+    return dict(_STATS)

@@ -1,0 +1,313 @@
+"""Sweep specs: a TOML file of axes whose cartesian product is a list of planning points.
+
+    [sweep]
+    name = "llama3_8b_ladder"        # output folder outputs/sweeps/<name>/
+    config = "llama3_8b"             # base job: model, dtypes, planner knobs ([parallelism])
+    x = "world_size"                 # the picture's x axis (default: the first axis that varies)
+
+    [axes]                           # every key a list (or one value); the product is swept
+    world_size = [8, 16]
+    mesh = ["auto", "2x4"]           # "auto": every mesh of each world size; or explicit meshes
+    seq_len = [8192]
+
+Every problem -- unknown section or key, a wrong type, a world size no mesh lays out, a
+sequence longer than the model takes, a mesh of another world size -- is one
+:class:`SweepSpecError` naming the file, the key, the value and the fix, raised before any
+planning starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from models import get_model_spec, model_args
+from parallel.auto.cost import ProfileError, load_hardware
+from parallel.auto.mesh_search import MeshSearchError, MeshSpec, check_world, enumerate_meshes, parse_mesh
+
+from .config import ConfigError, JobConfig, Model, load_config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+SWEEPS_DIR = Path(__file__).resolve().parents[1] / "configs" / "sweeps"
+SWEEP_KEYS = {"name": str, "description": str, "config": str, "x": str, "workers": int}
+MODEL_DIMS = tuple(f.name for f in dataclasses.fields(Model) if f.name not in ("name", "flavor", "vocab_size"))
+AXIS_KEYS = ("model", "flavor", *MODEL_DIMS, "hardware", "world_size", "mesh", "local_batch_size", "seq_len",
+             "ac_mode", "memory_budget_high")
+AC_MODES = ("none", "full", "selective")
+BUDGET_WORDS = ("auto", "sharded")
+
+
+class SweepSpecError(ValueError):
+    """A sweep spec that cannot be run; the message names file, key, value and fix."""
+
+
+@dataclass(frozen=True)
+class Planner:
+    """The job's planner knobs, shared by every point of a sweep (from the base config)."""
+
+    mp_param: str = "bfloat16"
+    mp_reduce: str = "float32"
+    solver: str = "auto"
+    time_limit: float = 600.0
+    seed: bool | None = None
+    seed_radius: int = 2
+    seed_rounds: int = 1
+    cluster_layers: bool = True
+    overlap: bool = True
+    reshard_after_forward: bool = True
+    memory_budget_low: float | None = None
+
+
+@dataclass(frozen=True)
+class Point:
+    """One planning job: a model on a mesh with shapes, hardware and a budget."""
+
+    index: int
+    model: str
+    flavor: str
+    model_args: tuple[tuple[str, int], ...]
+    mesh: MeshSpec
+    local_batch_size: int
+    seq_len: int
+    ac_mode: str
+    hardware: Any  # a profile name, a path, or a HardwareProfile
+    memory_high: float | str | None  # fraction; "auto": the trainer's rule; None: fully sharded
+    planner: Planner
+    vocab_size: int | None = None  # None: the flavor's
+    mesh_auto: bool = False  # enumerated by the mesh search
+
+    @property
+    def global_batch(self) -> int:
+        dp = 1
+        for i in self.mesh.data_axes():
+            dp *= self.mesh.shape[i]
+        return self.local_batch_size * dp
+
+
+@dataclass
+class SweepSpec:
+    name: str
+    source: str
+    axes: dict[str, list]
+    points: list[Point]
+    x: str
+    workers: int = 2
+    description: str = ""
+
+
+def resolve_sweep_path(spec: str) -> Path:
+    """A path, or a bare name under configs/sweeps/ (with or without .toml)."""
+    for p in (Path(spec), Path(spec + ".toml"), SWEEPS_DIR / spec, SWEEPS_DIR / (spec + ".toml")):
+        if p.is_file():
+            return p
+    known = sorted(p.stem for p in SWEEPS_DIR.glob("*.toml")) if SWEEPS_DIR.is_dir() else []
+    raise SweepSpecError(f"sweep spec {spec!r} not found (a path, or a name under configs/sweeps/); known: "
+                         f"{', '.join(known) or 'none'}")
+
+
+def load_sweep(spec: str) -> SweepSpec:
+    """Read, validate and expand a sweep spec (SweepSpecError on any problem)."""
+    path = resolve_sweep_path(spec)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise SweepSpecError(f"{path}: not valid TOML: {e}") from None
+    return sweep_from_dict(data, str(path))
+
+
+def sweep_from_dict(data: dict, source: str) -> SweepSpec:
+    """Validate the parsed TOML of a spec and expand its points."""
+    for section, table in data.items():
+        if section not in ("sweep", "axes") or not isinstance(table, dict):
+            raise SweepSpecError(f"{source}: unknown section or top-level key {section!r}; a sweep spec has the "
+                                 "sections [sweep] and [axes]")
+    head = _check_head(data.get("sweep", {}), source)
+    axes = _check_axes(data.get("axes", {}), source)
+    try:
+        base = load_config(head.get("config"), validate=False)
+    except ConfigError as e:
+        raise SweepSpecError(f"{source}: 'sweep.config' = {head.get('config')!r}: {e}") from None
+    points = expand_points(axes, base, source)
+    varying = [k for k in AXIS_KEYS if len(axes.get(k, [])) > 1]
+    x = head.get("x") or (varying[0] if varying else "mesh")
+    if x not in AXIS_KEYS:
+        raise SweepSpecError(f"{source}: 'sweep.x' = {x!r} is not an axis; axes: {', '.join(AXIS_KEYS)}")
+    name = head.get("name") or Path(source).stem
+    return SweepSpec(name=name, source=source, axes=axes, points=points, x=x, workers=head.get("workers", 2),
+                     description=head.get("description", ""))
+
+
+def _check_head(head: dict, source: str) -> dict:
+    for key, value in head.items():
+        if key not in SWEEP_KEYS:
+            raise SweepSpecError(f"{source}: unknown key 'sweep.{key}' = {value!r}; keys of [sweep]: "
+                                 f"{', '.join(SWEEP_KEYS)}")
+        if not isinstance(value, SWEEP_KEYS[key]) or isinstance(value, bool):
+            raise SweepSpecError(f"{source}: 'sweep.{key}' = {value!r} must be a {SWEEP_KEYS[key].__name__}")
+    if head.get("workers", 1) < 1:
+        raise SweepSpecError(f"{source}: 'sweep.workers' = {head['workers']!r} must be >= 1")
+    return head
+
+
+def _check_axes(axes: dict, source: str) -> dict[str, list]:
+    out = {}
+    for key, value in axes.items():
+        if key not in AXIS_KEYS:
+            raise SweepSpecError(f"{source}: unknown key 'axes.{key}' = {value!r}; keys of [axes]: "
+                                 f"{', '.join(AXIS_KEYS)}")
+        values = value if isinstance(value, list) else [value]
+        if not values:
+            raise SweepSpecError(f"{source}: 'axes.{key}' = [] is empty; give at least one value or remove the key")
+        for v in values:
+            _check_axis_value(key, v, source)
+        out[key] = values
+    return out
+
+
+def _check_axis_value(key: str, v: Any, source: str) -> None:
+    where = f"{source}: 'axes.{key}' has the value {v!r}"
+    if key in ("model", "flavor", "hardware", "mesh", "ac_mode"):
+        if not isinstance(v, str):
+            raise SweepSpecError(f"{where}: must be a string")
+        if key == "ac_mode" and v not in AC_MODES:
+            raise SweepSpecError(f"{where}: must be one of {', '.join(AC_MODES)}")
+    elif key == "memory_budget_high":
+        if parse_budget(v) is _BAD:
+            raise SweepSpecError(f"{where}: must be a fraction > 0 (0.5, \"1/32\"), \"auto\" (the trainer's rule) "
+                                 "or \"sharded\" (fully sharded)")
+    elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise SweepSpecError(f"{where}: must be an integer >= 1")
+
+
+_BAD = object()
+
+
+def parse_budget(v: Any) -> Any:
+    """0.5, "1/32" -> float; "auto" -> "auto"; "sharded" -> None; anything else -> _BAD."""
+    if isinstance(v, str):
+        if v in BUDGET_WORDS:
+            return None if v == "sharded" else v
+        num, _, den = v.partition("/")
+        try:
+            v = float(num) / float(den or 1)
+        except (ValueError, ZeroDivisionError):
+            return _BAD
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+        return _BAD
+    return float(v)
+
+
+def planner_of(cfg: JobConfig) -> Planner:
+    p, t = cfg.parallelism, cfg.training
+    return Planner(mp_param=t.mixed_precision_param, mp_reduce=t.mixed_precision_reduce, solver=p.solver,
+                   time_limit=p.time_limit, seed=p.seed, seed_radius=p.seed_radius, seed_rounds=p.seed_rounds,
+                   cluster_layers=p.cluster_layers, overlap=p.overlap, reshard_after_forward=p.reshard_after_forward,
+                   memory_budget_low=p.memory_budget_low)
+
+
+def expand_points(axes: dict[str, list], base: JobConfig, source: str) -> list[Point]:
+    """The cartesian product of the axes (missing ones take the base job's value), each
+    combination checked: model arguments, sequence length, hardware, meshes."""
+    models = _model_combos(axes, base, source)
+    hardware = [_load_profile(h, source) for h in axes.get("hardware", [base.parallelism.hardware])]
+    lbs = axes.get("local_batch_size", [base.training.local_batch_size])
+    seqs = axes.get("seq_len", [base.training.seq_len])
+    acs = axes.get("ac_mode", [base.activation_checkpoint.mode])
+    default_budget = base.parallelism.memory_budget_high if base.parallelism.memory_budget_high else "auto"
+    budgets = [parse_budget(b) for b in axes.get("memory_budget_high", [default_budget])]
+    planner = planner_of(base)
+    for (name, flavor, dims), seq in itertools.product(models, seqs):
+        _check_seq(name, flavor, dims, seq, source)
+    points: list[Point] = []
+    for (name, flavor, dims), (hw_name, hw) in itertools.product(models, hardware):
+        for (mesh, auto), lb, seq, ac, budget in itertools.product(_meshes(axes, hw, source), lbs, seqs, acs,
+                                                                   budgets):
+            points.append(Point(index=len(points), model=name, flavor=flavor, model_args=dims, mesh=mesh,
+                                local_batch_size=lb, seq_len=seq, ac_mode=ac, hardware=hw_name, memory_high=budget,
+                                planner=planner, mesh_auto=auto))
+    return points
+
+
+def _model_combos(axes: dict[str, list], base: JobConfig, source: str) -> list[tuple[str, str, tuple]]:
+    combos = []
+    dims = [k for k in MODEL_DIMS if k in axes]
+    fixed = {k: v for k, v in base.model.arg_overrides().items() if k not in dims}
+    for name, flavor, *values in itertools.product(axes.get("model", [base.model.name]),
+                                                   axes.get("flavor", [base.model.flavor]),
+                                                   *(axes[k] for k in dims)):
+        args = {**fixed, **dict(zip(dims, values))}
+        try:
+            spec = get_model_spec(name)
+        except ValueError as e:
+            raise SweepSpecError(f"{source}: 'axes.model' has the value {name!r}: {e}") from None
+        if flavor not in spec.flavors:
+            raise SweepSpecError(f"{source}: 'axes.flavor' has the value {flavor!r}: no such flavor of {name}; "
+                                 f"flavors: {', '.join(spec.flavors)}")
+        try:
+            model_args(name, flavor, **args)
+        except (ValueError, TypeError, AssertionError) as e:
+            key = next((k for k in args if k in str(e)), next(iter(args), "flavor"))
+            raise SweepSpecError(f"{source}: 'axes.{key}' = {args.get(key, flavor)!r}: not an argument "
+                                 f"{name}/{flavor} can take ({e})") from None
+        combos.append((name, flavor, tuple(sorted(args.items()))))
+    return combos
+
+
+def _check_seq(name: str, flavor: str, dims: tuple, seq: int, source: str) -> None:
+    max_seq = getattr(model_args(name, flavor, **dict(dims)), "max_seq_len", None)
+    if max_seq is not None and seq > max_seq:
+        raise SweepSpecError(f"{source}: 'axes.seq_len' has the value {seq}: {name}/{flavor} takes at most "
+                             f"max_seq_len = {max_seq} tokens; drop the value or add max_seq_len to the axes")
+
+
+def _load_profile(name: str, source: str) -> tuple[str, Any]:
+    if name == "auto":
+        raise SweepSpecError(f"{source}: 'axes.hardware' has the value 'auto' (this machine, measured with the job's "
+                             "ranks): a sweep plans for named profiles; use one of configs/hardware/ or a path")
+    try:
+        return name, load_hardware(name)
+    except ProfileError as e:
+        raise SweepSpecError(f"{source}: 'axes.hardware' has the value {name!r}: {e}") from None
+
+
+def _meshes(axes: dict[str, list], hw: Any, source: str) -> list[tuple[MeshSpec, bool]]:
+    """The meshes of one hardware profile: explicit ones, and "auto" per world size."""
+    worlds = axes.get("world_size", [])
+    meshes = axes.get("mesh", ["auto"] if worlds else [])
+    if not meshes:
+        raise SweepSpecError(f"{source}: [axes] names neither world_size nor mesh; give world_size = [...] "
+                             "(every mesh of it is planned) or mesh = [\"4x8\", ...]")
+    out: list[tuple[MeshSpec, bool]] = []
+    for m in meshes:
+        if m == "auto":
+            if not worlds:
+                raise SweepSpecError(f"{source}: 'axes.mesh' has the value 'auto' but no axes.world_size; "
+                                     "give the world sizes to search")
+            for w in worlds:
+                try:
+                    out += [(s, True) for s in enumerate_meshes(w, hw.gpus_per_node)]
+                except MeshSearchError as e:
+                    raise SweepSpecError(f"{source}: 'axes.world_size' has the value {w} ({hw.name}): {e}") from None
+            continue
+        try:
+            spec = parse_mesh(m)
+            check_world(spec.world, hw.gpus_per_node)
+        except MeshSearchError as e:
+            raise SweepSpecError(f"{source}: 'axes.mesh' has the value {m!r} ({hw.name}): {e}") from None
+        if worlds and spec.world not in worlds:
+            raise SweepSpecError(f"{source}: 'axes.mesh' has the value {m!r} ({spec.world} devices), not one of "
+                                 f"axes.world_size {worlds}; add {spec.world} or drop the mesh")
+        out.append((spec, False))
+    missing = [w for w in worlds if all(s.world != w for s, _ in out)]
+    if missing:
+        raise SweepSpecError(f"{source}: 'axes.world_size' has {missing} with no mesh in axes.mesh; add \"auto\" "
+                             "or a mesh of that many devices")
+    return out
