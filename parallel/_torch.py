@@ -38,7 +38,11 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._functorch.partitioners import default_partition
 from torch._ops import OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+from torch.distributed._functional_collectives import (
+    all_gather_tensor_autograd,
+    all_to_all_single_autograd,
+    wait_tensor,
+)
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import (
@@ -69,7 +73,7 @@ from torch.utils.flop_counter import (
 
 __all__ = [
     "FAKE_BACKEND", "FAKE_DEVICE",
-    "all_to_all_single_autograd", "wait_tensor",
+    "all_gather_tensor_autograd", "all_to_all_single_autograd", "wait_tensor",
     "BufferAOTInput", "DTensorSpec", "FakeTensor", "FakeTensorMode", "GradAOTOutput", "MaskPartial",
     "OpOverload", "OpOverloadPacket", "OpSchema", "OpSpec", "OpStrategy", "ParamAOTInput", "PlainAOTInput",
     "PlainAOTOutput", "RuntimeSchemaInfo", "ShardingPlaceholder", "SingleDimStrategyInfo", "StridedShard",
@@ -78,7 +82,7 @@ __all__ = [
     "flatten_mesh", "foreach_mul_",
     "foreach_norm", "get_all_output_and_tangent_nodes", "get_named_buffer_nodes", "get_param_and_grad_nodes",
     "get_plain_input_and_grad_nodes", "is_fake", "op_name", "partition_joint", "partition_value",
-    "register_planner_ops",
+    "autograd_enabled", "register_planner_ops", "register_region_strategy",
     "sequence_nr", "sharding_propagator", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_mesh",
     "CPU_ATTENTION_BWD", "CPU_ATTENTION_FWD",
 ]
@@ -258,3 +262,25 @@ def register_planner_ops() -> None:
                 register_flop_formula(packet, get_raw=True)(formula)
         clear_sharding_caches()
         _registered = True
+
+
+def register_region_strategy(op: Any, rule: Any, static_argnum: int) -> None:
+    """DTensor single-dim strategy of a local_map region's op (parallel/auto/contracts.py):
+    `rule(op, args_schema, kwargs_schema)` lists its declared per-axis options."""
+    prop = sharding_propagator()
+    prop.op_single_dim_strategy_funcs.pop(op, None)
+    register_single_dim_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=static_argnum))(rule)
+    clear_sharding_caches()
+
+
+@contextlib.contextmanager
+def autograd_enabled() -> Iterator[None]:
+    """Grad mode with the autograd dispatch keys un-excluded: a custom op's kernel called from
+    a compiled graph (or a dispatch mode) runs below autograd, where nothing would record."""
+    keys = [torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView]
+    with contextlib.ExitStack() as stack:
+        for k in keys:
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(k, False))
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad())
+        yield

@@ -82,8 +82,10 @@ class AutoParallel:
         seed_radius: int = 2,
         seed_rounds: int = 1,
         runtime: RuntimeOptions | None = None,
+        regions: tuple[str, ...] = (),
     ) -> None:
         self.model = model
+        self.regions = tuple(regions)  # declared local_map contracts traced as one node (contracts.py)
         self.input_fn = input_fn
         self.mesh = mesh
         self.loss_fn = loss_fn
@@ -125,7 +127,8 @@ class AutoParallel:
                 self._input_placements.append(None)
                 plain.append(x)
         inputs = T.tree_unflatten(plain, spec)
-        self.graph = trace_joint(self.model, inputs, self.loss_fn, device=self.mesh.device_type)
+        self.graph = trace_joint(self.model, inputs, self.loss_fn, device=self.mesh.device_type,
+                                 regions=self.regions)
         self.timings["trace"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         if not self._seeded():  # seeded candidates are enumerated in optimize_placement

@@ -23,6 +23,7 @@ from torch import fx, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from parallel import _torch as T
+from parallel.auto import contracts
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class JointGraph:
     module_of: dict[str, str] = field(default_factory=dict)  # node name -> innermost module FQN ("" = root)
     trace_seconds: float = 0.0
     param_bytes: dict[str, int] = field(default_factory=dict)
+    regions: list[str] = field(default_factory=list)  # local_map regions traced as one node each
 
     def summary(self) -> str:
         ops = sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
@@ -143,6 +145,7 @@ def trace_joint(
     sample_inputs: tuple[Any, ...] | Callable[[], tuple[Any, ...]],
     loss_fn: Callable[..., torch.Tensor] | None = None,
     device: str = T.FAKE_DEVICE,
+    regions: tuple[str, ...] = (),
 ) -> JointGraph:
     """Trace model (+ loss_fn(model, *inputs)) into a labelled joint fwd+bwd graph.
 
@@ -150,7 +153,9 @@ def trace_joint(
     are converted to FakeTensors, so nothing is allocated. The traced output must be a
     scalar loss (pass loss_fn when the model returns logits). `device`: the device type
     the plan will run on (its ATen ops differ: CPU and CUDA attention kernels), the
-    mesh's own; fake meshes for planning are on the CPU.
+    mesh's own; fake meshes for planning are on the CPU. `regions`: names of declared
+    local_map contracts whose marked modules are traced as one node each (contracts.py);
+    functions decorated with `contracts.region` always are.
     """
     T.register_planner_ops()
     t0 = time.perf_counter()
@@ -173,6 +178,7 @@ def trace_joint(
                 # CUDA's fused attention kernels return RNG/bookkeeping outputs that DTensor's
                 # rules leave without a placement; attention as plain ATen ops plans everywhere
                 stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+            stack.enter_context(contracts.traced_regions(fake_model, regions))
             joint = T.aot_export_joint_with_descriptors(stack, wrapper, tuple(fake_inputs))
             gm = joint.graph_module
             jg = _label(gm, joint.fake_mode)
@@ -180,6 +186,7 @@ def trace_joint(
         for h in handles:
             h.remove()
     jg.module_of = _assign_modules(gm, ranges)
+    jg.regions = contracts.regions_in(gm)
     jg.fingerprint = model_fingerprint(model)
     jg.input_shapes = [(list(x.shape), str(x.dtype)) for x in flat if isinstance(x, torch.Tensor)]
     jg.trace_seconds = time.perf_counter() - t0
