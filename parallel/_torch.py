@@ -45,7 +45,11 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     unset_fake_temporarily,
 )
-from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+from torch.distributed._functional_collectives import (
+    all_gather_tensor_autograd,
+    all_to_all_single_autograd,
+    wait_tensor,
+)
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import (
@@ -77,7 +81,7 @@ from torch.utils.flop_counter import (
 
 __all__ = [
     "FAKE_BACKEND", "FAKE_DEVICE",
-    "all_to_all_single_autograd", "wait_tensor",
+    "all_gather_tensor_autograd", "all_to_all_single_autograd", "wait_tensor",
     "BufferAOTInput", "DTensorSpec", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor",
     "FakeTensorDeviceMismatchError", "FakeTensorMode", "GradAOTOutput", "MaskPartial",
     "OpOverload", "OpOverloadPacket", "OpSchema", "OpSpec", "OpStrategy", "ParamAOTInput", "PlainAOTInput",
@@ -87,7 +91,7 @@ __all__ = [
     "flatten_mesh", "foreach_mul_",
     "foreach_norm", "get_all_output_and_tangent_nodes", "get_named_buffer_nodes", "get_param_and_grad_nodes",
     "get_plain_input_and_grad_nodes", "is_fake", "op_name", "partition_joint", "partition_value",
-    "real_tensors", "register_planner_ops", "trace_fake",
+    "autograd_enabled", "real_tensors", "register_planner_ops", "register_region_strategy", "trace_fake",
     "sequence_nr", "sharding_propagator", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_mesh",
     "CPU_ATTENTION_BWD", "CPU_ATTENTION_FWD",
 ]
@@ -298,3 +302,25 @@ def _alias_rule(prop: Any, op: Any, like: Any) -> None:
         info = prop.op_to_schema_info_for_single_dim_strategy.get(like)
         if info is not None:
             prop.op_to_schema_info_for_single_dim_strategy[op] = info
+
+
+def register_region_strategy(op: Any, rule: Any, static_argnum: int) -> None:
+    """DTensor single-dim strategy of a local_map region's op (parallel/auto/contracts.py):
+    `rule(op, args_schema, kwargs_schema)` lists its declared per-axis options."""
+    prop = sharding_propagator()
+    prop.op_single_dim_strategy_funcs.pop(op, None)
+    register_single_dim_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=static_argnum))(rule)
+    clear_sharding_caches()
+
+
+@contextlib.contextmanager
+def autograd_enabled() -> Iterator[None]:
+    """Grad mode with the autograd dispatch keys un-excluded: a custom op's kernel called from
+    a compiled graph (or a dispatch mode) runs below autograd, where nothing would record."""
+    keys = [torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView]
+    with contextlib.ExitStack() as stack:
+        for k in keys:
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(k, False))
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad())
+        yield

@@ -84,8 +84,10 @@ class AutoParallel:
         seed_rounds: int = 1,
         runtime: RuntimeOptions | None = None,
         graph: JointGraph | None = None,
+        regions: tuple[str, ...] = (),
     ) -> None:
         self.model = model
+        self.regions = tuple(regions)  # declared local_map contracts traced as one node (contracts.py)
         self.input_fn = input_fn
         self.mesh = mesh
         self.loss_fn = loss_fn
@@ -137,7 +139,8 @@ class AutoParallel:
                                  f"not {shapes}; trace again for these inputs")
             self.graph = self._given_graph
         else:
-            self.graph = trace_joint(self.model, inputs, self.loss_fn, device=self.mesh.device_type)
+            self.graph = trace_joint(self.model, inputs, self.loss_fn, device=self.mesh.device_type,
+                                     regions=self.regions)
         self.timings["trace"] = time.perf_counter() - t0 if self._given_graph is None else 0.0  # 0: not traced here
         t1 = time.perf_counter()
         if not self._seeded():  # seeded candidates are enumerated in optimize_placement

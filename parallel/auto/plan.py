@@ -81,6 +81,7 @@ class Plan:
     memory_fraction: float = 0.0  # parameter bytes per device / total parameter bytes
     memory_budget: list = field(default_factory=list)  # [low, high]
     constraints: list[str] = field(default_factory=list)
+    regions: list[str] = field(default_factory=list)  # local_map regions of the traced graph (contracts.py)
     # in-memory only (not saved): the problem and solution behind the plan
     problem: Any = field(default=None, repr=False, compare=False)
     labels: list[int] | None = field(default=None, repr=False, compare=False)
@@ -430,6 +431,7 @@ def build_plan(prob: Problem, labels: list[int], *, solver: str, status: str, ti
         mp_param_dtype=str(prob.mp_dtype) if prob.mp_dtype is not None else None,
         memory_fraction=mem / prob.total_param_bytes if prob.total_param_bytes else 0.0,
         memory_budget=list(memory_budget), constraints=list(constraints), problem=prob, labels=list(labels),
+        regions=list(jg.regions),
     )
 
 

@@ -23,6 +23,7 @@ from torch import fx, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from parallel import _torch as T
+from parallel.auto import contracts
 from parallel.auto.fold import ConstantReads, FoldedRead
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class JointGraph:
     # forward, tables kept as attributes); replicated inputs of the plan
     constants: dict[str, fx.Node] = field(default_factory=dict)
     folded: list[FoldedRead] = field(default_factory=list)  # distinct data-dependent reads folded at trace time
+    regions: list[str] = field(default_factory=list)  # local_map regions traced as one node each
 
     def summary(self) -> str:
         ops = sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
@@ -149,6 +151,7 @@ def trace_joint(
     sample_inputs: tuple[Any, ...] | Callable[[], tuple[Any, ...]],
     loss_fn: Callable[..., torch.Tensor] | None = None,
     device: str = T.FAKE_DEVICE,
+    regions: tuple[str, ...] = (),
 ) -> JointGraph:
     """Trace model (+ loss_fn(model, *inputs)) into a labelled joint fwd+bwd graph.
 
@@ -156,7 +159,9 @@ def trace_joint(
     are converted to FakeTensors, so nothing is allocated. The traced output must be a
     scalar loss (pass loss_fn when the model returns logits). `device`: the device type
     the plan will run on (its ATen ops differ: CPU and CUDA attention kernels), the
-    mesh's own; fake meshes for planning are on the CPU.
+    mesh's own; fake meshes for planning are on the CPU. `regions`: names of declared
+    local_map contracts whose marked modules are traced as one node each (contracts.py);
+    functions decorated with `contracts.region` always are.
     """
     T.register_planner_ops()
     t0 = time.perf_counter()
@@ -179,6 +184,7 @@ def trace_joint(
                 # CUDA's fused attention kernels return RNG/bookkeeping outputs that DTensor's
                 # rules leave without a placement; attention as plain ATen ops plans everywhere
                 stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+            stack.enter_context(contracts.traced_regions(fake_model, regions))
             joint = _export(stack, wrapper, tuple(fake_inputs))
             gm = joint.graph_module
             jg = _label(gm, joint.fake_mode)
@@ -187,6 +193,7 @@ def trace_joint(
             h.remove()
     jg.module_of = _assign_modules(gm, ranges)
     jg.folded = list(dict.fromkeys(reads.folded))  # AOTAutograd runs forward twice (metadata, then the graph)
+    jg.regions = contracts.regions_in(gm)
     jg.fingerprint = model_fingerprint(model)
     jg.input_shapes = [(list(x.shape), str(x.dtype)) for x in flat if isinstance(x, torch.Tensor)]
     jg.trace_seconds = time.perf_counter() - t0

@@ -20,7 +20,10 @@ class RuntimeOptions:
     overlap: start collectives early and wait for them at first use (step graph);
     compile / compile_fallback / compile_mode: Inductor-compile the step graph (mode as
         torch.compile's: "default", "max-autotune" benchmarks GEMM kernels); on a compile
-        error run it eagerly (with a warning) instead of failing.
+        error run it eagerly (with a warning) instead of failing;
+    load_balance: the inputs' sequence follows the load-balanced context-parallel order for
+        this many ranks (parallel/recipes/cp.py; 1 = natural order): local_map regions that
+        depend on positions (causal attention) read it.
     """
 
     ac_mode: str = "none"
@@ -31,6 +34,7 @@ class RuntimeOptions:
     compile: bool = False
     compile_fallback: bool = False
     compile_mode: str = "default"
+    load_balance: int = 1
 
     def __post_init__(self) -> None:
         if self.ac_mode not in AC_MODES:

@@ -50,6 +50,12 @@ log = logging.getLogger("parallel.auto.runtime")
 def resolve_specs(candidates: Candidates, plan: Plan) -> dict[str, Any]:
     """node name -> the OpSpec the plan chose, checked against the plan's placement strings
     (so a replayed plan that does not fit this graph is refused with PlanMismatchError)."""
+    gone = [r for r in getattr(plan, "regions", []) if r not in candidates.graph.regions]
+    if gone:
+        raise PlanMismatchError(
+            f"the plan was made with the local_map region(s) {', '.join(map(repr, gone))}, which this model no "
+            "longer declares (its traced graph has " + (", ".join(map(repr, candidates.graph.regions)) or "none")
+            + "); re-plan")
     missing = [n for n in candidates.nodes if n not in plan.nodes]
     extra = [n for n in plan.nodes if n not in candidates.nodes]
     if missing or extra:
@@ -172,7 +178,8 @@ class PlanRunner:
         self.gather_params = _replicated_param_uses(graph, self.spec) if bucket else []
         self.ops = PlacementOps(mesh, self.spec, self.param_dtype,
                                 _deferred_layout_ops(self.bwd_gm, grad_nodes) if bucket else set(),
-                                {name: self.block_of.get(name, -1) for name in self.gather_params})
+                                {name: self.block_of.get(name, -1) for name in self.gather_params},
+                                load_balance=options.load_balance)
         # per-device graphs (local_graphs.py), built on the first call; False: interpret eagerly
         self.use_local_graphs = local_graphs
         self.local_graphs_cache: dict[Any, Any] = {}
