@@ -95,6 +95,16 @@ class MemoryTracker(T.TorchDispatchMode):
             self._watch[key] = entry
         self.current += n
 
+    def exclude(self, tensors: Any) -> None:
+        """Storages that exist before the measured region (parameters, optimizer states,
+        inputs): views and in-place ops on them under this mode are not new memory."""
+        for t in T.tree_flatten(tensors)[0]:
+            if isinstance(t, DTensor):
+                t = t.to_local()
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                self._live.setdefault(id(st), [weakref.ref(st), 0])
+
     def _refresh(self) -> None:
         """Re-measure the storages that can be resized in place (FSDP2's buffers come
         from ``empty``-like ops); compute outputs keep their size for life."""

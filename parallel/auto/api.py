@@ -16,6 +16,7 @@ scalar loss: pass `loss_fn(model, *inputs)` around a model that returns logits.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,11 +32,13 @@ from parallel import _torch as T
 from parallel._torch import fake_world
 from parallel.auto.cost import AUTO, DEFAULT_HARDWARE, CostModel, HardwareProfile, RuntimeSchedule
 from parallel.auto.cost.calibrate import resolve_auto
+from parallel.auto.cost.memory import GIB, MemoryEstimate
 from parallel.auto.formulation import build_problem
 from parallel.auto.placements import placement_str
 from parallel.auto.plan import Plan, build_plan
-from parallel.auto.problem import Constraint, PlanningError, Problem, min_parameter_fraction
+from parallel.auto.problem import Constraint, MemoryLimitError, PlanningError, Problem, min_parameter_fraction
 from parallel.auto.runtime import RuntimeOptions, apply_plan
+from parallel.auto.runtime.memory import estimate_memory as step_memory
 from parallel.auto.solve import Solution, check_solver, solve
 from parallel.auto.solve.seed import plan_candidates, reseeded_candidates, seeded_candidates, use_seeding
 from parallel.auto.strategies import Candidates, build_candidates
@@ -43,7 +46,19 @@ from parallel.auto.trace import JointGraph, trace_joint
 
 log = logging.getLogger("parallel.auto")
 
-__all__ = ["AutoParallel", "PlanningError", "Plan", "fake_world", "lm_loss"]
+__all__ = ["AutoParallel", "MemoryLimitError", "PlanningError", "Plan", "fake_world", "lm_loss"]
+
+MEMORY_ROUNDS = 3  # re-solves with a tighter parameter budget when a plan is over the memory limit
+MEMORY_FIX = ("use activation checkpointing ([activation_checkpoint] mode, RuntimeOptions(ac_mode=...)), "
+              "a smaller local batch or sequence, or more ranks")
+
+
+def _over_limit(est: MemoryEstimate, plan: Plan) -> str:
+    g = lambda b: f"{b / GIB:,.2f}"  # noqa: E731
+    return (f"no plan fits in the memory limit: predicted peak {g(est.peak_bytes)} GiB per device (params "
+            f"{g(est.params_bytes)}, grads {g(est.grads_bytes)}, optimizer {g(est.optimizer_bytes)}, activations "
+            f"{g(est.activations_bytes)}, transient {g(est.transient_bytes)} GiB, in the {est.phase}) > "
+            f"{g(est.limit_bytes)} GiB ({est.limit_source})")
 
 
 def lm_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -82,6 +97,8 @@ class AutoParallel:
         seed_radius: int = 2,
         seed_rounds: int = 1,
         runtime: RuntimeOptions | None = None,
+        memory_limit_gib: float | None = None,
+        optimizer: str = "foreach",
     ) -> None:
         self.model = model
         self.input_fn = input_fn
@@ -98,6 +115,12 @@ class AutoParallel:
         self.time_limit = time_limit
         self.cluster_layers = cluster_layers
         self.runtime = runtime if runtime is not None else RuntimeOptions()  # how the plan will run: priced
+        # the predicted peak per device may reach this (None: the hardware profile's; inf: no limit)
+        if memory_limit_gib is not None and not memory_limit_gib > 0:
+            raise ValueError(f"memory_limit_gib = {memory_limit_gib}: must be > 0 GiB (None: the hardware profile's "
+                             "memory_limit_gib; float('inf'): no limit)")
+        self.memory_limit_gib = memory_limit_gib
+        self.optimizer = optimizer  # AdamW's implementation, "foreach" or "for-loop": its temporaries
         self.mp_dtype: torch.dtype | None = getattr(mp_policy, "param_dtype", None) if mp_policy is not None else None
         self._cost_model = cost_model
         self.graph: JointGraph | None = None
@@ -271,9 +294,65 @@ class AutoParallel:
             self.candidates, prob, sol = cands2, prob2, sol2
         log.log(level, "solve: objective %.1f µs, %s, %.2fs (%s, %d vars)", sol.objective, sol.status, sol.seconds,
                 sol.solver, sol.num_vars)
+        return self._fit_memory(self._plan(prob, sol, low, high), low, high, level)
+
+    def _plan(self, prob: Problem, sol: Solution, low: float | None, high: float | None) -> Plan:
+        cm = self.cost_model()
         return build_plan(prob, sol.labels, solver=sol.solver, status=sol.status, timings=self.timings,
                           num_vars=sol.num_vars, hardware=cm.hw.name if hasattr(cm, "hw") else str(self.hardware),
                           memory_budget=(low, high), constraints=[c.description for c in self.constraints])
+
+    # ------------------------------------------------------------------ memory
+    def memory_limit(self) -> tuple[int, str]:
+        """(bytes a plan's peak per device may reach, where that figure comes from); 0: none."""
+        if self.memory_limit_gib is not None:
+            limit = self.memory_limit_gib
+            return (int(limit * GIB) if math.isfinite(limit) else 0), f"memory_limit_gib {limit:g}"
+        hw = self.cost_model().hw
+        return hw.memory_limit, f"memory_limit_gib of the hardware profile {hw.source}"
+
+    def estimate_memory(self, plan: Plan, options: RuntimeOptions | None = None) -> MemoryEstimate:
+        """Peak bytes per device of a training step of `plan` run with `options` (default:
+        this planner's runtime options), checked against `memory_limit()` (cost/memory.py)."""
+        jg = self._need_graph()
+        if self.candidates is None:  # seeded mesh and nothing solved here: a replayed or received plan
+            self.candidates = plan_candidates(jg, self.mesh, plan)
+        t0 = time.perf_counter()
+        est = step_memory(jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy,
+                              options=options if options is not None else self.runtime, optimizer=self.optimizer)
+        est.limit_bytes, est.limit_source = self.memory_limit()
+        self.timings["memory"] = self.timings.get("memory", 0.0) + time.perf_counter() - t0
+        return est
+
+    def _fit_memory(self, plan: Plan, low: float | None, high: float | None, level: int) -> Plan:
+        """Estimate the plan's peak; over the limit, shard the parameters more and re-solve
+        (each parameter byte less also saves its gradient and two AdamW states), a few
+        rounds, the last one as sharded as the parameters allow; then MemoryLimitError."""
+        floor = max(min_parameter_fraction(self.candidates), low or 0.0)
+        cur = high if high is not None else 1.0
+        for round_ in range(MEMORY_ROUNDS + 1):
+            try:
+                plan.memory = est = self.estimate_memory(plan)
+            except Exception as e:  # noqa: BLE001 - a plan the runtime cannot trace still is a plan
+                log.warning("memory: no estimate for this plan (%s: %s); the memory limit is not checked",
+                            type(e).__name__, str(e)[:300])
+                return plan
+            if est.fits:
+                return plan
+            if round_ == MEMORY_ROUNDS or plan.memory_fraction <= floor * (1 + 1e-9):
+                break
+            target = plan.memory_fraction - (est.peak_bytes - est.limit_bytes) / (4 * plan.problem.total_param_bytes)
+            cur = floor if round_ == MEMORY_ROUNDS - 1 else max(floor, min(cur, target))
+            log.log(level, "memory: peak %.2f GiB > %s: re-solving with parameter budget high=%.4g",
+                    est.peak_bytes / GIB, est.limit_source, cur)
+            try:
+                prob, sol = self._build_and_solve(self.candidates, low, cur)
+            except PlanningError as e:
+                raise MemoryLimitError(f"{_over_limit(est, plan)}, and the constraints allow no more sharding "
+                                       f"({e}); {MEMORY_FIX}") from None
+            plan = self._plan(prob, sol, low, cur)
+        raise MemoryLimitError(f"{_over_limit(est, plan)}, even with the parameters as sharded as they can be "
+                               f"(parameter budget high={plan.memory_fraction:.4g}); {MEMORY_FIX}")
 
     def _build_and_solve(self, cands: Candidates, low: float | None, high: float | None) -> tuple[Problem, Solution]:
         t0 = time.perf_counter()
