@@ -32,7 +32,7 @@ from parallel import _torch as T
 from parallel._torch import fake_world
 from parallel.auto.cost import AUTO, DEFAULT_HARDWARE, CostModel, HardwareProfile, RuntimeSchedule
 from parallel.auto.cost.calibrate import resolve_auto
-from parallel.auto.cost.memory import GIB, MemoryEstimate
+from parallel.auto.cost.memory import GIB, MemoryEstimate, format_bytes
 from parallel.auto.formulation import build_problem
 from parallel.auto.placements import placement_str
 from parallel.auto.plan import Plan, build_plan
@@ -53,12 +53,9 @@ MEMORY_FIX = ("use activation checkpointing ([activation_checkpoint] mode, Runti
               "a smaller local batch or sequence, or more ranks")
 
 
-def _over_limit(est: MemoryEstimate, plan: Plan) -> str:
-    g = lambda b: f"{b / GIB:,.2f}"  # noqa: E731
-    return (f"no plan fits in the memory limit: predicted peak {g(est.peak_bytes)} GiB per device (params "
-            f"{g(est.params_bytes)}, grads {g(est.grads_bytes)}, optimizer {g(est.optimizer_bytes)}, activations "
-            f"{g(est.activations_bytes)}, transient {g(est.transient_bytes)} GiB, in the {est.phase}) > "
-            f"{g(est.limit_bytes)} GiB ({est.limit_source})")
+def _over_limit(est: MemoryEstimate) -> str:
+    return (f"no plan fits in the memory limit: predicted peak {format_bytes(est.peak_bytes)} per device "
+            f"({est.parts()}, in the {est.phase}) > {format_bytes(est.limit_bytes)} ({est.limit_source})")
 
 
 def lm_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -343,15 +340,15 @@ class AutoParallel:
                 break
             target = plan.memory_fraction - (est.peak_bytes - est.limit_bytes) / (4 * plan.problem.total_param_bytes)
             cur = floor if round_ == MEMORY_ROUNDS - 1 else max(floor, min(cur, target))
-            log.log(level, "memory: peak %.2f GiB > %s: re-solving with parameter budget high=%.4g",
-                    est.peak_bytes / GIB, est.limit_source, cur)
+            log.log(level, "memory: peak %s > %s (%s): re-solving with parameter budget high=%.4g",
+                    format_bytes(est.peak_bytes), format_bytes(est.limit_bytes), est.limit_source, cur)
             try:
                 prob, sol = self._build_and_solve(self.candidates, low, cur)
             except PlanningError as e:
-                raise MemoryLimitError(f"{_over_limit(est, plan)}, and the constraints allow no more sharding "
+                raise MemoryLimitError(f"{_over_limit(est)}, and the constraints allow no more sharding "
                                        f"({e}); {MEMORY_FIX}") from None
             plan = self._plan(prob, sol, low, cur)
-        raise MemoryLimitError(f"{_over_limit(est, plan)}, even with the parameters as sharded as they can be "
+        raise MemoryLimitError(f"{_over_limit(est)}, even with the parameters as sharded as they can be "
                                f"(parameter budget high={plan.memory_fraction:.4g}); {MEMORY_FIX}")
 
     def _build_and_solve(self, cands: Candidates, low: float | None, high: float | None) -> tuple[Problem, Solution]:

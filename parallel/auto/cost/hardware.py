@@ -366,8 +366,8 @@ def _memory_limit(data: Mapping[str, Any], source: str) -> int:
         return 0
     limit = _num(data, "memory_limit_gib", "", source)
     if limit > _num(data, "memory_gib", "", source):
-        raise ProfileError(f"{source}: memory_limit_gib = {limit} exceeds memory_gib = {data['memory_gib']}; "
-                           "the limit is the share of the device's memory a plan may fill")
+        raise ProfileError(f"{source}: memory_limit_gib = {data['memory_limit_gib']} exceeds memory_gib = "
+                           f"{data['memory_gib']}; the limit is the share of the device's memory a plan may fill")
     return int(limit * 2**30)
 
 

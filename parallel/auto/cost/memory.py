@@ -37,6 +37,16 @@ OPTIMIZERS = ("foreach", "for-loop")
 _VIEWS = {"view", "_unsafe_view", "reshape", "alias", "detach", "squeeze", "unsqueeze", "expand", "clone", "_to_copy"}
 
 
+def _unit(n: float) -> tuple[str, int]:
+    return ("GiB", GIB) if n >= GIB // 4 else ("MiB", 2**20)
+
+
+def format_bytes(n: float) -> str:
+    """'12.34 GiB', or MiB below a quarter GiB."""
+    unit, div = _unit(n)
+    return f"{n / div:,.2f} {unit}"
+
+
 @dataclass
 class MemoryEstimate:
     """Bytes per device at the predicted peak of a training step, by what holds them."""
@@ -55,12 +65,16 @@ class MemoryEstimate:
 
     def summary(self) -> str:
         """One line for the plan summary and logs."""
-        unit, div = ("GiB", GIB) if self.peak_bytes >= GIB // 4 else ("MiB", 2**20)
+        limit = f" of limit {format_bytes(self.limit_bytes)} ({self.limit_source})" if self.limit_bytes else ""
+        return f"memory per device: {self.parts()}; peak {format_bytes(self.peak_bytes)} (in the {self.phase}){limit}"
+
+    def parts(self) -> str:
+        """The peak's parts, in the peak's unit."""
+        unit, div = _unit(self.peak_bytes)
         g = lambda b: f"{b / div:,.2f}"  # noqa: E731
-        limit = f" of limit {self.limit_bytes / GIB:,.2f} GiB ({self.limit_source})" if self.limit_bytes else ""
-        return (f"memory per device: params {g(self.params_bytes)} {unit}, grads {g(self.grads_bytes)}, optimizer "
+        return (f"params {g(self.params_bytes)} {unit}, grads {g(self.grads_bytes)}, optimizer "
                 f"{g(self.optimizer_bytes)}, activations {g(self.activations_bytes)}, transient "
-                f"{g(self.transient_bytes)}; peak {g(self.peak_bytes)} {unit} (in the {self.phase}){limit}")
+                f"{g(self.transient_bytes)}")
 
     @property
     def fits(self) -> bool:
