@@ -334,6 +334,7 @@ class AutoParallel:
                 log.warning("memory: no estimate for this plan (%s: %s); the memory limit is not checked",
                             type(e).__name__, str(e)[:300])
                 return plan
+            plan.timings["memory"] = self.timings["memory"]
             if est.fits:
                 return plan
             if round_ == MEMORY_ROUNDS or plan.memory_fraction <= floor * (1 + 1e-9):
