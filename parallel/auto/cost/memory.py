@@ -107,6 +107,11 @@ def _storage(t: torch.Tensor) -> tuple[int, int] | None:
         return None
 
 
+def _is_wait(n: fx.Node) -> bool:
+    return n.op == "call_function" and getattr(n.target, "namespace", "") == "_c10d_functional" \
+        and T.op_name(n.target) == "wait_tensor"
+
+
 def _is_collective(n: fx.Node) -> bool:
     return getattr(n.target, "namespace", "") == "_c10d_functional" and T.op_name(n.target) != "wait_tensor"
 
@@ -132,29 +137,41 @@ class _Liveness:
         self.end: dict[int, int] = {}
         self.external: set[int] = set()  # storages of the graph's inputs (exist before the step)
         self.producer: dict[int, fx.Node] = {}
+        self.alias: dict[int, int] = {}  # a wait's result is its collective's output (traced as a new tensor)
         for i, n in enumerate(self.nodes):
-            keys = [k for k in map(_storage, _tensors(n.meta.get("val"))) if k is not None]
+            if _is_wait(n):
+                for (own, _), (base, _) in zip(self.keys(n), self.keys(n.args[0])):
+                    self.alias[own] = base
             last = max((pos[u] for u in n.users), default=i)  # FX frees a value after its last user
-            for key, nbytes in keys:
+            for key, nbytes in self.keys(n):
                 if n.op == "placeholder":
                     self.external.add(key)
                 if key not in self.start:
                     self.start[key], self.producer[key] = i, n
                 self.size[key] = max(self.size.get(key, 0), nbytes)
                 self.end[key] = max(self.end.get(key, i), last)
-
         self._hold_collective_inputs(pos)
 
+    def keys(self, n: fx.Node) -> list[tuple[int, int]]:
+        """(storage, bytes) of a node's tensors, a wait's result as its collective's output."""
+        out = []
+        for t in _tensors(n.meta.get("val")):
+            k = _storage(t)
+            if k is not None:
+                out.append((self.alias.get(k[0], k[0]), k[1]))
+        return out
+
     def _hold_collective_inputs(self, pos: dict[fx.Node, int]) -> None:
-        """An issued collective keeps its input buffer until its wait (the work holds it);
-        an all-reduce copies its input first and works on the copy (its output)."""
+        """An issued collective keeps its input buffer until its wait (the work holds it and
+        lets go when the wait returns); an all-reduce copies its input first and works on
+        the copy (its output)."""
         for n in self.nodes:
             if not _is_collective(n) or T.op_name(n.target) == "all_reduce":
                 continue
-            wait = max((pos[u] for u in n.users), default=pos[n])
+            wait = max((pos[u] for u in n.users), default=pos[n] + 1)
             for a in n.all_input_nodes:
-                for key, _ in filter(None, map(_storage, _tensors(a.meta.get("val")))):
-                    self.end[key] = max(self.end[key], wait)
+                for key, _ in self.keys(a):
+                    self.end[key] = max(self.end[key], wait - 1)
 
     def internal(self) -> list[int]:
         return [k for k in self.start if k not in self.external]
@@ -237,7 +254,7 @@ def step_graph_memory(gm: fx.GraphModule, *, n_inputs: int, n_outputs: int, stat
     outs = [a for a in gm.graph.output_node().args[0] if isinstance(a, fx.Node)]
     pos = {n: i for i, n in enumerate(lv.nodes)}
     boundary = max(pos[_forward_end(n)] for n in outs[:n_outputs])  # the loss: the forward ends there
-    grad_keys = {k[0] for n in outs[n_outputs:] for k in map(_storage, _tensors(n.meta.get("val"))) if k}
+    grad_keys = {k for n in outs[n_outputs:] for k, _ in lv.keys(n)}
     labels = _labels(lv, grad_keys, boundary, n_inputs)
     peak, saved = _sweep(lv, labels, boundary)
     all_grads = sum(lv.size[k] for k in grad_keys if k in labels)
