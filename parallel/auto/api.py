@@ -49,8 +49,14 @@ log = logging.getLogger("parallel.auto")
 __all__ = ["AutoParallel", "MemoryLimitError", "PlanningError", "Plan", "fake_world", "lm_loss"]
 
 MEMORY_ROUNDS = 3  # re-solves with a tighter parameter budget when a plan is over the memory limit
-MEMORY_FIX = ("use activation checkpointing ([activation_checkpoint] mode, RuntimeOptions(ac_mode=...)), "
-              "a smaller local batch or sequence, or more ranks")
+_AC_FIX = {"none": "use activation checkpointing ([activation_checkpoint] mode = \"selective\" or \"full\", "
+                   "RuntimeOptions(ac_mode=...)), ",
+           "selective": "use full activation checkpointing ([activation_checkpoint] mode = \"full\"), ", "full": ""}
+
+
+def _memory_fix(ac_mode: str) -> str:
+    """What lowers the peak, given the activation checkpointing already in use."""
+    return f"{_AC_FIX.get(ac_mode, '')}a smaller local batch or sequence, or more ranks"
 
 
 def _over_limit(est: MemoryEstimate) -> str:
@@ -347,10 +353,10 @@ class AutoParallel:
                 prob, sol = self._build_and_solve(self.candidates, low, cur)
             except PlanningError as e:
                 raise MemoryLimitError(f"{_over_limit(est)}, and the constraints allow no more sharding "
-                                       f"({e}); {MEMORY_FIX}") from None
+                                       f"({e}); {_memory_fix(self.runtime.ac_mode)}") from None
             plan = self._plan(prob, sol, low, cur)
-        raise MemoryLimitError(f"{_over_limit(est)}, even with the parameters as sharded as they can be "
-                               f"(parameter budget high={plan.memory_fraction:.4g}); {MEMORY_FIX}")
+        raise MemoryLimitError(f"{_over_limit(est)}, even with the parameters as sharded as they can be (parameter "
+                               f"budget high={plan.memory_fraction:.4g}); {_memory_fix(self.runtime.ac_mode)}")
 
     def _build_and_solve(self, cands: Candidates, low: float | None, high: float | None) -> tuple[Problem, Solution]:
         t0 = time.perf_counter()
