@@ -8,6 +8,8 @@ bytes alive at every op:
 
   * a storage is alive from the first node that produces it to the last use of any value
     on it (a view keeps its base alive); graph outputs (the loss, the gradients) stay;
+  * a collective's result is alive from its issue (its wait returns that same buffer),
+    its input until the wait returns (the work holds it; an all-reduce works on a copy);
   * graph inputs (parameter shards, buffers, the batch) exist before the step and are
     counted as persistent state, not by the walk;
   * on top: the parameters, buffers and AdamW's two states per parameter (in the
