@@ -87,7 +87,7 @@ __all__ = [
     "OpOverload", "OpOverloadPacket", "OpSchema", "OpSpec", "OpStrategy", "ParamAOTInput", "PlainAOTInput",
     "PlainAOTOutput", "RuntimeSchemaInfo", "ShardingPlaceholder", "SingleDimStrategyInfo", "StridedShard",
     "TangentAOTInput", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "aot_export_joint_with_descriptors",
-    "clear_sharding_caches", "compile_errors_fall_back", "expand_to_full_mesh_op_strategy", "fake_world",
+    "clear_sharding_caches", "compile_errors_fall_back", "storage_id", "expand_to_full_mesh_op_strategy", "fake_world",
     "flatten_mesh", "foreach_mul_",
     "foreach_norm", "get_all_output_and_tangent_nodes", "get_named_buffer_nodes", "get_param_and_grad_nodes",
     "get_plain_input_and_grad_nodes", "is_fake", "op_name", "partition_joint", "partition_value",
@@ -155,6 +155,12 @@ def partition_joint(gm: Any, num_fwd_outputs: int) -> tuple[Any, Any]:
     recomputed in the backward instead of saved.
     """
     return default_partition(gm, None, num_fwd_outputs=num_fwd_outputs)
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage (the StorageImpl): views share their base's; fake
+    tensors' too, so a traced graph's values can be grouped by the memory they hold."""
+    return t.untyped_storage()._cdata
 
 
 def compile_errors_fall_back(enabled: bool) -> None:

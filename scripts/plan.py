@@ -8,6 +8,11 @@
 them ranked by predicted step time per token (tokens/s; meshes that do not fit dropped) and
 goes on with the best.
 
+The summary gives the predicted peak memory per device (parameters, gradients, AdamW
+states, activations, transients, with the config's activation checkpointing) against the
+memory limit (--memory-limit, [parallelism] memory_limit_gib, else the profile's); a plan
+over it is re-solved more sharded, and when none fits the script says what does not fit.
+
 --html writes the plan as a self-contained page (parameters per layer group and mesh axis,
 collectives, memory); with --diff OTHER it is the side-by-side diff of OTHER (a saved plan)
 and this one instead. --coverage prints every ATen op of the traced graph and how the
@@ -35,11 +40,12 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 
 from models import build_model  # noqa: E402
-from parallel.auto.api import AutoParallel, fake_world, lm_loss  # noqa: E402
+from parallel.auto.api import AutoParallel, MemoryLimitError, fake_world, lm_loss  # noqa: E402
 from parallel.auto.mesh_search import MeshSearchError  # noqa: E402
 from parallel.auto.plan import Plan, PlanMismatchError  # noqa: E402
 from parallel.auto.plan_html import save_diff_html, save_html  # noqa: E402
 from parallel.precision import is_mixed, mixed_precision_policy  # noqa: E402
+from trainer.auto import runtime_options  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.mesh_auto import ranked_table, search_meshes  # noqa: E402
 from trainer.sweep_point import PlanCache  # noqa: E402
@@ -85,8 +91,11 @@ def plan_job(args: argparse.Namespace) -> tuple:
     with fake_world(world):
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
         t0 = time.perf_counter()
+        limit = args.memory_limit if args.memory_limit is not None else cfg.parallelism.memory_limit_gib
         with AutoParallel(model, input_fn, mesh, loss_fn=lm_loss, mp_policy=mp, hardware=hardware,
-                          solver=args.solver or cfg.parallelism.solver, time_limit=args.time_limit) as autop:
+                          solver=args.solver or cfg.parallelism.solver, time_limit=args.time_limit,
+                          runtime=runtime_options(cfg), memory_limit_gib=limit,
+                          optimizer=cfg.optimizer.implementation) as autop:
             if args.coverage:
                 print(autop.coverage(), flush=True)
             if not args.free_inputs:
@@ -147,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--local-batch-size", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--memory-high", type=float, default=None, help="parameter memory budget (fraction)")
+    ap.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
+                    help="predicted peak memory per device may reach this (default: [parallelism] memory_limit_gib, "
+                         "else the hardware profile's); 'inf': no limit")
     ap.add_argument("--solver", default=None, choices=["auto", "ilp", "mrf", "highs", "cbc"])
     ap.add_argument("--time-limit", type=float, default=600.0)
     ap.add_argument("--free-inputs", action="store_true", help="do not constrain inputs to batch sharding")
@@ -163,11 +175,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if (args.mesh == "auto") != (args.world_size is not None):
         ap.error("--mesh auto and --world-size N go together")
-    if args.mesh == "auto":
-        plan = search_job(args)
-    else:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
-        plan, _ = plan_job(args)
+    try:
+        if args.mesh == "auto":
+            plan = search_job(args)
+        else:
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
+            plan, _ = plan_job(args)
+    except MemoryLimitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(plan.summary())
     print(f"objective: {plan.objective_us:,.1f} µs per step ({plan.status}, {plan.solver}); "
           f"timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in plan.timings.items()))

@@ -43,7 +43,7 @@ from parallel.auto.cost import AUTO, HardwareProfile, ProfileError
 from parallel.auto.cost.calibrate import profile_for_group
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.plan_html import save_html
-from parallel.auto.problem import PlanningError
+from parallel.auto.problem import MemoryLimitError, PlanningError
 from parallel.auto.runtime import RuntimeOptions
 from parallel.mesh import CP, DATA_AXES
 from parallel.precision import is_mixed, mixed_precision_policy
@@ -146,6 +146,11 @@ def _check_supported(job_config: JobConfig, mesh: DeviceMesh) -> None:
 def _planning_error(job_config: JobConfig, e: PlanningError) -> ConfigError:
     """No feasible plan: name the budget keys the user set (or the mode) and the fix."""
     p = job_config.parallelism
+    if isinstance(e, MemoryLimitError):  # the message says what does not fit and what to change
+        what = (f"'parallelism.memory_limit_gib' = {p.memory_limit_gib}" if p.memory_limit_gib is not None
+                else f"'parallelism.hardware' = {p.hardware!r} (the profile's memory_limit_gib; "
+                     "parallelism.memory_limit_gib overrides it)")
+        return ConfigError(f"{job_config.source}: {what}: {e}")
     budgets = [f"'parallelism.{k}' = {getattr(p, k)}" for k in ("memory_budget_low", "memory_budget_high")
                if getattr(p, k) is not None]
     if budgets:
@@ -169,7 +174,9 @@ def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, s
     with AutoParallel(model, g_inputs, mesh, loss_fn=lm_loss, mp_policy=planner_mp_policy(job_config.training),
                       hardware=planning_hardware(par, mesh), solver=par.solver, time_limit=par.time_limit,
                       cluster_layers=par.cluster_layers, seed=par.seed, seed_radius=par.seed_radius,
-                      seed_rounds=par.seed_rounds, runtime=runtime_options(job_config)) as autop:
+                      seed_rounds=par.seed_rounds, runtime=runtime_options(job_config),
+                      memory_limit_gib=par.memory_limit_gib,
+                      optimizer=job_config.optimizer.implementation) as autop:
         autop.add_input_constraints([pl, pl])
         if par.memory_budget_low is not None or par.memory_budget_high is not None:
             autop.add_parameter_memory_constraint(low=par.memory_budget_low, high=par.memory_budget_high)

@@ -173,6 +173,9 @@ def _validate_planner(cfg: JobConfig) -> None:
             and p.memory_budget_low > p.memory_budget_high):
         raise _err(cfg, "parallelism", "memory_budget_low",
                    f"must not exceed memory_budget_high = {p.memory_budget_high}")
+    if p.memory_limit_gib is not None and not 0 < p.memory_limit_gib < float("inf"):
+        raise _err(cfg, "parallelism", "memory_limit_gib",
+                   "must be > 0 GiB per device (or left unset: the hardware profile's memory_limit_gib)")
     if p.seed_radius < 0:
         raise _err(cfg, "parallelism", "seed_radius", "must be >= 0 (mesh axes a seeded strategy may change)")
     if p.seed_rounds < 1:

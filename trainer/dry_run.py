@@ -61,7 +61,8 @@ class MemoryTracker(T.TorchDispatchMode):
     (FSDP2 frees and re-allocates its unsharded parameters with ``storage.resize_``,
     which no dispatch mode sees; they come from ``empty``-like ops) are re-measured at
     every op, so the peak is exact at op granularity. Tensors that existed before
-    entering (parameters, inputs) are not counted.
+    entering (parameters, inputs) are not counted once passed to ``exclude`` (otherwise
+    their storage counts from the first op that takes a view of them).
     """
 
     def __init__(self):
@@ -94,6 +95,16 @@ class MemoryTracker(T.TorchDispatchMode):
         if watch:
             self._watch[key] = entry
         self.current += n
+
+    def exclude(self, tensors: Any) -> None:
+        """Storages that exist before the measured region (parameters, optimizer states,
+        inputs): views and in-place ops on them under this mode are not new memory."""
+        for t in T.tree_flatten(tensors)[0]:
+            if isinstance(t, DTensor):
+                t = t.to_local()
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                self._live.setdefault(id(st), [weakref.ref(st), 0])
 
     def _refresh(self) -> None:
         """Re-measure the storages that can be resized in place (FSDP2's buffers come
@@ -316,6 +327,7 @@ def _fwd_bwd(cfg: JobConfig, model: torch.nn.Module, mesh: DeviceMesh, report: D
         tokens, labels, positions = cp_shard_batch(tokens, labels, mesh, CP)
     report.tokens = (tokens.shape[0], tokens.shape[1])
     mem, comm = MemoryTracker(), CollectiveCounter(group_axis_names(model, mesh))
+    mem.exclude([list(model.parameters()), list(model.buffers()), tokens, labels])  # exist already
     with warnings.catch_warnings(), mem, comm, _explain_data_dependence(cfg), loss_parallel_context(model):
         # CommDebugMode hooks every module (its ModTracker); torch then warns about those hooks
         warnings.filterwarnings("ignore", message="Full backward hook is firing")

@@ -16,6 +16,7 @@ scalar loss: pass `loss_fn(model, *inputs)` around a model that returns logits.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,12 +32,14 @@ from parallel import _torch as T
 from parallel._torch import fake_world
 from parallel.auto.cost import AUTO, DEFAULT_HARDWARE, CostModel, HardwareProfile, RuntimeSchedule
 from parallel.auto.cost.calibrate import resolve_auto
+from parallel.auto.cost.memory import GIB, MemoryEstimate, format_bytes
 from parallel.auto.coverage import GraphCoverage, coverage_of, coverage_report
 from parallel.auto.formulation import build_problem
 from parallel.auto.placements import placement_str
 from parallel.auto.plan import Plan, build_plan
-from parallel.auto.problem import Constraint, PlanningError, Problem, min_parameter_fraction
+from parallel.auto.problem import Constraint, MemoryLimitError, PlanningError, Problem, min_parameter_fraction
 from parallel.auto.runtime import RuntimeOptions, apply_plan
+from parallel.auto.runtime.memory import estimate_memory as step_memory
 from parallel.auto.solve import Solution, check_solver, solve
 from parallel.auto.solve.seed import plan_candidates, reseeded_candidates, seeded_candidates, use_seeding
 from parallel.auto.strategies import Candidates, build_candidates
@@ -44,7 +47,22 @@ from parallel.auto.trace import JointGraph, trace_joint
 
 log = logging.getLogger("parallel.auto")
 
-__all__ = ["AutoParallel", "PlanningError", "Plan", "fake_world", "lm_loss"]
+__all__ = ["AutoParallel", "MemoryLimitError", "PlanningError", "Plan", "fake_world", "lm_loss"]
+
+MEMORY_ROUNDS = 3  # re-solves with a tighter parameter budget when a plan is over the memory limit
+_AC_FIX = {"none": "use activation checkpointing ([activation_checkpoint] mode = \"selective\" or \"full\", "
+                   "RuntimeOptions(ac_mode=...)), ",
+           "selective": "use full activation checkpointing ([activation_checkpoint] mode = \"full\"), ", "full": ""}
+
+
+def _memory_fix(ac_mode: str) -> str:
+    """What lowers the peak, given the activation checkpointing already in use."""
+    return f"{_AC_FIX.get(ac_mode, '')}a smaller local batch or sequence, or more ranks"
+
+
+def _over_limit(est: MemoryEstimate) -> str:
+    return (f"no plan fits in the memory limit: predicted peak {format_bytes(est.peak_bytes)} per device "
+            f"({est.parts()}, in the {est.phase}) > {format_bytes(est.limit_bytes)} ({est.limit_source})")
 
 
 def lm_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -85,6 +103,8 @@ class AutoParallel:
         runtime: RuntimeOptions | None = None,
         graph: JointGraph | None = None,
         regions: tuple[str, ...] = (),
+        memory_limit_gib: float | None = None,
+        optimizer: str = "foreach",
     ) -> None:
         self.model = model
         self.regions = tuple(regions)  # declared local_map contracts traced as one node (contracts.py)
@@ -102,6 +122,12 @@ class AutoParallel:
         self.time_limit = time_limit
         self.cluster_layers = cluster_layers
         self.runtime = runtime if runtime is not None else RuntimeOptions()  # how the plan will run: priced
+        # the predicted peak per device may reach this (None: the hardware profile's; inf: no limit)
+        if memory_limit_gib is not None and not memory_limit_gib > 0:
+            raise ValueError(f"memory_limit_gib = {memory_limit_gib}: must be > 0 GiB (None: the hardware profile's "
+                             "memory_limit_gib; float('inf'): no limit)")
+        self.memory_limit_gib = memory_limit_gib
+        self.optimizer = optimizer  # AdamW's implementation, "foreach" or "for-loop": its temporaries
         self.mp_dtype: torch.dtype | None = getattr(mp_policy, "param_dtype", None) if mp_policy is not None else None
         self._cost_model = cost_model
         # a joint graph traced earlier for this model and these global inputs (a sweep plans one
@@ -292,9 +318,66 @@ class AutoParallel:
             self.candidates, prob, sol = cands2, prob2, sol2
         log.log(level, "solve: objective %.1f µs, %s, %.2fs (%s, %d vars)", sol.objective, sol.status, sol.seconds,
                 sol.solver, sol.num_vars)
+        return self._fit_memory(self._plan(prob, sol, low, high), low, high, level)
+
+    def _plan(self, prob: Problem, sol: Solution, low: float | None, high: float | None) -> Plan:
+        cm = self.cost_model()
         return build_plan(prob, sol.labels, solver=sol.solver, status=sol.status, timings=self.timings,
                           num_vars=sol.num_vars, hardware=cm.hw.name if hasattr(cm, "hw") else str(self.hardware),
                           memory_budget=(low, high), constraints=[c.description for c in self.constraints])
+
+    # ------------------------------------------------------------------ memory
+    def memory_limit(self) -> tuple[int, str]:
+        """(bytes a plan's peak per device may reach, where that figure comes from); 0: none."""
+        if self.memory_limit_gib is not None:
+            limit = self.memory_limit_gib
+            return (int(limit * GIB) if math.isfinite(limit) else 0), f"memory_limit_gib {limit:g}"
+        hw = self.cost_model().hw
+        return hw.memory_limit, f"memory_limit_gib of the hardware profile {hw.source}"
+
+    def estimate_memory(self, plan: Plan, options: RuntimeOptions | None = None) -> MemoryEstimate:
+        """Peak bytes per device of a training step of `plan` run with `options` (default:
+        this planner's runtime options), checked against `memory_limit()` (cost/memory.py)."""
+        jg = self._need_graph()
+        if self.candidates is None:  # seeded mesh and nothing solved here: a replayed or received plan
+            self.candidates = plan_candidates(jg, self.mesh, plan)
+        t0 = time.perf_counter()
+        est = step_memory(jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy,
+                              options=options if options is not None else self.runtime, optimizer=self.optimizer)
+        est.limit_bytes, est.limit_source = self.memory_limit()
+        self.timings["memory"] = self.timings.get("memory", 0.0) + time.perf_counter() - t0
+        return est
+
+    def _fit_memory(self, plan: Plan, low: float | None, high: float | None, level: int) -> Plan:
+        """Estimate the plan's peak; over the limit, shard the parameters more and re-solve
+        (each parameter byte less also saves its gradient and two AdamW states), a few
+        rounds, the last one as sharded as the parameters allow; then MemoryLimitError."""
+        floor = max(min_parameter_fraction(self.candidates), low or 0.0)
+        cur = high if high is not None else 1.0
+        for round_ in range(MEMORY_ROUNDS + 1):
+            try:
+                plan.memory = est = self.estimate_memory(plan)
+            except Exception as e:  # noqa: BLE001 - a plan the runtime cannot trace still is a plan
+                log.warning("memory: no estimate for this plan (%s: %s); the memory limit is not checked",
+                            type(e).__name__, str(e)[:300])
+                return plan
+            plan.timings["memory"] = self.timings["memory"]
+            if est.fits:
+                return plan
+            if round_ == MEMORY_ROUNDS or plan.memory_fraction <= floor * (1 + 1e-9):
+                break
+            target = plan.memory_fraction - (est.peak_bytes - est.limit_bytes) / (4 * plan.problem.total_param_bytes)
+            cur = floor if round_ == MEMORY_ROUNDS - 1 else max(floor, min(cur, target))
+            log.log(level, "memory: peak %s > %s (%s): re-solving with parameter budget high=%.4g",
+                    format_bytes(est.peak_bytes), format_bytes(est.limit_bytes), est.limit_source, cur)
+            try:
+                prob, sol = self._build_and_solve(self.candidates, low, cur)
+            except PlanningError as e:
+                raise MemoryLimitError(f"{_over_limit(est)}, and the constraints allow no more sharding "
+                                       f"({e}); {_memory_fix(self.runtime.ac_mode)}") from None
+            plan = self._plan(prob, sol, low, cur)
+        raise MemoryLimitError(f"{_over_limit(est)}, even with the parameters as sharded as they can be (parameter "
+                               f"budget high={plan.memory_fraction:.4g}); {_memory_fix(self.runtime.ac_mode)}")
 
     def _build_and_solve(self, cands: Candidates, low: float | None, high: float | None) -> tuple[Problem, Solution]:
         t0 = time.perf_counter()

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.auto.cost import CostModel
+from parallel.auto.cost.memory import MemoryEstimate
 from parallel.auto.formulation import edge_roles
 from parallel.auto.placements import placement_str, placement_words, spec_placement_strs
 from parallel.auto.pricing import StrategyPricer, comm_dtype
@@ -82,6 +83,7 @@ class Plan:
     memory_budget: list = field(default_factory=list)  # [low, high]
     constraints: list[str] = field(default_factory=list)
     regions: list[str] = field(default_factory=list)  # local_map regions of the traced graph (contracts.py)
+    memory: MemoryEstimate | None = None  # peak bytes per device (cost/memory.py); None: not estimated
     # in-memory only (not saved): the problem and solution behind the plan
     problem: Any = field(default=None, repr=False, compare=False)
     labels: list[int] | None = field(default=None, repr=False, compare=False)
@@ -140,7 +142,8 @@ class Plan:
     # ------------------------------------------------------------------ save / load
     def to_json(self) -> dict:
         d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
-             if f.name not in ("problem", "labels", "nodes")}
+             if f.name not in ("problem", "labels", "nodes", "memory")}
+        d["memory"] = self.memory.to_json() if self.memory is not None else None
         d["format_version"] = FORMAT_VERSION
         d["nodes"] = [asdict(n) for n in self.nodes.values()]
         return d
@@ -161,8 +164,9 @@ class Plan:
             raise PlanMismatchError(f"{source}: plan file format is not version {FORMAT_VERSION}; re-plan")
         try:
             nodes = {n["name"]: NodePlan(**n) for n in d.pop("nodes")}
-            return cls(nodes=nodes, **d)
-        except (KeyError, TypeError) as e:
+            memory = d.pop("memory", None)  # plans written before the estimate have none
+            return cls(nodes=nodes, memory=MemoryEstimate.from_json(memory, source) if memory else None, **d)
+        except (KeyError, TypeError, ValueError) as e:
             raise PlanMismatchError(f"{source} is not a complete plan ({type(e).__name__}: {e}); re-plan") from None
 
     @classmethod
@@ -227,6 +231,8 @@ class Plan:
             self.breakdown(),
             f"parameter memory per device: {self.memory_fraction:.4f} of all parameter bytes",
         ]
+        if self.memory is not None:
+            lines.append(self.memory.summary())
         collapsed = _collapse_layers(by_module)
         for layer, items in collapsed:
             lines.append(f"{layer or '(top)'}:")

@@ -233,6 +233,7 @@ def overview(plan: Plan, total_param_bytes: float | None = None) -> str:
     rows = [
         ("objective", f"{plan.objective_us:,.1f} µs = compute {plan.compute_us:,.1f} µs + comm {comm:,.1f} µs"),
         ("memory", memory_line(plan, total_param_bytes)),
+        ("peak memory", plan.memory.summary() if plan.memory is not None else "not estimated"),
         ("mesh", f"{mesh} ({len(plan.mesh_shape)}-D)"),
         ("hardware", plan.hardware),
         ("solver", f"{plan.solver}, {plan.status}, {plan.num_vars:,} variables"),

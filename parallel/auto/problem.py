@@ -27,6 +27,11 @@ class PlanningError(ValueError):
     """The planning problem cannot be solved; the message names the conflicting user constraints."""
 
 
+class MemoryLimitError(PlanningError):
+    """No plan's predicted peak memory per device fits in the memory limit (the message
+    gives the peak, its parts, the limit and where the limit comes from)."""
+
+
 @dataclass
 class Constraint:
     """A user constraint, kept with its description for error messages."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import trainer.auto as auto
-from parallel.auto.problem import PlanningError
+from parallel.auto.problem import MemoryLimitError, PlanningError
 from trainer.config import ConfigError, load_config
 
 MESH = SimpleNamespace(mesh_dim_names=("dp_shard",), shape=(2,))
@@ -70,3 +70,29 @@ def test_corrupt_plan_file_fails_before_tracing(monkeypatch, tmp_path):
 def test_fp32_training_gives_the_planner_no_policy():
     cfg = load_config("llama3_debug_auto", world_size=2)
     assert auto.planner_mp_policy(cfg.training) is None
+
+
+class OverLimit(NoPlan):
+    def optimize_placement(self, verbose=True):
+        raise MemoryLimitError("no plan fits in the memory limit: predicted peak 92.30 GiB per device (...) > "
+                               "79.60 GiB (memory_limit_gib 79.6); use activation checkpointing")
+
+
+@pytest.mark.parametrize("limit", [None, "79.6"])
+def test_memory_limit_reaches_the_planner_and_its_error_names_the_key(monkeypatch, limit):
+    monkeypatch.setattr(auto, "AutoParallel", OverLimit)
+    args = ["--parallelism.hardware", "h100", "--optimizer.implementation", "for-loop",
+            "--parallelism.memory_budget_high", "1.0"]
+    cfg = load_config("llama3_debug_auto", args + (["--parallelism.memory_limit_gib", limit] if limit else []),
+                      world_size=2)
+    with pytest.raises(ConfigError) as e:
+        auto.auto_parallelize_for_training(torch.nn.Linear(2, 2), MESH, cfg, BATCH)
+    assert NoPlan.seen["memory_limit_gib"] == (float(limit) if limit else None)
+    assert NoPlan.seen["optimizer"] == "for-loop"
+    key = "'parallelism.memory_limit_gib' = 79.6" if limit else "'parallelism.hardware' = 'h100' (the profile's"
+    assert f"llama3_debug_auto.toml: {key}" in str(e.value) and "use activation checkpointing" in str(e.value)
+
+
+def test_memory_limit_must_be_positive():
+    with pytest.raises(ConfigError, match=r"'parallelism.memory_limit_gib' = 0.0: must be > 0 GiB"):
+        load_config("llama3_debug_auto", ["--parallelism.memory_limit_gib", "0"], world_size=2)

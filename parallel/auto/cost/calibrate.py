@@ -248,6 +248,13 @@ def _pair_group() -> tuple[dist.ProcessGroup | None, bool]:
     return (groups[rank // 2] if rank // 2 < len(groups) else None), True
 
 
+def host_memory_per_rank(world: int) -> int:
+    """This host's RAM shared by the job's ranks on it (LOCAL_WORLD_SIZE under torchrun,
+    else the whole world: a CPU job's ranks share one host)."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, ranks)
+
+
 def measure_in_group(base: str | HardwareProfile = "cpu", device: torch.device | None = None) -> HardwareProfile:
     """The profile of this host as a job of this process group sees it (call on every rank);
     `device`: where the job's tensors live (None: torch's default device)."""
@@ -258,7 +265,8 @@ def measure_in_group(base: str | HardwareProfile = "cpu", device: torch.device |
     measured = load_hardware(base).replace(
         name="auto", description=f"measured on {socket.gethostname()}: {world} ranks, torch {torch.__version__}",
         peak_tflops={"fp32": comp["fp32"], "bf16": comp["bf16"]}, memory_bandwidth_gbps=comp["copy_gbps"],
-        kernel_floor_us=comp["floor_us"], matmul_efficiency=1.0, memory_efficiency=1.0)
+        kernel_floor_us=comp["floor_us"], matmul_efficiency=1.0, memory_efficiency=1.0,
+        memory_bytes=host_memory_per_rank(world), memory_limit_bytes=0)
     if world == 1:  # one rank never communicates: keep the base profile's link, measure compute only
         log.info("calibrated in %.1fs (1 rank, compute only): fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s, copy %.1f GB/s",
                  time.perf_counter() - t0, comp["fp32"] * 1e3, comp["bf16"] * 1e3, comp["copy_gbps"])

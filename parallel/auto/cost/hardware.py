@@ -117,6 +117,9 @@ class HardwareProfile:
       * ``tree_bandwidth_factor``: tree all-reduce reaches this fraction of the ring's
         bus bandwidth (it wins on latency for small messages on many nodes, loses on
         bandwidth for large ones).
+      * ``memory_limit_bytes``: what the planner lets a plan's predicted peak per device
+        reach (TOML ``memory_limit_gib``; unset: all of ``memory_gib``); a plan over it is
+        re-solved more sharded, or refused.
       * ``comm_overlap``: the share of a collective's time that runs beside compute (1 on
         GPUs, whose copy engines and NICs move the bytes; lower on CPUs, whose cores also
         drive gloo). The runtime overlaps collectives; the cost model prices what stays.
@@ -134,6 +137,7 @@ class HardwareProfile:
     inter_node: InterNodeLink
     tree_bandwidth_factor: float = 0.45
     comm_overlap: float = 1.0
+    memory_limit_bytes: int = 0  # 0: memory_bytes
     description: str = ""
     source: str = field(default="<dict>", compare=False)
 
@@ -148,6 +152,11 @@ class HardwareProfile:
             if key in seen:  # pragma: no cover - fp32 is required, so unreachable
                 break
         return float(self.peak_tflops[key]) * 1e12
+
+    @property
+    def memory_limit(self) -> int:
+        """Bytes a plan's peak per device may reach (the memory limit, else all the memory)."""
+        return self.memory_limit_bytes or self.memory_bytes
 
     @property
     def memory_bandwidth(self) -> float:
@@ -224,7 +233,7 @@ def load_hardware(profile: str | os.PathLike[str] | HardwareProfile) -> Hardware
 
 
 _TOP_KEYS = {
-    "name": True, "description": False, "gpus_per_node": True, "memory_gib": True,
+    "name": True, "description": False, "gpus_per_node": True, "memory_gib": True, "memory_limit_gib": False,
     "memory_bandwidth_gbps": True, "kernel_floor_us": True, "peak_tflops": True,
     "efficiency": True, "intra_node": True, "inter_node": True, "collectives": False,
     "calibration": False,
@@ -351,6 +360,17 @@ def _description(data: Mapping[str, Any], source: str) -> str:
     return desc
 
 
+def _memory_limit(data: Mapping[str, Any], source: str) -> int:
+    """memory_limit_gib: optional, positive, at most memory_gib; 0 when unset (all the memory)."""
+    if "memory_limit_gib" not in data:
+        return 0
+    limit = _num(data, "memory_limit_gib", "", source)
+    if limit > _num(data, "memory_gib", "", source):
+        raise ProfileError(f"{source}: memory_limit_gib = {data['memory_limit_gib']} exceeds memory_gib = "
+                           f"{data['memory_gib']}; the limit is the share of the device's memory a plan may fill")
+    return int(limit * 2**30)
+
+
 def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> HardwareProfile:
     """Validate the TOML layout (see configs/hardware/h100.toml) and build a profile."""
     _check_keys(data, _TOP_KEYS, "", source)
@@ -366,6 +386,7 @@ def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Hardwa
         gpus_per_node=gpn,
         peak_tflops=peak,
         memory_bytes=int(_num(data, "memory_gib", "", source) * 2**30),
+        memory_limit_bytes=_memory_limit(data, source),
         memory_bandwidth_gbps=_num(data, "memory_bandwidth_gbps", "", source),
         matmul_efficiency=mm_eff,
         memory_efficiency=mem_eff,
@@ -388,6 +409,7 @@ def profile_to_toml(hw: HardwareProfile) -> str:
         f'description = "{hw.description}"',
         f"gpus_per_node = {hw.gpus_per_node}",
         f"memory_gib = {hw.memory_bytes / 2**30:.6g}",
+        *([f"memory_limit_gib = {hw.memory_limit_bytes / 2**30:.6g}"] if hw.memory_limit_bytes else []),
         f"memory_bandwidth_gbps = {hw.memory_bandwidth_gbps:.6g}",
         f"kernel_floor_us = {hw.kernel_floor_us:.6g}",
         "",

@@ -70,6 +70,7 @@ def test_page_shows_axes_layer_groups_placements_collectives_memory(plans):
                 f'<td class="num">{us:,.1f}</td>') in page
     assert '<table class="collectives">' in page and "<td>fwd</td>" in page
     assert "parameter memory per device: 0.2500 of all parameter bytes = " in page
+    assert f"<th>peak memory</th><td>{plan.memory.summary()}</td>" in page
     assert f"{plan.objective_us:,.1f} µs = compute {plan.compute_us:,.1f} µs" in page
     assert "h100" in page and "dp=2 × tp=2" in page and "solve" in page
 

@@ -1,0 +1,71 @@
+"""A plan's peak memory per device, predicted from the step graph the runtime would run.
+
+Builds the plan's runner and its step graph (runtime/step_graph.py) on fake tensors with
+this rank's local shapes, exactly as `ParallelModule.forward_backward` does on real ones
+(the same partition, activation-checkpointing tags, bucketed gathers and reductions,
+overlap schedule), and walks it (cost/memory.py). Nothing is allocated: a 32-layer model
+takes seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from parallel import _torch as T
+from parallel.auto.cost.memory import MemoryEstimate, optimizer_temp_bytes, step_graph_memory
+from parallel.auto.placements import local_shape
+from parallel.auto.plan import Plan
+from parallel.auto.runtime.options import RuntimeOptions
+from parallel.auto.runtime.redistribute import contiguous_stride
+from parallel.auto.runtime.runner import PlanRunner
+from parallel.auto.runtime.step_graph import StepGraph
+from parallel.auto.strategies import Candidates
+from parallel.auto.trace import JointGraph
+
+log = logging.getLogger("parallel.auto.runtime")
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * dtype.itemsize
+
+
+def _fake_dtensor(val: torch.Tensor, placements: tuple, mesh: DeviceMesh) -> DTensor:
+    shape = tuple(val.shape)
+    local = torch.empty(local_shape(shape, placements, tuple(mesh.shape)), dtype=val.dtype)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                              stride=contiguous_stride(shape))
+
+
+def estimate_memory(graph: JointGraph, candidates: Candidates, plan: Plan, mesh: DeviceMesh, *,
+                    mp_policy: MixedPrecisionPolicy | None = None, options: RuntimeOptions | None = None,
+                    optimizer: str = "foreach") -> MemoryEstimate:
+    """Peak bytes per device of one training step of `plan` run with `options` (eager; AC
+    mode, resharding, bucketing and overlap as the runtime applies them) and an AdamW
+    optimizer of this implementation ("foreach" or "for-loop"). Rank 0's shards."""
+    options = dataclasses.replace(options or RuntimeOptions(), compile=False)
+    runner = PlanRunner(graph, candidates, plan, mesh, mp_policy, options)
+    pvals = [graph.params[f].meta["val"] for f in runner.param_names]
+    bvals = [graph.buffers[f].meta["val"] for f in runner.buffer_names]
+    with T.FakeTensorMode(allow_non_fake_inputs=True):
+        params = [_fake_dtensor(v, runner.param_placements(f), mesh) for f, v in zip(runner.param_names, pvals)]
+        buffers = [torch.empty(tuple(v.shape), dtype=v.dtype) for v in bvals]
+        inputs = [_fake_dtensor(n.meta["val"], runner.input_placements(i), mesh)
+                  for i, n in enumerate(runner.input_nodes)]
+        sg = StepGraph(runner, params, buffers, inputs, overlap=options.overlap)
+    local = [_nbytes(tuple(p.to_local().shape), p.dtype) for p in params]
+    trained = [b for b, has in zip(local, sg.has_grad) if has]  # AdamW keeps state for these only
+    buffer_bytes = sum(_nbytes(tuple(v.shape), v.dtype) for v in bvals)
+    est = step_graph_memory(sg.gm, n_inputs=len(inputs), n_outputs=len(sg.out_specs),
+                            state_bytes=sum(local) + buffer_bytes, optimizer_bytes=2 * sum(trained),
+                            optimizer_temp=optimizer_temp_bytes(trained, optimizer))
+    log.debug("memory: %s", est.summary())
+    return est
