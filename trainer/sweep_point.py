@@ -29,7 +29,7 @@ from models import build_model, model_args
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.cost import load_hardware, profile_to_toml
 from parallel.auto.plan import Plan, linear_roles
-from parallel.auto.problem import PlanningError
+from parallel.auto.problem import MemoryLimitError, PlanningError
 from parallel.auto.runtime import RuntimeOptions
 from parallel.precision import is_mixed, mixed_precision_policy
 
@@ -103,6 +103,11 @@ def plan_point(point: Point, cache: PlanCache | None) -> dict:
     plan = None
     try:
         plan, row = _plan_and_row(point)
+    except MemoryLimitError as e:  # the planner found no layout that fits: the point's answer is "OOM"
+        row = failure_row(point, "OOM")
+        row["oom"], row["detail"] = True, str(e)
+        if e.estimate is not None:
+            row["mem_gib"], row["mem_kind"] = e.estimate.peak_bytes / 2**30, "peak"
     except PlanningError as e:
         row = failure_row(point, f"no plan: {e}")
     except Exception as e:  # noqa: BLE001 - a failing point is a row, never the end of the sweep
@@ -191,9 +196,9 @@ def _plan(point: Point, hw: Any) -> tuple[Plan, int, int, float | None]:
 
 
 def memory_limit(hw: Any) -> float:
-    """Bytes a device may hold: the profile's memory_limit_gib when it has one, else its memory."""
-    gib = getattr(hw, "memory_limit_gib", None)
-    return gib * 2**30 if gib else float(hw.memory_bytes)
+    """Bytes a device may hold: the profile's memory_limit_gib when it has one, else its memory
+    (what the planner fits plans into, HardwareProfile.memory_limit)."""
+    return float(hw.memory_limit)
 
 
 def memory_estimate(plan: Plan, param_bytes: int) -> tuple[float, str]:

@@ -374,10 +374,10 @@ class AutoParallel:
                 prob, sol = self._build_and_solve(self.candidates, low, cur)
             except PlanningError as e:
                 raise MemoryLimitError(f"{_over_limit(est)}, and the constraints allow no more sharding "
-                                       f"({e}); {_memory_fix(self.runtime.ac_mode)}") from None
+                                       f"({e}); {_memory_fix(self.runtime.ac_mode)}", est) from None
             plan = self._plan(prob, sol, low, cur)
         raise MemoryLimitError(f"{_over_limit(est)}, even with the parameters as sharded as they can be (parameter "
-                               f"budget high={plan.memory_fraction:.4g}); {_memory_fix(self.runtime.ac_mode)}")
+                               f"budget high={plan.memory_fraction:.4g}); {_memory_fix(self.runtime.ac_mode)}", est)
 
     def _build_and_solve(self, cands: Candidates, low: float | None, high: float | None) -> tuple[Problem, Solution]:
         t0 = time.perf_counter()

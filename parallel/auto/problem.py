@@ -29,7 +29,12 @@ class PlanningError(ValueError):
 
 class MemoryLimitError(PlanningError):
     """No plan's predicted peak memory per device fits in the memory limit (the message
-    gives the peak, its parts, the limit and where the limit comes from)."""
+    gives the peak, its parts, the limit and where the limit comes from); `estimate` is the
+    MemoryEstimate of the most sharded plan tried, for callers that tabulate it (sweeps)."""
+
+    def __init__(self, message: str, estimate: Any = None) -> None:
+        super().__init__(message)
+        self.estimate = estimate
 
 
 @dataclass

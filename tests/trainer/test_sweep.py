@@ -94,7 +94,7 @@ def test_cache_hit_replans_nothing_and_trace_is_reused(tmp_path, monkeypatch):
     assert [r["cached"] for r in rows] == [False, False]
     assert rows[1]["trace_reused"] and not rows[0]["trace_reused"]  # same model and shapes, another budget: one trace
     assert rows[0]["tokens_per_s"] == pytest.approx(2 * 32 / (rows[0]["objective_us"] * 1e-6))
-    assert 0 < rows[0]["mfu"] < 1 and rows[0]["mem_kind"] == "states" and rows[0]["oom"] is False
+    assert 0 < rows[0]["mfu"] < 1 and rows[0]["mem_kind"] == "peak" and rows[0]["oom"] is False
     assert cache.plan(rows[0]["key"]).objective_us == rows[0]["objective_us"]
 
     def boom(point):
@@ -139,9 +139,12 @@ def test_mesh_search_ranks_and_drops(tmp_path):
     assert rows[0]["tokens_per_s"] >= rows[1]["tokens_per_s"]  # dp_shard=2 steps over twice the tokens of tp=2
     assert rows[0]["mesh"] == "dp_shard=2"
     assert degrees_of(rows[0])["data_parallel_shard_degree"] * degrees_of(rows[0])["tensor_parallel_degree"] == 2
-    tiny = load_hardware("h100").replace(memory_bytes=1024)  # nothing fits in 1 KiB
+    tiny = load_hardware("h100").replace(memory_bytes=1024, memory_limit_bytes=1024)  # nothing fits in 1 KiB
     dropped = search_meshes(cfg, 2, tiny, workers=1, cache=cache, out=lambda s: None)
     assert [r["rank"] for r in dropped] == ["-", "-"] and {r["status"] for r in dropped} == {"OOM"}
+    # the planner tried to fit (re-solved as sharded as it could) and says by how much it missed
+    assert all(r["oom"] and r["mem_kind"] == "peak" and r["mem_gib"] > 0 for r in dropped)
+    assert all("memory limit" in r["detail"] or "limit" in r["detail"] for r in dropped)
 
 
 def test_worker_processes_report_every_point(tmp_path):
