@@ -147,6 +147,7 @@ def test_mesh_search_ranks_and_drops(tmp_path):
     assert all("memory limit" in r["detail"] or "limit" in r["detail"] for r in dropped)
 
 
+@pytest.mark.slow  # spawns worker processes
 def test_worker_processes_report_every_point(tmp_path):
     spec = load_sweep(spec_file(tmp_path, TINY + "mesh = ['2', 'tp=2']\n"))
     lines = []

@@ -30,7 +30,9 @@ def _plan_all(shape, names):
     return out
 
 
-@pytest.fixture(scope="module", params=[((8,), ("dp",)), ((2, 4), ("dp", "tp"))], ids=["mesh8", "mesh2x4"])
+@pytest.fixture(scope="module", params=[((8,), ("dp",)),
+                                        pytest.param(((2, 4), ("dp", "tp")), marks=pytest.mark.slow)],  # ~30 s
+                ids=["mesh8", "mesh2x4"])
 def planned(request):
     return request.param[0], _plan_all(*request.param)
 

@@ -72,6 +72,7 @@ def llama8b() -> dict:
     return {(k, ac): _plan_8b(k, ac)[1] for k, ac in (("ddp", "none"), ("fsdp", "none"), ("fsdp", "full"))}
 
 
+@pytest.mark.slow  # plans LLaMA 3 8B on a fake world
 def test_llama3_8b_shapes_on_8_ranks_sane_and_ordered(llama8b):
     model = build_model("llama3", "8B", device="meta", n_layers=4)
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
