@@ -39,7 +39,7 @@ from torch._functorch.partitioners import default_partition
 from torch._ops import OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._functional_collectives import (
-    all_gather_tensor_autograd,
+    all_gather_single_autograd,
     all_to_all_single_autograd,
     wait_tensor,
 )
@@ -73,7 +73,7 @@ from torch.utils.flop_counter import (
 
 __all__ = [
     "FAKE_BACKEND", "FAKE_DEVICE",
-    "all_gather_tensor_autograd", "all_to_all_single_autograd", "wait_tensor",
+    "all_gather_single_autograd", "all_to_all_single_autograd", "wait_tensor",
     "BufferAOTInput", "DTensorSpec", "FakeTensor", "FakeTensorMode", "GradAOTOutput", "MaskPartial",
     "OpOverload", "OpOverloadPacket", "OpSchema", "OpSpec", "OpStrategy", "ParamAOTInput", "PlainAOTInput",
     "PlainAOTOutput", "RuntimeSchemaInfo", "ShardingPlaceholder", "SingleDimStrategyInfo", "StridedShard",

@@ -31,6 +31,7 @@ from parallel import _torch as T
 from parallel._torch import fake_world
 from parallel.auto.cost import AUTO, DEFAULT_HARDWARE, CostModel, HardwareProfile, RuntimeSchedule
 from parallel.auto.cost.calibrate import resolve_auto
+from parallel.auto.cp_attention import REGION as CP_ATTENTION  # declares the causal-attention region
 from parallel.auto.formulation import build_problem
 from parallel.auto.placements import placement_str
 from parallel.auto.plan import Plan, build_plan
@@ -43,12 +44,18 @@ from parallel.auto.trace import JointGraph, trace_joint
 
 log = logging.getLogger("parallel.auto")
 
-__all__ = ["AutoParallel", "PlanningError", "Plan", "fake_world", "lm_loss"]
+__all__ = ["AutoParallel", "CP_ATTENTION", "PlanningError", "Plan", "fake_world", "lm_loss", "lm_loss_positions"]
 
 
 def lm_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Language-model loss around a model returning logits (mean cross-entropy, fp32)."""
     return cross_entropy_loss(model(tokens), labels)
+
+
+def lm_loss_positions(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
+                      positions: torch.Tensor) -> torch.Tensor:
+    """`lm_loss` with the RoPE positions of the tokens (a reordered sequence: CP load balance)."""
+    return cross_entropy_loss(model(tokens, positions), labels)
 
 
 def _as_placements(p: Any, ndim: int, what: str) -> tuple | None:
