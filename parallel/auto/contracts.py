@@ -286,6 +286,13 @@ def _backward_impl(name: str, *xs: torch.Tensor, layout: str = "") -> Any:
     return _single(res)
 
 
+def run_kernel(target: Any, *args: Any, **kwargs: Any) -> Any:
+    """A region op's real kernel called directly, not through the dispatcher (so a dispatch
+    mode that intercepts the op can still see the ops inside, e.g. a memory tracker)."""
+    c, backward = region_of(target)  # type: ignore[misc]
+    return (_backward_impl if backward else _forward_impl)(c.name, *args, **kwargs)
+
+
 def _setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
     *xs, layout = inputs if len(inputs) and isinstance(inputs[-1], str) else (*inputs, "")
     ctx.save_for_backward(*xs)

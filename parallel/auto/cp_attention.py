@@ -27,6 +27,9 @@ from parallel.recipes.cp import cp_positions
 
 REGION = "causal_attention"
 SEQUENCE = "sequence"
+MASK_ROWS = 256
+"""Query rows per masked attention call: the kernel expands a boolean mask to the query's
+dtype, rows x keys, so long runs are cut to keep that buffer small (at seq 4096: 4 MiB)."""
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -42,13 +45,16 @@ def sequence_order(seq_len: int, load_balance: int) -> list[int]:
     return torch.cat([cp_positions(seq_len, r, load_balance) for r in range(load_balance)]).tolist()
 
 
-def _runs(positions: list[int]) -> list[tuple[int, int, int]]:
-    """(first local row, end local row, first position) of each run of consecutive positions."""
+def _runs(positions: list[int], max_rows: int | None = None) -> list[tuple[int, int, int]]:
+    """(first local row, end local row, first position) of each run of consecutive positions;
+    runs not starting at position 0 are cut to at most `max_rows` rows (masked calls)."""
     out: list[tuple[int, int, int]] = []
     start = 0
     for i in range(1, len(positions) + 1):
         if i == len(positions) or positions[i] != positions[i - 1] + 1:
-            out.append((start, i, positions[start]))
+            step = (i - start) if (max_rows is None or positions[start] == 0) else max_rows
+            for a in range(start, i, step):
+                out.append((a, min(a + step, i), positions[a]))
             start = i
     return out
 
@@ -72,7 +78,7 @@ def local_causal_attention(ctx: RegionContext, q: torch.Tensor, k: torch.Tensor,
         inverse[torch.tensor(order, device=q.device)] = torch.arange(len(order), device=q.device)
         k, v = k.index_select(2, inverse), v.index_select(2, inverse)
     outs = []
-    for i0, i1, p0 in _runs(order[rank * s_loc:(rank + 1) * s_loc]):
+    for i0, i1, p0 in _runs(order[rank * s_loc:(rank + 1) * s_loc], MASK_ROWS):
         end = p0 + (i1 - i0)
         qc = q[:, :, i0:i1]
         if p0 == 0:

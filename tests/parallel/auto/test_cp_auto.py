@@ -32,14 +32,19 @@ def test_sequence_order_and_runs():
     assert sequence_order(8, 2) == [0, 1, 6, 7, 2, 3, 4, 5]  # rank 0: chunks 0, 3; rank 1: chunks 1, 2
     assert sequence_order(6, 1) == list(range(6))
     assert _runs([0, 1, 6, 7]) == [(0, 2, 0), (2, 4, 6)]
+    assert _runs([0, 1, 2, 7, 8, 9], max_rows=2) == [(0, 3, 0), (3, 5, 7), (5, 6, 9)]
     tok = torch.arange(16).view(2, 8)
     t, lab, pos = load_balanced_batch(tok, tok + 100, 2)
     assert t[0].tolist() == [0, 1, 6, 7, 2, 3, 4, 5] and torch.equal(lab, t + 100) and pos.tolist() == t[0].tolist()
 
 
-@pytest.mark.parametrize("lb", [1, 2, 4])
-def test_local_attention_without_gathers_equals_causal_sdpa(lb):
-    """One rank holding the whole (reordered) sequence: the batch/heads/replicated options."""
+@pytest.mark.parametrize("lb,rows", [(1, 256), (2, 256), (4, 256), (2, 3)])
+def test_local_attention_without_gathers_equals_causal_sdpa(lb, rows, monkeypatch):
+    """One rank holding the whole (reordered) sequence: the batch/heads/replicated options
+    (rows: query rows per masked call)."""
+    import parallel.auto.cp_attention as cpa
+
+    monkeypatch.setattr(cpa, "MASK_ROWS", rows)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 16, 8, generator=g) for _ in range(3))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
