@@ -6,16 +6,19 @@
         debug LLaMA 3, batch 1: no CP (1 rank) vs the sequence sharded on 2 gloo ranks
         (the plan forced to CP with presets.context_parallel), and the loss of both;
 
-    python scripts/bench_cp.py --table crossover [--seq-lens 2048,4096,...] [--mesh 8]
+    python scripts/bench_cp.py --table crossover [--seq-lens 2048,4096,...] [--mesh 8x8]
         LLaMA 3 8B (its dims; --layers of its identical blocks) on a fake mesh with the h100
         profile, batch 1, the planner free: per sequence length, what it does with the
-        attention regions (sequence / heads / batch / replicated per axis), the objective,
-        and the first length at which it shards the sequence (CP) by itself.
+        attention regions (S(1) heads, S(2) sequence, R replicated, per axis), the
+        objective, and the first length at which it shards the sequence (CP) by itself.
+        On 8x8 the 32 heads fill one axis; on one axis of 8 the planner prefers the heads
+        with all-to-alls around attention (fewer bytes than gathering K/V) at every length.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -124,7 +127,7 @@ def table_memory(seq: int) -> None:
     print(f"  reduction: {base['peak'] / cp['peak']:.2f}x   |dloss| {abs(base['loss'] - cp['loss']):.1e}")
 
 
-def _crossover_one(seq: int, world: int, layers: int) -> dict:
+def _crossover_one(seq: int, world: tuple[int, ...], layers: int) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
@@ -136,12 +139,12 @@ def _crossover_one(seq: int, world: int, layers: int) -> dict:
     model = build_model("llama3", "8B", device="meta", n_layers=layers, max_seq_len=max(seq, 8192))
     mp = mixed_precision_policy("bfloat16", "float32")
     t0 = time.perf_counter()
-    with fake_world(world):
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    with fake_world(math.prod(world)):
+        mesh = init_device_mesh("cpu", world, mesh_dim_names=("tp", "cp")[-len(world):])
         meta = (torch.zeros(1, seq, dtype=torch.long),) * 2 + (torch.zeros(seq, dtype=torch.long),)
         with AutoParallel(model, meta, mesh, loss_fn=lm_loss_positions, mp_policy=mp, hardware="h100",
                           regions=(CP_ATTENTION,)) as autop:
-            autop.add_input_constraints([(Replicate(),)] * 3)
+            autop.add_input_constraints([(Replicate(),) * len(world)] * 3)
             plan = autop.optimize_placement(verbose=False)
     attn = [n.output_placements[0] for n in plan.nodes.values() if n.target == "autotitan.causal_attention.default"]
     comm = sum(plan.comm_us.values())
@@ -149,13 +152,14 @@ def _crossover_one(seq: int, world: int, layers: int) -> dict:
             "comm_ms": comm / 1e3, "s": time.perf_counter() - t0}
 
 
-def table_crossover(seq_lens: list[int], world: int, layers: int) -> None:
-    print(f"LLaMA 3 8B dims, {layers} blocks, batch 1, fake mesh ({world},) 'cp', h100 profile, bf16: "
+def table_crossover(seq_lens: list[int], world: tuple[int, ...], layers: int) -> None:
+    names = ("tp", "cp")[-len(world):]
+    print(f"LLaMA 3 8B dims, {layers} blocks, batch 1, fake mesh {world} {names}, h100 profile, bf16: "
           "what the planner does with attention", flush=True)
     first = None
     for seq in seq_lens:
         r = _crossover_one(seq, world, layers)
-        seq_sharded = any("S(2)" in a for a in r["attention"])
+        seq_sharded = any("S(2)" in a for a in r["attention"])  # the sequence sharded on some axis
         if seq_sharded and first is None:
             first = seq
         print(f"  seq {seq:6d}: attention {', '.join(r['attention']):12s} objective {r['objective_ms']:9.2f} ms "
@@ -168,14 +172,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--table", choices=("memory", "crossover"), default="memory")
     ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--seq-lens", default="1024,2048,4096,8192,16384,32768,65536")
-    ap.add_argument("--mesh", type=int, default=8)
+    ap.add_argument("--seq-lens", default="512,1024,2048,3072,4096,8192,32768")
+    ap.add_argument("--mesh", default="8x8", help="N (one axis 'cp') or TxN (axes 'tp', 'cp')")
     ap.add_argument("--layers", type=int, default=2)
     a = ap.parse_args()
     if a.table == "memory":
         table_memory(a.seq_len)
     else:
-        table_crossover([int(s) for s in a.seq_lens.split(",")], a.mesh, a.layers)
+        table_crossover([int(s) for s in a.seq_lens.split(",")], tuple(int(x) for x in a.mesh.split("x")), a.layers)
 
 
 if __name__ == "__main__":
