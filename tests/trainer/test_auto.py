@@ -70,3 +70,13 @@ def test_corrupt_plan_file_fails_before_tracing(monkeypatch, tmp_path):
 def test_fp32_training_gives_the_planner_no_policy():
     cfg = load_config("llama3_debug_auto", world_size=2)
     assert auto.planner_mp_policy(cfg.training) is None
+
+
+def test_cp_in_auto_mode_needs_two_chunks_per_cp_rank(monkeypatch):
+    monkeypatch.setattr(auto, "AutoParallel", None)  # never reached
+    cfg = load_config("llama3_debug_auto", ["--parallelism.context_parallel_degree", "2",
+                                            "--training.seq_len", "30"], world_size=2)
+    mesh = SimpleNamespace(mesh_dim_names=("cp",), shape=(2,))
+    with pytest.raises(ConfigError, match=r"'parallelism.context_parallel_degree' = 2: .*seq_len = 30 must be a "
+                                          r"multiple of 4"):
+        auto.auto_parallelize_for_training(torch.nn.Linear(2, 2), mesh, cfg, BATCH)
