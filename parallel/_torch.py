@@ -46,7 +46,7 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 from torch.distributed._functional_collectives import (
-    all_gather_tensor_autograd,
+    all_gather_single_autograd,
     all_to_all_single_autograd,
     wait_tensor,
 )
@@ -81,7 +81,7 @@ from torch.utils.flop_counter import (
 
 __all__ = [
     "FAKE_BACKEND", "FAKE_DEVICE",
-    "all_gather_tensor_autograd", "all_to_all_single_autograd", "wait_tensor",
+    "all_gather_single_autograd", "all_to_all_single_autograd", "wait_tensor",
     "BufferAOTInput", "DTensorSpec", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor",
     "FakeTensorDeviceMismatchError", "FakeTensorMode", "GradAOTOutput", "MaskPartial",
     "OpOverload", "OpOverloadPacket", "OpSchema", "OpSpec", "OpStrategy", "ParamAOTInput", "PlainAOTInput",

@@ -38,14 +38,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
 
-from parallel.auto.api import AutoParallel, lm_loss
+from parallel.auto.api import CP_ATTENTION, AutoParallel, lm_loss, lm_loss_positions
 from parallel.auto.cost import AUTO, HardwareProfile, ProfileError
 from parallel.auto.cost.calibrate import profile_for_group
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.plan_html import save_html
 from parallel.auto.problem import MemoryLimitError, PlanningError
 from parallel.auto.runtime import RuntimeOptions
-from parallel.mesh import CP, DATA_AXES
+from parallel.mesh import CP, DATA_AXES, axis_size
 from parallel.precision import is_mixed, mixed_precision_policy
 
 from .config import ConfigError, JobConfig
@@ -58,6 +58,12 @@ def data_placements(mesh: DeviceMesh) -> tuple:
     """Shard(0) (batch) on the data-parallel axes, Replicate on the others."""
     names = mesh.mesh_dim_names or ()
     return tuple(Shard(0) if n in DATA_AXES else Replicate() for n in names)
+
+
+def uses_cp(mesh: DeviceMesh | None) -> bool:
+    """True when the mesh has a `cp` axis of size > 1: auto mode then feeds the sequence in the
+    load-balanced CP order with its positions, and the planner may shard it (CP attention)."""
+    return mesh is not None and CP in (mesh.mesh_dim_names or ()) and axis_size(mesh, CP) > 1
 
 
 def data_degree(mesh: DeviceMesh) -> int:
@@ -86,12 +92,13 @@ def planning_hardware(par: Any, mesh: DeviceMesh | None, device_type: str | None
 
 
 def runtime_options(job_config: JobConfig) -> RuntimeOptions:
-    """How the plan runs, from the job: AC, resharding, overlap, Inductor compilation."""
+    """How the plan runs, from the job: AC, resharding, overlap, Inductor compilation, and the
+    load-balanced sequence order the trainer feeds when `context_parallel_degree` > 1."""
     ac, par, t = job_config.activation_checkpoint, job_config.parallelism, job_config.training
     return RuntimeOptions(ac_mode=ac.mode, ac_option=ac.selective_ac_option,
                           reshard_after_forward=par.reshard_after_forward,
                           overlap=par.overlap, compile=t.compile, compile_fallback=t.compile_fallback,
-                          compile_mode=t.compile_mode)
+                          compile_mode=t.compile_mode, load_balance=max(1, par.context_parallel_degree))
 
 
 def plan_digest(plan: Plan) -> str:
@@ -134,13 +141,14 @@ def auto_parallelize_for_training(model: nn.Module, mesh: Optional[DeviceMesh], 
 
 
 def _check_supported(job_config: JobConfig, mesh: DeviceMesh) -> None:
-    """Refuse what the planner's inputs cannot express; warn about ignored keys."""
-    if CP in (mesh.mesh_dim_names or ()):
+    """Refuse what the planner's inputs cannot express: a sequence the load-balanced CP order
+    (2 chunks per cp rank) does not divide."""
+    cp, seq = job_config.parallelism.context_parallel_degree, job_config.training.seq_len
+    if CP in (mesh.mesh_dim_names or ()) and seq % (2 * cp):
         raise ConfigError(
-            f"{job_config.source}: 'parallelism.context_parallel_degree' > 1 with mode = "
-            f'"auto": the trainer splits the sequence into load-balanced CP chunks, which the planner\'s '
-            "inputs cannot express; use the degree as a data/tensor axis (data_parallel_shard_degree or "
-            "tensor_parallel_degree) and let the planner choose, or mode = \"manual\"")
+            f"{job_config.source}: 'parallelism.context_parallel_degree' = {cp}: does not divide the sequence: "
+            f"training.seq_len = {seq} must be a multiple of {2 * cp} (2 load-balanced chunks per cp rank); "
+            "change [training] seq_len or the degree")
 
 
 def _planning_error(job_config: JobConfig, e: PlanningError) -> ConfigError:
@@ -167,17 +175,22 @@ def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, s
     par = job_config.parallelism
     tokens, labels = sample_batch
     gshape = (tokens.shape[0] * data_degree(mesh), *tokens.shape[1:])
-    g_inputs = (torch.zeros(gshape, dtype=tokens.dtype, device="meta"),
-                torch.zeros(gshape, dtype=labels.dtype, device="meta"))
+    g_inputs: tuple = (torch.zeros(gshape, dtype=tokens.dtype, device="meta"),
+                       torch.zeros(gshape, dtype=labels.dtype, device="meta"))
     saved = Plan.load(par.plan_file) if par.plan_file else None  # a bad file fails before tracing
     pl = data_placements(mesh)
-    with AutoParallel(model, g_inputs, mesh, loss_fn=lm_loss, mp_policy=planner_mp_policy(job_config.training),
+    in_placements, loss_fn, regions = [pl, pl], lm_loss, ()
+    if uses_cp(mesh):  # the sequence in load-balanced order, its RoPE positions, CP attention as a region
+        g_inputs += (torch.zeros(gshape[1], dtype=torch.long, device="meta"),)
+        in_placements.append(tuple(Replicate() for _ in range(mesh.ndim)))
+        loss_fn, regions = lm_loss_positions, (CP_ATTENTION,)
+    with AutoParallel(model, g_inputs, mesh, loss_fn=loss_fn, mp_policy=planner_mp_policy(job_config.training),
                       hardware=planning_hardware(par, mesh), solver=par.solver, time_limit=par.time_limit,
                       cluster_layers=par.cluster_layers, seed=par.seed, seed_radius=par.seed_radius,
                       seed_rounds=par.seed_rounds, runtime=runtime_options(job_config),
                       memory_limit_gib=par.memory_limit_gib,
-                      optimizer=job_config.optimizer.implementation) as autop:
-        autop.add_input_constraints([pl, pl])
+                      optimizer=job_config.optimizer.implementation, regions=regions) as autop:
+        autop.add_input_constraints(in_placements)
         if par.memory_budget_low is not None or par.memory_budget_high is not None:
             autop.add_parameter_memory_constraint(low=par.memory_budget_low, high=par.memory_budget_high)
         elif _states_fit_replicated(model, autop):

@@ -23,8 +23,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from models import build_model, cross_entropy_loss
 from parallel import _torch as T
+from parallel.auto.cp_attention import load_balanced_batch
 from parallel.auto.runtime import CompileError, is_parallel_module
-from parallel.mesh import CP, build_mesh, dp_rank_and_degree
+from parallel.mesh import CP, axis_size, build_mesh, dp_rank_and_degree
 from parallel.precision import dtype_of
 from parallel.recipes import RecipeError, apply_compile, apply_recipe
 from parallel.recipes.cp import cp_shard_batch
@@ -170,7 +171,11 @@ class Trainer:
     # ------------------------------------------------------------------ pieces
 
     def _shard_batch(self, inputs, labels):
-        """Per-rank inputs, labels and positions (context parallel shards the sequence)."""
+        """Per-rank inputs, labels and positions (context parallel shards the sequence; in auto
+        mode every cp rank gets the whole sequence in the load-balanced order and the plan
+        decides where it is cut)."""
+        if self.cp_axis and hasattr(self.model, "forward_backward"):
+            return load_balanced_batch(inputs, labels, axis_size(self.mesh, CP))
         if self.cp_axis:
             return cp_shard_batch(inputs, labels, self.mesh, CP)
         return inputs, labels, None
@@ -189,7 +194,8 @@ class Trainer:
         inputs, labels, positions = self._shard_batch(inputs, labels)
         self.optimizer.zero_grad(set_to_none=True)
         if hasattr(self.model, "forward_backward"):  # auto mode: the step as one graph
-            loss = self.model.forward_backward(inputs, labels)
+            loss = self.model.forward_backward(*((inputs, labels) if positions is None
+                                                 else (inputs, labels, positions)))
         else:
             loss = self._forward_backward(inputs, labels, positions)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)

@@ -34,6 +34,7 @@ from parallel.auto.cost import AUTO, DEFAULT_HARDWARE, CostModel, HardwareProfil
 from parallel.auto.cost.calibrate import resolve_auto
 from parallel.auto.cost.memory import GIB, MemoryEstimate, format_bytes
 from parallel.auto.coverage import GraphCoverage, coverage_of, coverage_report
+from parallel.auto.cp_attention import REGION as CP_ATTENTION  # declares the causal-attention region
 from parallel.auto.formulation import build_problem
 from parallel.auto.placements import placement_str
 from parallel.auto.plan import Plan, build_plan
@@ -47,7 +48,8 @@ from parallel.auto.trace import JointGraph, trace_joint
 
 log = logging.getLogger("parallel.auto")
 
-__all__ = ["AutoParallel", "MemoryLimitError", "PlanningError", "Plan", "fake_world", "lm_loss"]
+__all__ = ["AutoParallel", "CP_ATTENTION", "MemoryLimitError", "PlanningError", "Plan", "fake_world", "lm_loss",
+           "lm_loss_positions"]
 
 MEMORY_ROUNDS = 3  # re-solves with a tighter parameter budget when a plan is over the memory limit
 _AC_FIX = {"none": "use activation checkpointing ([activation_checkpoint] mode = \"selective\" or \"full\", "
@@ -68,6 +70,12 @@ def _over_limit(est: MemoryEstimate) -> str:
 def lm_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Language-model loss around a model returning logits (mean cross-entropy, fp32)."""
     return cross_entropy_loss(model(tokens), labels)
+
+
+def lm_loss_positions(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
+                      positions: torch.Tensor) -> torch.Tensor:
+    """`lm_loss` with the RoPE positions of the tokens (a reordered sequence: CP load balance)."""
+    return cross_entropy_loss(model(tokens, positions), labels)
 
 
 def _as_placements(p: Any, ndim: int, what: str) -> tuple | None:

@@ -240,13 +240,13 @@ def _forward_fake(name: str, *xs: torch.Tensor, layout: str = "") -> Any:
     xs, layout = _split(xs, layout)
     c = _contracts[name]
     outs = _as_tuple(c.fn(*xs))
-    return _single([torch.empty_like(o) for o in outs])
+    return _single([o.new_empty(o.shape) for o in outs])  # contiguous, as the real kernel returns
 
 
 def _backward_fake(name: str, *xs: torch.Tensor, layout: str = "") -> Any:
     xs, layout = _split(xs, layout)
     c = _contracts[name]
-    return _single([torch.empty_like(x) for x in xs[c.n_outputs:]])
+    return _single([x.new_empty(x.shape) for x in xs[c.n_outputs:]])
 
 
 def _run_local(c: Contract, xs: Sequence[torch.Tensor], layout: str) -> tuple[torch.Tensor, ...]:
@@ -262,7 +262,7 @@ def _forward_impl(name: str, *xs: torch.Tensor, layout: str = "") -> Any:
         outs = _run_local(c, xs, layout)
     if layout:
         check_outputs(c.name, outs, layout)
-    return _single([o.clone() if any(o is x for x in xs) else o for o in outs])
+    return _single([o.clone() if any(o is x for x in xs) else o.contiguous() for o in outs])
 
 
 def _backward_impl(name: str, *xs: torch.Tensor, layout: str = "") -> Any:
@@ -282,8 +282,15 @@ def _backward_impl(name: str, *xs: torch.Tensor, layout: str = "") -> Any:
     res = []
     for x in leaves:
         g = got.pop(0) if x.requires_grad else None
-        res.append(torch.zeros_like(x) if g is None else g.detach())
+        res.append(torch.zeros(x.shape, dtype=x.dtype, device=x.device) if g is None else g.detach().contiguous())
     return _single(res)
+
+
+def run_kernel(target: Any, *args: Any, **kwargs: Any) -> Any:
+    """A region op's real kernel called directly, not through the dispatcher (so a dispatch
+    mode that intercepts the op can still see the ops inside, e.g. a memory tracker)."""
+    c, backward = region_of(target)  # type: ignore[misc]
+    return (_backward_impl if backward else _forward_impl)(c.name, *args, **kwargs)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: Any) -> None:

@@ -96,3 +96,13 @@ def test_memory_limit_reaches_the_planner_and_its_error_names_the_key(monkeypatc
 def test_memory_limit_must_be_positive():
     with pytest.raises(ConfigError, match=r"'parallelism.memory_limit_gib' = 0.0: must be > 0 GiB"):
         load_config("llama3_debug_auto", ["--parallelism.memory_limit_gib", "0"], world_size=2)
+
+
+def test_cp_in_auto_mode_needs_two_chunks_per_cp_rank(monkeypatch):
+    monkeypatch.setattr(auto, "AutoParallel", None)  # never reached
+    cfg = load_config("llama3_debug_auto", ["--parallelism.context_parallel_degree", "2",
+                                            "--training.seq_len", "30"], world_size=2)
+    mesh = SimpleNamespace(mesh_dim_names=("cp",), shape=(2,))
+    with pytest.raises(ConfigError, match=r"'parallelism.context_parallel_degree' = 2: .*seq_len = 30 must be a "
+                                          r"multiple of 4"):
+        auto.auto_parallelize_for_training(torch.nn.Linear(2, 2), mesh, cfg, BATCH)
