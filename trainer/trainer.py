@@ -302,26 +302,29 @@ class Trainer:
             self.metrics.flops_per_token = self.flops_per_token
         how = "same model (manual mode: the recipes do not depend on the sequence length)"
         if is_parallel_module(self.model):
-            t0 = time.perf_counter()
-            self._replan()
-            how = f"{self.model.plan_origin}; parameters and optimizer state moved in {time.perf_counter() - t0:.1f}s"
+            plan_s, move_s = self._replan()
+            how = (f"{self.model.plan_origin}; planned and applied in {plan_s:.1f}s, parameters and optimizer "
+                   f"state moved in {move_s:.2f}s")
         if self.rank == 0:
             logger.info(f"step {self.step + 1}: sequence length {old} -> {seq}: {how}")
 
-    def _replan(self) -> None:
-        """Auto mode: the ParallelModule for the current sequence length, state moved into it."""
-        cfg = self.cfg
+    def _replan(self) -> tuple[float, float]:
+        """Auto mode: the ParallelModule for the current sequence length, state moved into it;
+        (seconds planning and applying, seconds moving the state)."""
+        cfg, t0 = self.cfg, time.perf_counter()
         cached = self.plans.get(self.seq_len)
         replay = self.model.plan if cached is None and cfg.parallelism.replan == "replay" else None
         template = self.model.meta_template
         new = parallelize(template, self.mesh, cfg, self._sample_batch(), self.plan_constraints,
                           PlanSource(cached=cached, replay=replay))
+        t1 = time.perf_counter()
         moved = new.take_state_from(self.model)
         follow_parameters(self.optimizer, moved)
         new.train(self.model.training)
         self.model = self.checkpointer.model = new
         self.plans[self.seq_len] = new.plan
         self._step_times = []
+        return t1 - t0, time.perf_counter() - t1
 
     def _maybe_log_prediction(self, warmup: int = 2, timed: int = 5) -> None:
         """Auto mode, once: the measured step time (median after the warm-up) next to the
