@@ -93,10 +93,11 @@ def _schedule_worker(rank: int, world: int, tmp: str) -> dict:
                                                 "--checkpoint.enable", "true"], _fsdp_at_64)
     second, tr2 = _train(tmp, "restarted", world, [*auto, "--training.seq_len", "64", "--training.steps", "6",
                                                    "--checkpoint.enable", "true"], _fsdp_at_64)
-    replayed, tr3 = _train(tmp, "replayed", world, [*auto, "--training.seq_len_schedule", "[[0, 32], [3, 64]]",
+    # replan = "replay" at 64, then back to 32: the job's own plan for 32, from its cache
+    replayed, tr3 = _train(tmp, "replayed", world, [*auto, "--training.seq_len_schedule", "[[0, 32], [3, 64], [5, 32]]",
                                                     "--training.steps", "6", "--checkpoint.enable", "false",
                                                     "--parallelism.replan", "replay"], _fsdp_at_64)
-    replay = {"losses": replayed, "origin": tr3.model.plan_origin,
+    replay = {"losses": replayed, "origin": tr3.model.plan_origin, "solver_64": tr3.plans[64].solver,
               "placements": {s: set(p.param_placements().values()) for s, p in tr3.plans.items()}}
     moments = {(tuple(v.placements) == tuple(p.placements), tuple(v.placements))
                for p, st in tr.optimizer.state.items() for v in st.values() if v.ndim > 0}
@@ -118,10 +119,12 @@ def test_schedule_replans_in_memory_and_equals_a_restart(tmp_path):
     assert out["placements"][32] == {"(R)"} and "(R)" not in out["placements"][64]  # data parallel, then FSDP
     assert {m[0] for m in out["moments"]} == {True}  # AdamW's moments followed their parameters
     assert {m[1] for m in out["moments"]} <= {(Shard(0),), (Shard(1),)}
-    # replan = "replay": the seq-32 placements kept at 64 (no solve, so no FSDP), the same numbers
+    # replan = "replay": the seq-32 placements kept at 64 (no solve, so no FSDP), the same numbers;
+    # back at 32 for step 6 the job takes the plan it made for 32
     replay = out["replay"]
-    assert replay["origin"].startswith("replayed") and replay["placements"] == {32: {"(R)"}, 64: {"(R)"}}
-    for s in sched:
+    assert replay["placements"] == {32: {"(R)"}, 64: {"(R)"}}
+    assert replay["origin"].startswith("taken from this job's plan") and replay["solver_64"] == "replay"
+    for s in range(1, 6):
         assert replay["losses"][s] == pytest.approx(sched[s], rel=RTOL), s
 
 
