@@ -28,6 +28,7 @@ import json
 import logging
 import pickle
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -118,12 +119,14 @@ def _world() -> int:
 
 def auto_parallelize_for_training(model: nn.Module, mesh: Optional[DeviceMesh], job_config: JobConfig,
                                   sample_batch: Any, constraints: Optional[Callable[[AutoParallel], None]] = None,
-                                  ) -> nn.Module:
+                                  *, source: Optional["PlanSource"] = None) -> nn.Module:
     """Plan (or replay a plan for) `model` on `mesh` and return the ParallelModule.
 
     sample_batch: the per-rank (tokens, labels) of the data loader; the global batch is
     the local one times the data-parallel degree. Without a mesh (single process) the
     model is returned unchanged. Planner errors are raised as ConfigErrors on every rank.
+    `source`: where the plan comes from when it is not `parallelism.plan_file` or a fresh
+    solve (a plan of this job for this shape, a replay at a new shape, the run's plan).
     """
     if mesh is None:
         logger.info("parallelism.mode = auto on a single process: nothing to plan, training the model as is")
@@ -131,13 +134,25 @@ def auto_parallelize_for_training(model: nn.Module, mesh: Optional[DeviceMesh], 
     _check_supported(job_config, mesh)
     par, src = job_config.parallelism, job_config.source
     try:
-        return _plan_and_apply(model, mesh, job_config, sample_batch, constraints)
+        return _plan_and_apply(model, mesh, job_config, sample_batch, constraints, source or PlanSource())
     except PlanMismatchError as e:
         raise ConfigError(f"{src}: 'parallelism.plan_file' = {par.plan_file!r}: {e}") from None
     except PlanningError as e:
         raise _planning_error(job_config, e) from None
     except ProfileError as e:
         raise ConfigError(f"{src}: 'parallelism.hardware' = {par.hardware!r}: {e}") from None
+
+
+@dataclass
+class PlanSource:
+    """Where the plan comes from, first match wins: `cached` (a plan this job made for this
+    very shape: applied as is), `replay` (the current plan's placements, re-priced and kept
+    at a new shape), `parallelism.plan_file` (when `resuming` on another world size or
+    sequence length and it does not fit: re-planned, as logged), else a fresh solve on rank 0."""
+
+    cached: Optional[Plan] = None
+    replay: Optional[Plan] = None
+    resuming: bool = False
 
 
 def _check_supported(job_config: JobConfig, mesh: DeviceMesh) -> None:
@@ -170,7 +185,7 @@ def _planning_error(job_config: JobConfig, e: PlanningError) -> ConfigError:
 
 
 def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, sample_batch: Any,
-                    constraints: Optional[Callable[[AutoParallel], None]] = None) -> nn.Module:
+                    constraints: Optional[Callable[[AutoParallel], None]], source: PlanSource) -> nn.Module:
     """Trace, get the plan (replayed, or solved on rank 0 and broadcast), check, log, apply."""
     par = job_config.parallelism
     tokens, labels = sample_batch
@@ -197,18 +212,25 @@ def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, s
             autop.add_parameter_memory_constraint(high=1.0)  # memory is no object: let speed decide
         if constraints is not None:
             constraints(autop)
-        if saved is not None:
-            input_shapes = [[list(x.shape), str(x.dtype)] for x in g_inputs]
-            saved.check_compatible(model=model, mesh=mesh, input_shapes=input_shapes, source=par.plan_file)
+        input_shapes = [[list(x.shape), str(x.dtype)] for x in g_inputs]
+        if source.cached is not None:
+            source.cached.check_compatible(model=model, mesh=mesh, input_shapes=input_shapes, source="the cached plan")
+            plan, how = source.cached, f"taken from this job's plan for inputs {input_shapes}"
+        elif source.replay is not None:
+            plan = autop.replay_placement(source.replay)
+            how = f"replayed (the previous plan's placements, re-priced for inputs {input_shapes})"
+        elif saved is not None and _fitting_plan_file(saved, autop, input_shapes, par.plan_file, source.resuming):
             plan, how = saved, f"replayed from {par.plan_file}"
         else:
             plan = _solve_on_rank0(autop)
-            how = f"solved by {plan.solver} ({plan.status})"
+            how = f"solved by {plan.solver} ({plan.status}) for mesh {tuple(mesh.shape)}, inputs {input_shapes}"
         digest = plan_digest(plan)
         _check_agreement(digest)
         if _rank() == 0:
             _log_and_save(plan, how, digest, Path(job_config.job.dump_folder) / job_config.job.name)
-        return autop.apply_placement(plan)
+        pm = autop.apply_placement(plan)
+        object.__setattr__(pm, "plan_origin", how)  # a plain attribute, as the runtime's own
+        return pm
 
 
 STATE_BYTES_PER_PARAM = 16  # fp32 parameter, gradient and AdamW's two moments
@@ -246,6 +268,25 @@ def _solve_on_rank0(autop: AutoParallel) -> Plan:
     if isinstance(payload[0], Exception):
         raise payload[0]
     return Plan.from_json(payload[0])
+
+
+def _fitting_plan_file(saved: Plan, autop: AutoParallel, input_shapes: list, path: str, resuming: bool
+                       ) -> Optional[Plan]:
+    """`parallelism.plan_file` when it fits this model, mesh and inputs. When it does not: a
+    resumed job whose shape changed (another world size, another sequence length) re-plans,
+    saying so (None); a fresh job, or a plan of another model, refuses it (PlanMismatchError).
+    Every rank reads the same file and decides alike."""
+    saved.check_compatible(model=autop.model, source=path)  # another model is always the user's mistake
+    try:
+        saved.check_compatible(mesh=autop.mesh, input_shapes=input_shapes, source=path)
+        return saved
+    except PlanMismatchError as e:
+        if not resuming:
+            raise
+        if _rank() == 0:
+            logger.info("re-planning for this job's mesh %s and inputs %s: the job resumes on another shape and "
+                        "parallelism.plan_file does not fit it (%s)", tuple(autop.mesh.shape), input_shapes, e)
+        return None
 
 
 def _sendable(e: Exception) -> Exception:

@@ -66,6 +66,17 @@ def complete_checkpoints(folder: Path) -> dict[int, Path]:
     return dict(sorted(out.items()))
 
 
+def resume_step(ckpt_cfg: Checkpoint, folder: Path) -> int:
+    """The step a job will resume at (0: none, or checkpointing off), known before the model
+    is built: a scheduled sequence length and the plan for it depend on it."""
+    if not ckpt_cfg.enable:
+        return 0
+    done = complete_checkpoints(Path(folder))
+    if ckpt_cfg.load_step >= 0:
+        return ckpt_cfg.load_step if ckpt_cfg.load_step in done else 0  # a missing one: load() says so
+    return max(done) if done else 0
+
+
 class CheckpointManager:
     """Saves and restores the whole training state as DCP folders (see the module doc)."""
 

@@ -87,6 +87,21 @@ class Training:
     compile: bool = False  # manual: torch.compile per block; auto: the whole step as one Inductor graph
     compile_fallback: bool = False  # on a compile error, run eagerly (logged) instead of failing
     compile_mode: str = "default"  # torch.compile's mode: "default" | "max-autotune" (benchmarks GEMM kernels)
+    # [[step, seq_len], ...]: from optimizer step `step` (0-based) on, train at `seq_len`; first step 0,
+    # steps strictly increasing; overrides seq_len. Auto mode re-plans at each change (parallelism.replan)
+    seq_len_schedule: list = field(default_factory=list)
+
+    def seq_len_at(self, step: int) -> int:
+        """The sequence length of 0-based step `step` (seq_len when there is no schedule)."""
+        seq = self.seq_len
+        for start, length in self.seq_len_schedule:
+            if start <= step:
+                seq = length
+        return seq
+
+    def seq_lens(self) -> list[int]:
+        """Every sequence length the job trains at, in order of first use."""
+        return [length for _, length in self.seq_len_schedule] or [self.seq_len]
 
 
 @dataclass
@@ -139,6 +154,9 @@ class Parallelism:
     # both modes: gather parameters again in the backward (FSDP's default, less memory)
     reshard_after_forward: bool = True
     overlap: bool = True  # auto mode: collectives start early and are waited for at first use
+    # auto mode, when the input shape changes (training.seq_len_schedule): "fresh" solves for the new shape
+    # (or takes the plan solved for it earlier in the job); "replay" keeps the current plan's placements
+    replan: str = "fresh"
 
     def resolved_degrees(self, world_size: int) -> dict[str, int]:
         """Degrees with ``data_parallel_shard_degree = -1`` filled in (no checks)."""
@@ -228,8 +246,8 @@ def _type_name(tp) -> str:
     if typing.get_origin(tp) is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return f"{_type_name(args[0])} or none"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(
-        tp, str(tp))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true/false",
+            list: "a list (TOML array)"}.get(tp, str(tp))
 
 
 def _check_value(tp, value):
@@ -249,6 +267,9 @@ def _check_value(tp, value):
             return float(value)
     elif tp is str:
         if isinstance(value, str):
+            return value
+    elif tp is list:
+        if isinstance(value, list):
             return value
     raise TypeError
 
@@ -270,6 +291,11 @@ def _parse_cli_value(tp, text: str):
         return int(text)
     if tp is float:
         return float(text)
+    if tp is list:  # a TOML array, e.g. "[[0, 2048], [1000, 8192]]"
+        try:
+            return tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            raise ValueError from None
     return text
 
 
@@ -388,6 +414,8 @@ def _toml_value(v) -> str:
         return repr(v)
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(v)
 
 

@@ -13,6 +13,8 @@ from typing import Any, Optional
 from models import build_model, get_model_spec, model_args, transformer_blocks
 from parallel.auto.cost import AUTO, ProfileError, load_hardware
 from parallel.auto.solve import SOLVERS
+from parallel.recipes import RecipeError
+from parallel.recipes.cp import validate_cp
 
 from .device import CPU, CUDA, check_compiler, check_device
 from .errors import ConfigError
@@ -27,6 +29,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("optimizer", "implementation"): ("foreach", "for-loop"),
     ("lr_scheduler", "decay"): ("linear", "cosine", "none"),
     ("parallelism", "mode"): ("manual", "auto"),
+    ("parallelism", "replan"): ("fresh", "replay"),
     ("job", "device"): ("auto", CUDA, CPU),
     ("training", "compile_mode"): ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"),
     ("activation_checkpoint", "mode"): ("none", "full", "selective"),
@@ -209,6 +212,44 @@ def _validate_model(cfg: JobConfig) -> None:
         raise _err(cfg, "training", "seq_len",
                    f"exceeds max_seq_len = {max_seq_len} of {cfg.model.name}/{cfg.model.flavor} (the length of its "
                    f"RoPE tables); set training.seq_len <= {max_seq_len}, or pick a flavor with a longer max_seq_len")
+    _validate_schedule(cfg, max_seq_len)
+
+
+SCHEDULE_FORM = "a list of [step, seq_len] pairs, e.g. [[0, 2048], [1000, 8192]]"
+
+
+def _validate_schedule(cfg: JobConfig, max_seq_len: Optional[int]) -> None:
+    """`training.seq_len_schedule`: [step, seq_len] pairs, first step 0, steps strictly increasing,
+    every length one the model (RoPE tables) and the context-parallel split can take."""
+    sched = cfg.training.seq_len_schedule
+    if not sched:
+        return
+
+    def bad(msg: str) -> ConfigError:
+        return _err(cfg, "training", "seq_len_schedule", msg)
+
+    for i, pair in enumerate(sched):
+        if (not isinstance(pair, list) or len(pair) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)):
+            raise bad(f"entry {i} ({pair!r}) is not [step, seq_len] (two integers); write {SCHEDULE_FORM}")
+    if sched[0][0] != 0:
+        raise bad(f"the first entry starts at step {sched[0][0]}; it must start at step 0 (the length to begin with)")
+    for (a, _), (b, _) in zip(sched, sched[1:]):
+        if b <= a:
+            raise bad(f"steps must be strictly increasing ({a} then {b}); order the entries by step, one per step")
+    for step, seq in sched:
+        if seq < 1:
+            raise bad(f"seq_len {seq} at step {step} must be >= 1")
+        if max_seq_len is not None and seq > max_seq_len:
+            raise bad(f"seq_len {seq} at step {step} exceeds max_seq_len = {max_seq_len} of {cfg.model.name}/"
+                      f"{cfg.model.flavor} (its RoPE tables); keep every length <= {max_seq_len}, or set "
+                      f"model.max_seq_len")
+        cp = cfg.parallelism.context_parallel_degree
+        if cp > 1:
+            try:
+                validate_cp(seq, cp)
+            except RecipeError as e:
+                raise bad(f"seq_len {seq} at step {step}: {e}") from None
 
 
 def _validate_runtime(cfg: JobConfig) -> None:

@@ -320,8 +320,9 @@ def _materialize(model: torch.nn.Module, uses_tp: bool) -> None:
 def _fwd_bwd(cfg: JobConfig, model: torch.nn.Module, mesh: DeviceMesh, report: DryRunReport) -> None:
     """One forward + backward on a fake batch, measuring memory and collectives into ``report``."""
     t = cfg.training
-    tokens = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long)
-    labels = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long)
+    seq = max(t.seq_lens())  # with a seq_len_schedule: the longest length, the peak a run must fit
+    tokens = torch.zeros(t.local_batch_size, seq, dtype=torch.long)
+    labels = torch.zeros(t.local_batch_size, seq, dtype=torch.long)
     positions = None
     if CP in (mesh.mesh_dim_names or ()):
         tokens, labels, positions = cp_shard_batch(tokens, labels, mesh, CP)

@@ -124,3 +124,32 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
         for params in groups:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+@torch.no_grad()
+def follow_parameters(optimizer: torch.optim.Optimizer, moved: dict[str, tuple]) -> None:
+    """Point `optimizer` at new parameters (`moved`: {fqn: (old, new)}, e.g. after a re-plan
+    changed their placements) and move its state with them: every DTensor state of the same
+    shape as its parameter (AdamW's exp_avg, exp_avg_sq) is redistributed to the new
+    parameter's placements; scalars (step) are kept. LR schedule and step count stay."""
+    new_of = {id(old): new for old, new in moved.values()}
+    for group in optimizer.param_groups:
+        missing = [i for i, p in enumerate(group["params"]) if id(p) not in new_of]
+        if missing:
+            raise ValueError(f"{len(missing)} optimizer parameters were not moved (e.g. index {missing[0]})")
+        group["params"] = [new_of[id(p)] for p in group["params"]]
+    state = {}
+    for old, new in moved.values():
+        if old not in optimizer.state:
+            continue
+        state[new] = {k: _follow(v, old, new) for k, v in optimizer.state.pop(old).items()}
+    optimizer.state.update(state)
+
+
+def _follow(value, old, new):
+    """One optimizer state entry of `old`, at `new`'s placements (a private copy)."""
+    if not (isinstance(value, DTensor) and value.shape == old.shape):
+        return value
+    local = value.redistribute(new.device_mesh, new.placements).to_local()
+    return DTensor.from_local(local.clone(memory_format=torch.contiguous_format), new.device_mesh,
+                              new.placements, run_check=False, shape=new.shape, stride=new.stride())

@@ -31,28 +31,31 @@ from parallel.recipes import RecipeError, apply_compile, apply_recipe
 from parallel.recipes.cp import cp_shard_batch
 from parallel.recipes.tp import loss_parallel_context, loss_value
 
-from .auto import auto_parallelize_for_training
-from .checkpoint import CheckpointManager
+from .auto import PlanSource, auto_parallelize_for_training
+from .checkpoint import CheckpointManager, resume_step
 from .config import ConfigError, JobConfig
 from .data import DataError, build_dataloader, build_tokenizer
 from .device import local_device, sharded_init_is_exact
 from .mesh_auto import choose_mesh
 from .metrics import MetricsLogger, setup_logging
-from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, follow_parameters
 
 logger = logging.getLogger("autotitan")
 
 
 def parallelize(model: torch.nn.Module, mesh: Optional[DeviceMesh], job_config: JobConfig,
-                sample_batch: Any, plan_constraints: Optional[Callable[[Any], None]] = None) -> torch.nn.Module:
+                sample_batch: Any, plan_constraints: Optional[Callable[[Any], None]] = None,
+                plan_source: Optional[PlanSource] = None) -> torch.nn.Module:
     """The one place where the model becomes parallel. ``mesh`` is None without a
     process group (single process): the model is returned as is (compiled if asked).
     A recipe's error (a degree that does not fit) becomes a ConfigError naming the file.
-    `plan_constraints(autop)`: auto mode, constraints added to the planner before solving."""
+    `plan_constraints(autop)`: auto mode, constraints added to the planner before solving;
+    `plan_source`: auto mode, where the plan comes from (trainer/auto.py PlanSource)."""
     if job_config.training.compile and job_config.training.compile_fallback:
         T.compile_errors_fall_back(True)  # manual mode's per-block torch.compile; auto mode has its own
     if job_config.parallelism.mode == "auto":
-        return auto_parallelize_for_training(model, mesh, job_config, sample_batch, plan_constraints)
+        return auto_parallelize_for_training(model, mesh, job_config, sample_batch, plan_constraints,
+                                             source=plan_source)
     if mesh is None:
         return apply_compile(model) if job_config.training.compile else model
     try:
@@ -82,6 +85,10 @@ class Trainer:
         self.mesh = build_mesh(cfg.parallelism, self.world_size, self.device.type) if self.distributed else None
         self.dp_rank, self.dp_degree = dp_rank_and_degree(self.mesh)
         self.cp_axis = self.mesh is not None and CP in (self.mesh.mesh_dim_names or ())
+        # the step a resumed job starts from fixes the first sequence length (and its plan)
+        self.resume_step = resume_step(cfg.checkpoint, self.run_dir / cfg.checkpoint.folder)
+        self.seq_len = cfg.training.seq_len_at(self.resume_step)
+        self.plans: dict[int, Any] = {}  # auto mode: seq_len -> the plan this job trains that length with
         self._build_data()
         self.model = self._build_model()
         t = cfg.training
@@ -112,17 +119,20 @@ class Trainer:
             raise ConfigError(f"{self.cfg.source}: {e}") from None
 
     def _build_data(self) -> None:
-        """Tokenizer and this data-parallel rank's loader; text that cannot fill a batch is
-        a config error (every rank reads the same text, so all ranks raise it)."""
+        """Tokenizer and this data-parallel rank's loader, one per scheduled sequence length
+        (all built now: text that cannot fill a batch of any of them is a config error before
+        any work; every rank reads the same text, so all ranks raise it)."""
         cfg, t = self.cfg, self.cfg.training
         try:
             self.tokenizer = build_tokenizer(cfg.data.tokenizer)
-            self.dataloader = build_dataloader(
-                cfg.data, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+            self.loaders = {seq: build_dataloader(
+                cfg.data, seq_len=seq, local_batch_size=t.local_batch_size,
                 dp_rank=self.dp_rank, dp_degree=self.dp_degree, seed=cfg.job.seed,
-                tokenizer=self.tokenizer)
+                tokenizer=self.tokenizer) for seq in dict.fromkeys([*t.seq_lens(), self.seq_len])}
         except DataError as e:
-            raise ConfigError(f"{cfg.source}: {e}") from None
+            key = "seq_len_schedule" if t.seq_len_schedule else "seq_len"
+            raise ConfigError(f"{cfg.source}: 'training.{key}': {e}") from None
+        self.dataloader = self.loaders[self.seq_len]
 
     def _build_model(self) -> torch.nn.Module:
         """The model, initialised from the job's seed and parallelized (recipe or plan).
@@ -142,18 +152,25 @@ class Trainer:
                             **cfg.model.arg_overrides())
         self.model_args = model.args
         self.num_params = sum(p.numel() for p in model.parameters())
-        sample = (torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long),
-                  torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long))
+        sample = self._sample_batch()
         sharded = sharded_init_is_exact(self.device)
         if not sharded:
             self._init(model)  # in fp32, then cast: the same values as a single-device run
         if t.dtype != "float32":
             model = model.to(dtype_of(t.dtype))
-        model = parallelize(model, self.mesh, cfg, sample, self.plan_constraints)
+        model = parallelize(model, self.mesh, cfg, sample, self.plan_constraints,
+                            PlanSource(resuming=self.resume_step > 0))
         if sharded:
             self._init(model, sharded=True)
         model.train()
+        if is_parallel_module(model):
+            self.plans[self.seq_len] = model.plan
         return model
+
+    def _sample_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeros shaped like this rank's (tokens, labels) at the current sequence length."""
+        b = self.cfg.training.local_batch_size
+        return (torch.zeros(b, self.seq_len, dtype=torch.long), torch.zeros(b, self.seq_len, dtype=torch.long))
 
     def _init(self, model: torch.nn.Module, sharded: bool = False) -> None:
         model.to_empty(device=self.device)
@@ -164,7 +181,7 @@ class Trainer:
     def _flops_per_token(self) -> float:
         """Model FLOPs per token of a training step (6 x params when the model does not say)."""
         try:
-            return float(self.model_args.flops_per_token(self.cfg.training.seq_len))
+            return float(self.model_args.flops_per_token(self.seq_len))
         except (AttributeError, TypeError):
             return 6.0 * self.num_params
 
@@ -221,6 +238,20 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def train(self) -> dict[int, float]:
+        """Train from the resumed step to `training.steps`; {step: loss} of the logged steps."""
+        if not self.start():
+            return self.logged
+        try:
+            while self.step < self.cfg.training.steps:
+                self.next_step()
+        finally:
+            self.metrics.close()
+        self._log_runtime()
+        return self.logged
+
+    def start(self) -> bool:
+        """Resume from the latest checkpoint, open the metrics, log the job; False when the
+        job has nothing left to train (metrics closed)."""
         cfg, t = self.cfg, self.cfg.training
         self.step = self.checkpointer.maybe_load()
         self.metrics = MetricsLogger(
@@ -228,13 +259,15 @@ class Trainer:
             flops_per_token=self.flops_per_token, compute_dtype=self.compute_dtype,
             device=self.device, start_step=self.step)
         if self.rank == 0:
+            sched = f" (schedule {t.seq_len_schedule})" if t.seq_len_schedule else ""
             logger.info(
                 f"job {cfg.job.name}: {cfg.model.name}/{cfg.model.flavor} "
                 f"({self.num_params / 1e6:.2f}M params), world {self.world_size}, mesh "
                 f"{self._mesh_desc()}, global batch {t.local_batch_size * self.dp_degree} x "
-                f"{t.seq_len} tokens, steps {self.step + 1}..{t.steps}, MFU peak from "
+                f"{self.seq_len} tokens{sched}, steps {self.step + 1}..{t.steps}, MFU peak from "
                 f"{self.metrics.peak_note or 'n/a'}")
-        logged: dict[int, float] = {}
+        self.logged: dict[int, float] = {}
+        self._data_iter = None
         if self.step >= t.steps:
             if self.rank == 0:
                 logger.info(f"already at step {self.step} of training.steps = {t.steps} (resumed "
@@ -242,29 +275,74 @@ class Trainer:
                             f"--training.steps, or start fresh with another --job.name or "
                             f"--job.dump_folder")
             self.metrics.close()
-            return logged
-        data_iter = iter(self.dataloader)
+            return False
         self.metrics.reset_timer()
-        try:
-            while self.step < t.steps:
-                self.step += 1
-                inputs, labels = next(data_iter)
-                t0 = time.perf_counter()
-                loss, grad_norm = self._checked_step(inputs, labels)
-                self._step_times.append(time.perf_counter() - t0)
-                self._maybe_log_prediction()
-                self.metrics.add_tokens(inputs.numel() * self.dp_degree)
-                if self.metrics.should_log(self.step, t.steps):
-                    loss_v = self.reduce_mean(loss.item())
-                    self.metrics.log(self.step, loss_v, grad_norm.item(), self.lr_used)
-                    logged[self.step] = loss_v
-                if self.checkpointer.should_save(self.step, t.steps):
-                    self.checkpointer.save(self.step)
-                    self.metrics.reset_timer()
-        finally:
-            self.metrics.close()
-        self._log_runtime()
-        return logged
+        return True
+
+    def next_step(self) -> torch.Tensor:
+        """One training step (after `start`): the scheduled sequence length first (re-planning
+        in auto mode when it changes), then data, step, metrics, checkpoint. The local loss."""
+        seq = self.cfg.training.seq_len_at(self.step)  # self.step steps are done: this is 0-based step `step`
+        if seq != self.seq_len:
+            self.change_seq_len(seq)
+        if self._data_iter is None:
+            self._data_iter = iter(self.dataloader)
+        self.step += 1
+        inputs, labels = next(self._data_iter)
+        t0 = time.perf_counter()
+        loss, grad_norm = self._checked_step(inputs, labels)
+        self._step_times.append(time.perf_counter() - t0)
+        self._maybe_log_prediction()
+        self.metrics.add_tokens(inputs.numel() * self.dp_degree)
+        if self.metrics.should_log(self.step, self.cfg.training.steps):
+            loss_v = self.reduce_mean(loss.item())
+            self.metrics.log(self.step, loss_v, grad_norm.item(), self.lr_used)
+            self.logged[self.step] = loss_v
+        if self.checkpointer.should_save(self.step, self.cfg.training.steps):
+            self.checkpointer.save(self.step)
+            self.metrics.reset_timer()
+        return loss
+
+    def change_seq_len(self, seq: int) -> None:
+        """Train at `seq` from now on, without a restart: the loader of that length continues
+        at the same (epoch, batch) position; in auto mode the model is re-planned for the new
+        shape (the plan this job made for it before, else a fresh solve or a replay, as
+        `parallelism.replan` says) and parameters and AdamW state are redistributed in memory
+        to the new placements. LR schedule and step count are untouched."""
+        old, state = self.seq_len, self.dataloader.state_dict()
+        self.seq_len = seq
+        self.dataloader = self.loaders[seq]
+        self.dataloader.load_state_dict(state)
+        self.checkpointer.dataloader = self.dataloader
+        self._data_iter = None
+        self.flops_per_token = self._flops_per_token()
+        if self.metrics is not None:
+            self.metrics.flops_per_token = self.flops_per_token
+        how = "same model (manual mode: the recipes do not depend on the sequence length)"
+        if is_parallel_module(self.model):
+            plan_s, move_s = self._replan()
+            how = (f"{self.model.plan_origin}; planned and applied in {plan_s:.1f}s, parameters and optimizer "
+                   f"state moved in {move_s:.2f}s")
+        if self.rank == 0:
+            logger.info(f"step {self.step + 1}: sequence length {old} -> {seq}: {how}")
+
+    def _replan(self) -> tuple[float, float]:
+        """Auto mode: the ParallelModule for the current sequence length, state moved into it;
+        (seconds planning and applying, seconds moving the state)."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        cached = self.plans.get(self.seq_len)
+        replay = self.model.plan if cached is None and cfg.parallelism.replan == "replay" else None
+        template = self.model.meta_template
+        new = parallelize(template, self.mesh, cfg, self._sample_batch(), self.plan_constraints,
+                          PlanSource(cached=cached, replay=replay))
+        t1 = time.perf_counter()
+        moved = new.take_state_from(self.model)
+        follow_parameters(self.optimizer, moved)
+        new.train(self.model.training)
+        self.model = self.checkpointer.model = new
+        self.plans[self.seq_len] = new.plan
+        self._step_times = []
+        return t1 - t0, time.perf_counter() - t1
 
     def _maybe_log_prediction(self, warmup: int = 2, timed: int = 5) -> None:
         """Auto mode, once: the measured step time (median after the warm-up) next to the

@@ -39,6 +39,7 @@ from parallel.auto.formulation import build_problem
 from parallel.auto.placements import placement_str
 from parallel.auto.plan import Plan, build_plan
 from parallel.auto.problem import Constraint, MemoryLimitError, PlanningError, Problem, min_parameter_fraction
+from parallel.auto.replay import replay_plan
 from parallel.auto.runtime import RuntimeOptions, apply_plan
 from parallel.auto.runtime.memory import estimate_memory as step_memory
 from parallel.auto.solve import Solution, check_solver, solve
@@ -149,6 +150,7 @@ class AutoParallel:
         self._memory_set = False
         self.timings: dict[str, float] = {}
         self._input_placements: list[tuple | None] = []
+        self.problem: Problem | None = None  # the last problem built (solved, or for a replay)
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> "AutoParallel":
@@ -324,6 +326,7 @@ class AutoParallel:
             if not sol2.objective < sol.objective - 1e-9 * abs(sol.objective):
                 break
             self.candidates, prob, sol = cands2, prob2, sol2
+        self.problem = prob
         log.log(level, "solve: objective %.1f µs, %s, %.2fs (%s, %d vars)", sol.objective, sol.status, sol.seconds,
                 sol.solver, sol.num_vars)
         return self._fit_memory(self._plan(prob, sol, low, high), low, high, level)
@@ -386,6 +389,27 @@ class AutoParallel:
             plan = self._plan(prob, sol, low, cur)
         raise MemoryLimitError(f"{_over_limit(est)}, even with the parameters as sharded as they can be (parameter "
                                f"budget high={plan.memory_fraction:.4g}); {_memory_fix(self.runtime.ac_mode)}", est)
+
+    def replay_placement(self, plan: Plan) -> Plan:
+        """`plan` (made for another input shape, e.g. a shorter sequence) priced on this
+        graph: the same placements per node, the objective and breakdown of this shape.
+        Reuses the problem of `optimize_placement` when it ran (the fresh plan's), so the
+        two objectives are comparable; raises PlanMismatchError when a placement no longer
+        fits (a dimension that stops dividing)."""
+        jg = self._need_graph()
+        plan.check_compatible(model=self.model, mesh=self.mesh, source="the replayed plan")
+        if self.problem is None:
+            if self.candidates is None:  # seeded mesh: the plan's own strategies, rebuilt
+                self.candidates = plan_candidates(jg, self.mesh, plan)
+            low, high = self._memory_bounds()
+            t0 = time.perf_counter()
+            self.problem = build_problem(self.candidates, self.cost_model(), constraints=self.constraints,
+                                         memory_low=low, memory_high=high, cluster_layers=self.cluster_layers,
+                                         mp_dtype=self.mp_dtype)
+            self.timings["build"] = self.timings.get("build", 0.0) + time.perf_counter() - t0
+        cm = self.cost_model()
+        return replay_plan(self.problem, plan, hardware=cm.hw.name if hasattr(cm, "hw") else str(self.hardware),
+                           timings=self.timings)
 
     def _build_and_solve(self, cands: Candidates, low: float | None, high: float | None) -> tuple[Problem, Solution]:
         t0 = time.perf_counter()

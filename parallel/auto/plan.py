@@ -207,7 +207,8 @@ class Plan:
         if input_shapes is not None and [list(map(list, x)) if isinstance(x, tuple) else x for x in input_shapes] != [
             list(map(list, x)) if isinstance(x, tuple) else x for x in self.input_shapes
         ]:
-            raise PlanMismatchError(f"{source} was made for inputs {self.input_shapes}, not {input_shapes}")
+            raise PlanMismatchError(f"{source} was made for inputs {self.input_shapes}, not {input_shapes}; re-plan "
+                                    "for this shape (or price its placements here: AutoParallel.replay_placement)")
 
     # ------------------------------------------------------------------ reports
     def breakdown(self) -> str:

@@ -149,6 +149,33 @@ class ParallelModuleMixin:
             mod, _, leaf = fqn.rpartition(".")
             setattr(self.get_submodule(mod) if mod else self, leaf, b.detach().clone())
 
+    @torch.no_grad()
+    def take_state_from(self, other: nn.Module) -> dict[str, tuple[nn.Parameter, nn.Parameter]]:
+        """Adopt `other`'s weights and buffers (a ParallelModule of the same model under
+        another plan, e.g. for another sequence length) at this module's placements, in
+        memory: every parameter is redistributed by DTensor (all-gathers / local slices
+        / all-to-alls, no files). Returns {fqn: (old parameter, new parameter)} so that an
+        optimizer can follow its parameters."""
+        runner: PlanRunner = self.plan_runner
+        old = dict(other.named_parameters())
+        if set(old) != set(runner.param_names):
+            raise PlanMismatchError(f"cannot take the state of a module with parameters "
+                                    f"{sorted(set(old) ^ set(runner.param_names))[:5]} not in this plan")
+        moved = {}
+        for fqn in runner.param_names:
+            src, placements = old[fqn], runner.param_placements(fqn)
+            local = src.detach().redistribute(runner.mesh, placements).to_local()
+            dt = DTensor.from_local(local.clone(memory_format=torch.contiguous_format), runner.mesh, placements,
+                                    run_check=False, shape=src.shape, stride=contiguous_stride(tuple(src.shape)))
+            mod, _, leaf = fqn.rpartition(".")
+            new = nn.Parameter(dt, requires_grad=src.requires_grad)
+            setattr(self.get_submodule(mod) if mod else self, leaf, new)
+            moved[fqn] = (src, new)
+        for fqn, b in other.named_buffers():
+            mod, _, leaf = fqn.rpartition(".")
+            setattr(self.get_submodule(mod) if mod else self, leaf, b)
+        return moved
+
     @property
     def plan(self) -> Plan:
         return self.plan_runner.plan
