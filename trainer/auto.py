@@ -39,8 +39,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
 
 from parallel.auto.api import AutoParallel, lm_loss
+from parallel.auto.contracts import marked_regions
 from parallel.auto.cost import AUTO, HardwareProfile, ProfileError
 from parallel.auto.cost.calibrate import profile_for_group
+from parallel.auto.moe_dispatch import declare_moe_dispatch
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.plan_html import save_html
 from parallel.auto.problem import PlanningError
@@ -166,10 +168,12 @@ def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, s
                 torch.zeros(gshape, dtype=labels.dtype, device="meta"))
     saved = Plan.load(par.plan_file) if par.plan_file else None  # a bad file fails before tracing
     pl = data_placements(mesh)
+    declare_moe_dispatch(par.moe_imbalance_factor)
     with AutoParallel(model, g_inputs, mesh, loss_fn=lm_loss, mp_policy=planner_mp_policy(job_config.training),
                       hardware=planning_hardware(par, mesh), solver=par.solver, time_limit=par.time_limit,
                       cluster_layers=par.cluster_layers, seed=par.seed, seed_radius=par.seed_radius,
-                      seed_rounds=par.seed_rounds, runtime=runtime_options(job_config)) as autop:
+                      seed_rounds=par.seed_rounds, runtime=runtime_options(job_config),
+                      regions=marked_regions(model)) as autop:
         autop.add_input_constraints([pl, pl])
         if par.memory_budget_low is not None or par.memory_budget_high is not None:
             autop.add_parameter_memory_constraint(low=par.memory_budget_low, high=par.memory_budget_high)

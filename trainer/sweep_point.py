@@ -27,7 +27,9 @@ from torch.distributed.tensor import Replicate, Shard
 
 from models import build_model, model_args
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
+from parallel.auto.contracts import marked_regions
 from parallel.auto.cost import load_hardware, profile_to_toml
+from parallel.auto.moe_dispatch import NAME as _MOE_REGION  # noqa: F401 - declares the MoE region
 from parallel.auto.plan import Plan, linear_roles
 from parallel.auto.problem import PlanningError
 from parallel.auto.runtime import RuntimeOptions
@@ -178,7 +180,7 @@ def _plan(point: Point, hw: Any) -> tuple[Plan, int, int, float | None]:
         with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, mp_policy=mp if is_mixed(mp) else None, hardware=hw,
                           solver=pl.solver, time_limit=pl.time_limit, cluster_layers=pl.cluster_layers, seed=pl.seed,
                           seed_radius=pl.seed_radius, seed_rounds=pl.seed_rounds, runtime=runtime,
-                          graph=cached[1] if cached else None) as autop:
+                          graph=cached[1] if cached else None, regions=marked_regions(model)) as autop:
             _STATS["reused" if cached else "traced"] += 1
             _TRACES.clear()
             _TRACES[tkey] = (model, autop.graph)  # one graph a process: an 8B trace holds ~0.5 GB
