@@ -34,13 +34,17 @@ There are two nested, replaceable seams; pick the one that fits the recipe.
    seam: permutation + experts + weighted un-permutation). Replace it by assigning an
    instance attribute, e.g. ``moe.dispatch = my_dispatch`` (a callable with the same
    signature, no ``self``), or wrap it in ``local_map``. The default permutes with a
-   stable ``argsort`` of the expert ids, so the result is deterministic.
+   stable ``argsort`` of the expert ids, so the result is deterministic. By default it
+   calls ``self.routed`` (:class:`RoutedDispatch`: :func:`routed_dispatch` with the expert
+   weights as inputs), the module the auto planner traces as its ``moe_dispatch`` local_map
+   region (parallel/auto/moe_dispatch.py); a recipe that hooks ``experts`` (EP) sets
+   ``experts_seam = True`` so the dispatch goes through seam 1 instead.
 
 Expert computation: ``F.grouped_mm`` when the activations are bf16 (its CPU kernel
 and its meta/fake kernel in torch 2.13 require bf16 and 16-byte aligned strides — then it
 also traces under FakeTensorMode), otherwise a Python loop over experts on contiguous
 slices (needs ``num_tokens_per_expert.tolist()``, i.e. real tensors; under FakeTensorMode
-in fp32 the planner must treat ``experts`` as an opaque/local_map region or use bf16).
+in fp32 the planner traces the ``moe_dispatch`` region instead, shaped by balanced routing).
 No load-balancing loss (not needed for the debug runs); routing is plain top-k.
 """
 
