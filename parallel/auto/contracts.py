@@ -418,9 +418,10 @@ def option_names(target: str, input_placements: Sequence[str]) -> list[str] | No
     """Per mesh axis, the option a planned region node runs (`target` as a plan writes it,
     e.g. "autotitan.moe_dispatch.default"; its inputs' placements); None if not a region."""
     parts = target.split(".")
-    if len(parts) < 2 or parts[0] != NAMESPACE or parts[1] not in _contracts:
+    name = parts[1].removesuffix("_bwd") if len(parts) > 1 else ""
+    if parts[0] != NAMESPACE or name not in _contracts:
         return None
-    c, pls = _contracts[parts[1]], [parse_placements(p) for p in input_placements]
+    c, pls = _contracts[name], [parse_placements(p) for p in input_placements]
     pls = pls[c.n_outputs:] if parts[1].endswith("_bwd") else pls
     out = []
     for i in range(len(pls[0]) if pls else 0):

@@ -66,6 +66,11 @@ def test_forced_expert_parallel_plan_says_so():
     rows = [ln for ln in summary.splitlines() if "moe.experts.w" in ln]
     assert len(rows) == 3 and all(r.endswith("expert_parallel (region moe_dispatch, stored S(0)) on dp")
                                   for r in rows), rows
+    from parallel.auto.contracts import option_names
+
+    opts = {n["name"]: option_names(n["target"], n["input_placements"])
+            for n in plan_json["nodes"] if "moe_dispatch" in n["target"]}
+    assert sorted(opts) == ["moe_dispatch", "moe_dispatch_bwd"] and all(o == [md.EP] for o in opts.values()), opts
     # the all-to-all is priced: the same forced plan costs more with a larger imbalance factor
     dearer, _ = make_plan((4,), (0,), imbalance=2.0)
     assert dearer["objective_us"] > plan_json["objective_us"], (dearer["objective_us"], plan_json["objective_us"])
