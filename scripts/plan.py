@@ -36,7 +36,9 @@ from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 
 from models import build_model  # noqa: E402
 from parallel.auto.api import AutoParallel, fake_world, lm_loss  # noqa: E402
+from parallel.auto.contracts import marked_regions  # noqa: E402
 from parallel.auto.mesh_search import MeshSearchError  # noqa: E402
+from parallel.auto.moe_dispatch import declare_moe_dispatch  # noqa: E402
 from parallel.auto.plan import Plan, PlanMismatchError  # noqa: E402
 from parallel.auto.plan_html import save_diff_html, save_html  # noqa: E402
 from parallel.precision import is_mixed, mixed_precision_policy  # noqa: E402
@@ -85,8 +87,10 @@ def plan_job(args: argparse.Namespace) -> tuple:
     with fake_world(world):
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
         t0 = time.perf_counter()
+        declare_moe_dispatch(cfg.parallelism.moe_imbalance_factor)
         with AutoParallel(model, input_fn, mesh, loss_fn=lm_loss, mp_policy=mp, hardware=hardware,
-                          solver=args.solver or cfg.parallelism.solver, time_limit=args.time_limit) as autop:
+                          solver=args.solver or cfg.parallelism.solver, time_limit=args.time_limit,
+                          regions=marked_regions(model)) as autop:
             if args.coverage:
                 print(autop.coverage(), flush=True)
             if not args.free_inputs:
