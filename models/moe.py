@@ -34,13 +34,17 @@ There are two nested, replaceable seams; pick the one that fits the recipe.
    seam: permutation + experts + weighted un-permutation). Replace it by assigning an
    instance attribute, e.g. ``moe.dispatch = my_dispatch`` (a callable with the same
    signature, no ``self``), or wrap it in ``local_map``. The default permutes with a
-   stable ``argsort`` of the expert ids, so the result is deterministic.
+   stable ``argsort`` of the expert ids, so the result is deterministic. By default it
+   calls ``self.routed`` (:class:`RoutedDispatch`: :func:`routed_dispatch` with the expert
+   weights as inputs), the module the auto planner traces as its ``moe_dispatch`` local_map
+   region (parallel/auto/moe_dispatch.py); a recipe that hooks ``experts`` (EP) sets
+   ``experts_seam = True`` so the dispatch goes through seam 1 instead.
 
 Expert computation: ``F.grouped_mm`` when the activations are bf16 (its CPU kernel
 and its meta/fake kernel in torch 2.13 require bf16 and 16-byte aligned strides — then it
 also traces under FakeTensorMode), otherwise a Python loop over experts on contiguous
 slices (needs ``num_tokens_per_expert.tolist()``, i.e. real tensors; under FakeTensorMode
-in fp32 the planner must treat ``experts`` as an opaque/local_map region or use bf16).
+in fp32 the planner traces the ``moe_dispatch`` region instead, shaped by balanced routing).
 No load-balancing loss (not needed for the debug runs); routing is plain top-k.
 """
 
@@ -112,15 +116,60 @@ class GroupedExperts(nn.Module):
         self, x_sorted: torch.Tensor, num_tokens_per_expert: torch.Tensor
     ) -> torch.Tensor:
         """``x_sorted [N, D]`` grouped by expert, ``num_tokens_per_expert [E_local]`` -> ``[N, D]``."""
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
-        if _can_grouped_mm(x_sorted, w1, w2):
-            return _experts_grouped_mm(x_sorted, num_tokens_per_expert, w1, w2, w3)
-        return _experts_loop(x_sorted, num_tokens_per_expert, w1, w2, w3)
+        return run_experts(x_sorted, num_tokens_per_expert, self.w1, self.w2, self.w3)
 
     def init_weights(self, out_std: float) -> None:
         trunc_normal_(self.w1, INIT_STD)
         trunc_normal_(self.w2, out_std)
         trunc_normal_(self.w3, out_std)
+
+
+def run_experts(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
+    """The experts ``w1/w2/w3 [E_local, ...]`` on rows ``x [N, D]`` grouped by expert (counts ``[E_local]``)."""
+    w1, w2, w3 = _local(w1), _local(w2), _local(w3)
+    if _can_grouped_mm(x, w1, w2):
+        return _experts_grouped_mm(x, counts, w1, w2, w3)
+    return _experts_loop(x, counts, w1, w2, w3)
+
+
+def sort_by_expert(selected: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, counts): the stable permutation of the ``T*K`` token-slots that groups them by
+    expert, and the slots per expert ``[num_experts]``; slot ``order[i]`` is token ``order[i] // K``."""
+    flat = selected.flatten()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts = counts.scatter_add(0, flat, torch.ones_like(flat))
+    return torch.argsort(flat, stable=True), counts
+
+
+def routed_dispatch(
+    x: torch.Tensor,
+    top_scores: torch.Tensor,
+    selected: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+) -> torch.Tensor:
+    """The wide seam as a function of tensors only: sort the token-slots by expert, run the
+    experts, scatter-add the score-weighted results. ``x [T, D]`` -> ``[T, D]``."""
+    order, counts = sort_by_expert(selected, w1.shape[0])
+    token_idx = order // selected.shape[1]
+    out = run_experts(x[token_idx], counts, w1, w2, w3)
+    out = out * top_scores.flatten()[order].unsqueeze(-1).to(out.dtype)
+    return torch.zeros_like(x).index_add(0, token_idx, out.to(x.dtype))
+
+
+class RoutedDispatch(nn.Module):
+    """:func:`routed_dispatch` as a parameter-free module whose inputs include the expert
+    weights: the planner traces it as its ``moe_dispatch`` local_map region (``contract_region``,
+    declared in parallel/auto/moe_dispatch.py) and so places the experts (EP or dense)."""
+
+    contract_region = "moe_dispatch"
+
+    def forward(self, x: torch.Tensor, top_scores: torch.Tensor, selected: torch.Tensor,
+                w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+        return routed_dispatch(x, top_scores, selected, w1, w2, w3)
 
 
 def _can_grouped_mm(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -176,6 +225,8 @@ class MoE(nn.Module):
         self.top_k = top_k
         self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, route_scale, route_norm)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        self.routed = RoutedDispatch()
+        self.experts_seam = False  # True: dispatch calls self.experts (a recipe hooks it)
         self.shared_experts = (
             FeedForward(dim, hidden_dim * num_shared_experts) if num_shared_experts > 0 else None
         )
@@ -197,7 +248,14 @@ class MoE(nn.Module):
         num_tokens_per_expert: torch.Tensor,
     ) -> torch.Tensor:
         """Local dispatch: sort token-slots by expert, run ``self.experts``, scatter-add
-        the score-weighted results back. ``x [T, D]`` -> ``[T, D]``. Replaceable seam."""
+        the score-weighted results back. ``x [T, D]`` -> ``[T, D]``. Replaceable seam.
+
+        Unless a recipe hooks ``self.experts`` (the narrow seam: the EP recipe sets
+        ``experts_seam``) this is ``self.routed`` (:class:`RoutedDispatch`, the same numbers),
+        the region the planner places."""
+        ex = self.experts
+        if not self.experts_seam:
+            return self.routed(x, top_scores, selected, ex.w1, ex.w2, ex.w3)
         order = torch.argsort(selected.flatten(), stable=True)  # [T*K]
         token_idx = order // self.top_k
         x_sorted = x[token_idx]

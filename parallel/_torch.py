@@ -173,6 +173,11 @@ def is_fake(t: Any) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def process_group(name: str) -> Any:
+    """The ProcessGroup registered under `name` (functional collectives name their groups)."""
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
 def sharding_propagator() -> Any:
     """DTensor's global sharding propagator (the rules registry)."""
     return DTensor._op_dispatcher.sharding_propagator

@@ -42,10 +42,14 @@ from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 from models import build_model  # noqa: E402
 from parallel.auto.api import AutoParallel, MemoryLimitError, fake_world, lm_loss  # noqa: E402
 from parallel.auto.mesh_search import MeshSearchError  # noqa: E402
+from parallel.auto.moe_dispatch import declare_moe_dispatch  # noqa: E402
 from parallel.auto.plan import Plan, PlanMismatchError  # noqa: E402
 from parallel.auto.plan_html import save_diff_html, save_html  # noqa: E402
 from parallel.precision import is_mixed, mixed_precision_policy  # noqa: E402
-from trainer.auto import runtime_options  # noqa: E402
+from trainer.auto import (
+    planner_regions,  # noqa: E402
+    runtime_options,  # noqa: E402
+)
 from trainer.config import load_config  # noqa: E402
 from trainer.mesh_auto import ranked_table, search_meshes  # noqa: E402
 from trainer.sweep_point import PlanCache  # noqa: E402
@@ -91,11 +95,12 @@ def plan_job(args: argparse.Namespace) -> tuple:
     with fake_world(world):
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
         t0 = time.perf_counter()
+        declare_moe_dispatch(cfg.parallelism.moe_imbalance_factor)
         limit = args.memory_limit if args.memory_limit is not None else cfg.parallelism.memory_limit_gib
         with AutoParallel(model, input_fn, mesh, loss_fn=lm_loss, mp_policy=mp, hardware=hardware,
                           solver=args.solver or cfg.parallelism.solver, time_limit=args.time_limit,
                           runtime=runtime_options(cfg), memory_limit_gib=limit,
-                          optimizer=cfg.optimizer.implementation) as autop:
+                          optimizer=cfg.optimizer.implementation, regions=planner_regions(model, cp=False)) as autop:
             if args.coverage:
                 print(autop.coverage(), flush=True)
             if not args.free_inputs:

@@ -40,8 +40,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
 
 from parallel.auto.api import CP_ATTENTION, AutoParallel, lm_loss, lm_loss_positions
+from parallel.auto.contracts import marked_regions
 from parallel.auto.cost import AUTO, HardwareProfile, ProfileError
 from parallel.auto.cost.calibrate import profile_for_group
+from parallel.auto.moe_dispatch import declare_moe_dispatch
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.plan_html import save_html
 from parallel.auto.problem import MemoryLimitError, PlanningError
@@ -194,11 +196,12 @@ def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, s
                        torch.zeros(gshape, dtype=labels.dtype, device="meta"))
     saved = Plan.load(par.plan_file) if par.plan_file else None  # a bad file fails before tracing
     pl = data_placements(mesh)
-    in_placements, loss_fn, regions = [pl, pl], lm_loss, ()
+    declare_moe_dispatch(par.moe_imbalance_factor)
+    in_placements, loss_fn, regions = [pl, pl], lm_loss, planner_regions(model, cp=False)
     if uses_cp(mesh):  # the sequence in load-balanced order, its RoPE positions, CP attention as a region
         g_inputs += (torch.zeros(gshape[1], dtype=torch.long, device="meta"),)
         in_placements.append(tuple(Replicate() for _ in range(mesh.ndim)))
-        loss_fn, regions = lm_loss_positions, (CP_ATTENTION,)
+        loss_fn, regions = lm_loss_positions, planner_regions(model, cp=True)
     with AutoParallel(model, g_inputs, mesh, loss_fn=loss_fn, mp_policy=planner_mp_policy(job_config.training),
                       hardware=planning_hardware(par, mesh), solver=par.solver, time_limit=par.time_limit,
                       cluster_layers=par.cluster_layers, seed=par.seed, seed_radius=par.seed_radius,
@@ -316,3 +319,12 @@ def _check_agreement(digest: str) -> None:
     dist.all_gather_object(digests, digest)
     if len(set(digests)) != 1:
         raise RuntimeError(f"ranks disagree on the plan: digests {digests}")
+
+
+def planner_regions(model: torch.nn.Module, cp: bool) -> tuple[str, ...]:
+    """The model's marked local_map regions the planner traces as one node each: MoE
+    dispatch always; the causal-attention region only when a cp axis may shard the
+    sequence (otherwise attention stays plain ATen ops, sharded on batch and heads by
+    DTensor's own rules, as before regions existed)."""
+    regions = tuple(r for r in marked_regions(model) if r != CP_ATTENTION)
+    return regions + ((CP_ATTENTION,) if cp else ())

@@ -151,6 +151,8 @@ class Parallelism:
     seed_rounds: int = 1  # > 1: re-seed around the solved plan while it improves
     time_limit: float = 600.0  # seconds for the ILP solver; for the MRF solver, per TRW-S run
     cluster_layers: bool = True  # one decision for the repeated copies of a layer
+    # auto mode: MoE all-to-all bytes are priced x this (busiest rank / mean; README "MoE dispatch")
+    moe_imbalance_factor: float = 1.25
     # both modes: gather parameters again in the backward (FSDP's default, less memory)
     reshard_after_forward: bool = True
     overlap: bool = True  # auto mode: collectives start early and are waited for at first use

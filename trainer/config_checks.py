@@ -185,6 +185,13 @@ def _validate_planner(cfg: JobConfig) -> None:
         raise _err(cfg, "parallelism", "seed_rounds", "must be >= 1 (1: seed once, no re-seeding)")
     if not p.time_limit > 0:
         raise _err(cfg, "parallelism", "time_limit", "must be > 0 seconds")
+    if not p.moe_imbalance_factor >= 1.0:
+        raise _err(cfg, "parallelism", "moe_imbalance_factor",
+                   "must be >= 1.0 (1.0: perfectly balanced routing; the busiest rank receives factor x the mean)")
+    if p.mode == "auto" and p.expert_parallel_degree != 1:
+        raise _err(cfg, "parallelism", "expert_parallel_degree",
+                   'is set with mode = "auto": the planner decides where the experts go (expert-parallel on '
+                   "whichever mesh axis the plan chooses); remove it (default 1), or use mode = \"manual\"")
     if p.plan_file and not Path(p.plan_file).is_file():
         raise _err(cfg, "parallelism", "plan_file",
                    "no such file; point it at a plan.json the planner wrote (<dump_folder>/<job.name>/plan.json) "

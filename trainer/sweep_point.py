@@ -28,12 +28,13 @@ from torch.distributed.tensor import Replicate, Shard
 from models import build_model, model_args
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.cost import load_hardware, profile_to_toml
+from parallel.auto.moe_dispatch import NAME as _MOE_REGION  # noqa: F401 - declares the MoE region
 from parallel.auto.plan import Plan, linear_roles
 from parallel.auto.problem import MemoryLimitError, PlanningError
 from parallel.auto.runtime import RuntimeOptions
 from parallel.precision import is_mixed, mixed_precision_policy
 
-from .auto import default_memory_high
+from .auto import default_memory_high, planner_regions
 from .sweep_spec import Point
 
 PLANNER_VERSION = 1
@@ -183,7 +184,7 @@ def _plan(point: Point, hw: Any) -> tuple[Plan, int, int, float | None]:
         with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, mp_policy=mp if is_mixed(mp) else None, hardware=hw,
                           solver=pl.solver, time_limit=pl.time_limit, cluster_layers=pl.cluster_layers, seed=pl.seed,
                           seed_radius=pl.seed_radius, seed_rounds=pl.seed_rounds, runtime=runtime,
-                          graph=cached[1] if cached else None) as autop:
+                          graph=cached[1] if cached else None, regions=planner_regions(model, cp=False)) as autop:
             _STATS["reused" if cached else "traced"] += 1
             _TRACES.clear()
             _TRACES[tkey] = (model, autop.graph)  # one graph a process: an 8B trace holds ~0.5 GB

@@ -59,7 +59,9 @@ class Option:
     inputs / outputs: a placement per tensor input / output; grads: per input, the placement
     of its gradient (default: as the input); gather: inputs the region all-gathers along
     their sharded dim over this axis inside itself (forward; the backward gathers them again
-    and reduce-scatters their gradients), priced as such.
+    and reduce-scatters their gradients), priced as such; exchange: the elements one rank
+    sends all-to-all over this axis, from the local input shapes (MoE token dispatch), priced
+    there and back (dispatch + combine), twice that with the backward.
     """
 
     name: str
@@ -67,6 +69,7 @@ class Option:
     outputs: tuple[Placement, ...]
     gather: tuple[int, ...] = ()
     grads: tuple[Placement, ...] | None = None
+    exchange: Callable[[Sequence[tuple[int, ...]]], float] | None = None
 
     def grad_placements(self) -> tuple[Placement, ...]:
         return self.grads if self.grads is not None else self.inputs
@@ -77,12 +80,15 @@ class Contract:
     """A region: its name, its options, its plain function `fn(*tensors)` (global semantics;
     also gives the output shapes on local shards; the decorated function with `region`),
     and optionally `local_fn(ctx, *local
-    tensors)` run on shards with a `RegionContext` (default: `fn` on the shards)."""
+    tensors)` run on shards with a `RegionContext` (default: `fn` on the shards); `meta_fn`:
+    `fn`'s stand-in on fake/meta tensors, same output shapes and the FLOPs to price, for a
+    region whose function needs data (MoE: routing counts; default `fn`)."""
 
     name: str
     options: Sequence[Option]
     fn: Callable[..., Any] | None = None
     local_fn: Callable[..., Any] | None = None
+    meta_fn: Callable[..., Any] | None = None
     n_inputs: int = field(init=False)
     n_outputs: int = field(init=False)
 
@@ -111,6 +117,10 @@ class Contract:
 
     def all_options(self) -> tuple[Option, ...]:
         return (self.replicated(), *self.options)
+
+    def shape_fn(self) -> Callable[..., Any]:
+        """The function to run on fake or meta tensors."""
+        return self.meta_fn or self.fn  # type: ignore[return-value]
 
 
 REPLICATED = "replicated"
@@ -239,7 +249,7 @@ def _split(xs: tuple, layout: str) -> tuple[tuple, str]:
 def _forward_fake(name: str, *xs: torch.Tensor, layout: str = "") -> Any:
     xs, layout = _split(xs, layout)
     c = _contracts[name]
-    outs = _as_tuple(c.fn(*xs))
+    outs = _as_tuple(c.shape_fn()(*xs))
     return _single([o.new_empty(o.shape) for o in outs])  # contiguous, as the real kernel returns
 
 
@@ -360,6 +370,17 @@ def traced_regions(model: nn.Module, enabled: Sequence[str] = ()) -> Iterator[li
             del mod.forward
 
 
+def marked_regions(model: nn.Module) -> tuple[str, ...]:
+    """The declared regions `model`'s modules are marked with (`contract_region`), in module
+    order: what to pass as AutoParallel's `regions` to plan them as regions."""
+    out: list[str] = []
+    for mod in model.modules():
+        name = getattr(type(mod), MARKER, None)
+        if name in _contracts and name not in out:
+            out.append(name)
+    return tuple(out)
+
+
 def regions_in(gm: Any) -> list[str]:
     """Names of the regions whose forward op appears in a traced graph (first-use order)."""
     out: list[str] = []
@@ -398,6 +419,22 @@ def make_layout(c: Contract, backward: bool, spec: Any, mesh: Any, out_shapes: S
                  for i, o in enumerate(opts)],
         "outs": [[list(s), placement_str(o.placements)] for s, o in zip(out_shapes, outs)],
     })
+
+
+def option_names(target: str, input_placements: Sequence[str]) -> list[str] | None:
+    """Per mesh axis, the option a planned region node runs (`target` as a plan writes it,
+    e.g. "autotitan.moe_dispatch.default"; its inputs' placements); None if not a region."""
+    parts = target.split(".")
+    name = parts[1].removesuffix("_bwd") if len(parts) > 1 else ""
+    if parts[0] != NAMESPACE or name not in _contracts:
+        return None
+    c, pls = _contracts[name], [parse_placements(p) for p in input_placements]
+    pls = pls[c.n_outputs:] if parts[1].endswith("_bwd") else pls
+    out = []
+    for i in range(len(pls[0]) if pls else 0):
+        axis = tuple(p[i] for p in pls)
+        out.append(next((o.name for o in c.all_options() if tuple(o.inputs) == axis), "?"))
+    return out
 
 
 def context_from(layout: str) -> RegionContext:
@@ -472,7 +509,7 @@ def _region_flops(name: str, backward: bool, shapes: tuple, dtypes: tuple) -> fl
     xs = [torch.empty(s, dtype=d, device="meta", requires_grad=backward and d.is_floating_point)
           for s, d in zip(shapes, dtypes)]
     with FlopCounterMode(display=False) as fc:
-        outs = _as_tuple(_contracts[name].fn(*xs))
+        outs = _as_tuple(_contracts[name].shape_fn()(*xs))
         if backward:
             outs = [o for o in outs if o.requires_grad]
             torch.autograd.grad(outs, [x for x in xs if x.requires_grad], [torch.ones_like(o) for o in outs],
@@ -483,7 +520,7 @@ def _region_flops(name: str, backward: bool, shapes: tuple, dtypes: tuple) -> fl
 def region_cost(cm: Any, node: Any, spec: Any, mesh_shape: tuple) -> float:
     """µs of one strategy of a region node: compute (roofline of the region function's FLOPs on
     the shapes it computes on) plus the gathers its options declare (the backward gathers
-    again and reduce-scatters the gathered inputs' gradients)."""
+    again and reduce-scatters the gathered inputs' gradients) and all-to-alls (`exchange`)."""
     from parallel.auto.cost.compute import roofline_us
 
     c, backward = region_of(node.target)  # type: ignore[misc]
@@ -504,5 +541,8 @@ def region_cost(cm: Any, node: Any, spec: Any, mesh_shape: tuple) -> float:
             t += cm.collective_cost("all_gather", g, i)
             if backward:
                 t += cm.collective_cost("reduce_scatter", g, i)
+        if o.exchange is not None:
+            n = item * o.exchange([local_shape(tuple(s.tensor_meta.shape), s.placements, mesh_shape) for s in ins])
+            t += (4 if backward else 2) * cm.collective_cost("all_to_all", n, i)
     return t
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallel.auto.contracts import option_names
 from parallel.auto.cost import CostModel
 from parallel.auto.cost.memory import MemoryEstimate
 from parallel.auto.formulation import edge_roles
@@ -465,6 +466,10 @@ def linear_roles(plan: Plan) -> list[tuple[str, str]]:
             continue
         fqn = n.label[len("param "):]
         stored = placement_words(n.output_placements[0])
+        region = _region_use(n, consumers)
+        if region is not None:
+            out.append((fqn, "; ".join(f"{w} on {name}" for w, name in zip(region, names))))
+            continue
         use, act, weight_dims = _forward_use(n, consumers)
         words = []
         for ax, name in enumerate(names):
@@ -485,6 +490,27 @@ def linear_roles(plan: Plan) -> list[tuple[str, str]]:
             words.append(f"{w} on {name}")
         out.append((fqn, "; ".join(words)))
     return out
+
+
+def _region_use(param: NodePlan, consumers: dict[str, list[NodePlan]]) -> list[str] | None:
+    """Per mesh axis "option of region r (stored ...)" when a local_map region consumes the
+    parameter in the forward (directly or through a dtype cast), else None."""
+    frontier = [param.name]
+    while frontier:
+        name = frontier.pop(0)
+        for c in consumers.get(name, []):
+            if c.phase != "fwd":
+                continue
+            if c.target == "aten._to_copy.default":
+                frontier.append(c.name)
+                continue
+            opts = option_names(c.target, c.input_placements)
+            if opts is None:
+                return None
+            stored = placement_words(param.output_placements[0])
+            region = c.target.split(".")[1]
+            return [f"{o} (region {region}, {_store_words(st)})" for o, st in zip(opts, stored)]
+    return None
 
 
 def _store_words(st: str) -> str:

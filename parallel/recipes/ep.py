@@ -235,6 +235,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
             p = getattr(mod, pn)
             mod.register_parameter(pn, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)]),
                                                     requires_grad=p.requires_grad))
+        model.get_submodule(name[: -len(".experts")]).experts_seam = True  # dispatch goes through the hooks
         hooks = _ExpertsHooks(ep_mesh.get_group(), ep)
         mod.register_forward_pre_hook(hooks.pre)
         mod.register_forward_hook(hooks.post)

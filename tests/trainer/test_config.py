@@ -227,6 +227,9 @@ def test_planner_knobs_default_to_the_api_and_parse():
     ("seed", "often", r"seed' = 'often' has the wrong type; expected true/false or none"),
     ("plan_file", "no/such/plan.json", r"plan_file' = 'no/such/plan.json': no such file"),
     ("hardware", "broken.toml", r"hardware' = 'broken.toml': hardware profile file not found"),
+    ("moe_imbalance_factor", "0.9", r"moe_imbalance_factor' = 0.9: must be >= 1.0"),
+    ("expert_parallel_degree", "2", r"expert_parallel_degree' = 2: is set with mode = \"auto\": the planner decides "
+                                    r"where the experts go .*remove it"),
 ])
 def test_bad_planner_knobs(key, value, match):
     with pytest.raises(ConfigError, match=r"llama3_debug_auto.toml.*: 'parallelism\." + match):
