@@ -197,6 +197,13 @@ def trace_joint(
     jg.fingerprint = model_fingerprint(model)
     jg.input_shapes = [(list(x.shape), str(x.dtype)) for x in flat if isinstance(x, torch.Tensor)]
     jg.trace_seconds = time.perf_counter() - t0
+    _check_loss_and_grads(jg)
+    log.info("trace: %s", jg.summary())
+    return jg
+
+
+def _check_loss_and_grads(jg: JointGraph) -> None:
+    """The planner needs a scalar loss and gradients that reach the parameters."""
     out_val = jg.slots[0].node.meta.get("val") if jg.slots and jg.slots[0].node is not None else None
     if out_val is None or not isinstance(out_val, torch.Tensor) or out_val.ndim != 0:
         raise ValueError(
@@ -205,8 +212,6 @@ def trace_joint(
         )
     if jg.params and all(g is None for g in jg.param_grads.values()):
         raise ValueError("no parameter received a gradient: is the loss connected to the parameters?")
-    log.info("trace: %s", jg.summary())
-    return jg
 
 
 def _export(stack: contextlib.ExitStack, wrapper: _LossModule, inputs: tuple) -> Any:
