@@ -36,9 +36,13 @@ def _optimizer(params):
 
 def reference(name: str, steps: int) -> dict:
     """1 rank: losses per step and the step-0 gradients."""
+    return train_reference(build(name, "cpu"), steps)
+
+
+def train_reference(model, steps: int) -> dict:
+    """Train `model` (plain, 1 rank) on the shared batches: losses per step, step-0 gradients."""
     from models import cross_entropy_loss
 
-    model = build(name, "cpu")
     opt = _optimizer(model.parameters())
     losses, grads = [], {}
     for step in range(steps):

@@ -5,7 +5,7 @@ expert-parallel on chosen mesh axes), replayed and trained on gloo ranks, compar
 from __future__ import annotations
 
 import torch
-from apply_workers import _optimizer, batch
+from apply_workers import _optimizer, batch, train_reference
 
 import parallel.auto.moe_dispatch as md
 from parallel.auto import contracts
@@ -26,21 +26,7 @@ def build(device: str = "meta"):
 
 def reference(steps: int) -> dict:
     """1 rank, plain model: losses per step and the step-0 gradients."""
-    from models import cross_entropy_loss
-
-    model = build("cpu")
-    opt = _optimizer(model.parameters())
-    losses, grads = [], {}
-    for step in range(steps):
-        tok, lab = batch(model.args.vocab_size, step)
-        opt.zero_grad()
-        loss = cross_entropy_loss(model(tok), lab)
-        loss.backward()
-        if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        losses.append(loss.item())
-    return {"losses": losses, "grads": grads}
+    return train_reference(build("cpu"), steps)
 
 
 def autop_for(mesh, solver: str = "auto"):
