@@ -1,8 +1,9 @@
 """Mesh search for a job: ``[parallelism] mesh = "auto"`` and ``scripts/plan.py --mesh auto``.
 
 Every mesh of the world size that the layout rules allow (parallel/auto/mesh_search.py:
-dp_replicate, dp_shard, tp; cp is not searched, the planner cannot express the trainer's
-context-parallel split yet) is planned as a sweep point with the job's model, shapes,
+dp_replicate, dp_shard, cp, tp; a cp degree only where the sequence splits load-balanced;
+a cp axis is planned as the trainer feeds it: the sequence in load-balanced order with
+its positions, attention a region that may shard it) is planned as a sweep point with the job's model, shapes,
 planner knobs and budget (cached, seeded as the planner seeds), meshes whose memory does
 not fit are dropped, the rest ranked by predicted step time per token (tokens/s: the
 global batch, local batch x data-parallel degree, differs between meshes). The trainer then builds the
@@ -20,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from parallel.auto.cost import HardwareProfile, ProfileError, load_hardware
-from parallel.auto.mesh_search import Candidate, MeshSearchError, enumerate_meshes, rank_candidates
+from parallel.auto.mesh_search import Candidate, MeshSearchError, MeshSpec, enumerate_meshes, rank_candidates
 from parallel.mesh import CP, DP_REPLICATE, DP_SHARD, TP
 
 from .auto import planning_hardware
@@ -47,7 +48,14 @@ def search_points(cfg: JobConfig, world: int, hardware: str | HardwareProfile,
                   local_batch_size=t.local_batch_size, seq_len=t.seq_len, ac_mode=cfg.activation_checkpoint.mode,
                   hardware=hardware, memory_high=budget, planner=planner_of(cfg), vocab_size=vocab_size,
                   mesh_auto=True)
-            for i, spec in enumerate(enumerate_meshes(world, hw.gpus_per_node))]
+            for i, spec in enumerate(searched_meshes(world, hw.gpus_per_node, t.seq_len))]
+
+
+def searched_meshes(world: int, gpus_per_node: int, seq_len: int) -> list[MeshSpec]:
+    """The meshes the search plans: dp_replicate, dp_shard, cp, tp laid out on nodes, a cp
+    degree only where the load-balanced split works (seq_len a multiple of 2 x cp)."""
+    specs = enumerate_meshes(world, gpus_per_node, axes=(DP_REPLICATE, DP_SHARD, CP, TP))
+    return [s for s in specs if seq_len % (2 * s.degree(CP)) == 0]
 
 
 def rank_rows(points: list[Point], rows: list[dict]) -> list[dict]:

@@ -26,8 +26,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from models import build_model, model_args
-from parallel.auto.api import AutoParallel, fake_world, lm_loss
+from parallel.auto.api import AutoParallel, fake_world, lm_loss, lm_loss_positions
 from parallel.auto.cost import load_hardware, profile_to_toml
+from parallel.auto.mesh_search import uses_context_parallel
 from parallel.auto.moe_dispatch import NAME as _MOE_REGION  # noqa: F401 - declares the MoE region
 from parallel.auto.plan import Plan, linear_roles
 from parallel.auto.problem import MemoryLimitError, PlanningError
@@ -37,7 +38,7 @@ from parallel.precision import is_mixed, mixed_precision_policy
 from .auto import default_memory_high, planner_regions
 from .sweep_spec import Point
 
-PLANNER_VERSION = 1
+PLANNER_VERSION = 2  # 2: rows carry the peak-memory estimate; cp axes planned with CP attention
 """Part of every cache key: bump it when the planner's plans change meaning."""
 DEFAULT_CACHE = Path(os.environ.get("AUTOTITAN_CACHE", Path.home() / ".cache" / "autotitan")) / "plans"
 
@@ -58,8 +59,10 @@ def point_key(point: Point) -> str:
 
 
 def trace_key(point: Point) -> tuple:
-    """What the joint graph depends on (not the mesh, hardware, budget or AC mode)."""
-    return (point.model, point.flavor, point.model_args, point.vocab_size, point.global_batch, point.seq_len)
+    """What the joint graph depends on (not the mesh, hardware, budget or AC mode; only
+    whether the mesh has a cp axis: then the graph takes positions and attention is a region)."""
+    return (point.model, point.flavor, point.model_args, point.vocab_size, point.global_batch, point.seq_len,
+            uses_context_parallel(point.mesh))
 
 
 class PlanCache:
@@ -177,19 +180,23 @@ def _plan(point: Point, hw: Any) -> tuple[Plan, int, int, float | None]:
     mp = mixed_precision_policy(pl.mp_param, pl.mp_reduce)
     high = default_memory_high(n_params, hw) if point.memory_high == "auto" else point.memory_high
     inputs = tuple(torch.zeros(point.global_batch, point.seq_len, dtype=torch.long, device="meta") for _ in range(2))
+    cp = uses_context_parallel(point.mesh)
+    if cp:  # as the trainer feeds a cp axis: the sequence load-balanced, with its RoPE positions
+        inputs += (torch.zeros(point.seq_len, dtype=torch.long, device="meta"),)
     runtime = RuntimeOptions(ac_mode=point.ac_mode, overlap=pl.overlap, reshard_after_forward=pl.reshard_after_forward)
     spec = point.mesh
     with fake_world(spec.world):
         mesh = init_device_mesh("cpu", spec.shape, mesh_dim_names=spec.names)
-        with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, mp_policy=mp if is_mixed(mp) else None, hardware=hw,
+        loss_fn = lm_loss_positions if cp else lm_loss
+        with AutoParallel(model, inputs, mesh, loss_fn=loss_fn, mp_policy=mp if is_mixed(mp) else None, hardware=hw,
                           solver=pl.solver, time_limit=pl.time_limit, cluster_layers=pl.cluster_layers, seed=pl.seed,
                           seed_radius=pl.seed_radius, seed_rounds=pl.seed_rounds, runtime=runtime,
-                          graph=cached[1] if cached else None, regions=planner_regions(model, cp=False)) as autop:
+                          graph=cached[1] if cached else None, regions=planner_regions(model, cp=cp)) as autop:
             _STATS["reused" if cached else "traced"] += 1
             _TRACES.clear()
             _TRACES[tkey] = (model, autop.graph)  # one graph a process: an 8B trace holds ~0.5 GB
             p = tuple(Shard(0) if i in spec.data_axes() else Replicate() for i in range(len(spec.shape)))
-            autop.add_input_constraints([p, p])
+            autop.add_input_constraints([p, p] + ([tuple(Replicate() for _ in spec.shape)] if cp else []))
             autop.add_parameter_memory_constraint(low=pl.memory_budget_low, high=high)
             plan = autop.optimize_placement(verbose=False)
     used = high if high is not None else max(1.0 / spec.world, 0.0)

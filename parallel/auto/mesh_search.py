@@ -11,8 +11,9 @@ Layout rules (ranks are numbered row-major, the last axis varies fastest):
     axes inside it (``dp_shard x cp x tp``) fill whole nodes; and it only appears with a
     ``dp_shard`` axis (HSDP) — replicate alone is the same problem as shard alone;
   * a world larger than one node is a whole number of nodes.
-``cp`` is enumerated only when asked (``axes`` including it): the planner does not
-express the trainer's load-balanced context-parallel sequence split yet.
+``cp`` is enumerated only when asked (``axes`` including it): sweeps with ``mesh = "auto"``
+keep to the data and tensor axes, the trainer's mesh search (trainer/mesh_auto.py) asks
+for it.
 Planning is done by the caller (one plan per mesh); ranking only reads the results.
 """
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from parallel.mesh import AXES, CP, DATA_AXES, DP_REPLICATE, DP_SHARD, TP
 
 SEARCH_AXES = (DP_REPLICATE, DP_SHARD, TP)
-"""Axes the search enumerates by default (cp left out: see the module docstring)."""
+"""Axes enumerated by default (cp only when asked: see the module docstring)."""
 
 DEFAULT_NAMES = {1: (DP_SHARD,), 2: (DP_SHARD, TP), 3: (DP_REPLICATE, DP_SHARD, TP), 4: AXES}
 """Axis names of an unnamed mesh string ("4x8") by its number of axes."""

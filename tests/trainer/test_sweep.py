@@ -134,14 +134,16 @@ def test_mesh_search_ranks_and_drops(tmp_path):
                       validate=False)
     cache = PlanCache(tmp_path / "cache")
     rows = search_meshes(cfg, 2, "h100", workers=1, cache=cache, out=lambda s: None)
-    assert sorted(r["mesh"] for r in rows) == ["dp_shard=2", "tp=2"]
-    assert [r["rank"] for r in rows] == [1, 2]
-    assert rows[0]["tokens_per_s"] >= rows[1]["tokens_per_s"]  # dp_shard=2 steps over twice the tokens of tp=2
-    assert rows[0]["mesh"] == "dp_shard=2"
+    assert sorted(r["mesh"] for r in rows) == ["cp=2", "dp_shard=2", "tp=2"]  # cp: seq 32 splits in 2 x 2 chunks
+    assert [r["rank"] for r in rows] == [1, 2, 3]
+    assert rows[0]["mesh"] == "dp_shard=2"  # it steps over twice the tokens of cp=2 and tp=2
+    assert rows[0]["tokens_per_s"] >= max(r["tokens_per_s"] for r in rows[1:])
     assert degrees_of(rows[0])["data_parallel_shard_degree"] * degrees_of(rows[0])["tensor_parallel_degree"] == 2
+    cp_row = next(r for r in rows if r["mesh"] == "cp=2")
+    assert degrees_of(cp_row)["context_parallel_degree"] == 2 and cp_row["global_batch"] == 2
     tiny = load_hardware("h100").replace(memory_bytes=1024, memory_limit_bytes=1024)  # nothing fits in 1 KiB
     dropped = search_meshes(cfg, 2, tiny, workers=1, cache=cache, out=lambda s: None)
-    assert [r["rank"] for r in dropped] == ["-", "-"] and {r["status"] for r in dropped} == {"OOM"}
+    assert [r["rank"] for r in dropped] == ["-"] * 3 and {r["status"] for r in dropped} == {"OOM"}
     # the planner tried to fit (re-solved as sharded as it could) and says by how much it missed
     assert all(r["oom"] and r["mem_kind"] == "peak" and r["mem_gib"] > 0 for r in dropped)
     assert all("memory limit" in r["detail"] or "limit" in r["detail"] for r in dropped)
