@@ -60,7 +60,7 @@ def estimate_memory(graph: JointGraph, candidates: Candidates, plan: Plan, mesh:
         buffers = [torch.empty(tuple(v.shape), dtype=v.dtype) for v in bvals]
         inputs = [_fake_dtensor(n.meta["val"], runner.input_placements(i), mesh)
                   for i, n in enumerate(runner.input_nodes)]
-        sg = StepGraph(runner, params, buffers, inputs, overlap=options.overlap)
+        sg = StepGraph(runner, params, buffers, inputs, overlap=options.overlap, executable=False)
     local = [_nbytes(tuple(p.to_local().shape), p.dtype) for p in params]
     trained = [b for b, has in zip(local, sg.has_grad) if has]  # AdamW keeps state for these only
     buffer_bytes = sum(_nbytes(tuple(v.shape), v.dtype) for v in bvals)

@@ -168,8 +168,8 @@ class PlanRunner:
         with graph.fake_mode:  # the partitioner's RNG handling asks for the fake mode
             self.fwd_gm, self.bwd_gm = T.partition_joint(graph.gm, num_fwd_outputs=len(self.out_slots))
         for gm in (self.fwd_gm, self.bwd_gm):  # the partitioner keeps unused random ops (attention): drop them
+            # (no recompile: these graphs are only interpreted, node by node, never called)
             gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output"))
-            gm.recompile()
             _place_constants(gm, mesh.device_type)
         self.saved_names = [a.name for a in self.fwd_gm.graph.output_node().args[0][len(self.out_slots):]]
         bucket = self.bucket = options.bucket

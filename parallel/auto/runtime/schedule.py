@@ -61,8 +61,12 @@ class OverlapReport:
                 "to first use")
 
 
-def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
+def _after(n: fx.Node, k: int) -> fx.Node:
+    """The node `k` places after `n` (FX nodes compare by graph order: `a < b` is O(1) and
+    stays right as nodes move, so no pass renumbers the graph, which was quadratic)."""
+    for _ in range(k):
+        n = n.next
+    return n
 
 
 def _buffer_chain(c: fx.Node) -> list[fx.Node]:
@@ -74,8 +78,7 @@ def _buffer_chain(c: fx.Node) -> list[fx.Node]:
             continue  # expensive, or shared with other consumers: it stays where it is
         chain.add(a)
         stack.extend(a.all_input_nodes)
-    pos = _positions(c.graph)
-    return sorted(chain, key=pos.__getitem__)
+    return sorted(chain)
 
 
 def _result_chain(w: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
@@ -90,17 +93,15 @@ def _result_chain(w: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
         seen.add(u)
         chain.append(u)
         stack.extend(u.users)
-    pos = _positions(w.graph)
     readers = [u for n in chain for u in n.users if u not in seen]
-    return sorted(chain, key=pos.__getitem__), min(readers, key=pos.__getitem__, default=None)
+    return sorted(chain), min(readers, default=None)
 
 
 def _move_up(chain: list[fx.Node], anchor: fx.Node) -> bool:
     """Place the chain's nodes that come after `anchor` right after it (in order), when the
     collective (the chain's last node) then starts earlier than it does now."""
-    pos = _positions(anchor.graph)
-    later = [n for n in chain if pos[n] > pos[anchor]]
-    if not later or pos[chain[-1]] <= pos[anchor] + len(later):
+    later = [n for n in chain if n > anchor]
+    if not later or chain[-1] <= _after(anchor, len(later)):
         return False
     at = anchor
     for n in later:
@@ -111,11 +112,10 @@ def _move_up(chain: list[fx.Node], anchor: fx.Node) -> bool:
 
 def _anchor(chain: list[fx.Node], floor: fx.Node | None) -> fx.Node:
     """The last node the chain must follow: its latest outside input, or `floor`."""
-    pos = _positions(chain[0].graph)
     members = set(chain)
     cands = [a for n in chain for a in n.all_input_nodes if a not in members]
     cands += [floor] if floor is not None else []
-    anchor = max(cands, key=pos.__getitem__) if cands else next(iter(chain[0].graph.nodes))
+    anchor = max(cands) if cands else next(iter(chain[0].graph.nodes))
     while anchor.next.op == "placeholder":  # placeholders stay together at the top
         anchor = anchor.next
     return anchor
@@ -124,8 +124,7 @@ def _anchor(chain: list[fx.Node], floor: fx.Node | None) -> fx.Node:
 def _defer_waits(graph: fx.Graph, report: OverlapReport) -> None:
     for w in [n for n in graph.nodes if _is_wait(n)]:
         chain, reader = _result_chain(w)
-        pos = _positions(graph)
-        if reader is not None and pos[reader] > pos[chain[-1]] + 1:
+        if reader is not None and reader > chain[-1].next:
             for n in chain:
                 reader.prepend(n)
             report.waits_moved += 1
@@ -140,8 +139,10 @@ def _input_derived(graph: fx.Graph) -> set[fx.Node]:
     return out
 
 
-def schedule_overlap(gm: fx.GraphModule) -> OverlapReport:
-    """Reorder `gm` in place for overlap (see the module docstring); returns what moved."""
+def schedule_overlap(gm: fx.GraphModule, recompile: bool = True) -> OverlapReport:
+    """Reorder `gm` in place for overlap (see the module docstring); returns what moved.
+    `recompile=False`: only the graph is reordered (for analyses that walk it, not run it;
+    regenerating a 32-layer step graph's Python code takes about a second)."""
     graph = gm.graph
     report = OverlapReport()
     _defer_waits(graph, report)
@@ -162,7 +163,8 @@ def schedule_overlap(gm: fx.GraphModule) -> OverlapReport:
         if _move_up(chain, _anchor(chain, None)):
             report.starts_moved += 1
     graph.lint()
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     log.info("%s", report)
     return report
 

@@ -41,11 +41,19 @@ class _ParamMeta:
         self.dtype = dtype
 
 
+def _not_executable(*_: Any) -> Any:
+    raise RuntimeError("this StepGraph was built with executable=False (for analysis: its code is stale after "
+                       "scheduling); build it with executable=True to run it")
+
+
 class StepGraph:
     """One plan's forward + loss + backward for one input layout, on this rank's shards."""
 
     def __init__(self, runner: Any, params: list[DTensor], buffers: list[Any], inputs: list[DTensor], *,
-                 overlap: bool = True, compile: bool = False, compile_mode: str = "default"):
+                 overlap: bool = True, compile: bool = False, compile_mode: str = "default",
+                 executable: bool = True):
+        """`executable=False`: the graph is only walked (runtime/memory.py), so its Python
+        code is not regenerated after scheduling and calling the StepGraph is an error."""
         self.mesh = runner.mesh
         self.pspecs = [dspec(p) for p in params]
         bspecs = [dspec(b) if isinstance(b, DTensor) else None for b in buffers]
@@ -68,12 +76,12 @@ class StepGraph:
         args = ([p.to_local() for p in params], [local_value(b) for b in buffers], [x.to_local() for x in inputs])
         self.gm = T.trace_fake(step)(*args)
         self.out_specs, self.has_grad = layout["outs"], layout["has_grad"]
-        self.overlap: OverlapReport | None = schedule_overlap(self.gm) if overlap else None
+        self.overlap: OverlapReport | None = schedule_overlap(self.gm, recompile=executable) if overlap else None
         self.collectives = count_collectives(self.gm)
         self.trace_seconds = time.perf_counter() - t0
         self.compiled = compile
         self.fn: Callable[..., Any] = (torch.compile(self.gm, fullgraph=True, dynamic=False, mode=compile_mode)
-                                       if compile else self.gm)
+                                       if compile else self.gm if executable else _not_executable)
         self.first_call_seconds: float | None = None
         log.info("apply: step graph traced in %.1fs (%d nodes, %d collectives)%s", self.trace_seconds,
                  len(self.gm.graph.nodes), self.collectives, ", compiling with Inductor" if compile else "")

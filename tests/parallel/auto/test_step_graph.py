@@ -28,7 +28,7 @@ def _model_and_inputs() -> tuple[torch.nn.Module, tuple]:
     return build_model("llama3", "debug", device="meta", n_layers=2), (tok, tok)
 
 
-def _step_graph(plan_json: dict, options: RuntimeOptions) -> tuple[StepGraph, object]:
+def _step_graph(plan_json: dict, options: RuntimeOptions, executable: bool = True) -> tuple[StepGraph, object]:
     model, inputs = _model_and_inputs()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="h100") as autop:
@@ -41,7 +41,7 @@ def _step_graph(plan_json: dict, options: RuntimeOptions) -> tuple[StepGraph, ob
         inputs = [DTensor.from_local(torch.zeros((GLOBAL_B // 2, SEQ), dtype=torch.long), mesh,
                                      runner.input_placements(i), run_check=False, shape=(GLOBAL_B, SEQ),
                                      stride=(SEQ, 1)) for i in range(2)]
-        return StepGraph(runner, params, buffers, inputs, overlap=options.overlap), runner
+        return StepGraph(runner, params, buffers, inputs, overlap=options.overlap, executable=executable), runner
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +87,19 @@ def test_overlap_prefetches_gathers_and_defers_waits(fsdp_plan):
     rs_waits = [next(u for u in n.users if _is_wait(u)) for n in nodes
                 if _is_collective(n) and T.op_name(n.target) == "reduce_scatter_tensor"]
     assert rs_waits and all(pos[w] > last_mm for w in rs_waits)
+
+
+def test_analysis_step_graph_has_the_same_schedule_and_refuses_to_run(fsdp_plan):
+    """runtime/memory.py walks a step graph built with executable=False (its code is not
+    regenerated after scheduling): same nodes in the same order as the one the runtime runs."""
+    with fake_world(2):
+        run, _ = _step_graph(fsdp_plan, RuntimeOptions(overlap=True))
+        walk, _ = _step_graph(fsdp_plan, RuntimeOptions(overlap=True), executable=False)
+    assert [n.format_node() for n in walk.gm.graph.nodes] == [n.format_node() for n in run.gm.graph.nodes]
+    assert walk.overlap.starts_moved == run.overlap.starts_moved > 0
+    assert run.gm.code == run.gm.graph.python_code("self").src  # the runtime's code follows the schedule
+    with pytest.raises(RuntimeError, match="executable=False"):
+        walk([], [], [])
 
 
 @pytest.mark.parametrize("mode,option", [("full", "op"), ("selective", "op"), ("selective", "2")])
