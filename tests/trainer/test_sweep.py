@@ -127,6 +127,7 @@ def test_failing_point_is_a_row_and_the_sweep_goes_on(tmp_path, monkeypatch):
     assert svg.startswith("<svg") and svg.count("<circle") == 2  # one point per panel: the failed one has none
 
 
+@pytest.mark.slow  # plans 3 meshes twice
 def test_mesh_search_ranks_and_drops(tmp_path):
     cfg = load_config("llama3_debug_auto", ["--model.n_layers", "1", "--model.dim", "64", "--model.n_heads", "4",
                                             "--model.n_kv_heads", "2", "--model.ffn_hidden_dim", "128",

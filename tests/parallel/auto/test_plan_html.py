@@ -17,6 +17,8 @@ from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.plan import Plan
 from parallel.auto.plan_html import TOP, fmt_bytes, params_table, plan_diff_html, plan_html, save_html
 
+pytestmark = pytest.mark.slow  # plans the debug LLaMA on a fake 2x2 (~15-20 s setup)
+
 _SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "plan.py"
 PROJECTIONS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                "feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "tok_embeddings", "output")
@@ -119,7 +121,6 @@ def _script():
     return mod
 
 
-@pytest.mark.slow  # re-plans the debug LLaMA on a fake 2x2 in the script
 def test_script_writes_html_and_diff(plans, tmp_path, capsys):
     _, ddp = plans
     other = tmp_path / "ddp.json"

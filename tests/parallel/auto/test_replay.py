@@ -12,6 +12,8 @@ from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.plan import PlanMismatchError
 from parallel.auto.replay import replay_labels
 
+pytestmark = pytest.mark.slow  # plans the debug LLaMA on a fake 2x2 (~20-35 s setup)
+
 PL = (Shard(0), Replicate())
 
 
