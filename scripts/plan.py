@@ -100,6 +100,7 @@ def plan_job(args: argparse.Namespace) -> tuple:
         with AutoParallel(model, input_fn, mesh, loss_fn=lm_loss, mp_policy=mp, hardware=hardware,
                           solver=args.solver or cfg.parallelism.solver, time_limit=args.time_limit,
                           runtime=runtime_options(cfg), memory_limit_gib=limit,
+                          memory_estimate=cfg.parallelism.memory_estimate,
                           optimizer=cfg.optimizer.implementation, regions=planner_regions(model, cp=False)) as autop:
             if args.coverage:
                 print(autop.coverage(), flush=True)

@@ -206,7 +206,7 @@ def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, s
                       hardware=planning_hardware(par, mesh), solver=par.solver, time_limit=par.time_limit,
                       cluster_layers=par.cluster_layers, seed=par.seed, seed_radius=par.seed_radius,
                       seed_rounds=par.seed_rounds, runtime=runtime_options(job_config),
-                      memory_limit_gib=par.memory_limit_gib,
+                      memory_limit_gib=par.memory_limit_gib, memory_estimate=par.memory_estimate,
                       optimizer=job_config.optimizer.implementation, regions=regions) as autop:
         autop.add_input_constraints(in_placements)
         if par.memory_budget_low is not None or par.memory_budget_high is not None:

@@ -145,6 +145,7 @@ class Parallelism:
     memory_budget_high: Optional[float] = None
     # the predicted peak memory per device may reach this many GiB (unset: the hardware profile's memory_limit_gib)
     memory_limit_gib: Optional[float] = None
+    memory_estimate: bool = True  # false: no peak estimate per plan (one step-graph trace saved), no limit check
     solver: str = "auto"
     seed: Optional[bool] = None  # split-dimension seeding; unset: on from 3-D meshes
     seed_radius: int = 2  # mesh axes a seeded strategy may differ from its seeds on

@@ -113,6 +113,7 @@ class AutoParallel:
         graph: JointGraph | None = None,
         regions: tuple[str, ...] = (),
         memory_limit_gib: float | None = None,
+        memory_estimate: bool = True,
         optimizer: str = "foreach",
     ) -> None:
         self.model = model
@@ -136,6 +137,9 @@ class AutoParallel:
             raise ValueError(f"memory_limit_gib = {memory_limit_gib}: must be > 0 GiB (None: the hardware profile's "
                              "memory_limit_gib; float('inf'): no limit)")
         self.memory_limit_gib = memory_limit_gib
+        # False: a solved plan's peak is not estimated (a step-graph trace per plan; plan.memory
+        # stays None) and the memory limit is not checked
+        self.memory_estimate = memory_estimate
         self.optimizer = optimizer  # AdamW's implementation, "foreach" or "for-loop": its temporaries
         self.mp_dtype: torch.dtype | None = getattr(mp_policy, "param_dtype", None) if mp_policy is not None else None
         self._cost_model = cost_model
@@ -329,7 +333,11 @@ class AutoParallel:
         self.problem = prob
         log.log(level, "solve: objective %.1f µs, %s, %.2fs (%s, %d vars)", sol.objective, sol.status, sol.seconds,
                 sol.solver, sol.num_vars)
-        return self._fit_memory(self._plan(prob, sol, low, high), low, high, level)
+        plan = self._plan(prob, sol, low, high)
+        if not self.memory_estimate:
+            log.log(level, "memory: not estimated (memory_estimate=False): the memory limit is not checked")
+            return plan
+        return self._fit_memory(plan, low, high, level)
 
     def _plan(self, prob: Problem, sol: Solution, low: float | None, high: float | None) -> Plan:
         cm = self.cost_model()

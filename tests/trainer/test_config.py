@@ -209,13 +209,15 @@ def test_planner_knobs_default_to_the_api_and_parse():
 
     api = inspect.signature(AutoParallel).parameters
     p = load_config("llama3_debug_auto", world_size=2).parallelism
-    for key in ("seed", "seed_radius", "seed_rounds", "time_limit", "cluster_layers", "solver"):
+    for key in ("seed", "seed_radius", "seed_rounds", "time_limit", "cluster_layers", "solver", "memory_estimate"):
         assert getattr(p, key) == api[key].default, key
     assert JobConfig().parallelism.hardware == JobConfig().metrics.hardware == DEFAULT_HARDWARE
     p = load_config("llama3_debug_auto", ["--parallelism.seed", "--parallelism.seed_radius", "1",
                                           "--parallelism.seed_rounds", "3", "--parallelism.time_limit", "30",
-                                          "--parallelism.cluster_layers", "false"], world_size=2).parallelism
-    assert (p.seed, p.seed_radius, p.seed_rounds, p.time_limit, p.cluster_layers) == (True, 1, 3, 30.0, False)
+                                          "--parallelism.cluster_layers", "false", "--parallelism.memory_estimate",
+                                          "false"], world_size=2).parallelism
+    assert (p.seed, p.seed_radius, p.seed_rounds, p.time_limit, p.cluster_layers, p.memory_estimate) == (
+        True, 1, 3, 30.0, False, False)
     assert load_config("llama3_debug", ["--parallelism.seed", "none"], world_size=1).parallelism.seed is None
 
 

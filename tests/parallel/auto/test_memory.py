@@ -94,13 +94,14 @@ def test_llama3_8b_shapes_on_8_ranks_sane_and_ordered(llama8b):
                                   + est.transient_bytes)
 
 
-def _debug_plan(*, memory_limit_gib: float | None, high: float | None = 1.0, kind: str = "") -> Plan:
+def _debug_plan(*, memory_limit_gib: float | None, high: float | None = 1.0, kind: str = "",
+                memory_estimate: bool = True) -> Plan:
     model = build_model("llama3", "debug", device="meta", n_layers=1)
     tok = torch.zeros(8, 16, dtype=torch.long)
     with fake_world(8):
         mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
         with AutoParallel(model, (tok, tok), mesh, loss_fn=lm_loss, hardware="h100",
-                          memory_limit_gib=memory_limit_gib) as autop:
+                          memory_limit_gib=memory_limit_gib, memory_estimate=memory_estimate) as autop:
             autop.add_input_constraints([(Shard(0),), (Shard(0),)])
             if kind:
                 getattr(presets, kind)(autop)
@@ -138,6 +139,12 @@ def test_too_small_limit_is_a_clear_error(debug_plans):
         _debug_plan(memory_limit_gib=debug_plans["fsdp"].memory.peak_bytes / GIB, kind="ddp")
     with pytest.raises(ValueError, match="memory_limit_gib = 0: must be > 0"):
         _debug_plan(memory_limit_gib=0)
+
+
+def test_without_the_estimate_the_limit_is_not_checked(debug_plans):
+    plan = _debug_plan(memory_limit_gib=0.001, kind="fsdp", memory_estimate=False)  # 0.001: refused with the estimate
+    assert plan.memory is None and "memory" not in plan.timings
+    assert plan.labels == debug_plans["fsdp"].labels  # the same solve, only the estimate left out
 
 
 def test_plan_json_keeps_the_estimate_and_old_plans_load(debug_plans, tmp_path):
