@@ -3,6 +3,7 @@ parent (fake world), replayed and run on gloo ranks, compared with a 1-rank run.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -87,41 +88,59 @@ def _inputs(name: str):
     return model, (tok, tok)
 
 
-def make_plan(name: str, shape, names, kind: str, time_limit: float = 15.0, solver: str = "auto",
-              hardware: str = "cpu") -> dict:
-    """Plan on a fake world in this process; returns the plan JSON."""
+# one joint-graph trace per model and process: the trace depends neither on the mesh nor on
+# the plan, so the plans and replays of a module share it (as a sweep does, trainer/sweep_point.py)
+_GRAPHS: dict[str, object] = {}
+
+
+@contextlib.contextmanager
+def _planner(name: str, mesh, **kwargs):
+    """AutoParallel (entered) for a fresh meta `name` model on `mesh`, on this process's trace of it."""
+    from parallel.auto.api import AutoParallel, lm_loss
+
+    model, inputs = _inputs(name)
+    with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, graph=_GRAPHS.get(name), **kwargs) as autop:
+        _GRAPHS[name] = autop.graph
+        yield autop
+
+
+def make_plans(jobs, shape, names, time_limit: float = 15.0, solver: str = "auto",
+               hardware: str = "cpu") -> list[dict]:
+    """Plan each (model, kind) of `jobs` on one fake world and mesh in this process (the
+    plans share its trace and strategy enumeration); returns the plans' JSON."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parallel.auto.api import AutoParallel, PlanningError, fake_world, lm_loss
+    from parallel.auto.api import PlanningError, fake_world
 
     ws = 1
     for s in shape:
         ws *= s
+    out = []
     with fake_world(ws):
         mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
-        model, inputs = _inputs(name)
-        for attempt in range(3):  # a short time limit may end before any feasible point
-            with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware=hardware, solver=solver,
-                              time_limit=time_limit * 2**attempt) as autop:
-                add_constraints(autop, kind, len(shape))
-                try:
-                    plan = autop.optimize_placement(verbose=False)
-                    break
-                except PlanningError as e:
-                    if "found no solution" not in str(e) or attempt == 2:
-                        raise
-    return plan.to_json()
+        for name, kind in jobs:
+            for attempt in range(3):  # a short time limit may end before any feasible point
+                with _planner(name, mesh, hardware=hardware, solver=solver, time_limit=time_limit * 2**attempt,
+                              memory_estimate=False) as autop:  # numerics tests: the peak is not asserted
+                    add_constraints(autop, kind, len(shape))
+                    try:
+                        plan = autop.optimize_placement(verbose=False)
+                        break
+                    except PlanningError as e:
+                        if "found no solution" not in str(e) or attempt == 2:
+                            raise
+            out.append(plan.to_json())
+    return out
 
 
 def run_job(mesh, job: dict) -> dict:
     """Replay a plan on this rank, train `steps` steps on local shards, gather results."""
-    from parallel.auto.api import AutoParallel, lm_loss
     from parallel.auto.plan import Plan
     from parallel.auto.runtime import local_shard
 
-    model, inputs = _inputs(job["model"])
-    with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="cpu") as autop:
+    with _planner(job["model"], mesh, hardware="cpu") as autop:
         pm = autop.apply_placement(Plan.from_json(job["plan"]))
+        model = autop.model
     pm.to_empty(device="cpu")
     torch.manual_seed(0)
     pm.init_weights()

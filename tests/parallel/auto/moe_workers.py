@@ -33,7 +33,8 @@ def autop_for(mesh, solver: str = "auto"):
     from parallel.auto.api import AutoParallel, lm_loss
 
     tok = torch.zeros(GLOBAL_B, SEQ, dtype=torch.long)
-    return AutoParallel(build(), (tok, tok), mesh, loss_fn=lm_loss, hardware="cpu", regions=REGIONS, solver=solver)
+    return AutoParallel(build(), (tok, tok), mesh, loss_fn=lm_loss, hardware="cpu", regions=REGIONS, solver=solver,
+                        memory_estimate=False)  # placements and numerics are asserted here, not the peak
 
 
 def force_ep(autop, ep_axes: tuple[int, ...]) -> None:

@@ -6,7 +6,7 @@ ten AdamW steps track the 1-rank losses."""
 import functools
 
 import pytest
-from apply_workers import compare, grads_close, make_plan, reference, run_distributed, worker
+from apply_workers import compare, grads_close, make_plans, reference, run_distributed, worker
 
 SHAPE, NAMES = (2,), ("dp",)
 JOBS = [("llama3", "default", 10), ("llama3", "ddp", 1), ("llama3", "fsdp", 1), ("llama3", "tp", 1),
@@ -20,7 +20,8 @@ def _reference(model, steps):
 
 @pytest.fixture(scope="module")
 def results():
-    jobs = [{"model": m, "kind": k, "steps": s, "plan": make_plan(m, SHAPE, NAMES, k)} for m, k, s in JOBS]
+    plans = make_plans([(m, k) for m, k, _ in JOBS], SHAPE, NAMES)
+    jobs = [{"model": m, "kind": k, "steps": s, "plan": p} for (m, k, s), p in zip(JOBS, plans)]
     outs = run_distributed(worker, 2, SHAPE, NAMES, jobs, timeout=400)
     return {(j["model"], j["kind"]): [o[i] for o in outs] for i, j in enumerate(jobs)}
 

@@ -5,7 +5,7 @@ ten AdamW steps of the default LLaMA plan track the 1-rank losses."""
 import functools
 
 import pytest
-from apply_workers import compare, grads_close, make_plan, reference, run_distributed, worker
+from apply_workers import compare, grads_close, make_plans, reference, run_distributed, worker
 
 SHAPE, NAMES = (2, 2), ("dp", "tp")
 JOBS = [("llama3", "default", 10), ("llama3", "ddp", 1), ("llama3", "fsdp", 1), ("llama3", "tp", 1),
@@ -22,8 +22,8 @@ def _reference(model, steps):
 
 @pytest.fixture(scope="module")
 def results():
-    jobs = [{"model": m, "kind": k, "steps": s, "plan": make_plan(m, SHAPE, NAMES, k, solver=SOLVER, time_limit=1.0)}
-            for m, k, s in JOBS]
+    plans = make_plans([(m, k) for m, k, _ in JOBS], SHAPE, NAMES, solver=SOLVER, time_limit=1.0)
+    jobs = [{"model": m, "kind": k, "steps": s, "plan": p} for (m, k, s), p in zip(JOBS, plans)]
     outs = run_distributed(worker, 4, SHAPE, NAMES, jobs, timeout=500)
     return {(j["model"], j["kind"]): [o[i] for o in outs] for i, j in enumerate(jobs)}
 

@@ -4,7 +4,7 @@ candidates are rebuilt from the plan's own strategies — then trains like 1 ran
 rtol 1e-4, atol 1e-6)."""
 
 import pytest
-from apply_workers import compare, grads_close, make_plan, reference, run_distributed, worker
+from apply_workers import compare, grads_close, make_plans, reference, run_distributed, worker
 
 SHAPE, NAMES = (2, 2, 2), ("dp", "cp", "tp")
 STEPS = 3
@@ -12,7 +12,7 @@ STEPS = 3
 
 @pytest.mark.slow
 def test_default_3d_plan_matches_one_rank():
-    plan = make_plan("llama3", SHAPE, NAMES, "default", solver="mrf")
+    (plan,) = make_plans([("llama3", "default")], SHAPE, NAMES, solver="mrf")
     outs = run_distributed(worker, 8, SHAPE, NAMES, [{"model": "llama3", "kind": "default", "steps": STEPS,
                                                       "plan": plan}], timeout=600)
     ref = reference("llama3", STEPS)

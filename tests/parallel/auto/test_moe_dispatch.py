@@ -101,7 +101,7 @@ def test_trains_on_gloo_ranks_like_one_rank(shape, ep_axes):
 
 @pytest.mark.slow
 def test_deepseek_16b_with_moe_plans_on_a_fake_8x8_h100_mesh():
-    """~25 s here (trace 12 s): the experts' placement per mesh axis is in the summary."""
+    """~20 s here (trace 9 s): the experts' placement per mesh axis is in the summary."""
     import time
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -115,7 +115,8 @@ def test_deepseek_16b_with_moe_plans_on_a_fake_8x8_h100_mesh():
         mesh = init_device_mesh("cpu", (8, 8), mesh_dim_names=("dp", "tp"))
         model = build_model("deepseek_v3", "16B", device="meta")
         toks = torch.zeros(64, 4096, dtype=torch.long, device="meta")
-        with AutoParallel(model, (toks, toks), mesh, loss_fn=lm_loss, hardware="h100", regions=(md.NAME,)) as autop:
+        with AutoParallel(model, (toks, toks), mesh, loss_fn=lm_loss, hardware="h100", regions=(md.NAME,),
+                          memory_estimate=False) as autop:  # the experts' placements are asserted (estimate: ~17 s)
             autop.add_input_constraints([(Shard(0), Replicate())] * 2)
             plan = autop.optimize_placement(verbose=False)
     summary = plan.summary()

@@ -1,7 +1,11 @@
-"""Spawn a function on N gloo ranks (CPU) and collect per-rank results; used by recipe tests.
+"""Start a function on N gloo ranks (CPU) and collect per-rank results; used by the tests.
 
 Every rank runs with one thread (``OMP_NUM_THREADS=1`` in its environment and
 ``torch.set_num_threads(1)``: N ranks share few cores), and the whole run has a deadline.
+Ranks are forked from one fork server per test process that has imported torch and the
+project once (``forkserver`` with preloaded modules): a fresh rank then starts in ~0.1 s
+instead of the ~3.5 s a spawned interpreter spends importing them, and still shares no
+state with the ranks of other tests.
 """
 
 from __future__ import annotations
@@ -44,8 +48,20 @@ def _worker(fn, rank, world_size, port, q, args):
             dist.destroy_process_group()
 
 
+# imported once by the fork server, before any rank is forked from it
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "torch.fx",
+            "torch.distributed.fsdp", "models", "parallel.auto.api", "parallel.recipes", "trainer.trainer"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _start(ctx, fn, world_size: int, q, args) -> list:
-    """Start the ranks with ``OMP_NUM_THREADS=1`` (read by the child at its start)."""
+    """Start the ranks with ``OMP_NUM_THREADS=1`` (read by the fork server when the first
+    rank starts it, and by each child at its start)."""
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, q, args), daemon=True)
              for r in range(world_size)]
@@ -68,7 +84,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     ``fn`` must be a module-level function. Raises with the first rank's traceback on failure
     and kills all ranks when they have not all finished ``timeout`` seconds after the start.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     q = ctx.Queue()
     procs = _start(ctx, fn, world_size, q, args)
     deadline = time.monotonic() + timeout
