@@ -179,6 +179,10 @@ def _validate_planner(cfg: JobConfig) -> None:
     if p.memory_limit_gib is not None and not 0 < p.memory_limit_gib < float("inf"):
         raise _err(cfg, "parallelism", "memory_limit_gib",
                    "must be > 0 GiB per device (or left unset: the hardware profile's memory_limit_gib)")
+    if p.memory_limit_gib is not None and not p.memory_estimate:
+        raise _err(cfg, "parallelism", "memory_estimate",
+                   f"the memory limit (memory_limit_gib = {p.memory_limit_gib}) is checked against the estimate: "
+                   "unset memory_limit_gib or set memory_estimate = true")
     if p.seed_radius < 0:
         raise _err(cfg, "parallelism", "seed_radius", "must be >= 0 (mesh axes a seeded strategy may change)")
     if p.seed_rounds < 1:

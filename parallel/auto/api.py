@@ -136,6 +136,9 @@ class AutoParallel:
         if memory_limit_gib is not None and not memory_limit_gib > 0:
             raise ValueError(f"memory_limit_gib = {memory_limit_gib}: must be > 0 GiB (None: the hardware profile's "
                              "memory_limit_gib; float('inf'): no limit)")
+        if memory_limit_gib is not None and not memory_estimate:
+            raise ValueError(f"memory_limit_gib = {memory_limit_gib} with memory_estimate=False: the limit is checked "
+                             "against the estimate; leave memory_limit_gib unset or memory_estimate=True")
         self.memory_limit_gib = memory_limit_gib
         # False: a solved plan's peak is not estimated (a step-graph trace per plan; plan.memory
         # stays None) and the memory limit is not checked
@@ -335,7 +338,7 @@ class AutoParallel:
                 sol.solver, sol.num_vars)
         plan = self._plan(prob, sol, low, high)
         if not self.memory_estimate:
-            log.log(level, "memory: not estimated (memory_estimate=False): the memory limit is not checked")
+            log.log(level, "memory: not estimated (memory_estimate is off): the memory limit is not checked")
             return plan
         return self._fit_memory(plan, low, high, level)
 

@@ -230,12 +230,15 @@ def test_planner_knobs_default_to_the_api_and_parse():
     ("plan_file", "no/such/plan.json", r"plan_file' = 'no/such/plan.json': no such file"),
     ("hardware", "broken.toml", r"hardware' = 'broken.toml': hardware profile file not found"),
     ("moe_imbalance_factor", "0.9", r"moe_imbalance_factor' = 0.9: must be >= 1.0"),
+    ("memory_estimate", "false --parallelism.memory_limit_gib 40", r"memory_estimate' = False: the memory limit "
+                                                                  r"\(memory_limit_gib = 40.0\) is checked against the "
+                                                                  r"estimate: unset memory_limit_gib or set"),
     ("expert_parallel_degree", "2", r"expert_parallel_degree' = 2: is set with mode = \"auto\": the planner decides "
                                     r"where the experts go .*remove it"),
 ])
 def test_bad_planner_knobs(key, value, match):
     with pytest.raises(ConfigError, match=r"llama3_debug_auto.toml.*: 'parallelism\." + match):
-        load_config("llama3_debug_auto", [f"--parallelism.{key}", value], world_size=2)
+        load_config("llama3_debug_auto", [f"--parallelism.{key}", *value.split()], world_size=2)
 
 
 def test_malformed_hardware_profile_is_a_config_error(tmp_path):

@@ -141,10 +141,12 @@ def test_too_small_limit_is_a_clear_error(debug_plans):
         _debug_plan(memory_limit_gib=0)
 
 
-def test_without_the_estimate_the_limit_is_not_checked(debug_plans):
-    plan = _debug_plan(memory_limit_gib=0.001, kind="fsdp", memory_estimate=False)  # 0.001: refused with the estimate
+def test_without_the_estimate_the_same_plan_has_no_peak(debug_plans):
+    plan = _debug_plan(memory_limit_gib=None, kind="fsdp", memory_estimate=False)
     assert plan.memory is None and "memory" not in plan.timings
     assert plan.labels == debug_plans["fsdp"].labels  # the same solve, only the estimate left out
+    with pytest.raises(ValueError, match="memory_limit_gib = 40 with memory_estimate=False: the limit is checked"):
+        _debug_plan(memory_limit_gib=40, kind="fsdp", memory_estimate=False)  # a limit nothing would check
 
 
 def test_plan_json_keeps_the_estimate_and_old_plans_load(debug_plans, tmp_path):
