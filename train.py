@@ -27,8 +27,10 @@ from parallel.auto.plan import PlanMismatchError
 from parallel.auto.problem import PlanningError
 from parallel.recipes import RecipeError
 from trainer.config import ConfigError, JobConfig, load_config
+from trainer.config_checks import validate_config
 from trainer.device import backend, local_device
 from trainer.dry_run import main as dry_run_main
+from trainer.dry_run_auto import main as dry_run_auto_main
 from trainer.trainer import Trainer
 
 USER_ERRORS = (ConfigError, RecipeError, PlanningError, PlanMismatchError, ProfileError)
@@ -102,7 +104,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     """Dry run, print the config, or train: what the flags ask for."""
     if args.dry_run:  # fake-world simulation, no process group
         ws = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-        return dry_run_main(load_config(args.config, overrides, world_size=ws), ws)
+        cfg = load_config(args.config, overrides, world_size=ws, validate=False)
+        validate_config(cfg, ws, simulated_device=True)  # the device is faked: it need not be here
+        return (dry_run_auto_main if cfg.parallelism.mode == "auto" else dry_run_main)(cfg, ws)
     cfg = load_config(args.config, overrides)
     if args.print_config:
         print(f"# resolved from {cfg.source}")

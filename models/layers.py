@@ -65,7 +65,8 @@ def draw_like_cpu(t: torch.Tensor, draw: Callable[[torch.Tensor], None]) -> None
         return
     full = torch.empty(t.shape, dtype=t.dtype)
     draw(full)
-    if isinstance(t, DTensor):
+    if isinstance(t, DTensor):  # onto the shard's own device (cuda:i) first: distribute_tensor then keeps it there
+        full = full.to(t.to_local().device)
         local = distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local()
         t.to_local().copy_(local)
     else:

@@ -80,7 +80,7 @@ from torch.utils.flop_counter import (
 )
 
 __all__ = [
-    "FAKE_BACKEND", "FAKE_DEVICE",
+    "FAKE_BACKEND", "FAKE_DEVICE", "autograd_device", "enable_fake_cuda",
     "all_gather_single_autograd", "all_to_all_single_autograd", "wait_tensor",
     "BufferAOTInput", "DTensorSpec", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor",
     "FakeTensorDeviceMismatchError", "FakeTensorMode", "GradAOTOutput", "MaskPartial",
@@ -102,8 +102,54 @@ CPU_ATTENTION_FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
 CPU_ATTENTION_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 FAKE_DEVICE = "cpu"
-"""Device type of fake tensors and fake meshes (planning, dry runs): a fake cuda tensor
-aborts the process on a machine without CUDA, and planning needs no device at all."""
+"""Device type of fake tensors and fake meshes for planning, where no device is needed. A
+GPU job's graphs are built on a fake "cuda" mesh (dry runs); see `autograd_device`."""
+
+
+_FAKE_CUDA_GUARD = r"""
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/extension.h>
+bool register_noop_cuda_guard() {
+  using c10::DeviceType;
+  if (c10::impl::device_guard_impl_registry[static_cast<size_t>(DeviceType::CUDA)].load() != nullptr) return false;
+  static c10::impl::DeviceGuardImplRegistrar registrar(
+      DeviceType::CUDA, new c10::impl::NoOpDeviceGuardImpl<DeviceType::CUDA>());
+  return true;
+}
+"""
+
+
+def enable_fake_cuda() -> None:
+    """Let fake CUDA tensors run every op in a CPU-only torch build (the dry run of a GPU job).
+
+    Such a build links no CUDA device guard, and the dispatcher asks for one around many
+    ops (embedding, index ops): "PyTorch is not linked with support for cuda devices". This
+    registers torch's own no-op guard for CUDA (what torch's PR 163016 does for CPU-only
+    builds), compiled once with a C++ compiler (~30 s, cached by torch.utils.cpp_extension).
+    Autograd on fake CUDA still needs a CUDA runtime: see `autograd_device`."""
+    global _fake_cuda
+    if _fake_cuda or torch.backends.cuda.is_built():
+        return
+    from torch.utils.cpp_extension import load_inline
+
+    module = load_inline("autotitan_noop_cuda_guard", cpp_sources=_FAKE_CUDA_GUARD,
+                         functions=["register_noop_cuda_guard"], extra_cflags=["-O1"])
+    module.register_noop_cuda_guard()
+    _fake_cuda = True
+
+
+_fake_cuda = False
+
+
+def autograd_device(device_type: str) -> str:
+    """The device AOTAutograd traces a joint graph of a `device_type` job on: that device,
+    except CUDA in a CPU-only torch build. There autograd on a fake CUDA tensor aborts the
+    process in C++ (no CUDA device guard is linked: measured on 2.13.0+cpu), so the joint
+    graph is traced on fake CPU tensors and the runtime puts every value of the graphs it
+    builds on the job's device (runtime/device.py); every later stage runs on CUDA."""
+    if device_type == "cuda" and not torch.backends.cuda.is_built():
+        return "cpu"
+    return device_type
 
 foreach_norm = torch._foreach_norm
 foreach_mul_ = torch._foreach_mul_
@@ -225,7 +271,7 @@ def fake_world(world_size: int) -> Iterator[None]:
     """A fake default process group of `world_size` ranks (this process is rank 0).
 
     Re-entrant: a default group of the same size is reused and left alone on exit.
-    Meshes built inside must use device_type "cpu" (fake cuda tensors abort the process).
+    Meshes built inside may be "cpu" or "cuda" (fake CUDA tensors: a GPU job's graphs).
     """
     if dist.is_initialized():
         if dist.get_world_size() != world_size:

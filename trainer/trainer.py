@@ -18,50 +18,27 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from models import build_model, cross_entropy_loss
-from parallel import _torch as T
+from models import cross_entropy_loss
 from parallel.auto.cp_attention import load_balanced_batch
 from parallel.auto.runtime import CompileError, is_parallel_module
 from parallel.mesh import CP, axis_size, build_mesh, dp_rank_and_degree
 from parallel.precision import dtype_of
-from parallel.recipes import RecipeError, apply_compile, apply_recipe
 from parallel.recipes.cp import cp_shard_batch
 from parallel.recipes.tp import loss_parallel_context, loss_value
 
-from .auto import PlanSource, auto_parallelize_for_training
+from .auto import PlanSource
+from .build import build_parallel_model, parallelize
 from .checkpoint import CheckpointManager, resume_step
 from .config import ConfigError, JobConfig
 from .data import DataError, build_dataloader, build_tokenizer
-from .device import local_device, sharded_init_is_exact
+from .device import local_device
 from .mesh_auto import choose_mesh
 from .metrics import MetricsLogger, setup_logging
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, follow_parameters
 
 logger = logging.getLogger("autotitan")
-
-
-def parallelize(model: torch.nn.Module, mesh: Optional[DeviceMesh], job_config: JobConfig,
-                sample_batch: Any, plan_constraints: Optional[Callable[[Any], None]] = None,
-                plan_source: Optional[PlanSource] = None) -> torch.nn.Module:
-    """The one place where the model becomes parallel. ``mesh`` is None without a
-    process group (single process): the model is returned as is (compiled if asked).
-    A recipe's error (a degree that does not fit) becomes a ConfigError naming the file.
-    `plan_constraints(autop)`: auto mode, constraints added to the planner before solving;
-    `plan_source`: auto mode, where the plan comes from (trainer/auto.py PlanSource)."""
-    if job_config.training.compile and job_config.training.compile_fallback:
-        T.compile_errors_fall_back(True)  # manual mode's per-block torch.compile; auto mode has its own
-    if job_config.parallelism.mode == "auto":
-        return auto_parallelize_for_training(model, mesh, job_config, sample_batch, plan_constraints,
-                                             source=plan_source)
-    if mesh is None:
-        return apply_compile(model) if job_config.training.compile else model
-    try:
-        return apply_recipe(model, mesh, job_config)
-    except RecipeError as e:
-        raise ConfigError(f"{job_config.source}: {e}") from None
 
 
 def _is_fsdp(model: torch.nn.Module) -> bool:
@@ -135,34 +112,18 @@ class Trainer:
         self.dataloader = self.loaders[self.seq_len]
 
     def _build_model(self) -> torch.nn.Module:
-        """The model, initialised from the job's seed and parallelized (recipe or plan).
-
-        Where sharded initialisation reproduces the single-device init (GPUs: DTensor's
-        offset-based RNG), the model is parallelized on meta and each rank initialises only
-        its shards: a 70B model never exists whole on one GPU. Elsewhere (CPU) every rank
-        initialises the whole model, then keeps its shards.
-        """
-        cfg, t = self.cfg, self.cfg.training
+        """The model, initialised from the job's seed and parallelized (recipe or plan): see
+        trainer/build.py, which the dry run shares."""
+        cfg = self.cfg
         vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else self.tokenizer.vocab_size
         if vocab < self.tokenizer.vocab_size:
             raise ConfigError(f"{cfg.source}: 'model.vocab_size' = {vocab} is smaller than "
                               f"the tokenizer's vocabulary {self.tokenizer.vocab_size}; raise it or "
                               f"set -1 to take the tokenizer's")
-        model = build_model(cfg.model.name, cfg.model.flavor, device="meta", vocab_size=vocab,
-                            **cfg.model.arg_overrides())
+        model = build_parallel_model(cfg, self.mesh, self.device, vocab, self._sample_batch(), self.plan_constraints,
+                                     PlanSource(resuming=self.resume_step > 0))
         self.model_args = model.args
         self.num_params = sum(p.numel() for p in model.parameters())
-        sample = self._sample_batch()
-        sharded = sharded_init_is_exact(self.device)
-        if not sharded:
-            self._init(model)  # in fp32, then cast: the same values as a single-device run
-        if t.dtype != "float32":
-            model = model.to(dtype_of(t.dtype))
-        model = parallelize(model, self.mesh, cfg, sample, self.plan_constraints,
-                            PlanSource(resuming=self.resume_step > 0))
-        if sharded:
-            self._init(model, sharded=True)
-        model.train()
         if is_parallel_module(model):
             self.plans[self.seq_len] = model.plan
         return model
@@ -171,12 +132,6 @@ class Trainer:
         """Zeros shaped like this rank's (tokens, labels) at the current sequence length."""
         b = self.cfg.training.local_batch_size
         return (torch.zeros(b, self.seq_len, dtype=torch.long), torch.zeros(b, self.seq_len, dtype=torch.long))
-
-    def _init(self, model: torch.nn.Module, sharded: bool = False) -> None:
-        model.to_empty(device=self.device)
-        torch.manual_seed(self.cfg.job.seed)
-        with torch.no_grad():
-            model.init_weights(sharded=True) if sharded and is_parallel_module(model) else model.init_weights()
 
     def _flops_per_token(self) -> float:
         """Model FLOPs per token of a training step (6 x params when the model does not say)."""

@@ -89,6 +89,9 @@ class JointGraph:
     constants: dict[str, fx.Node] = field(default_factory=dict)
     folded: list[FoldedRead] = field(default_factory=list)  # distinct data-dependent reads folded at trace time
     regions: list[str] = field(default_factory=list)  # local_map regions traced as one node each
+    # the device type the joint graph's values and factory ops were traced on (T.autograd_device):
+    # the runtime moves what it finds there to the job's device when the two differ
+    traced_device: str = T.FAKE_DEVICE
 
     def summary(self) -> str:
         ops = sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
@@ -170,6 +173,7 @@ def trace_joint(
     if not isinstance(sample_inputs, tuple):
         sample_inputs = (sample_inputs,)
     fake_mode = T.FakeTensorMode(allow_non_fake_inputs=True)
+    lowering, device = device, T.autograd_device(device)  # lowering: which kernels the job's device runs
     fake_model = _fake_copy(model, fake_mode, device)
     wrapper = _LossModule(fake_model, loss_fn)
     flat, spec = T.tree_flatten(sample_inputs)
@@ -180,7 +184,7 @@ def trace_joint(
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(reads)
-            if device != "cpu":
+            if lowering != "cpu":
                 # CUDA's fused attention kernels return RNG/bookkeeping outputs that DTensor's
                 # rules leave without a placement; attention as plain ATen ops plans everywhere
                 stack.enter_context(sdpa_kernel(SDPBackend.MATH))
@@ -194,6 +198,7 @@ def trace_joint(
     jg.module_of = _assign_modules(gm, ranges)
     jg.folded = list(dict.fromkeys(reads.folded))  # AOTAutograd runs forward twice (metadata, then the graph)
     jg.regions = contracts.regions_in(gm)
+    jg.traced_device = device
     jg.fingerprint = model_fingerprint(model)
     jg.input_shapes = [(list(x.shape), str(x.dtype)) for x in flat if isinstance(x, torch.Tensor)]
     jg.trace_seconds = time.perf_counter() - t0

@@ -94,7 +94,8 @@ class LocalGraphs:
             layout["has_grad"] = [g is not None for g in grads]
             return [g.to_local() for g in grads if g is not None]
 
-        tlocs = [torch.ones(self.local_out_shape(sp), dtype=o.dtype) for sp, o in zip(self.out_specs, outs_l)]
+        tlocs = [torch.ones(self.local_out_shape(sp), dtype=o.dtype, device=runner.device)
+                 for sp, o in zip(self.out_specs, outs_l)]
         gm = T.trace_fake(bwd)(slocs, tlocs)
         self.has_grad: list[bool] = layout["has_grad"]
         return gm
@@ -155,7 +156,7 @@ class PlanFunction(torch.autograd.Function):
         runner = ctx.runner
         if ctx.lg is not None:
             lg: LocalGraphs = ctx.lg
-            tl = [g.contiguous() if g is not None else torch.zeros(lg.local_out_shape(sp))
+            tl = [g.contiguous() if g is not None else torch.zeros(lg.local_out_shape(sp), device=runner.device)
                   for g, sp in zip(grad_outs, lg.out_specs)]
             grads = lg.grads_as_dtensors(lg.bwd(ctx.saved, tl))
         else:

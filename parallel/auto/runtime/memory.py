@@ -21,6 +21,7 @@ from parallel import _torch as T
 from parallel.auto.cost.memory import MemoryEstimate, optimizer_temp_bytes, step_graph_memory
 from parallel.auto.placements import local_shape
 from parallel.auto.plan import Plan
+from parallel.auto.runtime.device import runtime_device
 from parallel.auto.runtime.options import RuntimeOptions
 from parallel.auto.runtime.redistribute import contiguous_stride
 from parallel.auto.runtime.runner import PlanRunner
@@ -40,7 +41,8 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 def _fake_dtensor(val: torch.Tensor, placements: tuple, mesh: DeviceMesh) -> DTensor:
     shape = tuple(val.shape)
-    local = torch.empty(local_shape(shape, placements, tuple(mesh.shape)), dtype=val.dtype)
+    local = torch.empty(local_shape(shape, placements, tuple(mesh.shape)), dtype=val.dtype,
+                        device=runtime_device(mesh))
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
                               stride=contiguous_stride(shape))
 
@@ -57,7 +59,7 @@ def estimate_memory(graph: JointGraph, candidates: Candidates, plan: Plan, mesh:
     bvals = [graph.buffers[f].meta["val"] for f in runner.buffer_names]
     with T.FakeTensorMode(allow_non_fake_inputs=True):
         params = [_fake_dtensor(v, runner.param_placements(f), mesh) for f, v in zip(runner.param_names, pvals)]
-        buffers = [torch.empty(tuple(v.shape), dtype=v.dtype) for v in bvals]
+        buffers = [torch.empty(tuple(v.shape), dtype=v.dtype, device=runner.device) for v in bvals]
         inputs = [_fake_dtensor(n.meta["val"], runner.input_placements(i), mesh)
                   for i, n in enumerate(runner.input_nodes)]
         sg = StepGraph(runner, params, buffers, inputs, overlap=options.overlap, executable=False)

@@ -38,6 +38,7 @@ from parallel import _torch as T
 from parallel.activation_checkpoint import recompute_parameter_views, tag_recomputation
 from parallel.auto.placements import bucket_key, spec_placement_strs
 from parallel.auto.plan import Plan, PlanMismatchError
+from parallel.auto.runtime.device import place_on_device, runtime_device
 from parallel.auto.runtime.interpreter import LAYOUT_OPS, PlacementInterpreter, PlacementOps, is_tensor_node
 from parallel.auto.runtime.options import RuntimeOptions
 from parallel.auto.runtime.redistribute import bucketed_redistribute, redistribute
@@ -131,15 +132,6 @@ def _replicated_param_uses(graph: JointGraph, spec: dict[str, Any]) -> list[str]
     return out
 
 
-def _place_constants(gm: fx.GraphModule, device_type: str) -> None:
-    """Lifted constants (get_attr) on the mesh's device: every rank holds them whole (the
-    plan replicates them)."""
-    for n in gm.graph.find_nodes(op="get_attr"):
-        value = getattr(gm, n.target)
-        if isinstance(value, torch.Tensor) and value.device.type != device_type:
-            setattr(gm, n.target, value.to(device_type))
-
-
 class PlanRunner:
     """Executes the joint graph of `graph` with the placements of `plan` on `mesh`."""
 
@@ -150,6 +142,7 @@ class PlanRunner:
         self.options = options
         self.graph = graph
         self.mesh = mesh
+        self.device = runtime_device(mesh)  # every value the runtime creates lives here
         self.plan = plan
         self.param_dtype = getattr(mp_policy, "param_dtype", None)
         self.reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
@@ -170,7 +163,7 @@ class PlanRunner:
         for gm in (self.fwd_gm, self.bwd_gm):  # the partitioner keeps unused random ops (attention): drop them
             # (no recompile: these graphs are only interpreted, node by node, never called)
             gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output"))
-            _place_constants(gm, mesh.device_type)
+            place_on_device(gm, self.device, graph.traced_device)
         self.saved_names = [a.name for a in self.fwd_gm.graph.output_node().args[0][len(self.out_slots):]]
         bucket = self.bucket = options.bucket
         self.reshard_after_forward = options.reshard_after_forward
@@ -238,7 +231,7 @@ class PlanRunner:
         for out_idx, t in self.graph.output_tangents:
             val = tangents[out_idx] if out_idx < len(tangents) else None
             if val is None:
-                val = torch.zeros(t.meta["val"].shape, dtype=t.meta["val"].dtype)
+                val = torch.zeros(t.meta["val"].shape, dtype=t.meta["val"].dtype, device=self.device)
             env[t.name] = self.to_placements(val, self.out_placements(t.name))
         args = [env[n.name] for n in self.bwd_gm.graph.find_nodes(op="placeholder")]
         with torch.no_grad():

@@ -1,0 +1,78 @@
+"""Auto mode's dry run of a GPU job on this CPU machine: a fake world of fake CUDA tensors,
+through the trainer's GPU branch (meta model, plan, sharded init, step graph).
+
+The device check asserts that every placeholder, constant and factory output of every
+per-rank graph is on the job's device: the check that would have caught a host tensor in
+the H200's eager step graph. Its own unit test shows it finds such a value."""
+
+import pytest
+import torch
+from torch import fx
+
+import train
+from parallel.auto.runtime.device import off_device, place_on_device
+from trainer.config import load_config
+from trainer.config_checks import validate_config
+from trainer.dry_run_auto import dry_run_auto, format_auto_report
+
+
+def _cfg(name, world, *overrides):
+    cfg = load_config(name, ["--training.local_batch_size", "2", "--training.seq_len", "64", *overrides],
+                      world_size=world, validate=False)
+    validate_config(cfg, world, simulated_device=True)
+    return cfg
+
+
+def _factory_graph(device: str) -> fx.GraphModule:
+    """x + ones(4, device=device) + a lifted constant, as a traced graph holds them."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, device="meta")
+    ones = g.call_function(torch.ops.aten.ones.default, ([4],), {"device": torch.device(device)})
+    c = g.get_attr("const")
+    g.output(g.call_function(torch.ops.aten.add.Tensor, (g.call_function(torch.ops.aten.add.Tensor, (x, ones)), c)))
+    gm = fx.GraphModule({"const": torch.zeros(4)}, g)
+    return gm
+
+
+def test_device_check_finds_host_tensors_and_placing_moves_them():
+    gm = _factory_graph("cpu")
+    found = off_device(gm, "meta", values=False)
+    assert len(found) == 2 and any("ones" in f for f in found) and any("constant" in f for f in found), found
+    assert place_on_device(gm, torch.device("meta"), traced_device="cpu") == 2
+    assert off_device(gm, "meta", values=False) == []
+    # a graph traced on the job's device keeps the device its factories name (a host copy is the user's)
+    gm = _factory_graph("cpu")
+    assert place_on_device(gm, torch.device("meta"), traced_device="meta") == 1
+    assert off_device(gm, "meta", values=False) == ["ones_default (ones device=): cpu"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,world,overrides,axes,regions", [
+    ("llama3_debug_auto", 2, (), {"dp_shard"}, []),
+    ("qwen3_debug_auto", 2, ("--parallelism.data_parallel_shard_degree", "1",
+                             "--parallelism.tensor_parallel_degree", "2"), {"tp"}, []),
+    ("deepseek_v3_debug_auto", 2, ("--training.mixed_precision_param", "bfloat16"), {"dp_shard"}, ["moe_dispatch"]),
+    ("llama3_debug_auto", 4, ("--parallelism.data_parallel_shard_degree", "2",
+                              "--parallelism.context_parallel_degree", "2"), {"dp_shard", "cp"}, ["causal_attention"]),
+], ids=["llama3", "qwen3-tp", "deepseek-moe", "llama3-cp"])
+def test_gpu_job_dry_run_keeps_every_value_on_cuda(name, world, overrides, axes, regions):
+    r = dry_run_auto(_cfg(name, world, *overrides), world)
+    text = format_auto_report(r)
+    print(text)
+    assert r.device == "cuda:0" and r.off_device == [], r.off_device
+    assert set(r.graphs) == {"step graph", "local forward", "local backward", "forward phase", "backward phase"}
+    assert all(n > 0 for n in r.graphs.values())
+    assert r.objective_us > 0 and "predicted step" in r.predicted_step and "per device" in r.memory
+    assert axes <= {axis for _, axis in r.collectives}, r.collectives  # collectives named by mesh axis
+    assert r.regions == regions  # MoE dispatch / CP attention planned as local_map regions
+
+
+@pytest.mark.slow
+def test_dry_run_of_a_job_over_the_memory_limit_is_one_error(capsys):
+    rc = train.main(["--config", "llama3_debug_auto", "--dry-run", "--world-size", "2", "--training.seq_len", "64",
+                     "--parallelism.memory_limit_gib", "0.01"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("config error: ") and "memory_limit_gib" in err and "predicted peak" in err
+    assert "activations" in err and "Traceback" not in err

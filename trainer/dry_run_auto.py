@@ -1,0 +1,190 @@
+"""Dry run of an auto-mode job, on a fake world of fake tensors of the job's device.
+
+    python train.py --config llama3_8b_h100 --dry-run --world-size 8
+
+A GPU job is proven on a CPU machine: a fake process group of ``world_size`` ranks and a
+fake **cuda** mesh (``job.device = "cpu"`` simulates a CPU job instead), then the trainer's
+own code path (trainer/build.py): the model on meta, planned on rank 0 exactly as the
+trainer plans it (trainer/auto.py), materialised as the per-rank ParallelModule, initialised
+shard by shard as GPUs do, and one training step built as the step graph the runtime
+would run (eager; the compiled run hands this same graph to Inductor). Printed: the plan
+summary, the predicted step time, the predicted peak memory per device and its parts, the
+collectives per step per mesh axis, and a device check: every placeholder, constant and
+factory output of every per-rank graph must be on the job's device.
+
+What a CPU-only torch cannot fake: autograd on CUDA tensors (see T.autograd_device), so the
+joint graph is traced on fake CPU tensors and the runtime places its graphs' values on the
+job's device; and kernels (nothing runs: Inductor is not invoked).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from models import build_model
+from parallel import _torch as T
+from parallel.auto.cost.memory import format_bytes
+from parallel.auto.cp_attention import load_balanced_batch
+from parallel.auto.runtime.device import off_device
+from parallel.auto.runtime.local_graphs import LocalGraphs
+from parallel.auto.runtime.schedule import COLLECTIVE_NAMESPACE
+from parallel.mesh import CP, axis_size, build_mesh
+
+from .build import build_parallel_model
+from .config import JobConfig
+from .dry_run import _KINDS, group_axis_names
+
+GPU_PROFILE = "h100"  # the cost model's profile of a simulated GPU job whose hardware is "auto"
+
+
+@dataclass
+class AutoDryRunReport:
+    world_size: int
+    device: str
+    mesh: str
+    model: str
+    tokens: tuple[int, int]
+    plan_summary: str = ""
+    plan_origin: str = ""
+    objective_us: float = 0.0
+    predicted_step: str = ""
+    memory: str = ""
+    collectives: dict = field(default_factory=dict)  # (kind, axis) -> [count, bytes]
+    regions: list = field(default_factory=list)  # local_map regions the plan places around
+    graphs: dict = field(default_factory=dict)  # graph name -> number of nodes
+    off_device: list = field(default_factory=list)  # "graph: node (what): device"
+    notes: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def simulated_device(cfg: JobConfig) -> torch.device:
+    """The device the dry run fakes: CUDA unless the job says cpu ("auto" = a GPU cluster)."""
+    return torch.device("cpu") if cfg.job.device == "cpu" else torch.device("cuda", 0)
+
+
+def _flavor_vocab(cfg: JobConfig, report: AutoDryRunReport) -> int:
+    vocab = build_model(cfg.model.name, cfg.model.flavor, device="meta", **cfg.model.arg_overrides()).args.vocab_size
+    report.notes.append(f"vocab_size = {vocab} (the flavor's; the byte tokenizer would use 256)")
+    return vocab
+
+
+def _step_inputs(cfg: JobConfig, mesh) -> tuple[torch.Tensor, ...]:
+    """This rank's (tokens, labels[, positions]) as the trainer feeds auto mode (real host
+    tensors: the load-balanced CP order is computed, not traced)."""
+    t = cfg.training
+    seq = max(t.seq_lens())  # with a schedule: the longest length, the peak a run must fit
+    tokens = torch.zeros(t.local_batch_size, seq, dtype=torch.long)
+    labels = torch.zeros(t.local_batch_size, seq, dtype=torch.long)
+    if CP in (mesh.mesh_dim_names or ()) and axis_size(mesh, CP) > 1:
+        return load_balanced_batch(tokens, labels, axis_size(mesh, CP))
+    return tokens, labels
+
+
+def _count_collectives(gm: torch.fx.GraphModule, axis_of_group: dict[str, str], report: AutoDryRunReport) -> None:
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or getattr(n.target, "namespace", "") != COLLECTIVE_NAMESPACE:
+            continue
+        name = T.op_name(n.target)
+        if name == "wait_tensor":
+            continue
+        kind = _KINDS.get(name, name)
+        group = [a for a in n.args if isinstance(a, str)][-1:]  # (input, [reduce op,] [size,] group name)
+        axis = axis_of_group.get(group[0], f"group {group[0]}") if group else "?"
+        val = n.meta.get("val") if kind == "all_gather" else getattr(n.args[0], "meta", {}).get("val")
+        nbytes = sum(x.numel() * x.element_size() for x in T.tree_flatten(val)[0] if isinstance(x, torch.Tensor))
+        entry = report.collectives.setdefault((kind, axis), [0, 0])
+        entry[0] += 1
+        entry[1] += nbytes
+
+
+def _check_graphs(graphs: dict[str, tuple[torch.fx.GraphModule, bool]], device: str,
+                  report: AutoDryRunReport) -> None:
+    for name, (gm, traced_here) in graphs.items():
+        report.graphs[name] = len(gm.graph.nodes)
+        report.off_device += [f"{name}: {line}" for line in off_device(gm, device, values=traced_here)]
+
+
+def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
+    """Plan, materialise and build one step of `job_config` (auto mode) on a fake world."""
+    t0 = time.time()
+    cfg = job_config
+    device = simulated_device(cfg)
+    if device.type == "cuda":
+        T.enable_fake_cuda()
+    if cfg.parallelism.hardware == "auto":
+        cfg.parallelism.hardware = GPU_PROFILE if device.type == "cuda" else "cpu"
+        note = f"parallelism.hardware = 'auto' priced as {cfg.parallelism.hardware!r} (no device to measure)"
+    else:
+        note = ""
+    with T.fake_world(world_size):
+        mesh = build_mesh(cfg.parallelism, world_size, device.type)
+        names = tuple(mesh.mesh_dim_names or ())
+        report = AutoDryRunReport(world_size=world_size, device=str(device), model=f"{cfg.model.name}/"
+                                  f"{cfg.model.flavor}", mesh=" x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape)),
+                                  tokens=(0, 0), notes=[note] if note else [])
+        vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else _flavor_vocab(cfg, report)
+        fake_mode = T.FakeTensorMode(allow_non_fake_inputs=True)  # one mode: the weights meet the step's inputs
+        fake = lambda: fake_mode  # noqa: E731
+        host_inputs = _step_inputs(cfg, mesh)
+        pm = build_parallel_model(cfg, mesh, device, vocab, host_inputs[:2], storage=fake)
+        plan = pm.plan
+        report.plan_summary, report.plan_origin, report.objective_us = plan.summary(), pm.plan_origin, plan.objective_us
+        report.regions = list(getattr(plan, "regions", []))
+        report.memory = (f"{format_bytes(plan.memory.peak_bytes)} per device in the {plan.memory.phase} "
+                         f"({plan.memory.parts()}); limit {format_bytes(plan.memory.limit_bytes)} "
+                         f"({plan.memory.limit_source})" if plan.memory is not None else "not estimated")
+        with fake_mode, torch.no_grad():
+            inputs = [x.to(device) for x in host_inputs]  # the trainer's `.to(device)` of each batch
+            report.tokens = (inputs[0].shape[0], inputs[0].shape[1])
+            pm.forward_backward(*inputs)
+            runner = pm.plan_runner
+            params = [pm.param_refs[f]() for f in runner.param_names]
+            buffers = [pm.buffer_refs[f]() for f in runner.buffer_names]
+            planned = [pm._planned_input(i, x) for i, x in enumerate(inputs)]
+            local = LocalGraphs(runner, params, buffers, planned)  # what `model(...)` (forward only) runs
+        sg = next(iter(pm.step_graphs.values()))
+        report.predicted_step = pm.predict_step().summary()
+        _count_collectives(sg.gm, group_axis_names(pm, mesh), report)
+        _check_graphs({"step graph": (sg.gm, True), "local forward": (local.fwd, True),
+                           "local backward": (local.bwd, True), "forward phase": (runner.fwd_gm, False),
+                           "backward phase": (runner.bwd_gm, False)}, device.type, report)
+        if cfg.training.compile:
+            report.notes.append("training.compile = true: Inductor compiles this step graph on the GPUs "
+                                "(not invoked here: fake tensors have no kernels)")
+        del pm, sg, local
+    report.seconds = time.time() - t0
+    return report
+
+
+def format_auto_report(r: AutoDryRunReport) -> str:
+    lines = [f"dry run (auto mode): {r.model} on a fake world of {r.world_size} ranks, fake {r.device} tensors, "
+             f"mesh {r.mesh}, local batch {r.tokens[0]} x {r.tokens[1]} tokens ({r.seconds:.1f} s)",
+             f"plan: {r.plan_origin}; objective {r.objective_us:,.1f} µs; local_map regions: "
+             f"{', '.join(r.regions) or 'none'}", r.plan_summary,
+             f"predicted step (cost model on the step graph): {r.predicted_step}",
+             f"predicted peak memory: {r.memory}",
+             "collectives per training step (rank 0's step graph):",
+             f"    {'kind':<15}{'mesh axis':<18}{'count':>7}{'bytes':>16}"]
+    for (kind, axis), (cnt, nb) in sorted(r.collectives.items()):
+        lines.append(f"    {kind:<15}{axis:<18}{cnt:>7}{nb / 2**20:>13.1f} MiB")
+    if not r.collectives:
+        lines.append("    (none)")
+    graphs = ", ".join(f"{k} ({v} nodes)" for k, v in r.graphs.items())
+    if r.off_device:
+        lines.append(f"device check: FAILED, {len(r.off_device)} values not on {r.device}: "
+                     + "; ".join(r.off_device[:8]))
+    else:
+        lines.append(f"device check: every input, constant and factory output on {r.device.split(':')[0]} in {graphs}")
+    lines += [f"  note: {n}" for n in r.notes]
+    return "\n".join(lines)
+
+
+def main(job_config: JobConfig, world_size: int) -> int:
+    """Entry point of ``train.py --dry-run --world-size N`` in auto mode: print the report;
+    exit code 1 when a graph holds a value off the job's device."""
+    report = dry_run_auto(job_config, world_size)
+    print(format_auto_report(report), flush=True)
+    return 1 if report.off_device else 0
