@@ -119,6 +119,7 @@ def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
         note = f"parallelism.hardware = 'auto' priced as {cfg.parallelism.hardware!r} (no device to measure)"
     else:
         note = ""
+    compiled, cfg.training.compile = cfg.training.compile, False  # fake tensors have no kernels to compile
     with T.fake_world(world_size):
         mesh = build_mesh(cfg.parallelism, world_size, device.type)
         names = tuple(mesh.mesh_dim_names or ())
@@ -151,7 +152,7 @@ def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
         _check_graphs({"step graph": (sg.gm, True), "local forward": (local.fwd, True),
                            "local backward": (local.bwd, True), "forward phase": (runner.fwd_gm, False),
                            "backward phase": (runner.bwd_gm, False)}, device.type, report)
-        if cfg.training.compile:
+        if compiled:
             report.notes.append("training.compile = true: Inductor compiles this step graph on the GPUs "
                                 "(not invoked here: fake tensors have no kernels)")
         del pm, sg, local
