@@ -23,6 +23,12 @@ def device_type(name: str = "auto") -> str:
     return name
 
 
+def simulated_device(name: str = "auto") -> torch.device:
+    """The device a dry run fakes for a `[job] device` value: the rank's GPU unless the job
+    says cpu ("auto" is a GPU cluster: what the dry run is for)."""
+    return torch.device(CPU) if name == CPU else torch.device(CUDA, 0)
+
+
 def check_device(name: str) -> str | None:
     """Why `name` cannot be used on this machine, or None."""
     if name == CUDA and not torch.cuda.is_available():

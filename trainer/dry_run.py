@@ -47,6 +47,7 @@ from parallel.recipes.cp import cp_shard_batch
 from parallel.recipes.tp import loss_parallel_context, register_partial_grad_hooks
 
 from .config import ConfigError, JobConfig
+from .device import CPU
 
 __all__ = ["CollectiveCounter", "DryRunReport", "MemoryTracker", "dry_run", "format_report", "main"]
 
@@ -359,6 +360,9 @@ def dry_run(job_config: JobConfig, world_size: int) -> DryRunReport:
         names = tuple(mesh.mesh_dim_names or ())
         report = DryRunReport(world_size=world_size, mesh=" x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape)),
                               model=f"{cfg.model.name}/{cfg.model.flavor}", tokens=(0, 0))
+        if cfg.job.device != CPU:
+            report.notes.append(f"job.device = {cfg.job.device!r}: the manual recipes run on fake CPU tensors "
+                                "(FSDP2's streams and autograd need a CUDA runtime); auto mode's dry run fakes CUDA")
         model = _parallel_model(cfg, mesh, report.notes)
         with T.FakeTensorMode(allow_non_fake_inputs=True):
             _materialize(model, uses_tp=TP in names)

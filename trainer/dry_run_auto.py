@@ -35,6 +35,7 @@ from parallel.mesh import CP, axis_size, build_mesh
 
 from .build import build_parallel_model
 from .config import JobConfig
+from .device import CUDA, simulated_device
 from .dry_run import _KINDS, group_axis_names
 
 GPU_PROFILE = "h100"  # the cost model's profile of a simulated GPU job whose hardware is "auto"
@@ -58,11 +59,6 @@ class AutoDryRunReport:
     off_device: list = field(default_factory=list)  # "graph: node (what): device"
     notes: list = field(default_factory=list)
     seconds: float = 0.0
-
-
-def simulated_device(cfg: JobConfig) -> torch.device:
-    """The device the dry run fakes: CUDA unless the job says cpu ("auto" = a GPU cluster)."""
-    return torch.device("cpu") if cfg.job.device == "cpu" else torch.device("cuda", 0)
 
 
 def _flavor_vocab(cfg: JobConfig, report: AutoDryRunReport) -> int:
@@ -111,11 +107,11 @@ def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
     """Plan, materialise and build one step of `job_config` (auto mode) on a fake world."""
     t0 = time.time()
     cfg = job_config
-    device = simulated_device(cfg)
-    if device.type == "cuda":
+    device = simulated_device(cfg.job.device)
+    if device.type == CUDA:
         T.enable_fake_cuda()
     if cfg.parallelism.hardware == "auto":
-        cfg.parallelism.hardware = GPU_PROFILE if device.type == "cuda" else "cpu"
+        cfg.parallelism.hardware = GPU_PROFILE if device.type == CUDA else "cpu"
         note = f"parallelism.hardware = 'auto' priced as {cfg.parallelism.hardware!r} (no device to measure)"
     else:
         note = ""

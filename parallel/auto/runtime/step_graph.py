@@ -31,6 +31,50 @@ from parallel.auto.runtime.schedule import OverlapReport, count_collectives, sch
 log = logging.getLogger("parallel.auto.runtime")
 
 
+_ALIASES = {"detach", "alias"}  # in a graph run without autograd, the input itself
+_VIEW = torch.ops.aten.view.default
+
+
+def _same_shape(n: Any, src: Any) -> bool:
+    a, b = n.meta.get("val"), src.meta.get("val")
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and tuple(a.shape) == tuple(b.shape) \
+        and a.stride() == b.stride()
+
+
+def drop_no_op_nodes(gm: Any) -> int:
+    """Remove what computes nothing in a step graph run without autograd: `detach` / `alias`
+    of a value, `t(t(x))`, a view to the same shape, a view of a view, so the eager graph's
+    Python runs fewer ops per step (each costs its dispatch on the host). A node that feeds
+    the graph's output stays: an output must not become the very tensor of an input (a
+    gradient that is a parameter's storage). Returns how many nodes were removed; the
+    caller regenerates the code."""
+    outputs = set(gm.graph.output_node().all_input_nodes)
+    removed = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n in outputs or not n.args or not isinstance(n.args[0], torch.fx.Node):
+            continue
+        name, src = T.op_name(n.target), n.args[0]
+        if name in _ALIASES:
+            n.replace_all_uses_with(src)
+        elif name == "t" and src.op == "call_function" and T.op_name(src.target) == "t":
+            n.replace_all_uses_with(src.args[0])
+        elif n.target is _VIEW and _same_shape(n, src):
+            n.replace_all_uses_with(src)
+        elif n.target is _VIEW and src.target is _VIEW and len(src.users) == 1:
+            n.args = (src.args[0], *n.args[1:])  # view(view(x, a), b) = view(x, b): one view less
+            gm.graph.erase_node(src)
+            removed += 1
+            continue
+        else:
+            continue
+        gm.graph.erase_node(n)
+        removed += 1
+        if name == "t" and not src.users:  # the inner transpose fed only this one
+            gm.graph.erase_node(src)
+            removed += 1
+    return removed
+
+
 class CompileError(RuntimeError):
     """Inductor could not compile the step graph (the message says why and what to set)."""
 
@@ -76,6 +120,9 @@ class StepGraph:
         args = ([p.to_local() for p in params], [local_value(b) for b in buffers], [x.to_local() for x in inputs])
         self.gm = T.trace_fake(step)(*args)
         self.out_specs, self.has_grad = layout["outs"], layout["has_grad"]
+        self.dropped = drop_no_op_nodes(self.gm)
+        if not overlap and executable:
+            self.gm.recompile()
         self.overlap: OverlapReport | None = schedule_overlap(self.gm, recompile=executable) if overlap else None
         self.collectives = count_collectives(self.gm)
         self.trace_seconds = time.perf_counter() - t0
