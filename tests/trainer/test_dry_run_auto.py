@@ -49,13 +49,13 @@ def test_device_check_finds_host_tensors_and_placing_moves_them():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,world,overrides,axes,regions", [
-    ("llama3_debug_auto", 2, (), {"dp_shard"}, []),
-    ("qwen3_debug_auto", 2, ("--parallelism.data_parallel_shard_degree", "1",
-                             "--parallelism.tensor_parallel_degree", "2"), {"tp"}, []),
-    ("deepseek_v3_debug_auto", 2, ("--training.mixed_precision_param", "bfloat16"), {"dp_shard"}, ["moe_dispatch"]),
-    ("llama3_debug_auto", 4, ("--parallelism.data_parallel_shard_degree", "2",
-                              "--parallelism.context_parallel_degree", "2"), {"dp_shard", "cp"}, ["causal_attention"]),
-], ids=["llama3", "qwen3-tp", "deepseek-moe", "llama3-cp"])
+    ("qwen3_debug_auto", 2, ("--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree",
+                             "2", "--parallelism.memory_estimate", "false"), {"tp"}, []),
+    ("deepseek_v3_debug_auto", 2, ("--training.mixed_precision_param", "bfloat16",
+                                   "--parallelism.memory_estimate", "false"), {"dp_shard"}, ["moe_dispatch"]),
+    ("llama3_debug_auto", 2, ("--parallelism.data_parallel_shard_degree", "1",
+                              "--parallelism.context_parallel_degree", "2"), {"cp"}, ["causal_attention"]),
+], ids=["qwen3-tp", "deepseek-moe", "llama3-cp"])
 def test_gpu_job_dry_run_keeps_every_value_on_cuda(name, world, overrides, axes, regions):
     r = dry_run_auto(_cfg(name, world, *overrides), world)
     text = format_auto_report(r)
@@ -63,14 +63,15 @@ def test_gpu_job_dry_run_keeps_every_value_on_cuda(name, world, overrides, axes,
     assert r.device == "cuda:0" and r.off_device == [], r.off_device
     assert set(r.graphs) == {"step graph", "local forward", "local backward", "forward phase", "backward phase"}
     assert all(n > 0 for n in r.graphs.values())
-    assert r.objective_us > 0 and "predicted step" in r.predicted_step and "per device" in r.memory
+    assert r.objective_us > 0 and "predicted step" in r.predicted_step
+    assert ("per device in the backward" in r.memory) == (name == "llama3_debug_auto"), r.memory  # estimated there
     assert axes <= {axis for _, axis in r.collectives}, r.collectives  # collectives named by mesh axis
     assert r.regions == regions  # MoE dispatch / CP attention planned as local_map regions
 
 
 @pytest.mark.slow
 def test_dry_run_of_a_job_over_the_memory_limit_is_one_error(capsys):
-    rc = train.main(["--config", "llama3_debug_auto", "--dry-run", "--world-size", "2", "--training.seq_len", "64",
+    rc = train.main(["--config", "llama3_debug_auto", "--dry-run", "--world-size", "1", "--training.seq_len", "64",
                      "--parallelism.memory_limit_gib", "0.01"])
     err = capsys.readouterr().err
     assert rc == 2
