@@ -133,7 +133,7 @@ class MemoryTracker(T.TorchDispatchMode):
 
 
 # ----------------------------------------------------------------------------- collectives
-_KINDS = {
+OP_KINDS = {  # collective op name -> the report's kind
     # functional collectives (DTensor redistributions, CP/TP)
     "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
@@ -173,7 +173,7 @@ class CollectiveCounter(CommDebugMode):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if self.get_total_counts() != before:  # CommDebugMode counted a collective
             name = T.op_name(func)
-            kind = _KINDS.get(name, name.rstrip("_"))
+            kind = OP_KINDS.get(name, name.rstrip("_"))
             key = (kind, self._axis(args))
             self.counts[key] += 1
             self.bytes[key] += _collective_bytes(func.namespace, kind, args, out)

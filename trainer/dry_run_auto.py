@@ -36,7 +36,7 @@ from parallel.mesh import CP, axis_size, build_mesh
 from .build import build_parallel_model
 from .config import JobConfig
 from .device import CUDA, simulated_device
-from .dry_run import _KINDS, group_axis_names
+from .dry_run import OP_KINDS, group_axis_names
 
 GPU_PROFILE = "h100"  # the cost model's profile of a simulated GPU job whose hardware is "auto"
 
@@ -86,7 +86,7 @@ def _count_collectives(gm: torch.fx.GraphModule, axis_of_group: dict[str, str], 
         name = T.op_name(n.target)
         if name == "wait_tensor":
             continue
-        kind = _KINDS.get(name, name)
+        kind = OP_KINDS.get(name, name)
         group = [a for a in n.args if isinstance(a, str)][-1:]  # (input, [reduce op,] [size,] group name)
         axis = axis_of_group.get(group[0], f"group {group[0]}") if group else "?"
         val = n.meta.get("val") if kind == "all_gather" else getattr(n.args[0], "meta", {}).get("val")
@@ -138,10 +138,7 @@ def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
             report.tokens = (inputs[0].shape[0], inputs[0].shape[1])
             pm.forward_backward(*inputs)
             runner = pm.plan_runner
-            params = [pm.param_refs[f]() for f in runner.param_names]
-            buffers = [pm.buffer_refs[f]() for f in runner.buffer_names]
-            planned = [pm._planned_input(i, x) for i, x in enumerate(inputs)]
-            local = LocalGraphs(runner, params, buffers, planned)  # what `model(...)` (forward only) runs
+            local = LocalGraphs(runner, *pm.planned_arguments(*inputs))  # what `model(...)` runs
         sg = next(iter(pm.step_graphs.values()))
         report.predicted_step = pm.predict_step().summary()
         _count_collectives(sg.gm, group_axis_names(pm, mesh), report)

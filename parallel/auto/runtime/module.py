@@ -85,20 +85,26 @@ class ParallelModuleMixin:
         return DTensor.from_local(x.contiguous(), runner.mesh, pl, run_check=False, shape=val.shape,
                                   stride=contiguous_stride(tuple(val.shape)))
 
+    def planned_arguments(self, *inputs: Any) -> tuple[list[DTensor], list[Any], list[DTensor]]:
+        """(parameters, buffers, inputs) as the plan's graphs take them: the per-rank local
+        inputs wrapped as DTensors at their planned placements (checked against the plan)."""
+        runner: PlanRunner = self.plan_runner
+        flat, _ = T.tree_flatten(inputs)
+        params = [self.param_refs[f]() for f in runner.param_names]
+        buffers = [self.buffer_refs[f]() for f in runner.buffer_names]
+        return params, buffers, [self._planned_input(i, x) for i, x in enumerate(flat)]
+
     def forward_backward(self, *inputs: Any) -> torch.Tensor:
         """One training step's forward, loss and backward as ONE per-device graph (step_graph.py):
         accumulates every parameter's gradient (as `loss.backward()` would) and returns the
         local loss. Overlap and Inductor compilation follow the plan's RuntimeOptions."""
         runner: PlanRunner = self.plan_runner
-        flat, _ = T.tree_flatten(inputs)
-        dts = [self._planned_input(i, x) for i, x in enumerate(flat)]
-        params = [self.param_refs[f]() for f in runner.param_names]
-        buffers = [self.buffer_refs[f]() for f in runner.buffer_names]
-        sg = self._step_graph(params, buffers, dts)
-        plocs = [p.to_local().detach() for p in params]
-        blocs = [b.to_local() if isinstance(b, DTensor) else b for b in buffers]
-        outs, grads = sg(plocs, blocs, [x.to_local() for x in dts])
-        with torch.no_grad():
+        with torch.no_grad():  # the graph computes the gradients: no autograd work on the host per tensor
+            params, buffers, dts = self.planned_arguments(*inputs)
+            sg = self._step_graph(params, buffers, dts)
+            plocs = [p.to_local() for p in params]
+            blocs = [b.to_local() if isinstance(b, DTensor) else b for b in buffers]
+            outs, grads = sg(plocs, blocs, [x.to_local() for x in dts])
             for p, g in zip(params, sg.grads_as_dtensors(grads)):
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad + g
