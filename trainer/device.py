@@ -29,6 +29,16 @@ def simulated_device(name: str = "auto") -> torch.device:
     return torch.device(CPU) if name == CPU else torch.device(CUDA, 0)
 
 
+def check_fake_cuda() -> str | None:
+    """Why a dry run cannot fake CUDA tensors here, or None. A CPU-only torch build gets a
+    no-op CUDA device guard compiled with the C++ compiler (parallel/_torch.py)."""
+    if torch.backends.cuda.is_built():
+        return None
+    why = check_compiler(CPU)
+    return None if why is None else (f"a dry run on fake CUDA tensors needs a C++ compiler on this CPU-only torch "
+                                     f"({why.split(';')[0]}); install one, or simulate a CPU job with --job.device cpu")
+
+
 def check_device(name: str) -> str | None:
     """Why `name` cannot be used on this machine, or None."""
     if name == CUDA and not torch.cuda.is_available():

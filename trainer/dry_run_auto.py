@@ -34,8 +34,8 @@ from parallel.auto.runtime.schedule import COLLECTIVE_NAMESPACE
 from parallel.mesh import CP, axis_size, build_mesh
 
 from .build import build_parallel_model
-from .config import JobConfig
-from .device import CUDA, simulated_device
+from .config import ConfigError, JobConfig
+from .device import CUDA, check_fake_cuda, simulated_device
 from .dry_run import OP_KINDS, group_axis_names
 
 GPU_PROFILE = "h100"  # the cost model's profile of a simulated GPU job whose hardware is "auto"
@@ -109,6 +109,9 @@ def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
     cfg = job_config
     device = simulated_device(cfg.job.device)
     if device.type == CUDA:
+        why = check_fake_cuda()
+        if why is not None:
+            raise ConfigError(f"{cfg.source}: 'job.device' = {cfg.job.device!r}: {why}")
         T.enable_fake_cuda()
     if cfg.parallelism.hardware == "auto":
         cfg.parallelism.hardware = GPU_PROFILE if device.type == CUDA else "cpu"

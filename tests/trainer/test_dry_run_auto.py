@@ -77,3 +77,14 @@ def test_dry_run_of_a_job_over_the_memory_limit_is_one_error(capsys):
     assert rc == 2
     assert err.startswith("config error: ") and "memory_limit_gib" in err and "predicted peak" in err
     assert "activations" in err and "Traceback" not in err
+
+
+def test_fake_cuda_without_a_compiler_is_one_config_error(monkeypatch):
+    from trainer import device
+    from trainer.config import ConfigError
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(device.shutil, "which", lambda name: None)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    with pytest.raises(ConfigError, match=r"'job.device' = 'auto': a dry run on fake CUDA tensors needs a C\+\+ "
+                                          r"compiler.*--job.device cpu"):
+        dry_run_auto(_cfg("llama3_debug_auto", 2), 2)
