@@ -19,6 +19,7 @@ job's device; and kernels (nothing runs: Inductor is not invoked).
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -106,7 +107,7 @@ def _check_graphs(graphs: dict[str, tuple[torch.fx.GraphModule, bool]], device: 
 def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
     """Plan, materialise and build one step of `job_config` (auto mode) on a fake world."""
     t0 = time.time()
-    cfg = job_config
+    cfg = copy.deepcopy(job_config)  # hardware and compile are set for the simulation below, not for the caller
     device = simulated_device(cfg.job.device)
     if device.type == CUDA:
         why = check_fake_cuda()

@@ -57,7 +57,9 @@ def test_device_check_finds_host_tensors_and_placing_moves_them():
                               "--parallelism.context_parallel_degree", "2"), {"cp"}, ["causal_attention"]),
 ], ids=["qwen3-tp", "deepseek-moe", "llama3-cp"])
 def test_gpu_job_dry_run_keeps_every_value_on_cuda(name, world, overrides, axes, regions):
-    r = dry_run_auto(_cfg(name, world, *overrides), world)
+    cfg = _cfg(name, world, *overrides)
+    r = dry_run_auto(cfg, world)
+    assert cfg.parallelism.hardware == "auto"  # the caller's config is left as it was
     text = format_auto_report(r)
     print(text)
     assert r.device == "cuda:0" and r.off_device == [], r.off_device
