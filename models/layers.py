@@ -167,13 +167,13 @@ class SDPA(nn.Module):
     In this project q, k and v always share one head dim (MLA zero-pads v, see
     ``models/deepseek_v3.py``), so CPU runs the fused flash kernel.
 
-    ``contract_region`` names the local_map region this module is for the auto planner
-    (``parallel/auto/cp_attention.py`` declares its placements: batch, heads, or the
+    ``local_map_region`` names the local_map region this module is for the auto planner
+    (``parallel/auto/regions/cp_attention.py`` declares its placements: batch, heads, or the
     sequence with K/V gathered, i.e. context parallelism); outside the planner it is a
     plain attribute.
     """
 
-    contract_region = "causal_attention"
+    local_map_region = "causal_attention"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -37,7 +37,7 @@ There are two nested, replaceable seams; pick the one that fits the recipe.
    stable ``argsort`` of the expert ids, so the result is deterministic. By default it
    calls ``self.routed`` (:class:`RoutedDispatch`: :func:`routed_dispatch` with the expert
    weights as inputs), the module the auto planner traces as its ``moe_dispatch`` local_map
-   region (parallel/auto/moe_dispatch.py); a recipe that hooks ``experts`` (EP) sets
+   region (parallel/auto/regions/moe_dispatch.py); a recipe that hooks ``experts`` (EP) sets
    ``experts_seam = True`` so the dispatch goes through seam 1 instead.
 
 Expert computation: ``F.grouped_mm`` when the activations are bf16 (its CPU kernel
@@ -162,10 +162,10 @@ def routed_dispatch(
 
 class RoutedDispatch(nn.Module):
     """:func:`routed_dispatch` as a parameter-free module whose inputs include the expert
-    weights: the planner traces it as its ``moe_dispatch`` local_map region (``contract_region``,
-    declared in parallel/auto/moe_dispatch.py) and so places the experts (EP or dense)."""
+    weights: the planner traces it as its ``moe_dispatch`` local_map region (``local_map_region``,
+    declared in parallel/auto/regions/moe_dispatch.py) and so places the experts (EP or dense)."""
 
-    contract_region = "moe_dispatch"
+    local_map_region = "moe_dispatch"
 
     def forward(self, x: torch.Tensor, top_scores: torch.Tensor, selected: torch.Tensor,
                 w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:

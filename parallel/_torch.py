@@ -362,7 +362,7 @@ def _alias_rule(prop: Any, op: Any, like: Any) -> None:
 
 
 def register_region_strategy(op: Any, rule: Any, static_argnum: int) -> None:
-    """DTensor single-dim strategy of a local_map region's op (parallel/auto/contracts.py):
+    """DTensor single-dim strategy of a local_map region's op (parallel/auto/regions/):
     `rule(op, args_schema, kwargs_schema)` lists its declared per-axis options."""
     prop = sharding_propagator()
     prop.op_single_dim_strategy_funcs.pop(op, None)

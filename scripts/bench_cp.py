@@ -31,15 +31,15 @@ SMALL = {"n_layers": 2, "dim": 128, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden_d
 
 def _tracker_cls():
     """MemoryTracker that also sees what a region op allocates inside (the mode is re-entered)."""
-    from parallel.auto import contracts
+    from parallel.auto import regions
     from trainer.dry_run import MemoryTracker
 
     class RegionTracker(MemoryTracker):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if contracts.region_of(func) is None:
+            if regions.region_of(func) is None:
                 return super().__torch_dispatch__(func, types, args, kwargs)
             with self:
-                out = contracts.run_kernel(func, *args, **(kwargs or {}))
+                out = regions.run_kernel(func, *args, **(kwargs or {}))
             for t in [out] if not isinstance(out, (tuple, list)) else out:
                 self._add(t, False)
             self.peak = max(self.peak, self.current)
@@ -66,7 +66,7 @@ def _measure(rank: int, world: int, seq: int, out_q) -> None:
     from models import build_model
     from parallel.auto import presets
     from parallel.auto.api import CP_ATTENTION, AutoParallel, lm_loss_positions
-    from parallel.auto.cp_attention import load_balanced_batch
+    from parallel.auto.regions import load_balanced_batch
     from parallel.auto.runtime import RuntimeOptions
 
     torch.set_num_threads(1)

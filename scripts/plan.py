@@ -42,9 +42,9 @@ from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 from models import build_model  # noqa: E402
 from parallel.auto.api import AutoParallel, MemoryLimitError, fake_world, lm_loss  # noqa: E402
 from parallel.auto.mesh_search import MeshSearchError  # noqa: E402
-from parallel.auto.moe_dispatch import declare_moe_dispatch  # noqa: E402
 from parallel.auto.plan import Plan, PlanMismatchError  # noqa: E402
 from parallel.auto.plan_html import save_diff_html, save_html  # noqa: E402
+from parallel.auto.regions.moe_dispatch import declare_moe_dispatch  # noqa: E402
 from parallel.precision import is_mixed, mixed_precision_policy  # noqa: E402
 from trainer.auto import (
     planner_regions,  # noqa: E402

@@ -40,13 +40,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
 
 from parallel.auto.api import CP_ATTENTION, AutoParallel, lm_loss, lm_loss_positions
-from parallel.auto.contracts import marked_regions
 from parallel.auto.cost import AUTO, HardwareProfile, ProfileError
 from parallel.auto.cost.calibrate import profile_for_group
-from parallel.auto.moe_dispatch import declare_moe_dispatch
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.plan_html import save_html
 from parallel.auto.problem import MemoryLimitError, PlanningError
+from parallel.auto.regions import marked_regions
+from parallel.auto.regions.moe_dispatch import declare_moe_dispatch
 from parallel.auto.runtime import RuntimeOptions
 from parallel.mesh import CP, DATA_AXES, axis_size
 from parallel.precision import is_mixed, mixed_precision_policy

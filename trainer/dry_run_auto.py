@@ -28,7 +28,7 @@ import torch
 from models import build_model
 from parallel import _torch as T
 from parallel.auto.cost.memory import format_bytes
-from parallel.auto.cp_attention import load_balanced_batch
+from parallel.auto.regions import load_balanced_batch
 from parallel.auto.runtime.device import off_device
 from parallel.auto.runtime.local_graphs import LocalGraphs
 from parallel.auto.runtime.schedule import COLLECTIVE_NAMESPACE

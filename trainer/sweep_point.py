@@ -29,9 +29,9 @@ from models import build_model, model_args
 from parallel.auto.api import AutoParallel, fake_world, lm_loss, lm_loss_positions
 from parallel.auto.cost import load_hardware, profile_to_toml
 from parallel.auto.mesh_search import uses_context_parallel
-from parallel.auto.moe_dispatch import NAME as _MOE_REGION  # noqa: F401 - declares the MoE region
 from parallel.auto.plan import Plan, linear_roles
 from parallel.auto.problem import MemoryLimitError, PlanningError
+from parallel.auto.regions import MOE_DISPATCH as _MOE_REGION  # noqa: F401 - declares the MoE region
 from parallel.auto.runtime import RuntimeOptions
 from parallel.precision import is_mixed, mixed_precision_policy
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from models import cross_entropy_loss
-from parallel.auto.cp_attention import load_balanced_batch
+from parallel.auto.regions import load_balanced_batch
 from parallel.auto.runtime import CompileError, is_parallel_module
 from parallel.mesh import CP, axis_size, build_mesh, dp_rank_and_degree
 from parallel.precision import dtype_of

@@ -34,11 +34,11 @@ from parallel.auto.cost import AUTO, DEFAULT_HARDWARE, CostModel, HardwareProfil
 from parallel.auto.cost.calibrate import resolve_auto
 from parallel.auto.cost.memory import GIB, MemoryEstimate, format_bytes
 from parallel.auto.coverage import GraphCoverage, coverage_of, coverage_report
-from parallel.auto.cp_attention import REGION as CP_ATTENTION  # declares the causal-attention region
 from parallel.auto.formulation import build_problem
 from parallel.auto.placements import placement_str
 from parallel.auto.plan import Plan, build_plan
 from parallel.auto.problem import Constraint, MemoryLimitError, PlanningError, Problem, min_parameter_fraction
+from parallel.auto.regions import CP_ATTENTION  # declares the causal-attention region
 from parallel.auto.replay import replay_plan
 from parallel.auto.runtime import RuntimeOptions, apply_plan
 from parallel.auto.runtime.memory import estimate_memory as step_memory

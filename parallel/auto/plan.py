@@ -24,13 +24,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallel.auto.contracts import option_names
 from parallel.auto.cost import CostModel
 from parallel.auto.cost.memory import MemoryEstimate
 from parallel.auto.formulation import edge_roles
 from parallel.auto.placements import placement_str, placement_words, spec_placement_strs
 from parallel.auto.pricing import StrategyPricer, comm_dtype
 from parallel.auto.problem import Problem
+from parallel.auto.regions import option_names
 from parallel.auto.strategies import PLACEHOLDER, SLOT
 from parallel.auto.trace import layer_prefix
 
@@ -83,7 +83,7 @@ class Plan:
     memory_fraction: float = 0.0  # parameter bytes per device / total parameter bytes
     memory_budget: list = field(default_factory=list)  # [low, high]
     constraints: list[str] = field(default_factory=list)
-    regions: list[str] = field(default_factory=list)  # local_map regions of the traced graph (contracts.py)
+    regions: list[str] = field(default_factory=list)  # local_map regions of the traced graph (regions/)
     memory: MemoryEstimate | None = None  # peak bytes per device (cost/memory.py); None: not estimated
     # in-memory only (not saved): the problem and solution behind the plan
     problem: Any = field(default=None, repr=False, compare=False)

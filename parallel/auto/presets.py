@@ -12,7 +12,7 @@ still decides everything the preset leaves free.
     MLP w1/w3 by output features, o and w2 by input features);
   * `replicated`: some parameters (by FQN fragment) replicated, e.g. the embeddings;
   * `context_parallel`: causal-attention regions with the sequence sharded on one axis
-    (and the batch on the others), K/V gathered (needs the region traced, cp_attention.py).
+    (and the batch on the others), K/V gathered (needs the region traced, regions/cp_attention.py).
 
 Projection names follow the LLaMA family's modules (`COLUMN`, `ROW`); pass your own.
 """
@@ -24,9 +24,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from parallel.auto import contracts
 from parallel.auto.api import AutoParallel
-from parallel.auto.cp_attention import REGION
+from parallel.auto.regions import CP_ATTENTION, forward_op
 from parallel.auto.trace import FWD
 
 COLUMN = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
@@ -128,11 +127,11 @@ def replicated(autop: AutoParallel, fragments: Iterable[str]) -> None:
 def context_parallel(autop: AutoParallel, axis: int, batch_axes: Sequence[int] = ()) -> int:
     """Every causal-attention region runs sequence-sharded on mesh axis `axis` (CP) and
     batch-sharded on `batch_axes` (replicated on the rest). Returns the number of regions."""
-    fwd = contracts.forward_op(REGION)
+    fwd = forward_op(CP_ATTENTION)
     nodes = [n for n in autop.graph.gm.graph.nodes if n.target == fwd]
     if not nodes:
         raise ValueError("context_parallel: no causal-attention region in the traced graph; trace with "
-                         f"AutoParallel(..., regions=({REGION!r},))")
+                         f"AutoParallel(..., regions=({CP_ATTENTION!r},))")
     pl = tuple(Shard(2) if i == axis else Shard(0) if i in batch_axes else Replicate()
                for i in range(autop.mesh.ndim))
     for n in nodes:

@@ -16,10 +16,10 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from parallel import _torch as T
-from parallel.auto import contracts
 from parallel.auto.cost.comm import placement_ids
 from parallel.auto.cost.model import CostModel
 from parallel.auto.placements import bucket_key, local_shape
+from parallel.auto.regions import region_cost, region_of
 from parallel.auto.strategies import OP, Candidates, NodeCandidates
 
 
@@ -73,8 +73,8 @@ class StrategyPricer:
             return hit
         node = c.node
         arr = np.zeros(len(c.specs))
-        if contracts.region_of(node.target) is not None:  # a local_map region: declared collectives + FLOPs
-            arr[:] = [contracts.region_cost(self.cm, node, s, self.mesh_shape) for s in c.specs]
+        if region_of(node.target) is not None:  # a local_map region: declared collectives + FLOPs
+            arr[:] = [region_cost(self.cm, node, s, self.mesh_shape) for s in c.specs]
             self.compute_cache[key] = arr
             return arr
         for j, s in enumerate(c.specs):

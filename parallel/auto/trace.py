@@ -23,7 +23,7 @@ from torch import fx, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from parallel import _torch as T
-from parallel.auto import contracts
+from parallel.auto.regions import regions_in, traced_regions
 from parallel.auto.fold import ConstantReads, FoldedRead
 
 log = logging.getLogger(__name__)
@@ -163,8 +163,8 @@ def trace_joint(
     scalar loss (pass loss_fn when the model returns logits). `device`: the device type
     the plan will run on (its ATen ops differ: CPU and CUDA attention kernels), the
     mesh's own; fake meshes for planning are on the CPU. `regions`: names of declared
-    local_map contracts whose marked modules are traced as one node each (contracts.py);
-    functions decorated with `contracts.region` always are.
+    local_map regions whose marked modules are traced as one node each (regions/);
+    functions decorated with `regions.region` always are.
     """
     T.register_planner_ops()
     t0 = time.perf_counter()
@@ -188,7 +188,7 @@ def trace_joint(
                 # CUDA's fused attention kernels return RNG/bookkeeping outputs that DTensor's
                 # rules leave without a placement; attention as plain ATen ops plans everywhere
                 stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-            stack.enter_context(contracts.traced_regions(fake_model, regions))
+            stack.enter_context(traced_regions(fake_model, regions))
             joint = _export(stack, wrapper, tuple(fake_inputs))
             gm = joint.graph_module
             jg = _label(gm, joint.fake_mode)
@@ -197,7 +197,7 @@ def trace_joint(
             h.remove()
     jg.module_of = _assign_modules(gm, ranges)
     jg.folded = list(dict.fromkeys(reads.folded))  # AOTAutograd runs forward twice (metadata, then the graph)
-    jg.regions = contracts.regions_in(gm)
+    jg.regions = regions_in(gm)
     jg.traced_device = device
     jg.fingerprint = model_fingerprint(model)
     jg.input_shapes = [(list(x.shape), str(x.dtype)) for x in flat if isinstance(x, torch.Tensor)]

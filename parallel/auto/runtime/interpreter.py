@@ -20,8 +20,8 @@ from torch import fx
 from torch.distributed.tensor import DTensor, Replicate
 
 from parallel import _torch as T
-from parallel.auto import contracts
 from parallel.auto.placements import bucket_key, placement_str
+from parallel.auto.regions import region_of, run_region
 from parallel.auto.runtime.redistribute import bucketed_redistribute, redistribute
 
 log = logging.getLogger("parallel.auto.runtime")
@@ -64,7 +64,7 @@ class PlacementOps:
     def __init__(self, mesh: Any, spec: dict[str, Any], param_dtype: torch.dtype | None, defer: set[str],
                  gather_buckets: dict[str, tuple] | None = None, load_balance: int = 1):
         self.mesh = mesh
-        self.load_balance = load_balance  # the sequence order of the inputs (contracts.RegionContext)
+        self.load_balance = load_balance  # the sequence order of the inputs (regions.RegionContext)
         self.spec = spec
         self.param_dtype = param_dtype
         self.defer = defer
@@ -146,8 +146,8 @@ class PlacementOps:
         if self.param_dtype is not None:
             vals = self._harmonize(vals, n)
         args, kwargs = T.tree_unflatten(vals, tree)
-        if contracts.region_of(n.target) is not None:  # a local_map region: its local function on shards
-            return contracts.run_region(n, args, self.spec[n.name], self.mesh, self.load_balance)
+        if region_of(n.target) is not None:  # a local_map region: its local function on shards
+            return run_region(n, args, self.spec[n.name], self.mesh, self.load_balance)
         try:
             out = n.target(*args, **kwargs)
         except Exception as e:

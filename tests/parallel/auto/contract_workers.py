@@ -1,4 +1,4 @@
-"""A toy model with one local_map region (contracts.py), for test_contracts.py: planned on
+"""A toy model with one local_map region (regions/), for test_regions.py: planned on
 a fake world in the parent, run on gloo ranks eagerly and compiled, compared with 1 rank."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from parallel.auto.contracts import Contract, Option, declare
+from parallel.auto.regions import Option, Region, declare
 
 B, S, D = 4, 8, 8
 
@@ -21,20 +21,20 @@ def _doubled(ctx, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([gate(x), gate(x)], dim=0)
 
 
-GOOD = declare(Contract("toy_gate", [Option("batch", (Shard(0),), (Shard(0),)),
-                                     Option("features", (Shard(2),), (Shard(2),))], fn=gate))
-BAD = declare(Contract("toy_bad", [Option("batch", (Shard(0),), (Shard(0),))], fn=gate, local_fn=_doubled))
+GOOD = declare(Region("toy_gate", [Option("batch", (Shard(0),), (Shard(0),)),
+                                   Option("features", (Shard(2),), (Shard(2),))], fn=gate))
+BAD = declare(Region("toy_bad", [Option("batch", (Shard(0),), (Shard(0),))], fn=gate, local_fn=_doubled))
 
 
 class Gate(nn.Module):
-    contract_region = "toy_gate"
+    local_map_region = "toy_gate"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gate(x)
 
 
 class BadGate(Gate):
-    contract_region = "toy_bad"
+    local_map_region = "toy_bad"
 
 
 class Toy(nn.Module):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from apply_workers import _optimizer, batch, train_reference
 
-import parallel.auto.moe_dispatch as md
-from parallel.auto import contracts
+import parallel.auto.regions.moe_dispatch as md
+from parallel.auto import regions
 
 TINY = {"dim": 64, "n_layers": 2, "n_dense_layers": 1, "n_heads": 4, "inter_dim": 128, "moe_inter_dim": 32,
         "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
@@ -45,7 +45,7 @@ def force_ep(autop, ep_axes: tuple[int, ...]) -> None:
     nd = autop.mesh.ndim
     tok, w = (Shard(0),) * nd, tuple(Shard(0) if i in ep_axes else Replicate() for i in range(nd))
     for n in autop.graph.gm.graph.nodes:
-        hit = contracts.region_of(n.target) if n.op == "call_function" else None
+        hit = regions.region_of(n.target) if n.op == "call_function" else None
         if hit is None:
             continue
         ins = [tok, tok, tok, w, w, w]

@@ -1,4 +1,4 @@
-"""Context parallelism in auto mode (parallel/auto/cp_attention.py): the models' attention is
+"""Context parallelism in auto mode (parallel/auto/regions/cp_attention.py): the models' attention is
 a local_map region whose options include the sequence with K/V gathered. The load-balanced
 local attention equals causal SDPA for every layout; the trainer with
 `context_parallel_degree = 2` trains with the sequence sharded (plan forced to CP) with the
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel.auto.contracts import AxisLayout, RegionContext
-from parallel.auto.cp_attention import _runs, load_balanced_batch, local_causal_attention, sequence_order
 from parallel.auto.placements import placement_words
+from parallel.auto.regions import AxisLayout, RegionContext
+from parallel.auto.regions.cp_attention import _runs, load_balanced_batch, local_causal_attention, sequence_order
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests" / "trainer"))
@@ -42,7 +42,7 @@ def test_sequence_order_and_runs():
 def test_local_attention_without_gathers_equals_causal_sdpa(lb, rows, monkeypatch):
     """One rank holding the whole (reordered) sequence: the batch/heads/replicated options
     (rows: query rows per masked call)."""
-    import parallel.auto.cp_attention as cpa
+    import parallel.auto.regions.cp_attention as cpa
 
     monkeypatch.setattr(cpa, "MASK_ROWS", rows)
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""The MoE dispatch as a local_map region (parallel/auto/moe_dispatch.py): DeepSeek-V3 with its
+"""The MoE dispatch as a local_map region (parallel/auto/regions/moe_dispatch.py): DeepSeek-V3 with its
 MoE layers traces and plans on fake 4 and 2x2 worlds, the summary says where the experts
 went, the all-to-all is priced with the imbalance factor, and forced expert-parallel /
 free plans train on gloo ranks like 1 rank."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 from moe_workers import TINY, make_plan, reference, worker
 
-import parallel.auto.moe_dispatch as md
+import parallel.auto.regions.moe_dispatch as md
 from models.moe import routed_dispatch
 
 
@@ -45,7 +45,7 @@ def test_balanced_stand_in_has_the_shape_and_the_flops_of_balanced_routing():
 
 
 def test_imbalance_factor_prices_the_all_to_all_and_bad_values_are_refused():
-    c1, c2 = md.moe_contract(1.0), md.moe_contract(2.0)
+    c1, c2 = md.moe_region(1.0), md.moe_region(2.0)
     shapes = [(16, 8), (16, 2), (16, 2), (4, 6, 8), (4, 8, 6), (4, 6, 8)]
     assert c1.option(md.EP).exchange(shapes) == 16 * 2 * 8
     assert c2.option(md.EP).exchange(shapes) == 2 * 16 * 2 * 8
@@ -66,7 +66,7 @@ def test_forced_expert_parallel_plan_says_so():
     rows = [ln for ln in summary.splitlines() if "moe.experts.w" in ln]
     assert len(rows) == 3 and all(r.endswith("expert_parallel (region moe_dispatch, stored S(0)) on dp")
                                   for r in rows), rows
-    from parallel.auto.contracts import option_names
+    from parallel.auto.regions import option_names
 
     opts = {n["name"]: option_names(n["target"], n["input_placements"])
             for n in plan_json["nodes"] if "moe_dispatch" in n["target"]}

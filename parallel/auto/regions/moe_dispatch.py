@@ -1,4 +1,4 @@
-"""The MoE token dispatch as a local_map region (contracts.py): ``moe_dispatch``.
+"""The MoE token dispatch as a local_map region (regions/): ``moe_dispatch``.
 
 Region: ``models.moe.routed_dispatch(x [T, D], top_scores [T, K], selected [T, K], w1, w2, w3)
 -> y [T, D]`` (the experts' weights ``[E, ...]`` are inputs, so the planner places them).
@@ -30,7 +30,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from models.moe import routed_dispatch, run_experts, sort_by_expert
 from parallel import _torch as T
-from parallel.auto.contracts import Contract, Option, RegionContext, declare
+from parallel.auto.regions.declaration import Option, Region
+from parallel.auto.regions.layout import RegionContext
+from parallel.auto.regions.ops import declare
 from parallel.recipes.ep import ep_combine_tokens, ep_dispatch_tokens
 
 NAME = "moe_dispatch"
@@ -79,20 +81,20 @@ def _slot_elements(factor: float, shapes: Sequence[tuple[int, ...]]) -> float:
     return factor * t * k * d
 
 
-def moe_contract(imbalance_factor: float = DEFAULT_IMBALANCE) -> Contract:
-    """The ``moe_dispatch`` contract with the all-to-all priced at `imbalance_factor`."""
+def moe_region(imbalance_factor: float = DEFAULT_IMBALANCE) -> Region:
+    """The ``moe_dispatch`` region with the all-to-all priced at `imbalance_factor`."""
     s0, rep, part = Shard(0), Replicate(), Partial()
     ep = Option(EP, (s0,) * 6, (s0,), exchange=partial(_slot_elements, imbalance_factor))
     dp = Option(DENSE, (s0, s0, s0, rep, rep, rep), (s0,), grads=(s0, s0, s0, part, part, part))
-    return Contract(NAME, [ep, dp], fn=routed_dispatch, local_fn=local_dispatch, meta_fn=balanced_dispatch)
+    return Region(NAME, [ep, dp], fn=routed_dispatch, local_fn=local_dispatch, meta_fn=balanced_dispatch)
 
 
-def declare_moe_dispatch(imbalance_factor: float = DEFAULT_IMBALANCE) -> Contract:
+def declare_moe_dispatch(imbalance_factor: float = DEFAULT_IMBALANCE) -> Region:
     """(Re)declare the region (the factor only changes the price of the expert-parallel option)."""
     if not imbalance_factor >= 1.0:
         raise ValueError(f"moe imbalance factor {imbalance_factor!r}: must be >= 1.0 (1.0 = perfectly balanced "
                          "routing; the busiest rank receives factor x the mean)")
-    return declare(moe_contract(imbalance_factor))
+    return declare(moe_region(imbalance_factor))
 
 
 declare_moe_dispatch()

@@ -1,4 +1,4 @@
-"""local_map contracts (parallel/auto/contracts.py): a region is one node whose strategies
+"""local_map regions (parallel/auto/regions/): a region is one node whose strategies
 are its declared options (plus replicated), runs its local function on shards eagerly and
 compiled (= 1 rank), a local function that breaks its declared output placement is named,
 and a plan made with a region the model no longer declares is refused by name."""
@@ -8,7 +8,7 @@ import torch
 from contract_workers import B, D, S, autop_for, make_plan, reference, worker
 from torch.distributed.tensor import Replicate, Shard
 
-from parallel.auto import contracts
+from parallel.auto import regions
 from parallel.auto.plan import Plan, PlanMismatchError
 
 
@@ -21,8 +21,8 @@ def test_region_is_one_node_per_phase_with_declared_options():
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
         with autop_for(mesh) as autop:
             g = autop.graph
-            fwd = [n for n in g.gm.graph.nodes if n.target == contracts.forward_op("toy_gate")]
-            bwd = [n for n in g.gm.graph.nodes if n.target == contracts.backward_op("toy_gate")]
+            fwd = [n for n in g.gm.graph.nodes if n.target == regions.forward_op("toy_gate")]
+            bwd = [n for n in g.gm.graph.nodes if n.target == regions.backward_op("toy_gate")]
             assert len(fwd) == 1 and len(bwd) == 1 and g.regions == ["toy_gate"]
             menu = {(str(s.output_specs.placements), str([i.placements for i in s.input_specs]))
                     for s in autop.candidates[fwd[0].name].specs}
@@ -31,12 +31,12 @@ def test_region_is_one_node_per_phase_with_declared_options():
 
 
 def test_plan_picks_a_declared_option_and_prices_it():
-    _, regions = make_plan()
+    _, planned = make_plan()
     declared = {"(S(0))": "batch", "(S(2))": "features", "(R)": "replicated"}
-    fwd = [v for k, v in regions.items() if "bwd" not in k]
+    fwd = [v for k, v in planned.items() if "bwd" not in k]
     assert len(fwd) == 1
     outs, ins = fwd[0]
-    assert outs[0] in declared and ins == outs, regions
+    assert outs[0] in declared and ins == outs, planned
     assert outs[0] == "(S(0))"  # the batch option: the data is batch-sharded, nothing to move
 
 
@@ -54,12 +54,12 @@ def test_plan_file_with_a_region_the_model_no_longer_declares_is_refused():
 
 
 def test_declaration_errors():
-    with pytest.raises(contracts.ContractError, match="option 'b' declares 2 inputs"):
-        contracts.Contract("two", [contracts.Option("a", (Shard(0),), (Shard(0),)),
-                                   contracts.Option("b", (Shard(0), Shard(0)), (Shard(0),))])
-    with pytest.raises(contracts.ContractError, match="already declared with 1 inputs"):
-        contracts.declare(contracts.Contract("toy_gate", [contracts.Option("a", (Shard(0),) * 2, (Shard(0),))],
-                                             fn=torch.add))
+    with pytest.raises(regions.RegionError, match="option 'b' declares 2 inputs"):
+        regions.Region("two", [regions.Option("a", (Shard(0),), (Shard(0),)),
+                               regions.Option("b", (Shard(0), Shard(0)), (Shard(0),))])
+    with pytest.raises(regions.RegionError, match="already declared with 1 inputs"):
+        regions.declare(regions.Region("toy_gate", [regions.Option("a", (Shard(0),) * 2, (Shard(0),))],
+                                       fn=torch.add))
 
 
 def test_outside_the_planner_the_region_is_plain_code():

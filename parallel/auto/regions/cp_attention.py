@@ -1,7 +1,7 @@
-"""Causal attention as a local_map contract: context parallelism in auto mode.
+"""Causal attention as a local_map region: context parallelism in auto mode.
 
 The models' `SDPA` module (LLaMA 3, Qwen3, DeepSeek-V3's MLA: q, k, v of [B, H, S, D] after
-RoPE and the GQA repeat) is marked `contract_region = "causal_attention"`. Its options per
+RoPE and the GQA repeat) is marked `local_map_region = "causal_attention"`. Its options per
 mesh axis: the batch (dim 0), the heads (dim 1), or the sequence (dim 2) of q, k, v and the
 output, where K and V are all-gathered over that axis inside the region (the backward
 gathers them again and reduce-scatters their gradients) -- the all-gather-KV context
@@ -22,10 +22,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
 from parallel import _torch as T
-from parallel.auto.contracts import Contract, Option, RegionContext, declare
+from parallel.auto.regions.declaration import Option, Region
+from parallel.auto.regions.layout import RegionContext
+from parallel.auto.regions.ops import declare
 from parallel.recipes.cp import cp_positions
 
-REGION = "causal_attention"
+NAME = "causal_attention"
 SEQUENCE = "sequence"
 MASK_ROWS = 256
 """Query rows per masked attention call: the kernel expands a boolean mask to the query's
@@ -97,7 +99,7 @@ def _options() -> list[Option]:
             Option(SEQUENCE, (Shard(2),) * 3, (Shard(2),), gather=(1, 2))]
 
 
-CONTRACT = declare(Contract(REGION, _options(), fn=causal_attention, local_fn=local_causal_attention))
+REGION = declare(Region(NAME, _options(), fn=causal_attention, local_fn=local_causal_attention))
 
 
 def load_balanced_batch(tokens: torch.Tensor, labels: torch.Tensor,
