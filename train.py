@@ -31,6 +31,7 @@ from trainer.config_checks import validate_config
 from trainer.device import backend, local_device
 from trainer.dry_run import main as dry_run_main
 from trainer.dry_run_auto import main as dry_run_auto_main
+from trainer.mesh_auto import resolve_mesh
 from trainer.trainer import Trainer
 
 USER_ERRORS = (ConfigError, RecipeError, PlanningError, PlanMismatchError, ProfileError)
@@ -91,7 +92,7 @@ def train(cfg: JobConfig) -> None:
     """Run the job, in a process group when torchrun started us."""
     started = init_distributed(cfg.job.device)
     try:
-        Trainer(cfg).train()
+        Trainer(resolve_mesh(cfg)).train()  # mesh = "auto": the searched mesh's degrees
         if started:  # every rank done with its collectives before gloo is torn down
             dist.barrier()
     finally:

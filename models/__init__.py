@@ -51,6 +51,12 @@ MODEL_SPECS: dict[str, ModelSpec] = {
 }
 
 
+ARG_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden_dim", "max_seq_len", "n_dense_layers",
+            "inter_dim", "moe_inter_dim", "n_routed_experts", "n_shared_experts", "n_activated_experts")
+"""The model arguments a job (`[model]`) or a sweep axis may set over a flavor's; each family
+checks which of them it takes."""
+
+
 def get_model_spec(name: str) -> ModelSpec:
     """Look up a model family; unknown names raise ``ValueError`` listing the known ones."""
     try:

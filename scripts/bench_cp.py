@@ -61,23 +61,20 @@ def _measure(rank: int, world: int, seq: int, out_q) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
 
     from models import build_model
     from parallel.auto import presets
-    from parallel.auto.api import CP_ATTENTION, AutoParallel, lm_loss_positions
+    from parallel.auto.config import PlannerConfig
     from parallel.auto.regions import load_balanced_batch
-    from parallel.auto.runtime import RuntimeOptions
+    from parallel.auto.request import PlanRequest, planning
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     model = build_model("llama3", "debug", device="meta", max_seq_len=seq, **SMALL)
-    meta = (torch.zeros(1, seq, dtype=torch.long, device="meta"),) * 2 + (torch.zeros(seq, dtype=torch.long,
-                                                                                      device="meta"),)
-    with AutoParallel(model, meta, mesh, loss_fn=lm_loss_positions, hardware="cpu", regions=(CP_ATTENTION,),
-                      runtime=RuntimeOptions(load_balance=world)) as autop:
-        autop.add_input_constraints([(Replicate(),)] * 3)
+    # the sequence load-balanced with its positions, attention the CP region: what the request builder asks
+    request = PlanRequest(local_batch_size=1, seq_len=seq, planner=PlannerConfig(hardware="cpu"))
+    with planning(model, mesh, request) as autop:
         if world > 1:
             presets.context_parallel(autop, 0)
         pm = autop.apply_placement(autop.optimize_placement(verbose=False))
@@ -86,12 +83,13 @@ def _measure(rank: int, world: int, seq: int, out_q) -> None:
     pm.init_weights()
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, model.args.vocab_size, (1, seq + 1), generator=g)
-    tok, lab, pos = load_balanced_batch(data[:, :-1], data[:, 1:], world)
-    pm.forward_backward(tok, lab, pos)  # warm-up: builds the step graph
+    # one rank: natural order, no positions (the request builder adds them for a cp axis only)
+    batch = load_balanced_batch(data[:, :-1], data[:, 1:], world) if world > 1 else (data[:, :-1], data[:, 1:])
+    pm.forward_backward(*batch)  # warm-up: builds the step graph
     tracker = _tracker_cls()()
     t0 = time.perf_counter()
     with tracker:
-        loss = pm.forward_backward(tok, lab, pos)
+        loss = pm.forward_backward(*batch)
     if rank == 0:
         out_q.put({"world": world, "peak": tracker.peak, "loss": float(loss), "s": time.perf_counter() - t0})
     dist.destroy_process_group()
@@ -128,12 +126,12 @@ def table_memory(seq: int) -> None:
 
 
 def _crossover_one(seq: int, world: tuple[int, ...], layers: int) -> dict:
-    import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
 
     from models import build_model
-    from parallel.auto.api import CP_ATTENTION, AutoParallel, fake_world, lm_loss_positions
+    from parallel.auto.api import fake_world
+    from parallel.auto.config import PlannerConfig
+    from parallel.auto.request import PlanRequest, planning
     from parallel.precision import mixed_precision_policy
 
     model = build_model("llama3", "8B", device="meta", n_layers=layers, max_seq_len=max(seq, 8192))
@@ -141,10 +139,8 @@ def _crossover_one(seq: int, world: tuple[int, ...], layers: int) -> dict:
     t0 = time.perf_counter()
     with fake_world(math.prod(world)):
         mesh = init_device_mesh("cpu", world, mesh_dim_names=("tp", "cp")[-len(world):])
-        meta = (torch.zeros(1, seq, dtype=torch.long),) * 2 + (torch.zeros(seq, dtype=torch.long),)
-        with AutoParallel(model, meta, mesh, loss_fn=lm_loss_positions, mp_policy=mp, hardware="h100",
-                          regions=(CP_ATTENTION,)) as autop:
-            autop.add_input_constraints([(Replicate(),) * len(world)] * 3)
+        request = PlanRequest(local_batch_size=1, seq_len=seq, planner=PlannerConfig(hardware="h100"), mp_policy=mp)
+        with planning(model, mesh, request) as autop:
             plan = autop.optimize_placement(verbose=False)
     attn = [n.output_placements[0] for n in plan.nodes.values() if n.target == "autotitan.causal_attention.default"]
     comm = sum(plan.comm_us.values())

@@ -35,12 +35,12 @@ sys.path.insert(0, ROOT)
 def run_one(args: argparse.Namespace) -> dict:
     import logging
 
-    import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
 
     from models import build_model
-    from parallel.auto.api import AutoParallel, fake_world, lm_loss
+    from parallel.auto.api import fake_world
+    from parallel.auto.config import PlannerConfig
+    from parallel.auto.request import PlanRequest, planning
     from parallel.precision import mixed_precision_policy
 
     logging.basicConfig(level=logging.INFO, format="  %(name)s: %(message)s", stream=sys.stderr)
@@ -50,14 +50,12 @@ def run_one(args: argparse.Namespace) -> dict:
     global_bs = args.local_batch_size * sizes[0]  # batch over the dp axis
     model = build_model("llama3", args.flavor, device="meta")
     mp = mixed_precision_policy("bfloat16", "float32")
+    planner = PlannerConfig(hardware=args.hardware, solver=args.solver, time_limit=args.time_limit)
+    request = PlanRequest(local_batch_size=args.local_batch_size, seq_len=args.seq_len, planner=planner, mp_policy=mp)
     t0 = time.perf_counter()
     with fake_world(world):
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
-        inputs = lambda: (torch.zeros(global_bs, args.seq_len, dtype=torch.long),) * 2  # noqa: E731
-        with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, mp_policy=mp, hardware=args.hardware,
-                          solver=args.solver, time_limit=args.time_limit) as autop:
-            p = tuple(Shard(0) if i == 0 else Replicate() for i in range(len(sizes)))
-            autop.add_input_constraints([p, p])
+        with planning(model, mesh, request) as autop:
             plan = autop.optimize_placement(verbose=True)
     total = time.perf_counter() - t0
     return {
@@ -75,12 +73,12 @@ def run_arm(args: argparse.Namespace) -> dict:
     """One Table 3 arm ("ilp": unseeded exact ILP; "approx": MRF, seeded from 3-D) on one mesh."""
     import logging
 
-    import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
 
     from models import build_model
-    from parallel.auto.api import AutoParallel, fake_world, lm_loss
+    from parallel.auto.api import fake_world
+    from parallel.auto.config import PlannerConfig
+    from parallel.auto.request import PlanRequest, planning
     from parallel.precision import mixed_precision_policy
 
     logging.basicConfig(level=logging.INFO, format="  %(name)s: %(message)s", stream=sys.stderr)
@@ -89,21 +87,19 @@ def run_arm(args: argparse.Namespace) -> dict:
     names = _TABLE3_NAMES[len(kept)]
     dp = [i for i, n in enumerate(names) if n.startswith("dp")]
     world = math.prod(kept)
-    global_bs = args.local_batch_size * math.prod(kept[i] for i in dp)
+    global_bs = args.local_batch_size * math.prod(kept[i] for i in dp)  # as the request builder splits it
     model = build_model("llama3", args.flavor, device="meta")
     mp = mixed_precision_policy("bfloat16", "float32")
     ilp = args.arm == "ilp"
+    planner = PlannerConfig(hardware=args.hardware, solver="ilp" if ilp else "mrf", time_limit=args.time_limit,
+                            seed=False if ilp else None, seed_rounds=args.seed_rounds)
+    request = PlanRequest(local_batch_size=args.local_batch_size, seq_len=args.seq_len, planner=planner, mp_policy=mp)
     t0, c0 = time.perf_counter(), time.process_time()
     with fake_world(world):
         mesh = init_device_mesh("cpu", kept, mesh_dim_names=names)
-        inputs = lambda: (torch.zeros(global_bs, args.seq_len, dtype=torch.long),) * 2  # noqa: E731
-        with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, mp_policy=mp, hardware=args.hardware,
-                          solver="ilp" if ilp else "mrf", time_limit=args.time_limit,
-                          seed=False if ilp else None, seed_rounds=args.seed_rounds) as autop:
-            p = tuple(Shard(0) if i in dp else Replicate() for i in range(len(kept)))
-            autop.add_input_constraints([p, p])
+        with planning(model, mesh, request) as autop:
             plan = autop.optimize_placement(verbose=True)
-    prob = plan.problem
+    prob = autop.problem
     t = plan.timings
     return {
         "mesh": args.one, "arm": args.arm, "trace_s": t.get("trace", 0.0),

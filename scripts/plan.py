@@ -4,7 +4,7 @@
         [--html plan.html] [--diff other_plan.json] [--coverage]
     python scripts/plan.py --config llama3_8b.toml --mesh auto --world-size 32 --hardware h100 [--workers 2]
 
---mesh auto plans every mesh of --world-size devices (trainer/mesh_auto.py; cached), prints
+--mesh auto plans every mesh of --world-size devices (parallel/auto/sweep/meshes.py; cached), prints
 them ranked by predicted step time per token (tokens/s; meshes that do not fit dropped) and
 goes on with the best.
 
@@ -18,10 +18,13 @@ collectives, memory); with --diff OTHER it is the side-by-side diff of OTHER (a 
 and this one instead. --coverage prints every ATen op of the traced graph and how the
 planner handles it (DTensor rule, constant, lifted constant, fallback, folded, unhandled).
 
-The global batch is local_batch_size x the product of the data-parallel axes (axes whose
-name starts with "dp"; all axes if none do), and the token/label inputs are constrained
-to be batch-sharded on those axes (what the trainer's data loader feeds), unless
---free-inputs is given. Axes of size 1 are dropped.
+The job is planned exactly as the trainer plans it (parallel/auto/request.py): every
+[parallelism] planner setting of the config and its overrides (--parallelism.seed_rounds 2)
+applies; --hardware, --solver, --time-limit, --memory-high and --memory-limit are shorthands
+that override the config's. The global batch is local_batch_size x the product of the data
+axes (dp, dp_replicate, dp_shard), and the token/label inputs are batch-sharded on them (what
+the trainer's data loader feeds), unless --free-inputs is given; a cp axis takes the sequence
+load-balanced with its positions. Axes of size 1 are dropped.
 """
 
 from __future__ import annotations
@@ -35,24 +38,18 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 
 from models import build_model  # noqa: E402
-from parallel.auto.api import AutoParallel, MemoryLimitError, fake_world, lm_loss  # noqa: E402
+from parallel.auto.api import MemoryLimitError, fake_world  # noqa: E402
 from parallel.auto.mesh_search import MeshSearchError  # noqa: E402
 from parallel.auto.plan import Plan, PlanMismatchError  # noqa: E402
 from parallel.auto.plan_html import save_diff_html, save_html  # noqa: E402
-from parallel.auto.regions.moe_dispatch import declare_moe_dispatch  # noqa: E402
-from parallel.precision import is_mixed, mixed_precision_policy  # noqa: E402
-from trainer.auto import (
-    planner_regions,  # noqa: E402
-    runtime_options,  # noqa: E402
-)
+from parallel.auto.request import planning  # noqa: E402
+from parallel.auto.sweep.meshes import ranked_table, search_meshes  # noqa: E402
+from parallel.auto.sweep.point import PlanCache  # noqa: E402
+from trainer.auto import base_job, plan_request  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.mesh_auto import ranked_table, search_meshes  # noqa: E402
-from trainer.sweep_point import PlanCache  # noqa: E402
 
 
 def parse_mesh(text: str, names: str | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -68,49 +65,40 @@ def parse_mesh(text: str, names: str | None) -> tuple[tuple[int, ...], tuple[str
     return tuple(s for s, _ in kept), tuple(n for _, n in kept)
 
 
-def data_axes(names: tuple[str, ...]) -> list[int]:
-    axes = [i for i, n in enumerate(names) if n.startswith("dp")]
-    return axes or list(range(len(names)))
+def job_config(args: argparse.Namespace):
+    """The config with its overrides and this script's shorthands for them."""
+    cfg = load_config(args.config, args.overrides, validate=False)
+    planner, t = cfg.parallelism.planner, cfg.training
+    for key, value in (("hardware", args.hardware), ("solver", args.solver), ("time_limit", args.time_limit),
+                       ("memory_budget_high", args.memory_high), ("memory_limit_gib", args.memory_limit)):
+        if value is not None:
+            setattr(planner, key, value)
+    t.local_batch_size = args.local_batch_size or t.local_batch_size
+    t.seq_len = args.seq_len or t.seq_len
+    try:
+        planner.check()
+    except ValueError as e:
+        raise SystemExit(f"{cfg.source}: [parallelism] {e}") from None
+    return cfg
 
 
 def plan_job(args: argparse.Namespace) -> tuple:
-    cfg = load_config(args.config, args.overrides, validate=False)
+    cfg = job_config(args)
     sizes, names = parse_mesh(args.mesh, args.axis_names)
     world = math.prod(sizes)
-    hardware = args.hardware or cfg.parallelism.hardware
-    local_bs = args.local_batch_size or cfg.training.local_batch_size
-    seq = args.seq_len or cfg.training.seq_len
-    dp = data_axes(names)
-    global_bs = local_bs * math.prod(sizes[i] for i in dp)
-    mp = mixed_precision_policy(cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce)
-    mp = mp if is_mixed(mp) else None
     model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **cfg.model.arg_overrides())
-    print(f"planning {cfg.model.name} {cfg.model.flavor} on mesh {sizes} {names} ({world} ranks, {hardware}); "
-          f"global batch {global_bs} x seq {seq}; mixed precision {cfg.training.mixed_precision_param}", flush=True)
-
-    def input_fn():
-        toks = torch.zeros(global_bs, seq, dtype=torch.long)
-        return toks, toks.clone()
-
     with fake_world(world):
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+        request = plan_request(cfg)
+        print(f"planning {cfg.model.name} {cfg.model.flavor} on mesh {sizes} {names} ({world} ranks, "
+              f"{request.planner.hardware}); local batch {request.local_batch_size} x seq {request.seq_len}; "
+              f"mixed precision {cfg.training.mixed_precision_param}", flush=True)
         t0 = time.perf_counter()
-        declare_moe_dispatch(cfg.parallelism.moe_imbalance_factor)
-        limit = args.memory_limit if args.memory_limit is not None else cfg.parallelism.memory_limit_gib
-        with AutoParallel(model, input_fn, mesh, loss_fn=lm_loss, mp_policy=mp, hardware=hardware,
-                          solver=args.solver or cfg.parallelism.solver, time_limit=args.time_limit,
-                          runtime=runtime_options(cfg), memory_limit_gib=limit,
-                          memory_estimate=cfg.parallelism.memory_estimate,
-                          optimizer=cfg.optimizer.implementation, regions=planner_regions(model, cp=False)) as autop:
+        with planning(model, mesh, request) as autop:
             if args.coverage:
                 print(autop.coverage(), flush=True)
-            if not args.free_inputs:
-                p = tuple(Shard(0) if i in dp else Replicate() for i in range(len(sizes)))
-                autop.add_input_constraints([p, p])
-            low, high = cfg.parallelism.memory_budget_low, cfg.parallelism.memory_budget_high
-            if args.memory_high is not None:
-                high = args.memory_high
-            autop.add_parameter_memory_constraint(low=low, high=high)
+            if args.free_inputs:
+                autop.constraints = [c for c in autop.constraints if c.kind != "input"]
             plan = autop.optimize_placement(verbose=True)
         plan.timings["total"] = time.perf_counter() - t0
     return plan, autop
@@ -118,19 +106,13 @@ def plan_job(args: argparse.Namespace) -> tuple:
 
 def search_job(args: argparse.Namespace) -> Plan:
     """--mesh auto: plan every mesh of --world-size (cached), print them ranked, return the best plan."""
-    cfg = load_config(args.config, args.overrides, validate=False)
-    hardware = args.hardware or cfg.parallelism.hardware
+    cfg = job_config(args)
+    hardware = cfg.parallelism.planner.hardware
     if hardware == "auto":
         raise SystemExit("--mesh auto plans for a named profile: pass --hardware (e.g. h100)")
-    cfg.training.local_batch_size = args.local_batch_size or cfg.training.local_batch_size
-    cfg.training.seq_len = args.seq_len or cfg.training.seq_len
-    if args.memory_high is not None:
-        cfg.parallelism.memory_budget_high = args.memory_high
-    cfg.parallelism.solver = args.solver or cfg.parallelism.solver
-    cfg.parallelism.time_limit = args.time_limit
     cache = PlanCache(args.cache_dir)
     try:
-        rows = search_meshes(cfg, args.world_size, hardware, workers=args.workers, cache=cache)
+        rows = search_meshes(base_job(cfg), args.world_size, hardware, workers=args.workers, cache=cache)
     except MeshSearchError as e:
         raise SystemExit(f"--world-size {args.world_size}: {e}") from None
     print(f"meshes of {args.world_size} devices for {cfg.model.name} {cfg.model.flavor} on {hardware}, "
@@ -154,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="with --mesh auto: planning processes")
     ap.add_argument("--cache-dir", default=None, help="with --mesh auto: plan cache (default ~/.cache/autotitan/plans)")
     ap.add_argument("--axis-names", default=None, help="comma-separated mesh axis names (default dp[,tp])")
-    ap.add_argument("--hardware", default=None, help="hardware profile (default: [parallelism].hardware)")
+    ap.add_argument("--hardware", default=None, help="hardware profile (default: [parallelism] hardware)")
     ap.add_argument("--out", default=None, help="write the plan JSON here")
     ap.add_argument("--html", default=None, help="write the plan as a self-contained HTML page here")
     ap.add_argument("--diff", default=None, metavar="OTHER_PLAN_JSON",
@@ -166,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="predicted peak memory per device may reach this (default: [parallelism] memory_limit_gib, "
                          "else the hardware profile's); 'inf': no limit")
     ap.add_argument("--solver", default=None, choices=["auto", "ilp", "mrf", "highs", "cbc"])
-    ap.add_argument("--time-limit", type=float, default=600.0)
+    ap.add_argument("--time-limit", type=float, default=None, help="solver seconds (default: [parallelism] time_limit)")
     ap.add_argument("--free-inputs", action="store_true", help="do not constrain inputs to batch sharding")
     ap.add_argument("--coverage", action="store_true",
                     help="print every ATen op of the traced graph and how the planner handles it")

@@ -38,17 +38,15 @@ sys.path.insert(0, str(ROOT / "scripts"))
 PAPER = {4096: (1.6, 36), 8192: (41.5, 2437), 16384: (None, None), 32768: (51.3, None)}
 
 
-def _autop(model, mesh, seq: int, global_bs: int, hardware: str):
-    import torch
-    from torch.distributed.tensor import Replicate, Shard
-
-    from parallel.auto.api import AutoParallel, lm_loss
+def _request(args: argparse.Namespace, seq: int):
+    """The planning request at `seq` (as the trainer asks it: parallel/auto/request.py)."""
+    from parallel.auto.config import PlannerConfig
+    from parallel.auto.request import PlanRequest
     from parallel.precision import mixed_precision_policy
 
-    toks = torch.zeros(global_bs, seq, dtype=torch.long)
-    autop = AutoParallel(model, (toks, toks.clone()), mesh, loss_fn=lm_loss,
-                         mp_policy=mixed_precision_policy("bfloat16", "float32"), hardware=hardware)
-    return autop, (Shard(0), Replicate())
+    return PlanRequest(local_batch_size=args.local_batch_size, seq_len=seq,
+                       planner=PlannerConfig(hardware=args.hardware, memory_budget_high=args.memory_high),
+                       mp_policy=mixed_precision_policy("bfloat16", "float32"))
 
 
 def cost_rows(args: argparse.Namespace) -> tuple[list[dict], float]:
@@ -57,28 +55,22 @@ def cost_rows(args: argparse.Namespace) -> tuple[list[dict], float]:
 
     from models import build_model
     from parallel.auto.api import fake_world
+    from parallel.auto.request import planning
 
     sizes = tuple(int(x) for x in args.mesh.split("x"))
-    global_bs = args.local_batch_size * sizes[0]
     # one model for every length: RoPE tables long enough for the longest (8B's flavor stops at 8192)
     model = build_model("llama3", args.flavor, device="meta", max_seq_len=max([args.base_seq, *args.seq_lens]))
     rows = []
     with fake_world(math.prod(sizes)):
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=("dp", "tp")[: len(sizes)])
         t0 = time.perf_counter()
-        autop, pl = _autop(model, mesh, args.base_seq, global_bs, args.hardware)
-        with autop:
-            autop.add_input_constraints([pl, pl])
-            autop.add_parameter_memory_constraint(high=args.memory_high)
+        with planning(model, mesh, _request(args, args.base_seq)) as autop:
             p0 = autop.optimize_placement(verbose=False)
         print(f"P0 at seq {args.base_seq}: {p0.objective_us / 1e3:,.1f} ms predicted ({p0.status}, "
               f"{time.perf_counter() - t0:.0f}s)", flush=True)
         for seq in args.seq_lens:
             t0 = time.perf_counter()
-            autop, pl = _autop(model, mesh, seq, global_bs, args.hardware)
-            with autop:
-                autop.add_input_constraints([pl, pl])
-                autop.add_parameter_memory_constraint(high=args.memory_high)
+            with planning(model, mesh, _request(args, seq)) as autop:
                 fresh = autop.optimize_placement(verbose=False)
                 replay = autop.replay_placement(p0)
             rows.append({"seq": seq, "replay_ms": replay.objective_us / 1e3, "fresh_ms": fresh.objective_us / 1e3,

@@ -22,10 +22,11 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from parallel.auto.cost import load_hardware  # noqa: E402
-from trainer.sweep import Progress, run_points  # noqa: E402
-from trainer.sweep_point import PlanCache, memory_limit  # noqa: E402
-from trainer.sweep_report import markdown_table, memory_note, write_csv, write_markdown, write_svg  # noqa: E402
-from trainer.sweep_spec import SweepSpecError, load_sweep  # noqa: E402
+from parallel.auto.sweep.point import PlanCache, memory_limit  # noqa: E402
+from parallel.auto.sweep.report import markdown_table, memory_note, write_csv, write_markdown, write_svg  # noqa: E402
+from parallel.auto.sweep.run import Progress, run_points  # noqa: E402
+from parallel.auto.sweep.spec import SweepSpecError, load_sweep  # noqa: E402
+from trainer.auto import load_base_job  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers is not None and args.workers < 1:
         ap.error(f"--workers {args.workers}: must be >= 1")
     try:
-        spec = load_sweep(args.spec)
+        spec = load_sweep(args.spec, load_base_job)
     except SweepSpecError as e:
         print(f"sweep spec error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """Trainer integration of the planner: `[parallelism] mode = "auto"`.
 
-    model = auto_parallelize_for_training(model, mesh, job_config, sample_batch)
+    model, how = auto_parallelize_for_training(model, mesh, job_config, sample_batch)
 
 1. The mesh comes from the degrees (`parallel/mesh.py`); its axis names are labels only:
    the planner decides what each axis does. The data loader gives every data-parallel
@@ -23,6 +23,7 @@ profile) become ConfigErrors naming the `[parallelism]` key to change.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -37,46 +38,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import Replicate, Shard
 
-from parallel.auto.api import CP_ATTENTION, AutoParallel, lm_loss, lm_loss_positions
+from parallel.auto.api import AutoParallel
+from parallel.auto.config import PlannerConfig
 from parallel.auto.cost import AUTO, HardwareProfile, ProfileError
 from parallel.auto.cost.calibrate import profile_for_group
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.plan_html import save_html
 from parallel.auto.problem import MemoryLimitError, PlanningError
-from parallel.auto.regions import marked_regions
-from parallel.auto.regions.moe_dispatch import declare_moe_dispatch
+from parallel.auto.request import PlanRequest, planning
 from parallel.auto.runtime import RuntimeOptions
-from parallel.mesh import CP, DATA_AXES, axis_size
+from parallel.auto.sweep.spec import BaseJob
+from parallel.mesh import CP
 from parallel.precision import is_mixed, mixed_precision_policy
 
-from .config import ConfigError, JobConfig
+from .config import ConfigError, JobConfig, load_config
 from .device import gpu_profile
 
 logger = logging.getLogger("autotitan")
-
-
-def data_placements(mesh: DeviceMesh) -> tuple:
-    """Shard(0) (batch) on the data-parallel axes, Replicate on the others."""
-    names = mesh.mesh_dim_names or ()
-    return tuple(Shard(0) if n in DATA_AXES else Replicate() for n in names)
-
-
-def uses_cp(mesh: DeviceMesh | None) -> bool:
-    """True when the mesh has a `cp` axis of size > 1: auto mode then feeds the sequence in the
-    load-balanced CP order with its positions, and the planner may shard it (CP attention)."""
-    return mesh is not None and CP in (mesh.mesh_dim_names or ()) and axis_size(mesh, CP) > 1
-
-
-def data_degree(mesh: DeviceMesh) -> int:
-    """Number of data-parallel ranks (product of the data axes' sizes)."""
-    names = mesh.mesh_dim_names or ()
-    d = 1
-    for n, s in zip(names, mesh.shape):
-        if n in DATA_AXES:
-            d *= s
-    return d
 
 
 def planner_mp_policy(training_cfg: Any) -> Optional[MixedPrecisionPolicy]:
@@ -88,20 +67,48 @@ def planner_mp_policy(training_cfg: Any) -> Optional[MixedPrecisionPolicy]:
 def planning_hardware(par: Any, mesh: DeviceMesh | None, device_type: str | None = None) -> str | HardwareProfile:
     """The cost model's profile: a named one, or with "auto" this GPU's shipped profile or
     this machine measured for the job's world size (cached; every rank takes part)."""
-    if par.hardware != AUTO:
-        return par.hardware
+    if par.planner.hardware != AUTO:
+        return par.planner.hardware
     device = torch.device(mesh.device_type if mesh is not None else device_type)
     return gpu_profile() or profile_for_group(recalibrate=par.recalibrate, device=device)
 
 
+def planner_config(job_config: JobConfig) -> PlannerConfig:
+    """The job's planner settings, whole: `[parallelism]`'s, with `[optimizer] implementation`."""
+    return dataclasses.replace(job_config.parallelism.planner, optimizer=job_config.optimizer.implementation)
+
+
+def plan_request(job_config: JobConfig, mesh: DeviceMesh | None = None, *, local_batch_size: int | None = None,
+                 seq_len: int | None = None) -> PlanRequest:
+    """The planning request of this job (on `mesh`, whose profile "auto" hardware measures)."""
+    planner = planner_config(job_config)
+    if planner.hardware == AUTO and mesh is not None:
+        planner = dataclasses.replace(planner, hardware=planning_hardware(job_config.parallelism, mesh))
+    t = job_config.training
+    return PlanRequest(local_batch_size=local_batch_size or t.local_batch_size, seq_len=seq_len or t.seq_len,
+                       planner=planner, runtime=runtime_options(job_config), mp_policy=planner_mp_policy(t))
+
+
 def runtime_options(job_config: JobConfig) -> RuntimeOptions:
-    """How the plan runs, from the job: AC, resharding, overlap, Inductor compilation, and the
-    load-balanced sequence order the trainer feeds when `context_parallel_degree` > 1."""
+    """How the plan runs, from the job: AC, resharding, overlap, Inductor compilation (the
+    request builder adds the load-balanced sequence order of a cp axis)."""
     ac, par, t = job_config.activation_checkpoint, job_config.parallelism, job_config.training
     return RuntimeOptions(ac_mode=ac.mode, ac_option=ac.selective_ac_option,
                           reshard_after_forward=par.reshard_after_forward,
                           overlap=par.overlap, compile=t.compile, compile_fallback=t.compile_fallback,
-                          compile_mode=t.compile_mode, load_balance=max(1, par.context_parallel_degree))
+                          compile_mode=t.compile_mode)
+
+
+def base_job(job_config: JobConfig) -> BaseJob:
+    """What a sweep or the mesh search takes from this job: its model and planning request."""
+    m = job_config.model
+    return BaseJob(model=m.name, flavor=m.flavor, model_args=tuple(sorted(m.arg_overrides().items())),
+                   request=plan_request(job_config))
+
+
+def load_base_job(config: str | None) -> BaseJob:
+    """:func:`base_job` of a job config by name or path (ConfigError when it cannot be read)."""
+    return base_job(load_config(config, validate=False))
 
 
 def plan_digest(plan: Plan) -> str:
@@ -121,8 +128,8 @@ def _world() -> int:
 
 def auto_parallelize_for_training(model: nn.Module, mesh: Optional[DeviceMesh], job_config: JobConfig,
                                   sample_batch: Any, constraints: Optional[Callable[[AutoParallel], None]] = None,
-                                  *, source: Optional["PlanSource"] = None) -> nn.Module:
-    """Plan (or replay a plan for) `model` on `mesh` and return the ParallelModule.
+                                  *, source: Optional["PlanSource"] = None) -> tuple[nn.Module, str]:
+    """Plan (or replay a plan for) `model` on `mesh`: (the ParallelModule, where its plan came from).
 
     sample_batch: the per-rank (tokens, labels) of the data loader; the global batch is
     the local one times the data-parallel degree. Without a mesh (single process) the
@@ -132,7 +139,7 @@ def auto_parallelize_for_training(model: nn.Module, mesh: Optional[DeviceMesh], 
     """
     if mesh is None:
         logger.info("parallelism.mode = auto on a single process: nothing to plan, training the model as is")
-        return model
+        return model, "not planned (a single process)"
     _check_supported(job_config, mesh)
     par, src = job_config.parallelism, job_config.source
     try:
@@ -142,7 +149,7 @@ def auto_parallelize_for_training(model: nn.Module, mesh: Optional[DeviceMesh], 
     except PlanningError as e:
         raise _planning_error(job_config, e) from None
     except ProfileError as e:
-        raise ConfigError(f"{src}: 'parallelism.hardware' = {par.hardware!r}: {e}") from None
+        raise ConfigError(f"{src}: 'parallelism.hardware' = {par.planner.hardware!r}: {e}") from None
 
 
 @dataclass
@@ -170,7 +177,7 @@ def _check_supported(job_config: JobConfig, mesh: DeviceMesh) -> None:
 
 def _planning_error(job_config: JobConfig, e: PlanningError) -> ConfigError:
     """No feasible plan: name the budget keys the user set (or the mode) and the fix."""
-    p = job_config.parallelism
+    p = job_config.parallelism.planner
     if isinstance(e, MemoryLimitError):  # the message says what does not fit and what to change
         what = (f"'parallelism.memory_limit_gib' = {p.memory_limit_gib}" if p.memory_limit_gib is not None
                 else f"'parallelism.hardware' = {p.hardware!r} (the profile's memory_limit_gib; "
@@ -187,34 +194,17 @@ def _planning_error(job_config: JobConfig, e: PlanningError) -> ConfigError:
 
 
 def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, sample_batch: Any,
-                    constraints: Optional[Callable[[AutoParallel], None]], source: PlanSource) -> nn.Module:
+                    constraints: Optional[Callable[[AutoParallel], None]], source: PlanSource
+                    ) -> tuple[nn.Module, str]:
     """Trace, get the plan (replayed, or solved on rank 0 and broadcast), check, log, apply."""
     par = job_config.parallelism
-    tokens, labels = sample_batch
-    gshape = (tokens.shape[0] * data_degree(mesh), *tokens.shape[1:])
-    g_inputs: tuple = (torch.zeros(gshape, dtype=tokens.dtype, device="meta"),
-                       torch.zeros(gshape, dtype=labels.dtype, device="meta"))
+    tokens, _ = sample_batch
     saved = Plan.load(par.plan_file) if par.plan_file else None  # a bad file fails before tracing
-    pl = data_placements(mesh)
-    declare_moe_dispatch(par.moe_imbalance_factor)
-    in_placements, loss_fn, regions = [pl, pl], lm_loss, planner_regions(model, cp=False)
-    if uses_cp(mesh):  # the sequence in load-balanced order, its RoPE positions, CP attention as a region
-        g_inputs += (torch.zeros(gshape[1], dtype=torch.long, device="meta"),)
-        in_placements.append(tuple(Replicate() for _ in range(mesh.ndim)))
-        loss_fn, regions = lm_loss_positions, planner_regions(model, cp=True)
-    with AutoParallel(model, g_inputs, mesh, loss_fn=loss_fn, mp_policy=planner_mp_policy(job_config.training),
-                      hardware=planning_hardware(par, mesh), solver=par.solver, time_limit=par.time_limit,
-                      cluster_layers=par.cluster_layers, seed=par.seed, seed_radius=par.seed_radius,
-                      seed_rounds=par.seed_rounds, runtime=runtime_options(job_config),
-                      memory_limit_gib=par.memory_limit_gib, memory_estimate=par.memory_estimate,
-                      optimizer=job_config.optimizer.implementation, regions=regions) as autop:
-        autop.add_input_constraints(in_placements)
-        if par.memory_budget_low is not None or par.memory_budget_high is not None:
-            autop.add_parameter_memory_constraint(low=par.memory_budget_low, high=par.memory_budget_high)
-        elif _states_fit_replicated(model, autop):
-            autop.add_parameter_memory_constraint(high=1.0)  # memory is no object: let speed decide
+    request = plan_request(job_config, mesh, local_batch_size=tokens.shape[0], seq_len=tokens.shape[1])
+    with planning(model, mesh, request) as autop:
         if constraints is not None:
             constraints(autop)
+        g_inputs = autop.input_fn
         input_shapes = [[list(x.shape), str(x.dtype)] for x in g_inputs]
         if source.cached is not None:
             source.cached.check_compatible(model=model, mesh=mesh, input_shapes=input_shapes, source="the cached plan")
@@ -231,26 +221,7 @@ def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, s
         _check_agreement(digest)
         if _rank() == 0:
             _log_and_save(plan, how, digest, Path(job_config.job.dump_folder) / job_config.job.name)
-        pm = autop.apply_placement(plan)
-        object.__setattr__(pm, "plan_origin", how)  # a plain attribute, as the runtime's own
-        return pm
-
-
-STATE_BYTES_PER_PARAM = 16  # fp32 parameter, gradient and AdamW's two moments
-REPLICATED_STATES_SHARE = 0.25  # of a device's memory, at most, for fully replicated model states
-
-
-def default_memory_high(num_params: int, hw: HardwareProfile) -> float | None:
-    """The unset parameter budget: free (1.0: the planner may replicate parameters when that
-    is faster) when every rank could hold all model states (parameters, gradients, optimizer)
-    in a quarter of its memory; otherwise None, fully sharded, as AutoParallel defaults."""
-    states = STATE_BYTES_PER_PARAM * num_params
-    return 1.0 if states <= REPLICATED_STATES_SHARE * hw.memory_bytes else None
-
-
-def _states_fit_replicated(model: nn.Module, autop: AutoParallel) -> bool:
-    """Whether the unset budget is free (:func:`default_memory_high`)."""
-    return default_memory_high(sum(p.numel() for p in model.parameters()), autop.cost_model().hw) is not None
+        return autop.apply_placement(plan), how
 
 
 def _solve_on_rank0(autop: AutoParallel) -> Plan:
@@ -319,12 +290,3 @@ def _check_agreement(digest: str) -> None:
     dist.all_gather_object(digests, digest)
     if len(set(digests)) != 1:
         raise RuntimeError(f"ranks disagree on the plan: digests {digests}")
-
-
-def planner_regions(model: torch.nn.Module, cp: bool) -> tuple[str, ...]:
-    """The model's marked local_map regions the planner traces as one node each: MoE
-    dispatch always; the causal-attention region only when a cp axis may shard the
-    sequence (otherwise attention stays plain ATen ops, sharded on batch and heads by
-    DTensor's own rules, as before regions existed)."""
-    regions = tuple(r for r in marked_regions(model) if r != CP_ATTENTION)
-    return regions + ((CP_ATTENTION,) if cp else ())

@@ -15,38 +15,15 @@ from collections.abc import Callable
 from typing import Any, ContextManager, Optional
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from models import build_model
-from parallel import _torch as T
 from parallel.auto.runtime import is_parallel_module
 from parallel.precision import dtype_of
-from parallel.recipes import RecipeError, apply_compile, apply_recipe
 
-from .auto import PlanSource, auto_parallelize_for_training
-from .config import ConfigError, JobConfig
+from .auto import PlanSource
+from .config import JobConfig
 from .device import sharded_init_is_exact
-
-
-def parallelize(model: torch.nn.Module, mesh: Optional[DeviceMesh], job_config: JobConfig,
-                sample_batch: Any, plan_constraints: Optional[Callable[[Any], None]] = None,
-                plan_source: Optional[PlanSource] = None) -> torch.nn.Module:
-    """The one place where the model becomes parallel. ``mesh`` is None without a
-    process group (single process): the model is returned as is (compiled if asked).
-    A recipe's error (a degree that does not fit) becomes a ConfigError naming the file.
-    `plan_constraints(autop)`: auto mode, constraints added to the planner before solving;
-    `plan_source`: auto mode, where the plan comes from (trainer/auto.py PlanSource)."""
-    if job_config.training.compile and job_config.training.compile_fallback:
-        T.compile_errors_fall_back(True)  # manual mode's per-block torch.compile; auto mode has its own
-    if job_config.parallelism.mode == "auto":
-        return auto_parallelize_for_training(model, mesh, job_config, sample_batch, plan_constraints,
-                                             source=plan_source)
-    if mesh is None:
-        return apply_compile(model) if job_config.training.compile else model
-    try:
-        return apply_recipe(model, mesh, job_config)
-    except RecipeError as e:
-        raise ConfigError(f"{job_config.source}: {e}") from None
+from .parallelizer import Parallelizer
 
 
 def init_weights(model: torch.nn.Module, device: torch.device, seed: int, sharded: bool = False) -> None:
@@ -58,13 +35,12 @@ def init_weights(model: torch.nn.Module, device: torch.device, seed: int, sharde
         model.init_weights(sharded=True) if sharded and is_parallel_module(model) else model.init_weights()
 
 
-def build_parallel_model(cfg: JobConfig, mesh: Optional[DeviceMesh], device: torch.device, vocab_size: int,
-                         sample_batch: Any, plan_constraints: Optional[Callable[[Any], None]] = None,
-                         plan_source: Optional[PlanSource] = None,
+def build_parallel_model(cfg: JobConfig, parallelizer: Parallelizer, device: torch.device, vocab_size: int,
+                         sample_batch: Any, plan_source: Optional[PlanSource] = None,
                          storage: Callable[[], ContextManager] = contextlib.nullcontext) -> torch.nn.Module:
-    """The job's model on `device`, initialised from the job's seed and parallelized (recipe
-    or plan), in train mode. `storage`: the context the weights are allocated in (the dry
-    run's FakeTensorMode; the trainer's real memory by default)."""
+    """The job's model on `device`, initialised from the job's seed and parallelized by the
+    job's mode (recipe or plan), in train mode. `storage`: the context the weights are
+    allocated in (the dry run's FakeTensorMode; the trainer's real memory by default)."""
     model = build_model(cfg.model.name, cfg.model.flavor, device="meta", vocab_size=vocab_size,
                         **cfg.model.arg_overrides())
     sharded = sharded_init_is_exact(device)
@@ -73,7 +49,7 @@ def build_parallel_model(cfg: JobConfig, mesh: Optional[DeviceMesh], device: tor
             init_weights(model, device, cfg.job.seed)  # in fp32, then cast: the same values as a single-device run
     if cfg.training.dtype != "float32":
         model = model.to(dtype_of(cfg.training.dtype))
-    model = parallelize(model, mesh, cfg, sample_batch, plan_constraints, plan_source)
+    model = parallelizer.parallelize(model, sample_batch, plan_source)
     if sharded:
         with storage():
             init_weights(model, device, cfg.job.seed, sharded=True)

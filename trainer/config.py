@@ -13,13 +13,13 @@ variable (1 when unset) or from the ``world_size`` argument.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
+from parallel.auto.config import JOB_KEY, PlannerConfig
 from parallel.auto.cost import DEFAULT_HARDWARE
 
 from .config_checks import validate_config
@@ -35,6 +35,9 @@ CONFIGS_DIR = PROJECT_ROOT / "configs"
 
 
 # --------------------------------------------------------------------------- sections
+
+FLAT = "flat"
+"""Field metadata: a settings object whose fields are keys of the enclosing section (TOML stays flat)."""
 
 
 @dataclass
@@ -137,23 +140,12 @@ class Parallelism:
     # auto mode: "" builds the mesh from the degrees; "auto" plans every mesh of the world
     # size (trainer/mesh_auto.py) and builds the fastest that fits
     mesh: str = ""
-    # auto mode: the planner's knobs (parallel.auto.api.AutoParallel)
-    hardware: str = DEFAULT_HARDWARE  # "auto" (this machine, measured), a configs/hardware/NAME.toml, or a path
+    # auto mode: the planner's settings (parallel/auto/config.py), written as keys of [parallelism]:
+    # hardware, solver, time_limit, cluster_layers, seed, seed_radius, seed_rounds, memory_budget_low,
+    # memory_budget_high, memory_limit_gib, memory_estimate, moe_imbalance_factor
+    planner: PlannerConfig = field(default_factory=PlannerConfig, metadata={FLAT: True})
     recalibrate: bool = False  # hardware "auto": measure again instead of reading the cached profile
     plan_file: str = ""  # replay this plan.json instead of solving
-    memory_budget_low: Optional[float] = None
-    memory_budget_high: Optional[float] = None
-    # the predicted peak memory per device may reach this many GiB (unset: the hardware profile's memory_limit_gib)
-    memory_limit_gib: Optional[float] = None
-    memory_estimate: bool = True  # false: no peak estimate per plan (one step-graph trace saved), no limit check
-    solver: str = "auto"
-    seed: Optional[bool] = None  # split-dimension seeding; unset: on from 3-D meshes
-    seed_radius: int = 2  # mesh axes a seeded strategy may differ from its seeds on
-    seed_rounds: int = 1  # > 1: re-seed around the solved plan while it improves
-    time_limit: float = 600.0  # seconds for the ILP solver; for the MRF solver, per TRW-S run
-    cluster_layers: bool = True  # one decision for the repeated copies of a layer
-    # auto mode: MoE all-to-all bytes are priced x this (busiest rank / mean; README "MoE dispatch")
-    moe_imbalance_factor: float = 1.25
     # both modes: gather parameters again in the backward (FSDP's default, less memory)
     reshard_after_forward: bool = True
     overlap: bool = True  # auto mode: collectives start early and are waited for at first use
@@ -226,8 +218,7 @@ class JobConfig:
     source: str = field(default="<defaults>", compare=False)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {f.name: dataclasses.asdict(getattr(self, f.name))
-                for f in fields(self) if f.name != "source"}
+        return {f.name: section_dict(getattr(self, f.name)) for f in fields(self) if f.name != "source"}
 
     def to_toml(self) -> str:
         return dump_toml(self.to_dict())
@@ -240,15 +231,46 @@ SECTIONS = [f.name for f in fields(JobConfig) if f.name != "source"]
 # --------------------------------------------------------------------------- typing
 
 
-def _field_types(section_cls) -> dict[str, Any]:
+def _keys(section_cls) -> dict[str, tuple[tuple[str, ...], Any]]:
+    """Key -> (attribute path from the section, type); a FLAT field's own keys stand in for it
+    (those set from another section, JOB_KEY, are not keys here)."""
     hints = typing.get_type_hints(section_cls)
-    return {f.name: hints[f.name] for f in fields(section_cls)}
+    out: dict[str, tuple[tuple[str, ...], Any]] = {}
+    for f in fields(section_cls):
+        if f.metadata.get(FLAT):
+            for key, (path, tp) in _keys(hints[f.name]).items():
+                out[key] = ((f.name, *path), tp)
+        elif JOB_KEY not in f.metadata:
+            out[f.name] = ((f.name,), hints[f.name])
+    return out
+
+
+def _field_types(section_cls) -> dict[str, Any]:
+    return {key: tp for key, (_, tp) in _keys(section_cls).items()}
+
+
+def section_dict(sec: Any) -> dict[str, Any]:
+    """A section's keys and values, flat as in the TOML file."""
+    out = {}
+    for key, (path, _) in _keys(type(sec)).items():
+        value = sec
+        for name in path:
+            value = getattr(value, name)
+        out[key] = value
+    return out
+
+
+def _assign(sec: Any, key: str, value: Any) -> None:
+    path = _keys(type(sec))[key][0]
+    for name in path[:-1]:
+        sec = getattr(sec, name)
+    setattr(sec, path[-1], value)
 
 
 def _type_name(tp) -> str:
     if typing.get_origin(tp) is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return f"{_type_name(args[0])} or none"
+        return _type_name(args[0]) + (" or none" if type(None) in typing.get_args(tp) else "")
     return {int: "an integer", float: "a number", str: "a string", bool: "true/false",
             list: "a list (TOML array)"}.get(tp, str(tp))
 
@@ -256,9 +278,14 @@ def _type_name(tp) -> str:
 def _check_value(tp, value):
     """Return the value converted to ``tp`` or raise TypeError."""
     if typing.get_origin(tp) is typing.Union:
-        if value is None:
+        if value is None and type(None) in typing.get_args(tp):
             return None
-        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        for arg in (a for a in typing.get_args(tp) if a is not type(None)):
+            try:
+                return _check_value(arg, value)
+            except TypeError:
+                continue
+        raise TypeError
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -280,9 +307,9 @@ def _check_value(tp, value):
 def _parse_cli_value(tp, text: str):
     """Parse a command-line string for a field of type ``tp`` (raise ValueError)."""
     if typing.get_origin(tp) is typing.Union:
-        if text.lower() in ("none", "null", ""):
+        if text.lower() in ("none", "null", "") and type(None) in typing.get_args(tp):
             return None
-        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
     if tp is bool:
         low = text.lower()
         if low in ("true", "1", "yes", "on"):
@@ -338,7 +365,7 @@ def _set(cfg: JobConfig, section: str, key: str, value, where: str, from_cli: bo
     except (TypeError, ValueError):
         raise ConfigError(f"{where}: '{section}.{key}' = {value!r} has the wrong type; "
                           f"expected {_type_name(tp)}") from None
-    setattr(sec, key, value)
+    _assign(sec, key, value)
 
 
 def parse_overrides(overrides) -> list[tuple[str, str, Optional[str]]]:

@@ -6,13 +6,14 @@ before any collective.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Optional
 
 from models import build_model, get_model_spec, model_args, transformer_blocks
+from parallel.auto.config import SettingError
 from parallel.auto.cost import AUTO, ProfileError, load_hardware
-from parallel.auto.solve import SOLVERS
 from parallel.recipes import RecipeError
 from parallel.recipes.cp import validate_cp
 
@@ -38,7 +39,8 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
 
 
 def _err(cfg: JobConfig, section: str, key: str, msg: str) -> ConfigError:
-    value = getattr(getattr(cfg, section), key)
+    sec = getattr(cfg, section)
+    value = getattr(sec.planner if section == "parallelism" and not hasattr(sec, key) else sec, key)
     return ConfigError(f"{cfg.source}: '{section}.{key}' = {value!r}: {msg}")
 
 
@@ -99,10 +101,11 @@ def _validate_ranges(cfg: JobConfig) -> None:
 def _validate_hardware(cfg: JobConfig) -> None:
     """Both hardware keys name a profile the planner can read (the planner's own loader)."""
     for section in ("metrics", "parallelism"):
-        if getattr(cfg, section).hardware == AUTO:
+        hardware = cfg.parallelism.planner.hardware if section == "parallelism" else cfg.metrics.hardware
+        if hardware == AUTO:
             continue  # this machine, measured when the job starts
         try:
-            load_hardware(getattr(cfg, section).hardware)
+            load_hardware(hardware)
         except ProfileError as e:
             fix = "" if "available:" in str(e) else "; name a profile of configs/hardware/ or a valid profile .toml"
             raise _err(cfg, section, "hardware", f"{e}{fix}") from None
@@ -166,33 +169,11 @@ def _validate_planner(cfg: JobConfig) -> None:
     """The auto mode's knobs (checked in manual mode too: a typo should not wait)."""
     p = cfg.parallelism
     _validate_mesh(cfg)
-    if p.solver not in SOLVERS:
-        raise _err(cfg, "parallelism", "solver",
-                   f"must be one of {', '.join(SOLVERS)} (highs, cbc: the ILP with that backend)")
-    for key in ("memory_budget_low", "memory_budget_high"):
-        v = getattr(p, key)
-        if v is not None and v < 0:
-            raise _err(cfg, "parallelism", key, "must be >= 0 (or left unset)")
-    if (p.memory_budget_low is not None and p.memory_budget_high is not None
-            and p.memory_budget_low > p.memory_budget_high):
-        raise _err(cfg, "parallelism", "memory_budget_low",
-                   f"must not exceed memory_budget_high = {p.memory_budget_high}")
-    if p.memory_limit_gib is not None and not 0 < p.memory_limit_gib < float("inf"):
-        raise _err(cfg, "parallelism", "memory_limit_gib",
-                   "must be > 0 GiB per device (or left unset: the hardware profile's memory_limit_gib)")
-    if p.memory_limit_gib is not None and not p.memory_estimate:
-        raise _err(cfg, "parallelism", "memory_estimate",
-                   f"the memory limit (memory_limit_gib = {p.memory_limit_gib}) is checked against the estimate: "
-                   "unset memory_limit_gib or set memory_estimate = true")
-    if p.seed_radius < 0:
-        raise _err(cfg, "parallelism", "seed_radius", "must be >= 0 (mesh axes a seeded strategy may change)")
-    if p.seed_rounds < 1:
-        raise _err(cfg, "parallelism", "seed_rounds", "must be >= 1 (1: seed once, no re-seeding)")
-    if not p.time_limit > 0:
-        raise _err(cfg, "parallelism", "time_limit", "must be > 0 seconds")
-    if not p.moe_imbalance_factor >= 1.0:
-        raise _err(cfg, "parallelism", "moe_imbalance_factor",
-                   "must be >= 1.0 (1.0: perfectly balanced routing; the busiest rank receives factor x the mean)")
+    try:
+        dataclasses.replace(p.planner, optimizer=cfg.optimizer.implementation).check()
+    except SettingError as e:
+        section, key = ("optimizer", "implementation") if e.key == "optimizer" else ("parallelism", e.key)
+        raise _err(cfg, section, key, e.fix) from None
     if p.mode == "auto" and p.expert_parallel_degree != 1:
         raise _err(cfg, "parallelism", "expert_parallel_degree",
                    'is set with mode = "auto": the planner decides where the experts go (expert-parallel on '

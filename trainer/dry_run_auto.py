@@ -38,6 +38,7 @@ from .build import build_parallel_model
 from .config import ConfigError, JobConfig
 from .device import CUDA, check_fake_cuda, simulated_device
 from .dry_run import OP_KINDS, group_axis_names
+from .parallelizer import Planner
 
 GPU_PROFILE = "h100"  # the cost model's profile of a simulated GPU job whose hardware is "auto"
 
@@ -114,9 +115,10 @@ def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
         if why is not None:
             raise ConfigError(f"{cfg.source}: 'job.device' = {cfg.job.device!r}: {why}")
         T.enable_fake_cuda()
-    if cfg.parallelism.hardware == "auto":
-        cfg.parallelism.hardware = GPU_PROFILE if device.type == CUDA else "cpu"
-        note = f"parallelism.hardware = 'auto' priced as {cfg.parallelism.hardware!r} (no device to measure)"
+    if cfg.parallelism.planner.hardware == "auto":
+        cfg.parallelism.planner.hardware = GPU_PROFILE if device.type == CUDA else "cpu"
+        note = (f"parallelism.hardware = 'auto' priced as {cfg.parallelism.planner.hardware!r} (no device to "
+                "measure)")
     else:
         note = ""
     compiled, cfg.training.compile = cfg.training.compile, False  # fake tensors have no kernels to compile
@@ -130,9 +132,10 @@ def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
         fake_mode = T.FakeTensorMode(allow_non_fake_inputs=True)  # one mode: the weights meet the step's inputs
         fake = lambda: fake_mode  # noqa: E731
         host_inputs = _step_inputs(cfg, mesh)
-        pm = build_parallel_model(cfg, mesh, device, vocab, host_inputs[:2], storage=fake)
+        planner = Planner(cfg, mesh)
+        pm = build_parallel_model(cfg, planner, device, vocab, host_inputs[:2], storage=fake)
         plan = pm.plan
-        report.plan_summary, report.plan_origin, report.objective_us = plan.summary(), pm.plan_origin, plan.objective_us
+        report.plan_summary, report.plan_origin, report.objective_us = plan.summary(), planner.origin, plan.objective_us
         report.regions = list(getattr(plan, "regions", []))
         report.memory = (f"{format_bytes(plan.memory.peak_bytes)} per device in the {plan.memory.phase} "
                          f"({plan.memory.parts()}); limit {format_bytes(plan.memory.limit_bytes)} "

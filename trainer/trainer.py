@@ -1,14 +1,17 @@
-"""The training loop: build model -> parallelize (recipe or auto) -> train.
+"""The training loop: build model -> parallelize (the job's mode) -> train.
 
     cfg = load_config("llama3_debug", ["--training.steps", "10"])
     Trainer(cfg).train()          # returns {step: loss} of the logged steps
 
-Works with an initialised process group (torchrun) or without one (single process).
+Works with an initialised process group (torchrun) or without one (single process). The
+parallelism mode (trainer/parallelizer.py: recipes or the planner) is chosen once; the loop
+asks it to shard a batch, run a step, follow a sequence-length change and report. A job
+with `[parallelism] mesh = "auto"` has its mesh chosen before (trainer/mesh_auto.py, which
+train.py runs): the Trainer builds the mesh it is given.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import statistics
 import time
@@ -18,38 +21,27 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
-from models import cross_entropy_loss
-from parallel.auto.regions import load_balanced_batch
-from parallel.auto.runtime import CompileError, is_parallel_module
-from parallel.mesh import CP, axis_size, build_mesh, dp_rank_and_degree
-from parallel.precision import dtype_of
-from parallel.recipes.cp import cp_shard_batch
-from parallel.recipes.tp import loss_parallel_context, loss_value
+from parallel.auto.runtime import CompileError
+from parallel.mesh import build_mesh, dp_rank_and_degree
 
 from .auto import PlanSource
-from .build import build_parallel_model, parallelize
+from .build import build_parallel_model
 from .checkpoint import CheckpointManager, resume_step
 from .config import ConfigError, JobConfig
 from .data import DataError, build_dataloader, build_tokenizer
 from .device import local_device
-from .mesh_auto import choose_mesh
 from .metrics import MetricsLogger, setup_logging
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, follow_parameters
+from .parallelizer import parallelizer_for
 
 logger = logging.getLogger("autotitan")
-
-
-def _is_fsdp(model: torch.nn.Module) -> bool:
-    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 class Trainer:
     """One training job: mesh, data, model (parallelized), optimizer, checkpoints, metrics."""
 
     def __init__(self, job_config: JobConfig, plan_constraints: Optional[Callable[[Any], None]] = None):
-        self.plan_constraints = plan_constraints  # auto mode: applied to the planner (parallel.auto.presets)
         self.cfg = cfg = job_config
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -57,21 +49,19 @@ class Trainer:
         setup_logging(self.rank)
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
         self.device = local_device(cfg.job.device)
-        if cfg.parallelism.mesh == "auto" and self.distributed:  # plan every mesh, build the best
-            self.cfg = cfg = choose_mesh(cfg, self.world_size, self.device.type, self._vocab_size())
+        if cfg.parallelism.mesh == "auto" and self.distributed:
+            raise ConfigError(f"{cfg.source}: 'parallelism.mesh' = 'auto': the mesh is chosen before the Trainer is "
+                              "built: call trainer.mesh_auto.choose_mesh(cfg, ...) first (train.py does)")
         self.mesh = build_mesh(cfg.parallelism, self.world_size, self.device.type) if self.distributed else None
         self.dp_rank, self.dp_degree = dp_rank_and_degree(self.mesh)
-        self.cp_axis = self.mesh is not None and CP in (self.mesh.mesh_dim_names or ())
+        # the parallelism mode, chosen once: recipes or the planner (plan_constraints: the planner's presets)
+        self.parallelizer = parallelizer_for(cfg, self.mesh, self.device, plan_constraints)
         # the step a resumed job starts from fixes the first sequence length (and its plan)
         self.resume_step = resume_step(cfg.checkpoint, self.run_dir / cfg.checkpoint.folder)
         self.seq_len = cfg.training.seq_len_at(self.resume_step)
-        self.plans: dict[int, Any] = {}  # auto mode: seq_len -> the plan this job trains that length with
         self._build_data()
         self.model = self._build_model()
         t = cfg.training
-        # mixed precision without FSDP (single rank): autocast
-        self.autocast = (t.mixed_precision_param != "float32" and not _is_fsdp(self.model)
-                         and t.dtype == "float32" and cfg.parallelism.mode == "manual")
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.checkpointer = CheckpointManager(
@@ -85,15 +75,6 @@ class Trainer:
         self.metrics: Optional[MetricsLogger] = None
 
     # ------------------------------------------------------------------ building
-
-    def _vocab_size(self) -> int:
-        """The model's vocabulary: `model.vocab_size`, or the tokenizer's when it is -1."""
-        if self.cfg.model.vocab_size > 0:
-            return self.cfg.model.vocab_size
-        try:
-            return build_tokenizer(self.cfg.data.tokenizer).vocab_size
-        except DataError as e:
-            raise ConfigError(f"{self.cfg.source}: {e}") from None
 
     def _build_data(self) -> None:
         """Tokenizer and this data-parallel rank's loader, one per scheduled sequence length
@@ -120,12 +101,10 @@ class Trainer:
             raise ConfigError(f"{cfg.source}: 'model.vocab_size' = {vocab} is smaller than "
                               f"the tokenizer's vocabulary {self.tokenizer.vocab_size}; raise it or "
                               f"set -1 to take the tokenizer's")
-        model = build_parallel_model(cfg, self.mesh, self.device, vocab, self._sample_batch(), self.plan_constraints,
+        model = build_parallel_model(cfg, self.parallelizer, self.device, vocab, self._sample_batch(),
                                      PlanSource(resuming=self.resume_step > 0))
         self.model_args = model.args
         self.num_params = sum(p.numel() for p in model.parameters())
-        if is_parallel_module(model):
-            self.plans[self.seq_len] = model.plan
         return model
 
     def _sample_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,16 +121,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces
 
-    def _shard_batch(self, inputs, labels):
-        """Per-rank inputs, labels and positions (context parallel shards the sequence; in auto
-        mode every cp rank gets the whole sequence in the load-balanced order and the plan
-        decides where it is cut)."""
-        if self.cp_axis and hasattr(self.model, "forward_backward"):
-            return load_balanced_batch(inputs, labels, axis_size(self.mesh, CP))
-        if self.cp_axis:
-            return cp_shard_batch(inputs, labels, self.mesh, CP)
-        return inputs, labels, None
-
     def reduce_mean(self, x: float) -> float:
         """The mean of a per-rank number over all ranks (the global loss of a step)."""
         if not self.distributed or self.world_size == 1:
@@ -163,32 +132,14 @@ class Trainer:
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (local loss, total grad norm) as tensors."""
         inputs, labels = inputs.to(self.device), labels.to(self.device)
-        inputs, labels, positions = self._shard_batch(inputs, labels)
+        inputs, labels, positions = self.parallelizer.shard_batch(inputs, labels)
         self.optimizer.zero_grad(set_to_none=True)
-        if hasattr(self.model, "forward_backward"):  # auto mode: the step as one graph
-            loss = self.model.forward_backward(*((inputs, labels) if positions is None
-                                                 else (inputs, labels, positions)))
-        else:
-            loss = self._forward_backward(inputs, labels, positions)
+        loss = self.parallelizer.forward_backward(self.model, inputs, labels, positions)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         self.lr_used = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.lr_scheduler.step()
         return loss.detach(), grad_norm
-
-    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor,
-                          positions: Optional[torch.Tensor]) -> torch.Tensor:
-        """Manual mode: the model's forward, the loss and autograd's backward."""
-        ctx = (torch.autocast(self.device.type, dtype=dtype_of(self.cfg.training.mixed_precision_param))
-               if self.autocast else contextlib.nullcontext())
-        # TP with loss parallel: vocab-sharded logits; loss and backward inside the context
-        with loss_parallel_context(self.model):
-            with ctx:
-                logits = self.model(inputs) if positions is None else self.model(inputs, positions)
-                loss = cross_entropy_loss(logits, labels)
-                del logits
-            loss.backward()
-        return loss_value(loss)
 
     # ------------------------------------------------------------------ loop
 
@@ -273,54 +224,36 @@ class Trainer:
         self.flops_per_token = self._flops_per_token()
         if self.metrics is not None:
             self.metrics.flops_per_token = self.flops_per_token
-        how = "same model (manual mode: the recipes do not depend on the sequence length)"
-        if is_parallel_module(self.model):
-            plan_s, move_s = self._replan()
-            how = (f"{self.model.plan_origin}; planned and applied in {plan_s:.1f}s, parameters and optimizer "
-                   f"state moved in {move_s:.2f}s")
+        t0 = time.perf_counter()
+        new, moved, how = self.parallelizer.for_seq_len(self.model, self._sample_batch())
+        if moved is not None:  # a new module: the optimizer follows its parameters
+            t1 = time.perf_counter()
+            follow_parameters(self.optimizer, moved)
+            self.model = self.checkpointer.model = new
+            self._step_times = []
+            how += (f"; planned and applied in {t1 - t0:.1f}s, parameters and optimizer state moved in "
+                    f"{time.perf_counter() - t1:.2f}s")
         if self.rank == 0:
             logger.info(f"step {self.step + 1}: sequence length {old} -> {seq}: {how}")
 
-    def _replan(self) -> tuple[float, float]:
-        """Auto mode: the ParallelModule for the current sequence length, state moved into it;
-        (seconds planning and applying, seconds moving the state)."""
-        cfg, t0 = self.cfg, time.perf_counter()
-        cached = self.plans.get(self.seq_len)
-        replay = self.model.plan if cached is None and cfg.parallelism.replan == "replay" else None
-        template = self.model.meta_template
-        new = parallelize(template, self.mesh, cfg, self._sample_batch(), self.plan_constraints,
-                          PlanSource(cached=cached, replay=replay))
-        t1 = time.perf_counter()
-        moved = new.take_state_from(self.model)
-        follow_parameters(self.optimizer, moved)
-        new.train(self.model.training)
-        self.model = self.checkpointer.model = new
-        self.plans[self.seq_len] = new.plan
-        self._step_times = []
-        return t1 - t0, time.perf_counter() - t1
-
     def _maybe_log_prediction(self, warmup: int = 2, timed: int = 5) -> None:
-        """Auto mode, once: the measured step time (median after the warm-up) next to the
-        cost model's prediction for the same step, so a user sees when the model is off."""
+        """Once: the measured step time (median after the warm-up) next to the mode's prediction
+        for the same step (auto mode: the cost model's), so a user sees when the model is off."""
         last = min(warmup + timed, self.cfg.training.steps - self.step + len(self._step_times))
-        if len(self._step_times) != last or not hasattr(self.model, "predict_step"):
+        if len(self._step_times) != last:
             return
         times = self._step_times[warmup:] or self._step_times[-1:]
         measured = self.reduce_mean(statistics.median(times))
-        if self.rank == 0:
-            pred = self.model.predict_step()
-            hw = self.model.plan_cost_model.hw.name
+        report = self.parallelizer.step_time_report(self.model, measured)
+        if report is not None and self.rank == 0:
             logger.info(f"step time: measured {measured * 1e3:,.1f} ms (median of {len(times)} steps after the "
-                        f"warm-up), predicted {pred.step_us / 1e3:,.1f} ms by the cost model ({hw}; "
-                        f"{pred.summary()}); measured / predicted = {measured * 1e6 / pred.step_us:.2f}")
+                        f"warm-up), {report}")
 
     def _log_runtime(self) -> None:
-        """Auto mode: how the plan ran (one graph per step, deviations from the plan)."""
-        runner = getattr(self.model, "plan_runner", None)
-        if runner is not None and self.rank == 0:
-            st = runner.stats
-            logger.info(f"runtime: {st['step_graph_steps']} steps as one step graph per rank, "
-                        f"{st['deviations']} deviations from the plan")
+        """How the mode ran the steps (auto mode: one graph per step, deviations from the plan)."""
+        report = self.parallelizer.run_report(self.model)
+        if report is not None and self.rank == 0:
+            logger.info(report)
 
     def _checked_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A training step; Inductor's failure to compile is the job's error (key and fix)."""

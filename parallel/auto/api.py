@@ -30,7 +30,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate
 from models import cross_entropy_loss
 from parallel import _torch as T
 from parallel._torch import fake_world
-from parallel.auto.cost import AUTO, DEFAULT_HARDWARE, CostModel, HardwareProfile, RuntimeSchedule
+from parallel.auto.config import PlannerConfig
+from parallel.auto.cost import AUTO, CostModel, RuntimeSchedule
 from parallel.auto.cost.calibrate import resolve_auto
 from parallel.auto.cost.memory import GIB, MemoryEstimate, format_bytes
 from parallel.auto.coverage import GraphCoverage, coverage_of, coverage_report
@@ -42,7 +43,7 @@ from parallel.auto.regions import CP_ATTENTION  # declares the causal-attention 
 from parallel.auto.replay import replay_plan
 from parallel.auto.runtime import RuntimeOptions, apply_plan
 from parallel.auto.runtime.memory import estimate_memory as step_memory
-from parallel.auto.solve import Solution, check_solver, solve
+from parallel.auto.solve import Solution, solve
 from parallel.auto.solve.seed import plan_candidates, reseeded_candidates, seeded_candidates, use_seeding
 from parallel.auto.strategies import Candidates, build_candidates
 from parallel.auto.trace import JointGraph, trace_joint
@@ -100,50 +101,27 @@ class AutoParallel:
         mesh: DeviceMesh,
         *,
         loss_fn: Callable[..., torch.Tensor] | None = None,
-        mp_policy: MixedPrecisionPolicy | None = None,
-        hardware: str | HardwareProfile = DEFAULT_HARDWARE,
-        cost_model: CostModel | None = None,
-        solver: str = "auto",
-        time_limit: float = 600.0,
-        cluster_layers: bool = True,
-        seed: bool | None = None,
-        seed_radius: int = 2,
-        seed_rounds: int = 1,
+        planner: PlannerConfig | None = None,
         runtime: RuntimeOptions | None = None,
-        graph: JointGraph | None = None,
+        mp_policy: MixedPrecisionPolicy | None = None,
         regions: tuple[str, ...] = (),
-        memory_limit_gib: float | None = None,
-        memory_estimate: bool = True,
-        optimizer: str = "foreach",
+        graph: JointGraph | None = None,
+        cost_model: CostModel | None = None,
     ) -> None:
+        """`planner`: every planner setting (config.py); `runtime`: how the plan will run (priced);
+        `regions`: declared local_map regions traced as one node each; `graph`: a joint graph
+        traced earlier for this model and these global inputs (a sweep plans one trace on many
+        meshes); `cost_model`: instead of the one built from the planner's hardware."""
         self.model = model
-        self.regions = tuple(regions)  # declared local_map contracts traced as one node (contracts.py)
+        self.planner = planner if planner is not None else PlannerConfig()
+        self.planner.check()
+        self.regions = tuple(regions)
         self.input_fn = input_fn
         self.mesh = mesh
         self.loss_fn = loss_fn
         self.mp_policy = mp_policy
-        self.hardware = hardware
-        self.solver = check_solver(solver)  # "auto" | "ilp" | "mrf" (| "highs" | "cbc": ILP backend)
-        # split-dimension seeding (solve/seed.py): None = on from 3-D meshes
-        self.seed = seed
-        self.seed_radius = seed_radius
-        self.seed_rounds = seed_rounds  # > 1: re-seed around the solved plan while it improves
         self.seed_info: Any = None
-        self.time_limit = time_limit
-        self.cluster_layers = cluster_layers
-        self.runtime = runtime if runtime is not None else RuntimeOptions()  # how the plan will run: priced
-        # the predicted peak per device may reach this (None: the hardware profile's; inf: no limit)
-        if memory_limit_gib is not None and not memory_limit_gib > 0:
-            raise ValueError(f"memory_limit_gib = {memory_limit_gib}: must be > 0 GiB (None: the hardware profile's "
-                             "memory_limit_gib; float('inf'): no limit)")
-        if memory_limit_gib is not None and not memory_estimate:
-            raise ValueError(f"memory_limit_gib = {memory_limit_gib} with memory_estimate=False: the limit is checked "
-                             "against the estimate; leave memory_limit_gib unset or memory_estimate=True")
-        self.memory_limit_gib = memory_limit_gib
-        # False: a solved plan's peak is not estimated (a step-graph trace per plan; plan.memory
-        # stays None) and the memory limit is not checked
-        self.memory_estimate = memory_estimate
-        self.optimizer = optimizer  # AdamW's implementation, "foreach" or "for-loop": its temporaries
+        self.runtime = runtime if runtime is not None else RuntimeOptions()
         self.mp_dtype: torch.dtype | None = getattr(mp_policy, "param_dtype", None) if mp_policy is not None else None
         self._cost_model = cost_model
         # a joint graph traced earlier for this model and these global inputs (a sweep plans one
@@ -152,9 +130,9 @@ class AutoParallel:
         self.graph: JointGraph | None = None
         self.candidates: Candidates | None = None
         self.constraints: list[Constraint] = []
-        self.memory_low: float | None = None
-        self.memory_high: float | None = None
-        self._memory_set = False
+        # the parameter budget: the planner's, until add_parameter_memory_constraint sets one
+        self.memory_low: float | None = self.planner.memory_budget_low
+        self.memory_high: float | None = self.planner.memory_budget_high
         self.timings: dict[str, float] = {}
         self._input_placements: list[tuple | None] = []
         self.problem: Problem | None = None  # the last problem built (solved, or for a replay)
@@ -245,7 +223,6 @@ class AutoParallel:
 
         None for `high` means fully sharded (1 / world_size); None for `low` means no floor.
         """
-        self._memory_set = True
         self.memory_low = low
         self.memory_high = high
 
@@ -292,14 +269,15 @@ class AutoParallel:
             schedule = RuntimeSchedule(bucket=rt.bucket, overlap=rt.overlap,
                                        reshard_after_forward=rt.reshard_after_forward,
                                        reduce_dtype=getattr(self.mp_policy, "reduce_dtype", None))
-            hw = resolve_auto(self.mesh.size()) if self.hardware == AUTO else self.hardware
+            hw = resolve_auto(self.mesh.size()) if self.planner.hardware == AUTO else self.planner.hardware
             self._cost_model = CostModel(hw, mesh_shape=tuple(self.mesh.shape), mesh_axis_names=names,
-                                         compute_dtype=self.mp_dtype, schedule=schedule)
+                                         compute_dtype=self.mp_dtype, schedule=schedule,
+                                         routing_imbalance=self.planner.moe_imbalance_factor)
         return self._cost_model
 
     def _memory_bounds(self) -> tuple[float | None, float | None]:
         ws = self.mesh.size()
-        if self._memory_set and self.memory_high is not None:
+        if self.memory_high is not None:
             return self.memory_low, self.memory_high
         # default: fully sharded, or as close as the parameters' shapes allow
         floor = min_parameter_fraction(self.candidates) if self.candidates is not None else 0.0
@@ -316,13 +294,14 @@ class AutoParallel:
         if self._seeded():
             t0 = time.perf_counter()
             self.candidates, self.seed_info = seeded_candidates(
-                jg, self.mesh, cm, self.constraints, radius=self.seed_radius, mp_dtype=self.mp_dtype,
-                cluster_layers=self.cluster_layers, solver=self.solver, time_limit=self.time_limit)
+                jg, self.mesh, cm, self.constraints, radius=self.planner.seed_radius, mp_dtype=self.mp_dtype,
+                cluster_layers=self.planner.cluster_layers, solver=self.planner.solver,
+                time_limit=self.planner.time_limit)
             self.timings["seed"] = time.perf_counter() - t0  # seed.py logs its summary
         assert self.candidates is not None
         low, high = self._memory_bounds()
         prob, sol = self._build_and_solve(self.candidates, low, high)
-        for _ in range((self.seed_rounds if self._seeded() else 1) - 1):  # re-seed around the plan (seed.py)
+        for _ in range((self.planner.seed_rounds if self._seeded() else 1) - 1):  # re-seed around the plan (seed.py)
             t1 = time.perf_counter()
             chosen = {n: self.candidates.nodes[n].specs[sol.labels[prob.group_of[n]]] for n in self.seed_info.options}
             cands2 = reseeded_candidates(jg, self.mesh, self.seed_info, chosen)
@@ -337,7 +316,7 @@ class AutoParallel:
         log.log(level, "solve: objective %.1f µs, %s, %.2fs (%s, %d vars)", sol.objective, sol.status, sol.seconds,
                 sol.solver, sol.num_vars)
         plan = self._plan(prob, sol, low, high)
-        if not self.memory_estimate:
+        if not self.planner.memory_estimate:
             log.log(level, "memory: not estimated (memory_estimate is off): the memory limit is not checked")
             return plan
         return self._fit_memory(plan, low, high, level)
@@ -345,14 +324,14 @@ class AutoParallel:
     def _plan(self, prob: Problem, sol: Solution, low: float | None, high: float | None) -> Plan:
         cm = self.cost_model()
         return build_plan(prob, sol.labels, solver=sol.solver, status=sol.status, timings=self.timings,
-                          num_vars=sol.num_vars, hardware=cm.hw.name if hasattr(cm, "hw") else str(self.hardware),
+                          num_vars=sol.num_vars, hardware=cm.hw.name,
                           memory_budget=(low, high), constraints=[c.description for c in self.constraints])
 
     # ------------------------------------------------------------------ memory
     def memory_limit(self) -> tuple[int, str]:
         """(bytes a plan's peak per device may reach, where that figure comes from); 0: none."""
-        if self.memory_limit_gib is not None:
-            limit = self.memory_limit_gib
+        if self.planner.memory_limit_gib is not None:
+            limit = self.planner.memory_limit_gib
             return (int(limit * GIB) if math.isfinite(limit) else 0), f"memory_limit_gib {limit:g}"
         hw = self.cost_model().hw
         return hw.memory_limit, f"memory_limit_gib of the hardware profile {hw.source}"
@@ -365,7 +344,7 @@ class AutoParallel:
             self.candidates = plan_candidates(jg, self.mesh, plan)
         t0 = time.perf_counter()
         est = step_memory(jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy,
-                              options=options if options is not None else self.runtime, optimizer=self.optimizer)
+                          options=options if options is not None else self.runtime, optimizer=self.planner.optimizer)
         est.limit_bytes, est.limit_source = self.memory_limit()
         self.timings["memory"] = self.timings.get("memory", 0.0) + time.perf_counter() - t0
         return est
@@ -388,7 +367,7 @@ class AutoParallel:
                 return plan
             if round_ == MEMORY_ROUNDS or plan.memory_fraction <= floor * (1 + 1e-9):
                 break
-            target = plan.memory_fraction - (est.peak_bytes - est.limit_bytes) / (4 * plan.problem.total_param_bytes)
+            target = plan.memory_fraction - (est.peak_bytes - est.limit_bytes) / (4 * plan.total_param_bytes)
             cur = floor if round_ == MEMORY_ROUNDS - 1 else max(floor, min(cur, target))
             log.log(level, "memory: peak %s > %s (%s): re-solving with parameter budget high=%.4g",
                     format_bytes(est.peak_bytes), format_bytes(est.limit_bytes), est.limit_source, cur)
@@ -415,24 +394,24 @@ class AutoParallel:
             low, high = self._memory_bounds()
             t0 = time.perf_counter()
             self.problem = build_problem(self.candidates, self.cost_model(), constraints=self.constraints,
-                                         memory_low=low, memory_high=high, cluster_layers=self.cluster_layers,
+                                         memory_low=low, memory_high=high, cluster_layers=self.planner.cluster_layers,
                                          mp_dtype=self.mp_dtype)
             self.timings["build"] = self.timings.get("build", 0.0) + time.perf_counter() - t0
         cm = self.cost_model()
-        return replay_plan(self.problem, plan, hardware=cm.hw.name if hasattr(cm, "hw") else str(self.hardware),
+        return replay_plan(self.problem, plan, hardware=cm.hw.name,
                            timings=self.timings)
 
     def _build_and_solve(self, cands: Candidates, low: float | None, high: float | None) -> tuple[Problem, Solution]:
         t0 = time.perf_counter()
         prob = build_problem(cands, self.cost_model(), constraints=self.constraints, memory_low=low, memory_high=high,
-                             cluster_layers=self.cluster_layers, mp_dtype=self.mp_dtype)
+                             cluster_layers=self.planner.cluster_layers, mp_dtype=self.mp_dtype)
         self.timings["build"] = self.timings.get("build", 0.0) + time.perf_counter() - t0
-        sol = solve(prob, self.solver, time_limit=self.time_limit)
+        sol = solve(prob, self.planner.solver, time_limit=self.planner.time_limit)
         self.timings["solve"] = self.timings.get("solve", 0.0) + sol.seconds
         return prob, sol
 
     def _seeded(self) -> bool:
-        return use_seeding(self.mesh.ndim, self.seed)
+        return use_seeding(self.mesh.ndim, self.planner.seed)
 
     # ---- materialisation (parallel/auto/runtime) ----
     def apply_placement(self, plan: Plan, options: RuntimeOptions | None = None) -> nn.Module:
@@ -457,8 +436,8 @@ def _is_placement_tuple(x: Any) -> bool:
 def auto_parallel(model: nn.Module, mesh: DeviceMesh, sample_inputs: Any, out_shardings: Any = None, *,
                   mp_policy: MixedPrecisionPolicy | None = None, parameter_memory_budget: tuple | None = (None, None),
                   dynamic: bool = False, loss_fn: Callable[..., torch.Tensor] | None = None,
-                  hardware: str | HardwareProfile = DEFAULT_HARDWARE, verbose: bool = False,
-                  **autop_kwargs: Any) -> nn.Module:
+                  planner: PlannerConfig | None = None, runtime: RuntimeOptions | None = None,
+                  verbose: bool = False) -> nn.Module:
     """Plan + materialise in one call: returns the ParallelModule (expects per-rank local inputs).
 
     sample_inputs: global-shaped pytree (or a callable returning it); plain tensors are
@@ -473,8 +452,8 @@ def auto_parallel(model: nn.Module, mesh: DeviceMesh, sample_inputs: Any, out_sh
     if not isinstance(inputs, tuple):
         inputs = (inputs,)
     flat, _ = T.tree_flatten(inputs)
-    with AutoParallel(model, inputs, mesh, loss_fn=loss_fn, mp_policy=mp_policy, hardware=hardware,
-                      **autop_kwargs) as autop:
+    with AutoParallel(model, inputs, mesh, loss_fn=loss_fn, mp_policy=mp_policy, planner=planner,
+                      runtime=runtime) as autop:
         # plain tensors are replicated on every mesh axis; DTensors bring their placements
         rep = tuple(Replicate() for _ in range(mesh.ndim))
         autop.add_input_constraints([None if isinstance(x, DTensor) else rep for x in flat

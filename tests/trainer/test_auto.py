@@ -1,4 +1,4 @@
-"""trainer/auto.py without a process group: every [parallelism] knob reaches AutoParallel,
+"""trainer/auto.py without a process group: the job's planning request reaches AutoParallel,
 and the planner's errors become ConfigErrors naming the key (stub planner, stub mesh)."""
 
 from types import SimpleNamespace
@@ -6,11 +6,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import parallel.auto.request as request
 import trainer.auto as auto
 from parallel.auto.problem import MemoryLimitError, PlanningError
 from trainer.config import ConfigError, load_config
 
-MESH = SimpleNamespace(mesh_dim_names=("dp_shard",), shape=(2,))
+MESH = SimpleNamespace(mesh_dim_names=("dp_shard",), shape=(2,), ndim=1)
 BATCH = (torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
 
 
@@ -21,6 +22,7 @@ class NoPlan:
 
     def __init__(self, model, inputs, mesh, **kwargs):
         NoPlan.seen = {"inputs": inputs, **kwargs}
+        self.input_fn = inputs
 
     def __enter__(self):
         return self
@@ -39,7 +41,7 @@ class NoPlan:
 
 
 def test_knobs_reach_the_planner_and_no_plan_names_the_budget(monkeypatch):
-    monkeypatch.setattr(auto, "AutoParallel", NoPlan)
+    monkeypatch.setattr(request, "AutoParallel", NoPlan)
     cfg = load_config("llama3_debug_auto", [
         "--parallelism.hardware", "h100", "--parallelism.solver", "mrf", "--parallelism.seed", "true",
         "--parallelism.seed_radius", "1", "--parallelism.seed_rounds", "2", "--parallelism.time_limit", "12.5",
@@ -48,10 +50,11 @@ def test_knobs_reach_the_planner_and_no_plan_names_the_budget(monkeypatch):
     with pytest.raises(ConfigError) as e:
         auto.auto_parallelize_for_training(torch.nn.Linear(2, 2), MESH, cfg, BATCH)
     s = NoPlan.seen
-    assert (s["hardware"], s["solver"], s["seed"], s["seed_radius"], s["seed_rounds"], s["time_limit"],
-            s["cluster_layers"]) == ("h100", "mrf", True, 1, 2, 12.5, False)
+    p = s["planner"]
+    assert (p.hardware, p.solver, p.seed, p.seed_radius, p.seed_rounds, p.time_limit,
+            p.cluster_layers) == ("h100", "mrf", True, 1, 2, 12.5, False)
     assert s["mp_policy"].param_dtype == torch.bfloat16 and s["mp_policy"].reduce_dtype == torch.float32
-    assert s["memory"] == (None, 0.1)
+    assert (p.memory_budget_low, p.memory_budget_high) == (None, 0.1)
     assert [tuple(x.shape) for x in s["inputs"]] == [(4, 8), (4, 8)]  # global batch: 2 data ranks
     msg = str(e.value)
     assert "llama3_debug_auto.toml: 'parallelism.memory_budget_high' = 0.1" in msg
@@ -59,7 +62,7 @@ def test_knobs_reach_the_planner_and_no_plan_names_the_budget(monkeypatch):
 
 
 def test_corrupt_plan_file_fails_before_tracing(monkeypatch, tmp_path):
-    monkeypatch.setattr(auto, "AutoParallel", None)  # never reached
+    monkeypatch.setattr(request, "AutoParallel", None)  # never reached
     bad = tmp_path / "plan.json"
     bad.write_text("\x00 not json")
     cfg = load_config("llama3_debug_auto", ["--parallelism.plan_file", str(bad)], world_size=2)
@@ -80,15 +83,15 @@ class OverLimit(NoPlan):
 
 @pytest.mark.parametrize("limit", [None, "79.6"])
 def test_memory_limit_reaches_the_planner_and_its_error_names_the_key(monkeypatch, limit):
-    monkeypatch.setattr(auto, "AutoParallel", OverLimit)
+    monkeypatch.setattr(request, "AutoParallel", OverLimit)
     args = ["--parallelism.hardware", "h100", "--optimizer.implementation", "for-loop",
             "--parallelism.memory_budget_high", "1.0"]
     cfg = load_config("llama3_debug_auto", args + (["--parallelism.memory_limit_gib", limit] if limit else []),
                       world_size=2)
     with pytest.raises(ConfigError) as e:
         auto.auto_parallelize_for_training(torch.nn.Linear(2, 2), MESH, cfg, BATCH)
-    assert NoPlan.seen["memory_limit_gib"] == (float(limit) if limit else None)
-    assert NoPlan.seen["optimizer"] == "for-loop"
+    assert NoPlan.seen["planner"].memory_limit_gib == (float(limit) if limit else None)
+    assert NoPlan.seen["planner"].optimizer == "for-loop"
     key = "'parallelism.memory_limit_gib' = 79.6" if limit else "'parallelism.hardware' = 'h100' (the profile's"
     assert f"llama3_debug_auto.toml: {key}" in str(e.value) and "use activation checkpointing" in str(e.value)
 
@@ -99,10 +102,10 @@ def test_memory_limit_must_be_positive():
 
 
 def test_cp_in_auto_mode_needs_two_chunks_per_cp_rank(monkeypatch):
-    monkeypatch.setattr(auto, "AutoParallel", None)  # never reached
+    monkeypatch.setattr(request, "AutoParallel", None)  # never reached
     cfg = load_config("llama3_debug_auto", ["--parallelism.context_parallel_degree", "2",
                                             "--training.seq_len", "30"], world_size=2)
-    mesh = SimpleNamespace(mesh_dim_names=("cp",), shape=(2,))
+    mesh = SimpleNamespace(mesh_dim_names=("cp",), shape=(2,), ndim=1)
     with pytest.raises(ConfigError, match=r"'parallelism.context_parallel_degree' = 2: .*seq_len = 30 must be a "
                                           r"multiple of 4"):
         auto.auto_parallelize_for_training(torch.nn.Linear(2, 2), mesh, cfg, BATCH)

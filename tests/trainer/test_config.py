@@ -48,8 +48,8 @@ def test_overrides_forms():
     assert cfg.optimizer.lr == 0.01
     assert cfg.checkpoint.enable is False
     assert cfg.metrics.enable_tensorboard is True
-    assert cfg.parallelism.memory_budget_low == 12.5
-    assert cfg.parallelism.memory_budget_high is None
+    assert cfg.parallelism.planner.memory_budget_low == 12.5
+    assert cfg.parallelism.planner.memory_budget_high is None
     assert cfg.job.name == "x y"
     assert parse_overrides(["--a.b", "1", "--c.d=x", "--e.f"]) == [
         ("a", "b", "1"), ("c", "d", "x"), ("e", "f", None)]
@@ -61,12 +61,13 @@ def test_one_dataclass_per_section():
                 "activation_checkpoint", "checkpoint", "metrics", "data"]
     assert list(cfg.to_dict()) == sections
     assert len({type(getattr(cfg, s)) for s in sections}) == len(sections)
-    p = cfg.parallelism
+    keys = cfg.to_dict()["parallelism"]  # flat, as in the TOML file: the planner's settings are keys of it
     for key in ("mode", "data_parallel_replicate_degree", "data_parallel_shard_degree",
                 "tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree",
                 "enable_sequence_parallel", "hardware", "plan_file", "memory_budget_low",
-                "memory_budget_high", "solver"):
-        assert hasattr(p, key)
+                "memory_budget_high", "solver", "moe_imbalance_factor"):
+        assert key in keys, key
+    assert "optimizer" not in keys and "planner" not in keys  # [optimizer] implementation sets the planner's
 
 
 def test_unknown_section(tmp_path):
@@ -202,23 +203,20 @@ def test_cli_error_exit_code(tmp_path):
 
 
 def test_planner_knobs_default_to_the_api_and_parse():
-    import inspect
-
-    from parallel.auto.api import AutoParallel
+    from parallel.auto.config import PlannerConfig
     from parallel.auto.cost import DEFAULT_HARDWARE
 
-    api = inspect.signature(AutoParallel).parameters
-    p = load_config("llama3_debug_auto", world_size=2).parallelism
-    for key in ("seed", "seed_radius", "seed_rounds", "time_limit", "cluster_layers", "solver", "memory_estimate"):
-        assert getattr(p, key) == api[key].default, key
-    assert JobConfig().parallelism.hardware == JobConfig().metrics.hardware == DEFAULT_HARDWARE
+    # one declaration: the [parallelism] keys are PlannerConfig's fields, with its defaults
+    p = load_config("llama3_debug_auto", world_size=2).parallelism.planner
+    assert p == PlannerConfig()
+    assert JobConfig().parallelism.planner.hardware == JobConfig().metrics.hardware == DEFAULT_HARDWARE
     p = load_config("llama3_debug_auto", ["--parallelism.seed", "--parallelism.seed_radius", "1",
                                           "--parallelism.seed_rounds", "3", "--parallelism.time_limit", "30",
                                           "--parallelism.cluster_layers", "false", "--parallelism.memory_estimate",
-                                          "false"], world_size=2).parallelism
+                                          "false"], world_size=2).parallelism.planner
     assert (p.seed, p.seed_radius, p.seed_rounds, p.time_limit, p.cluster_layers, p.memory_estimate) == (
         True, 1, 3, 30.0, False, False)
-    assert load_config("llama3_debug", ["--parallelism.seed", "none"], world_size=1).parallelism.seed is None
+    assert load_config("llama3_debug", ["--parallelism.seed", "none"], world_size=1).parallelism.planner.seed is None
 
 
 @pytest.mark.parametrize("key,value,match", [

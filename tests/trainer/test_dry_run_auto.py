@@ -59,7 +59,7 @@ def test_device_check_finds_host_tensors_and_placing_moves_them():
 def test_gpu_job_dry_run_keeps_every_value_on_cuda(name, world, overrides, axes, regions):
     cfg = _cfg(name, world, *overrides)
     r = dry_run_auto(cfg, world)
-    assert cfg.parallelism.hardware == "auto"  # the caller's config is left as it was
+    assert cfg.parallelism.planner.hardware == "auto"  # the caller's config is left as it was
     text = format_auto_report(r)
     print(text)
     assert r.device == "cuda:0" and r.off_device == [], r.off_device

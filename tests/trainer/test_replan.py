@@ -87,8 +87,8 @@ def _schedule_worker(rank: int, world: int, tmp: str) -> dict:
     auto = ["--parallelism.mode", "auto", "--training.local_batch_size", "2", "--checkpoint.interval", "3"]
     sched, tr = _train(tmp, "scheduled", world, [*auto, "--training.seq_len_schedule", "[[0, 32], [3, 64]]",
                                                  "--training.steps", "6", "--checkpoint.enable", "false"], _fsdp_at_64)
-    plans = {s: p.input_shapes for s, p in tr.plans.items()}
-    placements = {s: set(p.param_placements().values()) for s, p in tr.plans.items()}
+    plans = {s: p.input_shapes for s, p in tr.parallelizer.plans.items()}
+    placements = {s: set(p.param_placements().values()) for s, p in tr.parallelizer.plans.items()}
     first, _ = _train(tmp, "restarted", world, [*auto, "--training.seq_len", "32", "--training.steps", "3",
                                                 "--checkpoint.enable", "true"], _fsdp_at_64)
     second, tr2 = _train(tmp, "restarted", world, [*auto, "--training.seq_len", "64", "--training.steps", "6",
@@ -97,8 +97,8 @@ def _schedule_worker(rank: int, world: int, tmp: str) -> dict:
     replayed, tr3 = _train(tmp, "replayed", world, [*auto, "--training.seq_len_schedule", "[[0, 32], [3, 64], [5, 32]]",
                                                     "--training.steps", "6", "--checkpoint.enable", "false",
                                                     "--parallelism.replan", "replay"], _fsdp_at_64)
-    replay = {"losses": replayed, "origin": tr3.model.plan_origin, "solver_64": tr3.plans[64].solver,
-              "placements": {s: set(p.param_placements().values()) for s, p in tr3.plans.items()}}
+    replay = {"losses": replayed, "origin": tr3.parallelizer.origin, "solver_64": tr3.parallelizer.plans[64].solver,
+              "placements": {s: set(p.param_placements().values()) for s, p in tr3.parallelizer.plans.items()}}
     moments = {(tuple(v.placements) == tuple(p.placements), tuple(v.placements))
                for p, st in tr.optimizer.state.items() for v in st.values() if v.ndim > 0}
     return {"scheduled": sched, "restarted": {**first, **second}, "plans": plans, "placements": placements,
@@ -134,7 +134,7 @@ def _resume_worker(rank: int, world: int, tmp: str, steps: int) -> dict:
              "--training.steps", str(steps), "--checkpoint.enable", "true", "--checkpoint.interval", "2",
              "--parallelism.plan_file", plan_file]
     losses, tr = _train(tmp, "resume", world, extra)
-    return {"losses": losses, "origin": tr.model.plan_origin, "mesh": list(tr.mesh.shape)}
+    return {"losses": losses, "origin": tr.parallelizer.origin, "mesh": list(tr.mesh.shape)}
 
 
 @pytest.mark.slow

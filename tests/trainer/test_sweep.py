@@ -7,13 +7,20 @@ in-process (workers=1): a few seconds each.
 import pytest
 
 from parallel.auto.cost import load_hardware
-from trainer import sweep_point
+from parallel.auto.sweep import point as sweep_point
+from parallel.auto.sweep import spec as sweep_spec
+from parallel.auto.sweep.meshes import degrees_of, search_meshes
+from parallel.auto.sweep.point import PlanCache
+from parallel.auto.sweep.report import markdown_table, svg_picture, write_csv
+from parallel.auto.sweep.run import Progress, run_points
+from parallel.auto.sweep.spec import SweepSpecError
+from trainer.auto import base_job, load_base_job
 from trainer.config import ConfigError, load_config
-from trainer.mesh_auto import degrees_of, search_meshes
-from trainer.sweep import Progress, run_points
-from trainer.sweep_point import PlanCache
-from trainer.sweep_report import markdown_table, svg_picture, write_csv
-from trainer.sweep_spec import SweepSpecError, load_sweep
+
+
+def load_sweep(spec: str):
+    """A spec whose base job the trainer reads (as scripts/sweep.py loads it)."""
+    return sweep_spec.load_sweep(spec, load_base_job)
 
 TINY = """
 [sweep]
@@ -134,7 +141,7 @@ def test_mesh_search_ranks_and_drops(tmp_path):
                                             "--training.seq_len", "32", "--training.local_batch_size", "2"],
                       validate=False)
     cache = PlanCache(tmp_path / "cache")
-    rows = search_meshes(cfg, 2, "h100", workers=1, cache=cache, out=lambda s: None)
+    rows = search_meshes(base_job(cfg), 2, "h100", workers=1, cache=cache, out=lambda s: None)
     assert sorted(r["mesh"] for r in rows) == ["cp=2", "dp_shard=2", "tp=2"]  # cp: seq 32 splits in 2 x 2 chunks
     assert [r["rank"] for r in rows] == [1, 2, 3]
     assert rows[0]["mesh"] == "dp_shard=2"  # it steps over twice the tokens of cp=2 and tp=2
@@ -143,7 +150,7 @@ def test_mesh_search_ranks_and_drops(tmp_path):
     cp_row = next(r for r in rows if r["mesh"] == "cp=2")
     assert degrees_of(cp_row)["context_parallel_degree"] == 2 and cp_row["global_batch"] == 2
     tiny = load_hardware("h100").replace(memory_bytes=1024, memory_limit_bytes=1024)  # nothing fits in 1 KiB
-    dropped = search_meshes(cfg, 2, tiny, workers=1, cache=cache, out=lambda s: None)
+    dropped = search_meshes(base_job(cfg), 2, tiny, workers=1, cache=cache, out=lambda s: None)
     assert [r["rank"] for r in dropped] == ["-"] * 3 and {r["status"] for r in dropped} == {"OOM"}
     # the planner tried to fit (re-solved as sharded as it could) and says by how much it missed
     assert all(r["oom"] and r["mem_kind"] == "peak" and r["mem_gib"] > 0 for r in dropped)

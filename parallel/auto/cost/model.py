@@ -37,6 +37,8 @@ __all__ = ["CostModel", "RuntimeSchedule"]
 
 # AdamW reads and writes param, grad, exp_avg, exp_avg_sq (fp32: 32 B per parameter); the
 # gradient-norm clipping reads every gradient and scales it (16 B)
+DEFAULT_ROUTING_IMBALANCE = 1.25
+"""MoE all-to-all bytes priced = balanced bytes x this (README "MoE dispatch")."""
 OPTIMIZER_BYTES_PER_PARAM = 4 * 4 * 2 + 4 * 2 * 2
 
 PlacementsLike = Any  # DTensorSpec | Sequence[Placement]
@@ -94,6 +96,8 @@ class CostModel:
         links: override the per-axis links (used by ``project`` for 1-D seeding problems).
         schedule: what the runtime does with collectives (bucketing, overlap, resharding,
             reduce dtype); the default is the runtime's default.
+        routing_imbalance: routed-token all-to-alls (a region option's `exchange`, e.g. MoE
+            dispatch) are priced at the balanced bytes x this (the busiest rank bounds them).
     """
 
     def __init__(
@@ -105,8 +109,13 @@ class CostModel:
         compute_dtype: torch.dtype | None = None,
         links: Sequence[AxisLink] | None = None,
         schedule: RuntimeSchedule | None = None,
+        routing_imbalance: float = DEFAULT_ROUTING_IMBALANCE,
     ) -> None:
+        if not routing_imbalance >= 1.0:
+            raise ValueError(f"routing imbalance {routing_imbalance!r}: must be >= 1.0 (1.0 = perfectly balanced "
+                             "routing; the busiest rank receives factor x the mean)")
         self.hw: HardwareProfile = load_hardware(hw)
+        self.routing_imbalance = float(routing_imbalance)
         self.schedule = schedule if schedule is not None else RuntimeSchedule()
         self.mesh_shape: tuple[int, ...] = tuple(int(s) for s in mesh_shape)
         self.links: list[AxisLink] = list(links) if links is not None else axis_links(

@@ -94,12 +94,15 @@ _GRAPHS: dict[str, object] = {}
 
 
 @contextlib.contextmanager
-def _planner(name: str, mesh, **kwargs):
-    """AutoParallel (entered) for a fresh meta `name` model on `mesh`, on this process's trace of it."""
+def _planner(name: str, mesh, **settings):
+    """AutoParallel (entered) for a fresh meta `name` model on `mesh`, on this process's trace of it;
+    `settings`: PlannerConfig fields."""
     from parallel.auto.api import AutoParallel, lm_loss
+    from parallel.auto.config import PlannerConfig
 
     model, inputs = _inputs(name)
-    with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, graph=_GRAPHS.get(name), **kwargs) as autop:
+    with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, graph=_GRAPHS.get(name),
+                      planner=PlannerConfig(**settings)) as autop:
         _GRAPHS[name] = autop.graph
         yield autop
 

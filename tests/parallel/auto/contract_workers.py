@@ -69,12 +69,14 @@ def reference() -> dict:
 
 def autop_for(mesh, bad: bool = False, regions=None):
     from parallel.auto.api import AutoParallel
+    from parallel.auto.config import PlannerConfig
 
     with torch.device("meta"):
         model = Toy(bad)
     x = torch.empty(B, S, D, device="meta")
     names = ("toy_bad",) if bad else ("toy_gate",)
-    return AutoParallel(model, (x, x), mesh, hardware="cpu", regions=names if regions is None else regions)
+    return AutoParallel(model, (x, x), mesh, regions=names if regions is None else regions,
+                        planner=PlannerConfig(hardware="cpu"))
 
 
 def make_plan(bad: bool = False) -> tuple[dict, dict]:

@@ -47,12 +47,14 @@ def plan_and_estimate(world: int, kind: str, ac_modes: list[str]) -> tuple[dict,
     from torch.distributed.device_mesh import init_device_mesh
 
     from parallel.auto.api import AutoParallel, fake_world, lm_loss
+    from parallel.auto.config import PlannerConfig
     from parallel.auto.runtime import RuntimeOptions
 
     with fake_world(world):
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         model, inputs = _model_and_inputs()
-        with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="cpu", time_limit=30) as autop:
+        with AutoParallel(model, inputs, mesh, loss_fn=lm_loss,
+                          planner=PlannerConfig(hardware="cpu", time_limit=30)) as autop:
             constrain(autop, kind)
             plan = autop.optimize_placement(verbose=False)
             est = {ac: autop.estimate_memory(plan, RuntimeOptions(ac_mode=ac)) for ac in ac_modes}
@@ -77,13 +79,14 @@ def _state_bytes(pm: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
 def measure(mesh, plan_json: dict, ac: str) -> dict:
     """Train two steps (AdamW foreach, clipping, as the trainer does); the second is measured."""
     from parallel.auto.api import AutoParallel, lm_loss
+    from parallel.auto.config import PlannerConfig
     from parallel.auto.plan import Plan
     from parallel.auto.runtime import RuntimeOptions, local_shard
     from trainer.dry_run import MemoryTracker
     from trainer.optim import clip_grad_norm_
 
     model, inputs = _model_and_inputs()
-    with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="cpu") as autop:
+    with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, planner=PlannerConfig(hardware="cpu")) as autop:
         pm = autop.apply_placement(Plan.from_json(plan_json), RuntimeOptions(ac_mode=ac))
     pm.to_empty(device="cpu")
     torch.manual_seed(0)

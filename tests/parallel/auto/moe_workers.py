@@ -9,6 +9,7 @@ from apply_workers import _optimizer, batch, train_reference
 
 import parallel.auto.regions.moe_dispatch as md
 from parallel.auto import regions
+from parallel.auto.cost.model import DEFAULT_ROUTING_IMBALANCE
 
 TINY = {"dim": 64, "n_layers": 2, "n_dense_layers": 1, "n_heads": 4, "inter_dim": 128, "moe_inter_dim": 32,
         "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
@@ -29,12 +30,15 @@ def reference(steps: int) -> dict:
     return train_reference(build("cpu"), steps)
 
 
-def autop_for(mesh, solver: str = "auto"):
+def autop_for(mesh, solver: str = "auto", imbalance: float = DEFAULT_ROUTING_IMBALANCE):
+    """The planner of the MoE model on `mesh`, the all-to-all priced at `imbalance`."""
     from parallel.auto.api import AutoParallel, lm_loss
+    from parallel.auto.config import PlannerConfig
 
     tok = torch.zeros(GLOBAL_B, SEQ, dtype=torch.long)
-    return AutoParallel(build(), (tok, tok), mesh, loss_fn=lm_loss, hardware="cpu", regions=REGIONS, solver=solver,
-                        memory_estimate=False)  # placements and numerics are asserted here, not the peak
+    # placements and numerics are asserted here, not the peak
+    planner = PlannerConfig(hardware="cpu", solver=solver, memory_estimate=False, moe_imbalance_factor=imbalance)
+    return AutoParallel(build(), (tok, tok), mesh, loss_fn=lm_loss, regions=REGIONS, planner=planner)
 
 
 def force_ep(autop, ep_axes: tuple[int, ...]) -> None:
@@ -53,7 +57,7 @@ def force_ep(autop, ep_axes: tuple[int, ...]) -> None:
 
 
 def make_plan(shape: tuple[int, ...], ep_axes: tuple[int, ...] | None, solver: str = "auto",
-              imbalance: float = md.DEFAULT_IMBALANCE) -> tuple[dict, str]:
+              imbalance: float = DEFAULT_ROUTING_IMBALANCE) -> tuple[dict, str]:
     """Plan on a fake world (data batch-sharded; `ep_axes` None = the free plan; the MoE
     all-to-all priced at `imbalance`); returns the plan JSON and its summary."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -64,15 +68,11 @@ def make_plan(shape: tuple[int, ...], ep_axes: tuple[int, ...] | None, solver: s
     names = ("dp", "tp")[: len(shape)]
     with fake_world(int(torch.tensor(shape).prod())):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        with autop_for(mesh, solver) as autop:
+        with autop_for(mesh, solver, imbalance) as autop:
             autop.add_input_constraints([(Shard(0),) * len(shape)] * 2)
             if ep_axes is not None:
                 force_ep(autop, ep_axes)
-            md.declare_moe_dispatch(imbalance)
-            try:
-                plan = autop.optimize_placement(verbose=False)
-            finally:
-                md.declare_moe_dispatch()
+            plan = autop.optimize_placement(verbose=False)
     return plan.to_json(), plan.summary()
 
 

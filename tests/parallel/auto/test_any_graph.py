@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 
 from parallel.auto.api import AutoParallel, fake_world
+from parallel.auto.config import PlannerConfig
 from parallel.auto.coverage import coverage_report
 from parallel.auto.fold import DataDependentError
 from parallel.auto.placements import placement_str
@@ -25,7 +26,8 @@ def _plan_all(shape, names):
     with fake_world(8):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         for name in PLANNED:
-            with AutoParallel(tm.build(name), lambda name=name: tm.inputs(name), mesh, hardware="h100") as autop:
+            with AutoParallel(tm.build(name), lambda name=name: tm.inputs(name), mesh,
+                              planner=PlannerConfig(hardware="h100")) as autop:
                 out[name] = (autop.coverage(), autop.optimize_placement(verbose=False))
     return out
 

@@ -7,6 +7,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from models import build_model
 from parallel.auto.api import AutoParallel, PlanningError, fake_world, lm_loss
+from parallel.auto.config import PlannerConfig
 from parallel.auto.cost.hardware import load_hardware
 from parallel.auto.placements import parse_placements
 
@@ -43,7 +44,7 @@ def _grad_path(plan, fqn):
 
 
 def _plan(mesh, model, b, s, *, high=None, input_constraints=None, node_constraints=(), hardware="h100"):
-    with AutoParallel(model, _inputs(b, s), mesh, loss_fn=lm_loss, hardware=hardware) as autop:
+    with AutoParallel(model, _inputs(b, s), mesh, loss_fn=lm_loss, planner=PlannerConfig(hardware=hardware)) as autop:
         if input_constraints:
             autop.add_input_constraints(input_constraints)
         if high is not None:

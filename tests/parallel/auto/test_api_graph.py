@@ -7,6 +7,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from models import build_model
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
+from parallel.auto.config import PlannerConfig
 
 ARGS = dict(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128)
 
@@ -16,7 +17,8 @@ def _inputs(b, s):
 
 
 def _plan(model, mesh, inputs, graph=None):
-    with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="h100", graph=graph) as autop:
+    with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, graph=graph,
+                      planner=PlannerConfig(hardware="h100")) as autop:
         p = tuple(Shard(0) if n.startswith("dp") else Replicate() for n in mesh.mesh_dim_names)
         autop.add_input_constraints([p, p])
         return autop.optimize_placement(verbose=False), autop.graph

@@ -15,6 +15,7 @@ def _api_worker(rank, world_size):
 
     from models import Llama3Model
     from parallel.auto.api import auto_parallel, lm_loss
+    from parallel.auto.config import PlannerConfig
     from parallel.auto.runtime import InputShapeError, is_parallel_module
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
@@ -23,7 +24,8 @@ def _api_worker(rank, world_size):
     tok, lab = batch(model.args.vocab_size, 0)
     local = slice(rank * GLOBAL_B // 2, (rank + 1) * GLOBAL_B // 2)
     sample = (DTensor.from_local(tok[local], mesh, [Shard(0)]), DTensor.from_local(lab[local], mesh, [Shard(0)]))
-    pm = auto_parallel(model, mesh, sample, out_shardings=(Replicate(),), loss_fn=lm_loss, hardware="cpu")
+    pm = auto_parallel(model, mesh, sample, out_shardings=(Replicate(),), loss_fn=lm_loss,
+                       planner=PlannerConfig(hardware="cpu"))
     out["isinstance"] = isinstance(pm, Llama3Model) and is_parallel_module(pm)
     out["names"] = [n for n, _ in pm.named_parameters()] == [n for n, _ in model.named_parameters()]
     out["dtensor"] = all(isinstance(p, DTensor) for p in pm.parameters())
@@ -51,7 +53,7 @@ def _api_worker(rank, world_size):
     # bf16 compute, fp32 gradient reduction
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     pm16 = auto_parallel(build("llama3", "cpu"), mesh, sample, out_shardings=(Replicate(),), loss_fn=lm_loss,
-                         mp_policy=mp, hardware="cpu")
+                         mp_policy=mp, planner=PlannerConfig(hardware="cpu"))
     loss16 = pm16(tok[local], lab[local])
     loss16.backward()
     out["loss_bf16"] = loss16.item()
@@ -90,6 +92,7 @@ def _bf16_worker(rank, world_size):
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from parallel.auto.api import auto_parallel, lm_loss
+    from parallel.auto.config import PlannerConfig
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     tok, lab = batch(build("llama3").args.vocab_size, 0)
@@ -98,7 +101,7 @@ def _bf16_worker(rank, world_size):
     sample = (DTensor.from_local(tok[local], mesh, [Shard(0)]), DTensor.from_local(lab[local], mesh, [Shard(0)]))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     pm = auto_parallel(build("llama3", "cpu"), mesh, sample, out_shardings=(Replicate(),), loss_fn=lm_loss,
-                       mp_policy=mp, hardware="cpu")
+                       mp_policy=mp, planner=PlannerConfig(hardware="cpu"))
     loss = pm(tok[local], lab[local])
     loss.backward()
     return {"loss": loss.item(), "grads": {n: p.grad.full_tensor() for n, p in pm.named_parameters()}}

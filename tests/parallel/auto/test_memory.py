@@ -16,6 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from models import build_model
 from parallel.auto import presets
 from parallel.auto.api import AutoParallel, MemoryLimitError, fake_world, lm_loss
+from parallel.auto.config import PlannerConfig
 from parallel.auto.cost import ProfileError, load_hardware, profile_from_dict
 from parallel.auto.cost.memory import GIB, MemoryEstimate, optimizer_temp_bytes, step_graph_memory
 from parallel.auto.plan import Plan
@@ -59,8 +60,8 @@ def _plan_8b(kind: str, ac: str = "none") -> tuple[Plan, MemoryEstimate]:
     tok = torch.zeros(GLOBAL_B, SEQ, dtype=torch.long)
     with fake_world(8):
         mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
-        with AutoParallel(model, (tok, tok), mesh, loss_fn=lm_loss, hardware="h100",
-                          runtime=RuntimeOptions(ac_mode=ac)) as autop:
+        with AutoParallel(model, (tok, tok), mesh, loss_fn=lm_loss,
+                          runtime=RuntimeOptions(ac_mode=ac), planner=PlannerConfig(hardware="h100")) as autop:
             autop.add_input_constraints([(Shard(0),), (Shard(0),)])
             getattr(presets, kind)(autop)
             plan = autop.optimize_placement(verbose=False)
@@ -100,8 +101,9 @@ def _debug_plan(*, memory_limit_gib: float | None, high: float | None = 1.0, kin
     tok = torch.zeros(8, 16, dtype=torch.long)
     with fake_world(8):
         mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
-        with AutoParallel(model, (tok, tok), mesh, loss_fn=lm_loss, hardware="h100",
-                          memory_limit_gib=memory_limit_gib, memory_estimate=memory_estimate) as autop:
+        with AutoParallel(model, (tok, tok), mesh, loss_fn=lm_loss,
+                          planner=PlannerConfig(hardware="h100", memory_limit_gib=memory_limit_gib,
+                                                memory_estimate=memory_estimate)) as autop:
             autop.add_input_constraints([(Shard(0),), (Shard(0),)])
             if kind:
                 getattr(presets, kind)(autop)
@@ -144,7 +146,7 @@ def test_too_small_limit_is_a_clear_error(debug_plans):
 def test_without_the_estimate_the_same_plan_has_no_peak(debug_plans):
     plan = _debug_plan(memory_limit_gib=None, kind="fsdp", memory_estimate=False)
     assert plan.memory is None and "memory" not in plan.timings
-    assert plan.labels == debug_plans["fsdp"].labels  # the same solve, only the estimate left out
+    assert plan.costs.labels == debug_plans["fsdp"].costs.labels  # the same solve, only the estimate left out
     with pytest.raises(ValueError, match="memory_limit_gib = 40 with memory_estimate=False: the limit is checked"):
         _debug_plan(memory_limit_gib=40, kind="fsdp", memory_estimate=False)  # a limit nothing would check
 

@@ -9,6 +9,8 @@ from moe_workers import TINY, make_plan, reference, worker
 
 import parallel.auto.regions.moe_dispatch as md
 from models.moe import routed_dispatch
+from parallel.auto.config import PlannerConfig
+from parallel.auto.cost import CostModel
 
 
 def _routing(t=12, d=8, e=4, k=2, h=6):
@@ -44,15 +46,15 @@ def test_balanced_stand_in_has_the_shape_and_the_flops_of_balanced_routing():
     assert fc.get_total_flops() == 3 * 2 * t * k * d * h  # w1, w3, w2 on T*K token-slots
 
 
-def test_imbalance_factor_prices_the_all_to_all_and_bad_values_are_refused():
-    c1, c2 = md.moe_region(1.0), md.moe_region(2.0)
+def test_exchange_is_the_balanced_slots_and_bad_imbalance_factors_are_refused():
+    region = md.moe_region()
     shapes = [(16, 8), (16, 2), (16, 2), (4, 6, 8), (4, 8, 6), (4, 6, 8)]
-    assert c1.option(md.EP).exchange(shapes) == 16 * 2 * 8
-    assert c2.option(md.EP).exchange(shapes) == 2 * 16 * 2 * 8
-    assert c1.option(md.DENSE).exchange is None
+    assert region.option(md.EP).exchange(shapes) == 16 * 2 * 8  # T_local * K * D, priced x the cost model's factor
+    assert region.option(md.DENSE).exchange is None
     with pytest.raises(ValueError, match="must be >= 1.0"):
-        md.declare_moe_dispatch(0.5)
-    md.declare_moe_dispatch()
+        CostModel("h100", (2,), routing_imbalance=0.5)
+    with pytest.raises(ValueError, match="moe_imbalance_factor = 0.5: must be >= 1.0"):
+        PlannerConfig(moe_imbalance_factor=0.5).check()
 
 
 def test_deepseek_with_moe_plans_and_the_summary_names_the_experts_option():
@@ -109,14 +111,16 @@ def test_deepseek_16b_with_moe_plans_on_a_fake_8x8_h100_mesh():
 
     from models import build_model
     from parallel.auto.api import AutoParallel, fake_world, lm_loss
+    from parallel.auto.config import PlannerConfig
 
     t0 = time.perf_counter()
     with fake_world(64):
         mesh = init_device_mesh("cpu", (8, 8), mesh_dim_names=("dp", "tp"))
         model = build_model("deepseek_v3", "16B", device="meta")
         toks = torch.zeros(64, 4096, dtype=torch.long, device="meta")
-        with AutoParallel(model, (toks, toks), mesh, loss_fn=lm_loss, hardware="h100", regions=(md.NAME,),
-                          memory_estimate=False) as autop:  # the experts' placements are asserted (estimate: ~17 s)
+        # the experts' placements are asserted (estimate: ~17 s)
+        with AutoParallel(model, (toks, toks), mesh, loss_fn=lm_loss, regions=(md.NAME,),
+                          planner=PlannerConfig(hardware="h100", memory_estimate=False)) as autop:
             autop.add_input_constraints([(Shard(0), Replicate())] * 2)
             plan = autop.optimize_placement(verbose=False)
     summary = plan.summary()

@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
+from parallel.auto.config import PlannerConfig
 from parallel.auto.plan import Plan, PlanMismatchError
 
 WQ = "layers.0.attention.wq.weight"
@@ -19,7 +20,7 @@ def setup():
     with fake_world(4):
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
         inputs = lambda: (torch.zeros(8, 128, dtype=torch.long),) * 2  # noqa: E731
-        with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="h100") as autop:
+        with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, planner=PlannerConfig(hardware="h100")) as autop:
             plan = autop.optimize_placement(verbose=False)
         yield model, mesh, plan
 

@@ -14,6 +14,7 @@ from torch.distributed.tensor import Replicate
 
 from models import build_model
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
+from parallel.auto.config import PlannerConfig
 from parallel.auto.plan import Plan
 from parallel.auto.plan_html import TOP, fmt_bytes, params_table, plan_diff_html, plan_html, save_html
 
@@ -29,7 +30,7 @@ def _plan(ddp: bool) -> Plan:
     model = build_model("llama3", "debug", device="meta", n_layers=2)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     inputs = lambda: (torch.zeros(8, 64, dtype=torch.long),) * 2  # noqa: E731
-    with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="h100") as autop:
+    with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, planner=PlannerConfig(hardware="h100")) as autop:
         if ddp:  # DDP-like: every parameter replicated, memory no object
             autop.add_parameter_memory_constraint(high=1.0)
             for fqn in autop.graph.params:
@@ -81,7 +82,7 @@ def test_loaded_plan_renders_from_json(plans, tmp_path):
     plan, _ = plans
     plan.save(str(tmp_path / "plan.json"))
     loaded = Plan.load(str(tmp_path / "plan.json"))
-    assert loaded.problem is None
+    assert loaded.costs is None
     page = plan_html(loaded)
     _self_contained(page)
     assert params_table(loaded) == params_table(plan)  # the same picture without the problem

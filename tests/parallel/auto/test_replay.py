@@ -9,6 +9,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from models import build_model
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
+from parallel.auto.config import PlannerConfig
 from parallel.auto.plan import PlanMismatchError
 from parallel.auto.replay import replay_labels
 
@@ -20,8 +21,8 @@ PL = (Shard(0), Replicate())
 def _autop(model, mesh, seq):
     toks = torch.zeros(4, seq, dtype=torch.long)
     # placements and objectives are asserted here, not the peak: no memory estimate
-    autop = AutoParallel(model, (toks, toks.clone()), mesh, loss_fn=lm_loss, hardware="h100", solver="ilp",
-                         memory_estimate=False)
+    autop = AutoParallel(model, (toks, toks.clone()), mesh, loss_fn=lm_loss,
+                         planner=PlannerConfig(hardware="h100", solver="ilp", memory_estimate=False))
     return autop
 
 

@@ -16,6 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from models import build_model
 from parallel import _torch as T
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
+from parallel.auto.config import PlannerConfig
 from parallel.auto.cost import CostModel, RuntimeSchedule
 from parallel.auto.cost.calibrate import cache_path, fit_link
 from parallel.auto.cost.comm import collective_time
@@ -37,7 +38,7 @@ def _pricer(schedule: RuntimeSchedule, mp: torch.dtype | None = None) -> Strateg
     tok = torch.zeros(8, 64, dtype=torch.long)
     with fake_world(4):
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-        with AutoParallel(model, (tok, tok), mesh, loss_fn=lm_loss, hardware="cpu") as autop:
+        with AutoParallel(model, (tok, tok), mesh, loss_fn=lm_loss, planner=PlannerConfig(hardware="cpu")) as autop:
             cands = autop.candidates
             cm = CostModel("cpu", (4,), ("dp",), schedule=schedule, compute_dtype=mp)
             return StrategyPricer(cands, cm, mp)

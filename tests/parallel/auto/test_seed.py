@@ -9,6 +9,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from models import build_model
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
+from parallel.auto.config import PlannerConfig
 from parallel.auto.cost import CostModel
 from parallel.auto.enumeration import OpEnumerator
 from parallel.auto.formulation import build_problem
@@ -122,8 +123,9 @@ def test_api_seeds_3d_by_default_and_solver_choice(jg):
     with fake_world(8):
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
         # seeding is asserted here, not the peak; 2 s per MRF run: the unbounded objectives in 2/3 of the time
-        with AutoParallel(model, _inputs, mesh, loss_fn=lm_loss, solver="mrf", seed_rounds=2, time_limit=2.0,
-                          memory_estimate=False) as autop:
+        with AutoParallel(model, _inputs, mesh, loss_fn=lm_loss,
+                          planner=PlannerConfig(solver="mrf", seed_rounds=2, time_limit=2.0,
+                                                memory_estimate=False)) as autop:
             assert autop.candidates is None  # no full 3-D enumeration up front
             p = (Shard(0), Replicate(), Replicate())
             autop.add_input_constraints([p, p])
@@ -133,7 +135,7 @@ def test_api_seeds_3d_by_default_and_solver_choice(jg):
         assert plan.solver == "mrf"
         assert plan.param_placements()  # every parameter placed
     with pytest.raises(ValueError, match="unknown solver"):
-        AutoParallel(model, _inputs, None, solver="gurobi")
+        AutoParallel(model, _inputs, None, planner=PlannerConfig(solver="gurobi"))
 
 
 def test_auto_choice_threshold(jg):
@@ -167,13 +169,14 @@ def test_saved_plan_applies_on_a_seeded_mesh_without_solving(tmp_path):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         # any seeded plan serves here: the quick solver, no peak estimate
         with AutoParallel(build_model("llama3", "debug", device="meta", **TINY), _inputs, mesh, loss_fn=lm_loss,
-                          hardware="h100", solver="mrf", time_limit=2.0, memory_estimate=False) as autop:
+                          planner=PlannerConfig(hardware="h100", solver="mrf", time_limit=2.0,
+                                                memory_estimate=False)) as autop:
             autop.add_input_constraints([dp, dp])
             plan = autop.optimize_placement(verbose=False)
         path = tmp_path / "plan.json"
         plan.save(str(path))
         model = build_model("llama3", "debug", device="meta", **TINY)
-        with AutoParallel(model, _inputs, mesh, loss_fn=lm_loss, hardware="h100") as autop:
+        with AutoParallel(model, _inputs, mesh, loss_fn=lm_loss, planner=PlannerConfig(hardware="h100")) as autop:
             assert autop.candidates is None  # seeded mesh: nothing enumerated before solving
             pm = autop.apply_placement(Plan.load(str(path), model=model, mesh=mesh))
             assert all(len(c.specs) == 1 for c in autop.candidates.nodes.values() if c.kind != "getitem")
@@ -199,7 +202,8 @@ def test_saved_placements_no_axis_menu_has_are_refused_on_a_seeded_mesh():
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         # any seeded plan serves here: the quick solver, no peak estimate
         with AutoParallel(build_model("llama3", "debug", device="meta", **TINY), _inputs, mesh, loss_fn=lm_loss,
-                          hardware="h100", solver="mrf", time_limit=2.0, memory_estimate=False) as autop:
+                          planner=PlannerConfig(hardware="h100", solver="mrf", time_limit=2.0,
+                                                memory_estimate=False)) as autop:
             plan = autop.optimize_placement(verbose=False)
             wq = next(n for n, p in plan.nodes.items() if p.label == "param layers.0.attention.wq.weight")
             plan.nodes[wq].output_placements = ["(S(7), R, R)"]  # no such dim

@@ -15,6 +15,7 @@ from models import build_model
 from parallel import _torch as T
 from parallel.auto import presets
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
+from parallel.auto.config import PlannerConfig
 from parallel.auto.plan import Plan
 from parallel.auto.runtime import RuntimeOptions
 from parallel.auto.runtime.schedule import _buffer_chain, _input_derived, _is_collective, _is_wait
@@ -31,7 +32,7 @@ def _model_and_inputs() -> tuple[torch.nn.Module, tuple]:
 def _step_graph(plan_json: dict, options: RuntimeOptions, executable: bool = True) -> tuple[StepGraph, object]:
     model, inputs = _model_and_inputs()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="h100") as autop:
+    with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, planner=PlannerConfig(hardware="h100")) as autop:
         pm = autop.apply_placement(Plan.from_json(plan_json), options)
     runner = pm.plan_runner
     with T.FakeTensorMode(allow_non_fake_inputs=True):
@@ -50,7 +51,7 @@ def fsdp_plan() -> dict:
     model, inputs = _model_and_inputs()
     with fake_world(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-        with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, hardware="h100") as autop:
+        with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, planner=PlannerConfig(hardware="h100")) as autop:
             autop.add_input_constraints([(Shard(0),), (Shard(0),)])
             presets.fsdp(autop)
             return autop.optimize_placement(verbose=False).to_json()

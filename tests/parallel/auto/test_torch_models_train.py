@@ -20,12 +20,14 @@ def _plans() -> dict:
     from torch.distributed.tensor import Shard
 
     from parallel.auto.api import AutoParallel, fake_world
+    from parallel.auto.config import PlannerConfig
 
     out = {}
     with fake_world(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
         for name in NAMES:
-            with AutoParallel(tm.build(name), lambda name=name: tm.inputs(name), mesh, hardware="cpu") as autop:
+            with AutoParallel(tm.build(name), lambda name=name: tm.inputs(name), mesh,
+                              planner=PlannerConfig(hardware="cpu")) as autop:
                 autop.add_input_constraints([(Shard(0),)] * len(tm.inputs(name)))  # batch-sharded data, masks too
                 out[name] = autop.optimize_placement(verbose=False).to_json()
     return out
@@ -50,13 +52,15 @@ def _worker(rank, world_size, plans):
     from torch.distributed.device_mesh import init_device_mesh
 
     from parallel.auto.api import AutoParallel
+    from parallel.auto.config import PlannerConfig
     from parallel.auto.plan import Plan
     from parallel.auto.runtime import local_shard
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     out = {}
     for name in NAMES:
-        with AutoParallel(tm.build(name), lambda name=name: tm.inputs(name), mesh, hardware="cpu") as autop:
+        with AutoParallel(tm.build(name), lambda name=name: tm.inputs(name), mesh,
+                          planner=PlannerConfig(hardware="cpu")) as autop:
             pm = autop.apply_placement(Plan.from_json(plans[name]))
         runner = pm.plan_runner
 

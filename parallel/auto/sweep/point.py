@@ -10,9 +10,7 @@ re-run plans only new points.
 
 from __future__ import annotations
 
-import dataclasses
 import gzip
-import hashlib
 import json
 import os
 import time
@@ -23,23 +21,17 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
 
 from models import build_model, model_args
-from parallel.auto.api import AutoParallel, fake_world, lm_loss, lm_loss_positions
-from parallel.auto.cost import load_hardware, profile_to_toml
+from parallel.auto.api import fake_world
+from parallel.auto.cost import load_hardware
 from parallel.auto.mesh_search import uses_context_parallel
 from parallel.auto.plan import Plan, linear_roles
 from parallel.auto.problem import MemoryLimitError, PlanningError
-from parallel.auto.regions import MOE_DISPATCH as _MOE_REGION  # noqa: F401 - declares the MoE region
-from parallel.auto.runtime import RuntimeOptions
-from parallel.precision import is_mixed, mixed_precision_policy
+from parallel.auto.request import planning, request_key
 
-from .auto import default_memory_high, planner_regions
-from .sweep_spec import Point
+from .spec import Point
 
-PLANNER_VERSION = 2  # 2: rows carry the peak-memory estimate; cp axes planned with CP attention
-"""Part of every cache key: bump it when the planner's plans change meaning."""
 DEFAULT_CACHE = Path(os.environ.get("AUTOTITAN_CACHE", Path.home() / ".cache" / "autotitan")) / "plans"
 
 _TRACES: dict[tuple, Any] = {}  # this process's last joint graph, by trace key
@@ -47,15 +39,11 @@ _STATS = {"traced": 0, "reused": 0}
 
 
 def point_key(point: Point) -> str:
-    """Hash of what decides the plan: model and dims, mesh, shapes, AC, hardware figures,
-    budget, planner knobs, planner and torch versions."""
-    hw = point.hardware
-    d = {"model": point.model, "flavor": point.flavor, "args": list(point.model_args), "vocab": point.vocab_size,
-         "mesh": [list(point.mesh.shape), list(point.mesh.names)], "lb": point.local_batch_size,
-         "seq": point.seq_len, "ac": point.ac_mode, "hw": profile_to_toml(load_hardware(hw)),
-         "high": point.memory_high, "planner": dataclasses.asdict(point.planner), "v": PLANNER_VERSION,
-         "torch": torch.__version__}
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    """Hash of what decides the point's plan: the model, the mesh, the whole planning request
+    (its "sharded" budget included), torch's version and the planner's source files."""
+    model = {"name": point.model, "flavor": point.flavor, "args": list(point.model_args), "vocab": point.vocab_size,
+             "sharded": point.memory_high is None}
+    return request_key(model, (point.mesh.shape, point.mesh.names), point.request)
 
 
 def trace_key(point: Point) -> tuple:
@@ -153,7 +141,8 @@ def _plan_and_row(point: Point) -> tuple[Plan, dict]:
         fpt = float(args.flops_per_token(point.seq_len))
     except (AttributeError, TypeError):
         fpt = 6.0 * n_params
-    peak = hw.peak_flops(point.planner.mp_param) * point.mesh.world
+    mp = point.request.mp_policy
+    peak = hw.peak_flops(mp.param_dtype if mp is not None else torch.float32) * point.mesh.world
     mem, kind = memory_estimate(plan, param_bytes)
     limit = memory_limit(hw)
     row = {**base_row(point), "budget": budget, "step_ms": step_s * 1e3, "tokens_per_s": tps,
@@ -176,28 +165,16 @@ def _plan(point: Point, hw: Any) -> tuple[Plan, int, int, float | None]:
                                                  **dict(point.model_args), **kw)
     n_params = sum(p.numel() for p in model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    pl = point.planner
-    mp = mixed_precision_policy(pl.mp_param, pl.mp_reduce)
-    high = default_memory_high(n_params, hw) if point.memory_high == "auto" else point.memory_high
-    inputs = tuple(torch.zeros(point.global_batch, point.seq_len, dtype=torch.long, device="meta") for _ in range(2))
-    cp = uses_context_parallel(point.mesh)
-    if cp:  # as the trainer feeds a cp axis: the sequence load-balanced, with its RoPE positions
-        inputs += (torch.zeros(point.seq_len, dtype=torch.long, device="meta"),)
-    runtime = RuntimeOptions(ac_mode=point.ac_mode, overlap=pl.overlap, reshard_after_forward=pl.reshard_after_forward)
     spec = point.mesh
     with fake_world(spec.world):
         mesh = init_device_mesh("cpu", spec.shape, mesh_dim_names=spec.names)
-        loss_fn = lm_loss_positions if cp else lm_loss
-        with AutoParallel(model, inputs, mesh, loss_fn=loss_fn, mp_policy=mp if is_mixed(mp) else None, hardware=hw,
-                          solver=pl.solver, time_limit=pl.time_limit, cluster_layers=pl.cluster_layers, seed=pl.seed,
-                          seed_radius=pl.seed_radius, seed_rounds=pl.seed_rounds, runtime=runtime,
-                          graph=cached[1] if cached else None, regions=planner_regions(model, cp=cp)) as autop:
+        with planning(model, mesh, point.request, graph=cached[1] if cached else None) as autop:
             _STATS["reused" if cached else "traced"] += 1
             _TRACES.clear()
             _TRACES[tkey] = (model, autop.graph)  # one graph a process: an 8B trace holds ~0.5 GB
-            p = tuple(Shard(0) if i in spec.data_axes() else Replicate() for i in range(len(spec.shape)))
-            autop.add_input_constraints([p, p] + ([tuple(Replicate() for _ in spec.shape)] if cp else []))
-            autop.add_parameter_memory_constraint(low=pl.memory_budget_low, high=high)
+            if point.memory_high is None:  # "sharded": fully sharded, whatever the rule would free
+                autop.add_parameter_memory_constraint(low=point.request.planner.memory_budget_low, high=None)
+            high = autop.memory_high
             plan = autop.optimize_placement(verbose=False)
     used = high if high is not None else max(1.0 / spec.world, 0.0)
     return plan, n_params, param_bytes, used

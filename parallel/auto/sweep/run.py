@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .sweep_point import PlanCache, failure_row, plan_point, point_key, trace_key
-from .sweep_spec import Point
+from .point import PlanCache, failure_row, plan_point, point_key, trace_key
+from .spec import Point
 
 
 class Progress:

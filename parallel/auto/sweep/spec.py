@@ -2,7 +2,7 @@
 
     [sweep]
     name = "llama3_8b_ladder"        # output folder outputs/sweeps/<name>/
-    config = "llama3_8b"             # base job: model, dtypes, planner knobs ([parallelism])
+    config = "llama3_8b"             # base job: model, shapes, dtypes, planner settings (its planning request)
     x = "world_size"                 # the picture's x axis (default: the first axis that varies)
 
     [axes]                           # every key a list (or one value); the product is swept
@@ -13,7 +13,8 @@
 Every problem -- unknown section or key, a wrong type, a world size no mesh lays out, a
 sequence longer than the model takes, a mesh of another world size -- is one
 :class:`SweepSpecError` naming the file, the key, the value and the fix, raised before any
-planning starts.
+planning starts. The base job is read by the caller's `base_job(name)` (the trainer's
+`trainer.auto.load_base_job`: this package does not read job configs).
 """
 
 from __future__ import annotations
@@ -21,24 +22,24 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models import get_model_spec, model_args
+from models import ARG_KEYS, get_model_spec, model_args
 from parallel.auto.cost import ProfileError, load_hardware
 from parallel.auto.mesh_search import MeshSearchError, MeshSpec, check_world, enumerate_meshes, parse_mesh
-
-from .config import ConfigError, JobConfig, Model, load_config
+from parallel.auto.request import PlanRequest
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-SWEEPS_DIR = Path(__file__).resolve().parents[1] / "configs" / "sweeps"
+SWEEPS_DIR = Path(__file__).resolve().parents[3] / "configs" / "sweeps"
 SWEEP_KEYS = {"name": str, "description": str, "config": str, "x": str, "workers": int}
-MODEL_DIMS = tuple(f.name for f in dataclasses.fields(Model) if f.name not in ("name", "flavor", "vocab_size"))
+MODEL_DIMS = ARG_KEYS
 AXIS_KEYS = ("model", "flavor", *MODEL_DIMS, "hardware", "world_size", "mesh", "local_batch_size", "seq_len",
              "ac_mode", "memory_budget_high")
 AC_MODES = ("none", "full", "selective")
@@ -50,20 +51,14 @@ class SweepSpecError(ValueError):
 
 
 @dataclass(frozen=True)
-class Planner:
-    """The job's planner knobs, shared by every point of a sweep (from the base config)."""
+class BaseJob:
+    """What a sweep takes from its base job: the model and the planning request (shapes,
+    planner settings, runtime, mixed precision) that every point varies."""
 
-    mp_param: str = "bfloat16"
-    mp_reduce: str = "float32"
-    solver: str = "auto"
-    time_limit: float = 600.0
-    seed: bool | None = None
-    seed_radius: int = 2
-    seed_rounds: int = 1
-    cluster_layers: bool = True
-    overlap: bool = True
-    reshard_after_forward: bool = True
-    memory_budget_low: float | None = None
+    model: str
+    flavor: str
+    model_args: tuple[tuple[str, int], ...]
+    request: PlanRequest
 
 
 @dataclass(frozen=True)
@@ -75,14 +70,27 @@ class Point:
     flavor: str
     model_args: tuple[tuple[str, int], ...]
     mesh: MeshSpec
-    local_batch_size: int
-    seq_len: int
-    ac_mode: str
-    hardware: Any  # a profile name, a path, or a HardwareProfile
+    request: PlanRequest  # its planner's memory_budget_high: a fraction, or None (the rule of `memory_high`)
     memory_high: float | str | None  # fraction; "auto": the trainer's rule; None: fully sharded
-    planner: Planner
     vocab_size: int | None = None  # None: the flavor's
     mesh_auto: bool = False  # enumerated by the mesh search
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.request.local_batch_size
+
+    @property
+    def seq_len(self) -> int:
+        return self.request.seq_len
+
+    @property
+    def ac_mode(self) -> str:
+        return self.request.runtime.ac_mode
+
+    @property
+    def hardware(self) -> Any:
+        """A profile name, a path, or a HardwareProfile."""
+        return self.request.planner.hardware
 
     @property
     def global_batch(self) -> int:
@@ -113,17 +121,18 @@ def resolve_sweep_path(spec: str) -> Path:
                          f"{', '.join(known) or 'none'}")
 
 
-def load_sweep(spec: str) -> SweepSpec:
-    """Read, validate and expand a sweep spec (SweepSpecError on any problem)."""
+def load_sweep(spec: str, base_job: Callable[[str | None], BaseJob]) -> SweepSpec:
+    """Read, validate and expand a sweep spec (SweepSpecError on any problem); `base_job(name)`
+    reads the job config the spec names (raising ValueError, e.g. a ConfigError, when it cannot)."""
     path = resolve_sweep_path(spec)
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise SweepSpecError(f"{path}: not valid TOML: {e}") from None
-    return sweep_from_dict(data, str(path))
+    return sweep_from_dict(data, str(path), base_job)
 
 
-def sweep_from_dict(data: dict, source: str) -> SweepSpec:
+def sweep_from_dict(data: dict, source: str, base_job: Callable[[str | None], BaseJob]) -> SweepSpec:
     """Validate the parsed TOML of a spec and expand its points."""
     for section, table in data.items():
         if section not in ("sweep", "axes") or not isinstance(table, dict):
@@ -132,8 +141,8 @@ def sweep_from_dict(data: dict, source: str) -> SweepSpec:
     head = _check_head(data.get("sweep", {}), source)
     axes = _check_axes(data.get("axes", {}), source)
     try:
-        base = load_config(head.get("config"), validate=False)
-    except ConfigError as e:
+        base = base_job(head.get("config"))
+    except ValueError as e:
         raise SweepSpecError(f"{source}: 'sweep.config' = {head.get('config')!r}: {e}") from None
     points = expand_points(axes, base, source)
     varying = [k for k in AXIS_KEYS if len(axes.get(k, [])) > 1]
@@ -205,25 +214,17 @@ def parse_budget(v: Any) -> Any:
     return float(v)
 
 
-def planner_of(cfg: JobConfig) -> Planner:
-    p, t = cfg.parallelism, cfg.training
-    return Planner(mp_param=t.mixed_precision_param, mp_reduce=t.mixed_precision_reduce, solver=p.solver,
-                   time_limit=p.time_limit, seed=p.seed, seed_radius=p.seed_radius, seed_rounds=p.seed_rounds,
-                   cluster_layers=p.cluster_layers, overlap=p.overlap, reshard_after_forward=p.reshard_after_forward,
-                   memory_budget_low=p.memory_budget_low)
-
-
-def expand_points(axes: dict[str, list], base: JobConfig, source: str) -> list[Point]:
+def expand_points(axes: dict[str, list], base: BaseJob, source: str) -> list[Point]:
     """The cartesian product of the axes (missing ones take the base job's value), each
     combination checked: model arguments, sequence length, hardware, meshes."""
+    req = base.request
     models = _model_combos(axes, base, source)
-    hardware = [_load_profile(h, source) for h in axes.get("hardware", [base.parallelism.hardware])]
-    lbs = axes.get("local_batch_size", [base.training.local_batch_size])
-    seqs = axes.get("seq_len", [base.training.seq_len])
-    acs = axes.get("ac_mode", [base.activation_checkpoint.mode])
-    default_budget = base.parallelism.memory_budget_high if base.parallelism.memory_budget_high else "auto"
+    hardware = [_load_profile(h, source) for h in axes.get("hardware", [req.planner.hardware])]
+    lbs = axes.get("local_batch_size", [req.local_batch_size])
+    seqs = axes.get("seq_len", [req.seq_len])
+    acs = axes.get("ac_mode", [req.runtime.ac_mode])
+    default_budget = req.planner.memory_budget_high if req.planner.memory_budget_high else "auto"
     budgets = [parse_budget(b) for b in axes.get("memory_budget_high", [default_budget])]
-    planner = planner_of(base)
     for (name, flavor, dims), seq in itertools.product(models, seqs):
         _check_seq(name, flavor, dims, seq, source)
     points: list[Point] = []
@@ -231,17 +232,27 @@ def expand_points(axes: dict[str, list], base: JobConfig, source: str) -> list[P
         for (mesh, auto), lb, seq, ac, budget in itertools.product(_meshes(axes, hw, source), lbs, seqs, acs,
                                                                    budgets):
             points.append(Point(index=len(points), model=name, flavor=flavor, model_args=dims, mesh=mesh,
-                                local_batch_size=lb, seq_len=seq, ac_mode=ac, hardware=hw_name, memory_high=budget,
-                                planner=planner, mesh_auto=auto))
+                                request=point_request(req, lb, seq, ac, hw_name, budget), memory_high=budget,
+                                mesh_auto=auto))
     return points
 
 
-def _model_combos(axes: dict[str, list], base: JobConfig, source: str) -> list[tuple[str, str, tuple]]:
+def point_request(base: PlanRequest, local_batch_size: int, seq_len: int, ac_mode: str, hardware: Any,
+                  memory_high: float | str | None) -> PlanRequest:
+    """The base job's request at a point's shapes, AC mode, hardware and budget ("auto" and
+    None, fully sharded, leave the planner's budget unset: the point applies its rule)."""
+    planner = base.planner.replace(hardware=hardware,
+                                   memory_budget_high=memory_high if isinstance(memory_high, float) else None)
+    return dataclasses.replace(base, local_batch_size=local_batch_size, seq_len=seq_len, planner=planner,
+                               runtime=dataclasses.replace(base.runtime, ac_mode=ac_mode))
+
+
+def _model_combos(axes: dict[str, list], base: BaseJob, source: str) -> list[tuple[str, str, tuple]]:
     combos = []
     dims = [k for k in MODEL_DIMS if k in axes]
-    fixed = {k: v for k, v in base.model.arg_overrides().items() if k not in dims}
-    for name, flavor, *values in itertools.product(axes.get("model", [base.model.name]),
-                                                   axes.get("flavor", [base.model.flavor]),
+    fixed = {k: v for k, v in base.model_args if k not in dims}
+    for name, flavor, *values in itertools.product(axes.get("model", [base.model]),
+                                                   axes.get("flavor", [base.flavor]),
                                                    *(axes[k] for k in dims)):
         args = {**fixed, **dict(zip(dims, values))}
         try:

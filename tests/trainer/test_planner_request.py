@@ -1,0 +1,148 @@
+"""Every planner setting reaches the planner from every entry point: the trainer, scripts/plan.py,
+a sweep point and the mesh search. Each test sets one PlannerConfig field to a value other than
+its default (through the job's TOML keys, as a user does) and records the PlannerConfig the
+planner is built with (AutoParallel replaced by a recorder that finds no plan); the cache key
+of a sweep point changes with it too."""
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import parallel.auto.request as request
+from parallel.auto.config import PlannerConfig, planner_fields
+from parallel.auto.cost import load_hardware
+from parallel.auto.problem import PlanningError
+from parallel.auto.sweep import point as sweep_point
+from parallel.auto.sweep.meshes import search_meshes
+from parallel.auto.sweep.spec import expand_points
+from trainer import auto
+from trainer.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--model.n_layers", "1", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+        "--training.seq_len", "16", "--training.local_batch_size", "1", "--parallelism.hardware", "h100"]
+# one value per field, none the default; every field of PlannerConfig must be here
+VALUES = {"hardware": "a100", "solver": "mrf", "time_limit": 12.5, "cluster_layers": False, "seed": True,
+          "seed_radius": 1, "seed_rounds": 3, "memory_budget_low": 0.05, "memory_budget_high": 0.5,
+          "memory_limit_gib": 33.0, "memory_estimate": False, "moe_imbalance_factor": 2.0, "optimizer": "for-loop"}
+
+
+class Recorder:
+    """Stands in for AutoParallel: records the settings it is built with, finds no plan."""
+
+    seen: list[PlannerConfig] = []
+
+    def __init__(self, model, inputs, mesh, *, planner, **_):
+        Recorder.seen.append(planner)
+        self.input_fn, self.graph, self.memory_high, self.constraints = inputs, None, None, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def add_input_constraints(self, placements):
+        pass
+
+    def add_parameter_memory_constraint(self, low=None, high=None):
+        self.memory_high = high
+
+    def cost_model(self):
+        return SimpleNamespace(hw=load_hardware("h100"))
+
+    def optimize_placement(self, verbose=True):
+        raise PlanningError("recorded")
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    Recorder.seen = []
+    monkeypatch.setattr(request, "AutoParallel", Recorder)
+    return Recorder.seen
+
+
+def test_every_field_is_tested():
+    assert {f.name for f in planner_fields()} == set(VALUES)
+    assert all(getattr(PlannerConfig(), k) != v for k, v in VALUES.items())
+
+
+def _flags(key, value) -> list[str]:
+    if key == "optimizer":
+        return ["--optimizer.implementation", value]
+    flags = ["--parallelism." + key, str(value).lower() if isinstance(value, bool) else str(value)]
+    if key == "memory_budget_low":  # low must not exceed high: keep a high set too
+        flags += ["--parallelism.memory_budget_high", "1.0"]
+    return flags
+
+
+def _job(key, value):
+    return load_config("llama3_debug_auto", TINY + _flags(key, value), world_size=2)
+
+
+FIELDS = sorted(VALUES)
+
+
+@pytest.mark.parametrize("key", FIELDS)
+def test_the_trainer_passes_the_setting(recorder, key):
+    mesh = SimpleNamespace(mesh_dim_names=("dp_shard",), shape=(2,), ndim=1)
+    batch = (torch.zeros(1, 16, dtype=torch.long),) * 2
+    with pytest.raises(ConfigError, match="recorded"):
+        auto.auto_parallelize_for_training(torch.nn.Linear(2, 2), mesh, _job(key, VALUES[key]), batch)
+    assert getattr(recorder[-1], key) == VALUES[key]
+
+
+def _plan_script():
+    spec = importlib.util.spec_from_file_location("plan_script_request", ROOT / "scripts" / "plan.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("key", FIELDS)
+def test_plan_py_passes_the_setting(recorder, key):
+    argv = ["--config", "llama3_debug_auto", "--mesh", "2", *TINY, *_flags(key, VALUES[key])]
+    with pytest.raises(PlanningError, match="recorded"):
+        _plan_script().main(argv)
+    assert getattr(recorder[-1], key) == VALUES[key]
+
+
+def test_plan_py_shorthands_override_the_config_and_leave_the_rest(recorder):
+    argv = ["--config", "llama3_debug_auto", "--mesh", "2", *TINY, "--parallelism.seed_rounds", "2",
+            "--parallelism.time_limit", "30", "--time-limit", "7"]
+    with pytest.raises(PlanningError):
+        _plan_script().main(argv)
+    assert (recorder[-1].seed_rounds, recorder[-1].time_limit) == (2, 7.0)
+
+
+@pytest.mark.parametrize("key", FIELDS)
+def test_a_sweep_point_passes_the_setting_and_keys_its_cache_on_it(recorder, key):
+    job = auto.base_job(_job(key, VALUES[key]))
+    (point,) = expand_points({"mesh": ["2"]}, job, "test")
+    row = sweep_point.plan_point(point, cache=None)
+    assert row["status"] == "no plan: recorded"
+    assert getattr(recorder[-1], key) == VALUES[key]
+    default = auto.base_job(load_config("llama3_debug_auto", TINY, world_size=2))
+    if key == "memory_budget_low":  # its job sets a high budget too: compare with that alone
+        default = auto.base_job(_job("memory_budget_high", 1.0))
+    (plain,) = expand_points({"mesh": ["2"]}, default, "test")
+    assert sweep_point.point_key(point) != sweep_point.point_key(plain)
+
+
+@pytest.mark.parametrize("key", FIELDS)
+def test_the_mesh_search_passes_the_setting(recorder, key):
+    job = auto.base_job(_job(key, VALUES[key]))
+    rows = search_meshes(job, 2, job.request.planner.hardware, workers=1, cache=None, out=lambda s: None)
+    assert rows and all(r["status"] == "no plan: recorded" for r in rows)
+    assert recorder and all(getattr(p, key) == VALUES[key] for p in recorder)
+
+
+def test_an_edit_of_the_planner_source_changes_the_cache_key(monkeypatch):
+    job = auto.base_job(load_config("llama3_debug_auto", TINY, world_size=2))
+    (point,) = expand_points({"mesh": ["2"]}, job, "test")
+    before = sweep_point.point_key(point)
+    monkeypatch.setattr(request, "source_hash", lambda: "edited")
+    assert sweep_point.point_key(point) != before

@@ -1,0 +1,186 @@
+"""What the trainer needs from a parallelism mode, and the two modes that provide it.
+
+    parallelizer = parallelizer_for(cfg, mesh, device, plan_constraints)   # the mode, chosen once
+    model = parallelizer.parallelize(model, sample_batch)
+    inputs, labels, positions = parallelizer.shard_batch(inputs, labels)
+    loss = parallelizer.forward_backward(model, inputs, labels, positions)
+
+`Recipes` is `[parallelism] mode = "manual"`: the hand-written recipes (FSDP, HSDP, TP,
+CP, EP), autograd's backward, autocast without FSDP. `Planner` is `mode = "auto"`: the plan
+of parallel/auto (trainer/auto.py), one step graph per step, re-planned when the sequence
+length changes, its prediction reported next to the measured step time. The trainer asks
+the mode, never the model, what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+
+from models import cross_entropy_loss
+from parallel import _torch as T
+from parallel.auto.regions import load_balanced_batch
+from parallel.auto.runtime import is_parallel_module
+from parallel.mesh import CP, axis_size
+from parallel.precision import dtype_of
+from parallel.recipes import RecipeError, apply_compile, apply_recipe
+from parallel.recipes.cp import cp_shard_batch
+from parallel.recipes.tp import loss_parallel_context, loss_value
+
+from .auto import PlanSource, auto_parallelize_for_training
+from .config import ConfigError, JobConfig
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Parallelizer:
+    """One parallelism mode of a job on a mesh (None: a single process)."""
+
+    def __init__(self, cfg: JobConfig, mesh: Optional[DeviceMesh]) -> None:
+        self.cfg, self.mesh = cfg, mesh
+        self.cp_axis = mesh is not None and CP in (mesh.mesh_dim_names or ())
+
+    def parallelize(self, model: torch.nn.Module, sample_batch: Batch,
+                    source: Optional[PlanSource] = None) -> torch.nn.Module:
+        """The parallel model (from the meta model; `sample_batch`: this rank's batch shape)."""
+        raise NotImplementedError
+
+    def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple:
+        """This rank's (inputs, labels, positions or None) of its data-parallel batch."""
+        raise NotImplementedError
+
+    def forward_backward(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                         positions: Optional[torch.Tensor]) -> torch.Tensor:
+        """Forward, loss, backward of one step; the local loss."""
+        raise NotImplementedError
+
+    def for_seq_len(self, model: torch.nn.Module, sample_batch: Batch) -> tuple[torch.nn.Module, Any, str]:
+        """The model for a new sequence length (`sample_batch`'s): (model, the parameters moved
+        into it, or None when it is the same model, how it was made)."""
+        return model, None, "same model (manual mode: the recipes do not depend on the sequence length)"
+
+    def step_time_report(self, model: torch.nn.Module, measured_s: float) -> Optional[str]:
+        """A line comparing the measured step time with the mode's prediction (None: none)."""
+        return None
+
+    def run_report(self, model: torch.nn.Module) -> Optional[str]:
+        """How the job's steps ran, at its end (None: nothing to say)."""
+        return None
+
+
+class Recipes(Parallelizer):
+    """`mode = "manual"`: the hand-written recipes of parallel/recipes."""
+
+    def __init__(self, cfg: JobConfig, mesh: Optional[DeviceMesh], device: torch.device) -> None:
+        super().__init__(cfg, mesh)
+        self.device = device
+        self.autocast = False
+
+    def parallelize(self, model: torch.nn.Module, sample_batch: Batch,
+                    source: Optional[PlanSource] = None) -> torch.nn.Module:
+        t = self.cfg.training
+        if t.compile and t.compile_fallback:
+            T.compile_errors_fall_back(True)  # the per-block torch.compile falls back to eager
+        if self.mesh is None:
+            model = apply_compile(model) if t.compile else model
+        else:
+            try:
+                model = apply_recipe(model, self.mesh, self.cfg)
+            except RecipeError as e:
+                raise ConfigError(f"{self.cfg.source}: {e}") from None
+        # mixed precision without FSDP (a single rank): autocast
+        fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
+        self.autocast = t.mixed_precision_param != "float32" and not fsdp and t.dtype == "float32"
+        return model
+
+    def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple:
+        if self.cp_axis:  # context parallel: each cp rank keeps its load-balanced chunks
+            return cp_shard_batch(inputs, labels, self.mesh, CP)
+        return inputs, labels, None
+
+    def forward_backward(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                         positions: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx = (torch.autocast(self.device.type, dtype=dtype_of(self.cfg.training.mixed_precision_param))
+               if self.autocast else contextlib.nullcontext())
+        # TP with loss parallel: vocab-sharded logits; loss and backward inside the context
+        with loss_parallel_context(model):
+            with ctx:
+                logits = model(inputs) if positions is None else model(inputs, positions)
+                loss = cross_entropy_loss(logits, labels)
+                del logits
+            loss.backward()
+        return loss_value(loss)
+
+
+class Planner(Parallelizer):
+    """`mode = "auto"`: the planner's plan, run as one step graph per step."""
+
+    def __init__(self, cfg: JobConfig, mesh: Optional[DeviceMesh],
+                 plan_constraints: Optional[Callable[[Any], None]] = None) -> None:
+        super().__init__(cfg, mesh)
+        self.plan_constraints = plan_constraints  # applied to the planner (parallel.auto.presets)
+        self.plans: dict[int, Any] = {}  # seq_len -> the plan this job trains that length with
+        self.origin = ""  # where the current plan came from (solved, replayed, cached, a plan file)
+
+    def parallelize(self, model: torch.nn.Module, sample_batch: Batch,
+                    source: Optional[PlanSource] = None) -> torch.nn.Module:
+        model, self.origin = auto_parallelize_for_training(model, self.mesh, self.cfg, sample_batch,
+                                                           self.plan_constraints, source=source)
+        if is_parallel_module(model):
+            self.plans[sample_batch[0].shape[1]] = model.plan
+        return model
+
+    def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple:
+        if self.cp_axis:  # every cp rank takes the whole sequence in the load-balanced order: the plan cuts it
+            return load_balanced_batch(inputs, labels, axis_size(self.mesh, CP))
+        return inputs, labels, None
+
+    def forward_backward(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                         positions: Optional[torch.Tensor]) -> torch.Tensor:
+        if not is_parallel_module(model):  # a single process: nothing was planned
+            loss = cross_entropy_loss(model(inputs), labels)
+            loss.backward()
+            return loss
+        return model.forward_backward(*((inputs, labels) if positions is None else (inputs, labels, positions)))
+
+    def for_seq_len(self, model: torch.nn.Module, sample_batch: Batch) -> tuple[torch.nn.Module, Any, str]:
+        """The plan this job made for the new length before, else a fresh solve or a replay of
+        the current plan (`parallelism.replan`); the parameters move into the new module."""
+        if not is_parallel_module(model):
+            return super().for_seq_len(model, sample_batch)
+        cached = self.plans.get(sample_batch[0].shape[1])
+        replay = model.plan if cached is None and self.cfg.parallelism.replan == "replay" else None
+        new = self.parallelize(model.meta_template, sample_batch, PlanSource(cached=cached, replay=replay))
+        moved = new.take_state_from(model)
+        new.train(model.training)
+        return new, moved, self.origin
+
+    def step_time_report(self, model: torch.nn.Module, measured_s: float) -> Optional[str]:
+        if not is_parallel_module(model):
+            return None
+        pred = model.predict_step()
+        return (f"predicted {pred.step_us / 1e3:,.1f} ms by the cost model ({model.plan_cost_model.hw.name}; "
+                f"{pred.summary()}); measured / predicted = {measured_s * 1e6 / pred.step_us:.2f}")
+
+    def run_report(self, model: torch.nn.Module) -> Optional[str]:
+        if not is_parallel_module(model):
+            return None
+        st = model.plan_runner.stats
+        return (f"runtime: {st['step_graph_steps']} steps as one step graph per rank, "
+                f"{st['deviations']} deviations from the plan")
+
+
+def parallelizer_for(cfg: JobConfig, mesh: Optional[DeviceMesh], device: torch.device,
+                     plan_constraints: Optional[Callable[[Any], None]] = None) -> Parallelizer:
+    """The job's parallelism mode (`[parallelism] mode`): the one place it is asked."""
+    if cfg.parallelism.mode == "auto":
+        return Planner(cfg, mesh, plan_constraints)
+    return Recipes(cfg, mesh, device)
+
+
+__all__ = ["Parallelizer", "Planner", "Recipes", "parallelizer_for"]
