@@ -40,8 +40,9 @@ class Option:
     of its gradient (default: as the input); gather: inputs the region all-gathers along
     their sharded dim over this axis inside itself (forward; the backward gathers them again
     and reduce-scatters their gradients), priced as such; exchange: the elements one rank
-    sends all-to-all over this axis, from the local input shapes (MoE token dispatch), priced
-    there and back (dispatch + combine), twice that with the backward.
+    sends all-to-all over this axis under balanced routing, from the local input shapes (MoE
+    token dispatch), priced there and back (dispatch + combine), twice that with the backward,
+    times the cost model's `routing_imbalance`.
     """
 
     name: str

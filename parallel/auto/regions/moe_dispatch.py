@@ -16,14 +16,14 @@ The router and the shared experts stay ordinary ops around it. Options per mesh 
 Planning: fake tensors carry no routing, so the region's shapes and FLOPs come from
 balanced routing (every expert gets ``T*K/E`` token-slots, :func:`balanced_dispatch`), and an
 ``expert_parallel`` axis prices its all-to-all bytes (``T_local*K*D`` out and back) times the imbalance
-factor (``[parallelism] moe_imbalance_factor``; see the README for the default).
+factor (the cost model's ``routing_imbalance``: ``[parallelism] moe_imbalance_factor``; see the README for
+the default).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from functools import partial
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -37,8 +37,6 @@ from parallel.recipes.ep import ep_combine_tokens, ep_dispatch_tokens
 
 NAME = "moe_dispatch"
 EP, DENSE = "expert_parallel", "dense_experts"  # option names (plan summaries show them)
-DEFAULT_IMBALANCE = 1.25
-"""All-to-all bytes priced = balanced bytes x this (the busiest rank bounds the exchange)."""
 
 
 def balanced_dispatch(x: torch.Tensor, top_scores: torch.Tensor, selected: torch.Tensor,
@@ -75,26 +73,19 @@ def local_dispatch(ctx: RegionContext, x: torch.Tensor, top_scores: torch.Tensor
     return torch.zeros_like(x).index_add(0, token_idx, out.to(x.dtype))
 
 
-def _slot_elements(factor: float, shapes: Sequence[tuple[int, ...]]) -> float:
-    """Elements one rank sends one way: its T_local*K token-slots of width D, times `factor`."""
+def slot_elements(shapes: Sequence[tuple[int, ...]]) -> float:
+    """Elements one rank sends one way under balanced routing: its T_local*K token-slots of
+    width D (the cost model prices them x its routing imbalance)."""
     (t, d), (_, k) = shapes[0], shapes[2]
-    return factor * t * k * d
+    return t * k * d
 
 
-def moe_region(imbalance_factor: float = DEFAULT_IMBALANCE) -> Region:
-    """The ``moe_dispatch`` region with the all-to-all priced at `imbalance_factor`."""
+def moe_region() -> Region:
+    """The ``moe_dispatch`` region."""
     s0, rep, part = Shard(0), Replicate(), Partial()
-    ep = Option(EP, (s0,) * 6, (s0,), exchange=partial(_slot_elements, imbalance_factor))
+    ep = Option(EP, (s0,) * 6, (s0,), exchange=slot_elements)
     dp = Option(DENSE, (s0, s0, s0, rep, rep, rep), (s0,), grads=(s0, s0, s0, part, part, part))
     return Region(NAME, [ep, dp], fn=routed_dispatch, local_fn=local_dispatch, meta_fn=balanced_dispatch)
 
 
-def declare_moe_dispatch(imbalance_factor: float = DEFAULT_IMBALANCE) -> Region:
-    """(Re)declare the region (the factor only changes the price of the expert-parallel option)."""
-    if not imbalance_factor >= 1.0:
-        raise ValueError(f"moe imbalance factor {imbalance_factor!r}: must be >= 1.0 (1.0 = perfectly balanced "
-                         "routing; the busiest rank receives factor x the mean)")
-    return declare(moe_region(imbalance_factor))
-
-
-declare_moe_dispatch()
+REGION = declare(moe_region())

@@ -47,7 +47,8 @@ def region_flops(name: str, backward: bool, shapes: tuple, dtypes: tuple) -> flo
 def region_cost(cm: Any, node: Any, spec: Any, mesh_shape: tuple) -> float:
     """µs of one strategy of a region node: compute (roofline of the region function's FLOPs on
     the shapes it computes on) plus the gathers its options declare (the backward gathers
-    again and reduce-scatters the gathered inputs' gradients) and all-to-alls (`exchange`)."""
+    again and reduce-scatters the gathered inputs' gradients) and all-to-alls (`exchange`,
+    times the cost model's `routing_imbalance`)."""
     from parallel.auto.cost.compute import roofline_us
 
     r, backward = region_of(node.target)  # type: ignore[misc]
@@ -69,6 +70,7 @@ def region_cost(cm: Any, node: Any, spec: Any, mesh_shape: tuple) -> float:
             if backward:
                 t += cm.collective_cost("reduce_scatter", g, i)
         if o.exchange is not None:
-            n = item * o.exchange([local_shape(tuple(s.tensor_meta.shape), s.placements, mesh_shape) for s in ins])
+            n = item * cm.routing_imbalance * o.exchange([local_shape(tuple(s.tensor_meta.shape), s.placements,
+                                                                       mesh_shape) for s in ins])
             t += (4 if backward else 2) * cm.collective_cost("all_to_all", n, i)
     return t
