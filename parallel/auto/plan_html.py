@@ -5,9 +5,9 @@ mesh axis in the forward and the backward, what the collectives cost, and how mu
 parameter memory a device holds. The page is standard-library HTML with inline CSS (no
 scripts, fonts or URLs) so that it opens anywhere, offline, and can be attached to an
 issue. It renders from the plan's JSON fields alone (a loaded plan); the in-memory plan
-of `optimize_placement` adds its collectives one by one and the parameter bytes.
+of `optimize_placement` adds its collectives one by one.
 
-This module reads `plan.py`; `plan.py` does not import it (no import circle), so callers
+This module reads `plan/`; `plan/` does not import it (no import circle), so callers
 use `save_html(plan, path)` / `plan_diff_html(a, b)` from here.
 """
 
@@ -20,7 +20,7 @@ from collections import defaultdict
 from typing import Any
 
 from parallel.auto.placements import placement_words
-from parallel.auto.plan import NodePlan, Plan, PlanDiff, _collapse_layers, linear_roles
+from parallel.auto.plan import NodePlan, Plan, PlanDiff, collapse_layers, linear_roles
 from parallel.auto.strategies import GETITEM, SLOT
 from parallel.auto.trace import layer_prefix
 
@@ -63,8 +63,7 @@ def fmt_bytes(n: float) -> str:
 
 
 def _grad_slots(plan: Plan) -> dict[str, NodePlan]:
-    pre = "grad of param "
-    return {n.label[len(pre):]: n for n in plan.nodes.values() if n.kind == SLOT and n.label.startswith(pre)}
+    return {fqn: n for fqn, n in plan.grad_slots().items() if n.kind == SLOT}
 
 
 def grad_reduction(plan: Plan, slot: NodePlan) -> list[str]:
@@ -95,7 +94,7 @@ def param_cells(plan: Plan) -> dict[str, list[dict[str, str]]]:
     placement and its reduction."""
     names = plan.mesh_axis_names
     grads = _grad_slots(plan)
-    params = {n.label[len("param "):]: n for n in plan.nodes.values() if n.label.startswith("param ")}
+    params = plan.params()
     out = {}
     for fqn, words in linear_roles(plan):
         per_axis = words.split("; ")
@@ -125,7 +124,7 @@ def param_rows(plan: Plan) -> list[tuple[str, list[tuple[str, str, list[dict[str
         tuples = f"{plan.placement(fqn)} → {slot.output_placements[0] if slot is not None else '-'}"
         by_layer[layer].append(json.dumps([short, tuples, per_axis]))
     top = by_layer.pop("", None)
-    groups = _collapse_layers(by_layer) + ([("", top)] if top else [])
+    groups = collapse_layers(by_layer) + ([("", top)] if top else [])
     return [(layer or TOP, [tuple(json.loads(it)) for it in items]) for layer, items in groups]
 
 
@@ -193,7 +192,7 @@ def comm_table(plan: Plan) -> str:
 def collectives_table(plan: Plan) -> str:
     """Every redistribution of the in-memory plan, grouped by kind, axis and phase (each priced
     as if issued alone); a loaded plan has only the totals above."""
-    if plan.problem is None or plan.labels is None:
+    if plan.costs is None:
         return '<p class="note">collectives one by one: only for the in-memory plan (this one was loaded)</p>'
     acc: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     for c in plan.collectives():
@@ -216,8 +215,8 @@ def collectives_table(plan: Plan) -> str:
 
 def memory_line(plan: Plan, total_param_bytes: float | None = None) -> str:
     """Parameter memory per device: the plan's fraction, in bytes when the total is known."""
-    if total_param_bytes is None and plan.problem is not None:
-        total_param_bytes = getattr(plan.problem, "total_param_bytes", None)
+    if total_param_bytes is None:
+        total_param_bytes = plan.total_param_bytes or None
     text = f"parameter memory per device: {plan.memory_fraction:.4f} of all parameter bytes"
     if total_param_bytes:
         text += f" = {fmt_bytes(plan.memory_fraction * total_param_bytes)} of {fmt_bytes(total_param_bytes)}"

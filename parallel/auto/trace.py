@@ -3,7 +3,8 @@
 The joint forward+backward ATen graph is traced once under FakeTensorMode (no real
 memory, no device) with AOTAutograd's descriptor export, so every placeholder and
 output already says what it is (parameter, buffer, user input, tangent, grad of X).
-This module turns those descriptors into plain labels and pairs the planner needs.
+This module turns those descriptors into roles (`NodeRole`: data, with a human label) and
+the pairs the planner needs.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from torch import fx, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from parallel import _torch as T
-from parallel.auto.regions import regions_in, traced_regions
 from parallel.auto.fold import ConstantReads, FoldedRead
+from parallel.auto.regions import regions_in, traced_regions
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,45 @@ def layer_prefix(path: str, *, innermost: bool = False) -> str | None:
     return path[: m.end()]
 
 
+PARAM, BUFFER, INPUT, TANGENT, CONSTANT = "param", "buffer", "input", "tangent", "constant"
+GRAD_PARAM, GRAD_INPUT, OUTPUT, OTHER = "grad_param", "grad_input", "output", "other"
+_LABEL_PREFIX = {PARAM: "param ", BUFFER: "buffer ", INPUT: "input ", TANGENT: "tangent of ", CONSTANT: "constant ",
+                 GRAD_PARAM: "grad of param ", GRAD_INPUT: "grad of input ", OUTPUT: "output "}
+
+
+@dataclass(frozen=True)
+class NodeRole:
+    """What a placeholder, constant or output of the joint graph is, as data.
+
+    kind: PARAM / BUFFER (of: FQN), INPUT (of: user-input index), TANGENT (of: the output's
+    descriptor), CONSTANT (of: attribute name), GRAD_PARAM (of: FQN), GRAD_INPUT (of:
+    user-input index), OUTPUT (of: forward output index), OTHER (of: a description).
+    """
+
+    kind: str
+    of: Any
+
+    def label(self) -> str:
+        """The human label ("param layers.0.attention.wq.weight", "grad of input 0", ...)."""
+        return f"{_LABEL_PREFIX.get(self.kind, 'output ')}{self.of}"
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "of": self.of}
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> NodeRole | None:
+        return cls(d["kind"], d["of"]) if d else None
+
+    @classmethod
+    def from_label(cls, label: str) -> NodeRole | None:
+        """The role a label was made from (plans saved before roles were recorded)."""
+        for kind, pre in sorted(_LABEL_PREFIX.items(), key=lambda kv: -len(kv[1])):
+            if label.startswith(pre):
+                of = label[len(pre):]
+                return cls(kind, int(of) if kind in (INPUT, GRAD_INPUT, OUTPUT) and of.isdigit() else of)
+        return None
+
+
 @dataclass
 class OutputSlot:
     """One entry of the joint graph's output tuple.
@@ -61,6 +101,10 @@ class OutputSlot:
     kind: str
     of: Any
     node: fx.Node | None
+
+    @property
+    def role(self) -> NodeRole:
+        return NodeRole(self.kind, self.of)
 
 
 @dataclass
@@ -77,7 +121,7 @@ class JointGraph:
     param_grads: dict[str, fx.Node | None]  # FQN -> node producing its gradient
     input_grads: dict[int, fx.Node | None]  # user-input index -> grad node
     output_tangents: list[tuple[int, fx.Node]]  # (forward output index, tangent placeholder)
-    labels: dict[str, str]  # node name -> human label for placeholders and outputs
+    roles: dict[str, NodeRole]  # node name -> what it is, for placeholders, constants and outputs
     phase: dict[str, str]  # node name -> "fwd" | "bwd"
     fingerprint: str  # model fingerprint (class + parameter names/shapes/dtypes)
     input_shapes: list[tuple[list[int], str]]
@@ -92,6 +136,11 @@ class JointGraph:
     # the device type the joint graph's values and factory ops were traced on (T.autograd_device):
     # the runtime moves what it finds there to the job's device when the two differ
     traced_device: str = T.FAKE_DEVICE
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """node name -> human label for placeholders, constants and outputs (from `roles`)."""
+        return {name: r.label() for name, r in self.roles.items()}
 
     def summary(self) -> str:
         ops = sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
@@ -300,7 +349,7 @@ def _strip(fqn: str) -> str:
     return fqn[len(_PREFIX) :] if fqn.startswith(_PREFIX) else fqn
 
 
-def _output_slots(gm: fx.GraphModule, labels: dict[str, str]) -> tuple[list[OutputSlot], dict[Any, int]]:
+def _output_slots(gm: fx.GraphModule, roles: dict[str, NodeRole]) -> tuple[list[OutputSlot], dict[Any, int]]:
     """The joint graph's output tuple, slot by slot (positional: torch's helpers key outputs by
     descriptor, the plan and the runtime need positions), and forward output index by descriptor."""
     out_node = gm.graph.output_node()
@@ -312,17 +361,17 @@ def _output_slots(gm: fx.GraphModule, labels: dict[str, str]) -> tuple[list[Outp
         node = val if isinstance(val, fx.Node) else None
         g = getattr(desc, "grad_of", None)
         if isinstance(g, T.ParamAOTInput):
-            slot, label = OutputSlot(i, "grad_param", _strip(g.target), node), f"grad of param {_strip(g.target)}"
+            slot = OutputSlot(i, GRAD_PARAM, _strip(g.target), node)
         elif isinstance(g, T.PlainAOTInput):
-            slot, label = OutputSlot(i, "grad_input", g.idx, node), f"grad of input {g.idx}"
+            slot = OutputSlot(i, GRAD_INPUT, g.idx, node)
         elif isinstance(desc, T.PlainAOTOutput) or (desc is None and i == 0):
             fwd_index[desc] = len(fwd_index)
-            slot, label = OutputSlot(i, "output", fwd_index[desc], node), f"output {fwd_index[desc]}"
+            slot = OutputSlot(i, OUTPUT, fwd_index[desc], node)
         else:
-            slot, label = OutputSlot(i, "other", str(g if g is not None else desc), node), f"output {desc}"
+            slot = OutputSlot(i, OTHER, str(g if g is not None else desc), node)
         slots.append(slot)
         if node is not None:
-            labels.setdefault(node.name, label)
+            roles.setdefault(node.name, slot.role if slot.kind != OTHER else NodeRole(OTHER, str(desc)))
     return slots, fwd_index
 
 
@@ -350,20 +399,20 @@ def _label(gm: fx.GraphModule, fake_mode: Any) -> JointGraph:
     input_pairs = sorted(T.get_plain_input_and_grad_nodes(g).items(), key=lambda kv: kv[0].idx)
     inputs = [n for _, (n, _) in input_pairs]
     out_tangents = [(d, t) for d, (_, t) in T.get_all_output_and_tangent_nodes(g).items() if t is not None]
-    labels = {n.name: f"param {fqn}" for fqn, n in params.items()}
-    labels.update({n.name: f"buffer {fqn}" for fqn, n in buffers.items()})
-    labels.update({n.name: f"input {d.idx}" for d, (n, _) in input_pairs})
-    labels.update({t.name: f"tangent of {d}" for d, t in out_tangents})
+    roles = {n.name: NodeRole(PARAM, fqn) for fqn, n in params.items()}
+    roles.update({n.name: NodeRole(BUFFER, fqn) for fqn, n in buffers.items()})
+    roles.update({n.name: NodeRole(INPUT, d.idx) for d, (n, _) in input_pairs})
+    roles.update({t.name: NodeRole(TANGENT, str(d)) for d, t in out_tangents})
     constants = {n.name: n for n in g.find_nodes(op="get_attr")}
-    labels.update({n.name: f"constant {n.target}" for n in constants.values()})
-    slots, fwd_index = _output_slots(gm, labels)
+    roles.update({n.name: NodeRole(CONSTANT, str(n.target)) for n in constants.values()})
+    slots, fwd_index = _output_slots(gm, roles)
     tangents = [t for _, t in out_tangents]
     return JointGraph(
         gm=gm, fake_mode=fake_mode, params=params, buffers=buffers, inputs=inputs, tangents=tangents, slots=slots,
         param_grads={fqn: grad for fqn, (_, grad) in param_pairs.items()},
         input_grads={d.idx: grad for d, (_, grad) in input_pairs},
         output_tangents=[(fwd_index.get(d, 0), t) for d, t in out_tangents],
-        labels=labels, phase=_phases(gm, tangents), fingerprint="", input_shapes=[],
+        roles=roles, phase=_phases(gm, tangents), fingerprint="", input_shapes=[],
         param_bytes={fqn: n.meta["val"].numel() * n.meta["val"].element_size() for fqn, n in params.items()},
         constants=constants,
     )

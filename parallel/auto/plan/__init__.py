@@ -1,0 +1,18 @@
+"""Stage 4: the Plan -- one strategy per node, its cost breakdown, and how to read it.
+
+* data.py   -- `Plan`, `NodePlan` (with its role), JSON save/load, `check_compatible`,
+               `PlanMismatchError`;
+* report.py -- its reports from the data alone: breakdown, summary (`linear_roles`), diff;
+* costs.py  -- what needs the solved problem (in-memory plans): explain, costs_for_node,
+               the collectives one by one;
+* build.py  -- `build_plan`: the Plan of a solved Problem, its breakdown priced once.
+The HTML picture is plan_html.py.
+"""
+
+from parallel.auto.plan.build import build_plan, comm_breakdown
+from parallel.auto.plan.costs import PlanCosts
+from parallel.auto.plan.data import FORMAT_VERSION, NodePlan, Plan, PlanMismatchError
+from parallel.auto.plan.report import PlanDiff, collapse_layers, linear_roles
+
+__all__ = ["FORMAT_VERSION", "NodePlan", "Plan", "PlanCosts", "PlanDiff", "PlanMismatchError", "build_plan",
+           "collapse_layers", "comm_breakdown", "linear_roles"]
