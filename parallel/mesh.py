@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel import _torch as T
+from parallel.settings import ParallelDegrees
 
 DP_REPLICATE = "dp_replicate"
 DP_SHARD = "dp_shard"
@@ -30,10 +31,10 @@ DATA_AXES = (DP_REPLICATE, DP_SHARD)
 """Axes over which ranks read different batches."""
 
 
-def mesh_shape(parallelism_cfg: Any, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def mesh_shape(degrees: ParallelDegrees, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """(shape, axis names) for the mesh, size-1 axes omitted (at least one axis).
     Raises ValueError when the degrees do not multiply to ``world_size``."""
-    deg = parallelism_cfg.resolved_degrees(world_size)
+    deg = degrees.resolved(world_size)
     sizes = [deg[a] for a in AXES]
     prod = math.prod(sizes)
     if prod != world_size:
@@ -44,10 +45,10 @@ def mesh_shape(parallelism_cfg: Any, world_size: int) -> tuple[tuple[int, ...], 
     return tuple(shape), tuple(names)
 
 
-def build_mesh(parallelism_cfg: Any, world_size: int, device_type: str) -> DeviceMesh:
+def build_mesh(degrees: ParallelDegrees, world_size: int, device_type: str) -> DeviceMesh:
     """The training mesh. Needs an initialised default process group of ``world_size``
     ranks (a real one, or the fake one for planning)."""
-    shape, names = mesh_shape(parallelism_cfg, world_size)
+    shape, names = mesh_shape(degrees, world_size)
     if dist.is_initialized() and dist.get_world_size() != world_size:
         raise ValueError(f"build_mesh: world_size {world_size} but the process group has "
                          f"{dist.get_world_size()} ranks")

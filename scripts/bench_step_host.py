@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             "--training.local_batch_size", str(args.batch), "--parallelism.hardware", "h100",
             "--parallelism.data_parallel_shard_degree", "1", "--checkpoint.enable", "false",
             "--job.dump_folder", "/tmp/bench_step_host"], world_size=1)
-        mesh = build_mesh(cfg.parallelism, 1, "cpu")
+        mesh = build_mesh(cfg.parallelism.degrees, 1, "cpu")
         tokens = torch.zeros(args.batch, args.seq_len, dtype=torch.long)
         pm = build_parallel_model(cfg, mesh, torch.device("cpu"), 256, (tokens, tokens))
         n_params = len(list(pm.parameters()))

@@ -167,7 +167,7 @@ class PlanSource:
 def _check_supported(job_config: JobConfig, mesh: DeviceMesh) -> None:
     """Refuse what the planner's inputs cannot express: a sequence the load-balanced CP order
     (2 chunks per cp rank) does not divide."""
-    cp, seq = job_config.parallelism.context_parallel_degree, job_config.training.seq_len
+    cp, seq = job_config.parallelism.degrees.context_parallel_degree, job_config.training.seq_len
     if CP in (mesh.mesh_dim_names or ()) and seq % (2 * cp):
         raise ConfigError(
             f"{job_config.source}: 'parallelism.context_parallel_degree' = {cp}: does not divide the sequence: "

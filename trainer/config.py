@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from parallel.auto.config import JOB_KEY, PlannerConfig
 from parallel.auto.cost import DEFAULT_HARDWARE
+from parallel.settings import ActivationCheckpoint, ParallelDegrees
 
 from .config_checks import validate_config
 from .errors import ConfigError
@@ -131,12 +132,9 @@ class LRScheduler:
 @dataclass
 class Parallelism:
     mode: str = "manual"  # "manual" (hand recipes) | "auto" (planner)
-    data_parallel_replicate_degree: int = 1
-    data_parallel_shard_degree: int = -1  # -1: the rest of the world
-    tensor_parallel_degree: int = 1
-    context_parallel_degree: int = 1
-    expert_parallel_degree: int = 1
-    enable_sequence_parallel: bool = True
+    # data_parallel_replicate_degree, data_parallel_shard_degree (-1: the rest of the world),
+    # tensor_parallel_degree, context_parallel_degree, expert_parallel_degree, enable_sequence_parallel
+    degrees: ParallelDegrees = field(default_factory=ParallelDegrees, metadata={FLAT: True})
     # auto mode: "" builds the mesh from the degrees; "auto" plans every mesh of the world
     # size (trainer/mesh_auto.py) and builds the fastest that fits
     mesh: str = ""
@@ -152,27 +150,6 @@ class Parallelism:
     # auto mode, when the input shape changes (training.seq_len_schedule): "fresh" solves for the new shape
     # (or takes the plan solved for it earlier in the job); "replay" keeps the current plan's placements
     replan: str = "fresh"
-
-    def resolved_degrees(self, world_size: int) -> dict[str, int]:
-        """Degrees with ``data_parallel_shard_degree = -1`` filled in (no checks)."""
-        others = (self.data_parallel_replicate_degree * self.tensor_parallel_degree
-                  * self.context_parallel_degree)
-        shard = self.data_parallel_shard_degree
-        if shard == -1:
-            shard = max(1, world_size // max(1, others))
-        return {
-            "dp_replicate": self.data_parallel_replicate_degree,
-            "dp_shard": shard,
-            "cp": self.context_parallel_degree,
-            "tp": self.tensor_parallel_degree,
-            "ep": self.expert_parallel_degree,
-        }
-
-
-@dataclass
-class ActivationCheckpoint:
-    mode: str = "none"  # "none" | "full" | "selective"
-    selective_ac_option: str = "op"  # "op" or an integer N (every N-th block) as a string
 
 
 @dataclass

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from models import build_model, get_model_spec, model_args, transformer_blocks
-from parallel.auto.config import SettingError
 from parallel.auto.cost import AUTO, ProfileError, load_hardware
 from parallel.recipes import RecipeError
 from parallel.recipes.cp import validate_cp
+from parallel.settings import SettingError
 
 from .device import CPU, CUDA, check_compiler, check_device
 from .errors import ConfigError
@@ -33,15 +33,15 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("parallelism", "replan"): ("fresh", "replay"),
     ("job", "device"): ("auto", CUDA, CPU),
     ("training", "compile_mode"): ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"),
-    ("activation_checkpoint", "mode"): ("none", "full", "selective"),
     ("data", "tokenizer"): ("byte",),
 }
 
 
 def _err(cfg: JobConfig, section: str, key: str, msg: str) -> ConfigError:
     sec = getattr(cfg, section)
-    value = getattr(sec.planner if section == "parallelism" and not hasattr(sec, key) else sec, key)
-    return ConfigError(f"{cfg.source}: '{section}.{key}' = {value!r}: {msg}")
+    owner = next((o for o in (sec, getattr(sec, "planner", None), getattr(sec, "degrees", None))
+                  if o is not None and hasattr(o, key)), sec)
+    return ConfigError(f"{cfg.source}: '{section}.{key}' = {getattr(owner, key)!r}: {msg}")
 
 
 def env_world_size() -> int:
@@ -87,11 +87,10 @@ def _validate_ranges(cfg: JobConfig) -> None:
         raise _err(cfg, "checkpoint", "interval", "must be >= 1")
     if ck.keep_latest_k < 0:
         raise _err(cfg, "checkpoint", "keep_latest_k", "must be >= 0 (0 keeps all)")
-    ac = cfg.activation_checkpoint
-    if ac.mode == "selective" and ac.selective_ac_option != "op" and (
-            not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1):
-        raise _err(cfg, "activation_checkpoint", "selective_ac_option",
-                   "must be 'op' or a positive integer N (every N-th block) as a string")
+    try:
+        cfg.activation_checkpoint.check()
+    except SettingError as e:
+        raise _err(cfg, "activation_checkpoint", e.key, e.fix) from None
     if cfg.data.num_workers < 0:
         raise _err(cfg, "data", "num_workers", "must be >= 0")
     if cfg.data.path and not Path(cfg.data.path).exists():
@@ -113,39 +112,10 @@ def _validate_hardware(cfg: JobConfig) -> None:
 
 def _validate_parallelism(cfg: JobConfig, world_size: int) -> None:
     """Degrees: positive, multiplying to the world size, EP dividing the data ranks."""
-    p = cfg.parallelism
-    names = ["data_parallel_replicate_degree", "tensor_parallel_degree",
-             "context_parallel_degree", "expert_parallel_degree"]
-    for key in names:
-        if getattr(p, key) < 1:
-            raise _err(cfg, "parallelism", key, "must be >= 1")
-    if p.data_parallel_shard_degree < 1 and p.data_parallel_shard_degree != -1:
-        raise _err(cfg, "parallelism", "data_parallel_shard_degree",
-                   "must be >= 1, or -1 for the rest of the world")
-    others = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.context_parallel_degree
-    desc = (f"data_parallel_replicate_degree={p.data_parallel_replicate_degree} x "
-            f"data_parallel_shard_degree={p.data_parallel_shard_degree} x "
-            f"tensor_parallel_degree={p.tensor_parallel_degree} x "
-            f"context_parallel_degree={p.context_parallel_degree}")
-    if p.data_parallel_shard_degree == -1:
-        if world_size % others:
-            raise ConfigError(
-                f"{cfg.source}: 'parallelism.data_parallel_shard_degree' = -1 cannot fill the "
-                f"world: {desc} does not divide the world size {world_size}; change the "
-                f"degrees or the number of processes")
-    elif others * p.data_parallel_shard_degree != world_size:
-        raise ConfigError(
-            f"{cfg.source}: parallelism degrees multiply to "
-            f"{others * p.data_parallel_shard_degree} ({desc}) but the world size is "
-            f"{world_size}; make the product equal the number of processes or set "
-            f"data_parallel_shard_degree = -1")
-    deg = p.resolved_degrees(world_size)
-    if p.expert_parallel_degree > 1:
-        dp_cp = deg["dp_shard"] * deg["cp"]
-        if dp_cp % p.expert_parallel_degree:
-            raise _err(cfg, "parallelism", "expert_parallel_degree",
-                       f"must divide data_parallel_shard_degree x context_parallel_degree "
-                       f"= {dp_cp}")
+    try:
+        cfg.parallelism.degrees.check(world_size)
+    except SettingError as e:
+        raise _err(cfg, "parallelism", e.key, e.fix) from None
 
 
 def _validate_mesh(cfg: JobConfig) -> None:
@@ -160,7 +130,7 @@ def _validate_mesh(cfg: JobConfig) -> None:
     defaults = {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1, "tensor_parallel_degree": 1,
                 "context_parallel_degree": 1, "expert_parallel_degree": 1}
     for key, default in defaults.items():
-        if getattr(p, key) != default:
+        if getattr(p.degrees, key) != default:
             raise _err(cfg, "parallelism", key, f'is set, but mesh = "auto" chooses the degrees; remove it '
                        f'(default {default}) or set mesh = ""')
 
@@ -174,7 +144,7 @@ def _validate_planner(cfg: JobConfig) -> None:
     except SettingError as e:
         section, key = ("optimizer", "implementation") if e.key == "optimizer" else ("parallelism", e.key)
         raise _err(cfg, section, key, e.fix) from None
-    if p.mode == "auto" and p.expert_parallel_degree != 1:
+    if p.mode == "auto" and p.degrees.expert_parallel_degree != 1:
         raise _err(cfg, "parallelism", "expert_parallel_degree",
                    'is set with mode = "auto": the planner decides where the experts go (expert-parallel on '
                    "whichever mesh axis the plan chooses); remove it (default 1), or use mode = \"manual\"")
@@ -237,7 +207,7 @@ def _validate_schedule(cfg: JobConfig, max_seq_len: Optional[int]) -> None:
             raise bad(f"seq_len {seq} at step {step} exceeds max_seq_len = {max_seq_len} of {cfg.model.name}/"
                       f"{cfg.model.flavor} (its RoPE tables); keep every length <= {max_seq_len}, or set "
                       f"model.max_seq_len")
-        cp = cfg.parallelism.context_parallel_degree
+        cp = cfg.parallelism.degrees.context_parallel_degree
         if cp > 1:
             try:
                 validate_cp(seq, cp)

@@ -356,7 +356,7 @@ def dry_run(job_config: JobConfig, world_size: int) -> DryRunReport:
         raise ConfigError(f"{cfg.source}: 'parallelism.mode' = {cfg.parallelism.mode!r}: --dry-run simulates "
                           f'the manual recipes; set --parallelism.mode manual (or plan with scripts/plan.py)')
     with T.fake_world(world_size):
-        mesh = build_mesh(cfg.parallelism, world_size, T.FAKE_DEVICE)
+        mesh = build_mesh(cfg.parallelism.degrees, world_size, T.FAKE_DEVICE)
         names = tuple(mesh.mesh_dim_names or ())
         report = DryRunReport(world_size=world_size, mesh=" x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape)),
                               model=f"{cfg.model.name}/{cfg.model.flavor}", tokens=(0, 0))

@@ -123,7 +123,7 @@ def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
         note = ""
     compiled, cfg.training.compile = cfg.training.compile, False  # fake tensors have no kernels to compile
     with T.fake_world(world_size):
-        mesh = build_mesh(cfg.parallelism, world_size, device.type)
+        mesh = build_mesh(cfg.parallelism.degrees, world_size, device.type)
         names = tuple(mesh.mesh_dim_names or ())
         report = AutoDryRunReport(world_size=world_size, device=str(device), model=f"{cfg.model.name}/"
                                   f"{cfg.model.flavor}", mesh=" x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape)),

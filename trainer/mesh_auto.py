@@ -49,7 +49,7 @@ def choose_mesh(cfg: JobConfig, world: int, device_type: str, vocab_size: int) -
     dist.broadcast_object_list(payload, src=0)
     if isinstance(payload[0], Exception):
         raise payload[0]
-    par = dataclasses.replace(par, mesh="", **payload[0])
+    par = dataclasses.replace(par, mesh="", degrees=dataclasses.replace(par.degrees, **payload[0]))
     return dataclasses.replace(cfg, parallelism=par)
 
 

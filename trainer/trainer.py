@@ -52,7 +52,7 @@ class Trainer:
         if cfg.parallelism.mesh == "auto" and self.distributed:
             raise ConfigError(f"{cfg.source}: 'parallelism.mesh' = 'auto': the mesh is chosen before the Trainer is "
                               "built: call trainer.mesh_auto.choose_mesh(cfg, ...) first (train.py does)")
-        self.mesh = build_mesh(cfg.parallelism, self.world_size, self.device.type) if self.distributed else None
+        self.mesh = build_mesh(cfg.parallelism.degrees, self.world_size, self.device.type) if self.distributed else None
         self.dp_rank, self.dp_degree = dp_rank_and_degree(self.mesh)
         # the parallelism mode, chosen once: recipes or the planner (plan_constraints: the planner's presets)
         self.parallelizer = parallelizer_for(cfg, self.mesh, self.device, plan_constraints)

@@ -6,7 +6,7 @@
 The trainer fills it from `[parallelism]` (its keys there are these field names) and
 `[optimizer] implementation`; `scripts/plan.py`, sweeps and the mesh search take the job's
 object as it is. Each field is checked here, once (:meth:`PlannerConfig.check`); a bad value
-is a :class:`SettingError` naming the field, which the trainer turns into a config error
+is a :class:`parallel.settings.SettingError` naming the field, which the trainer turns into a config error
 naming the file and section.
 """
 
@@ -20,18 +20,11 @@ from typing import Any, Optional, Union
 from parallel.auto.cost import DEFAULT_HARDWARE, HardwareProfile
 from parallel.auto.cost.model import DEFAULT_ROUTING_IMBALANCE
 from parallel.auto.solve import SOLVERS
+from parallel.settings import SettingError
 
 OPTIMIZER_IMPLEMENTATIONS = ("foreach", "for-loop")
 JOB_KEY = "job_key"
 """Field metadata: the job key (section.key) that sets this field instead of `[parallelism]`."""
-
-
-class SettingError(ValueError):
-    """One planner setting out of range: the field, its value and the fix."""
-
-    def __init__(self, key: str, value: Any, fix: str) -> None:
-        super().__init__(f"{key} = {value!r}: {fix}")
-        self.key, self.value, self.fix = key, value, fix
 
 
 @dataclass

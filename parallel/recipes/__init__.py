@@ -33,7 +33,7 @@ def validate_recipe(model: nn.Module, mesh: DeviceMesh, job_config: Any) -> None
     """:class:`RecipeError` for the first degree that does not fit the model, the sequence
     or the mesh: checked up front, so a bad config fails before the model is touched."""
     tp, cp = axis_size(mesh, TP), axis_size(mesh, CP)
-    ep = job_config.parallelism.expert_parallel_degree
+    ep = job_config.parallelism.degrees.expert_parallel_degree
     if tp > 1:
         validate_tp(model.args, tp)
     if cp > 1:
@@ -48,12 +48,12 @@ def apply_recipe(model: nn.Module, mesh: DeviceMesh, job_config: Any) -> nn.Modu
     par, training = job_config.parallelism, job_config.training
     validate_recipe(model, mesh, job_config)
     if axis_size(mesh, TP) > 1:
-        apply_tp(model, mesh[TP], sequence_parallel=par.enable_sequence_parallel)
+        apply_tp(model, mesh[TP], sequence_parallel=par.degrees.enable_sequence_parallel)
     if axis_size(mesh, CP) > 1:
         apply_cp(model, mesh, CP)
     experts_dp = None
-    if par.expert_parallel_degree > 1:
-        experts_dp, ep_mesh = build_ep_meshes(mesh, par.expert_parallel_degree)
+    if par.degrees.expert_parallel_degree > 1:
+        experts_dp, ep_mesh = build_ep_meshes(mesh, par.degrees.expert_parallel_degree)
         apply_ep(model, ep_mesh)
     ac = job_config.activation_checkpoint
     apply_ac(model, ac.mode, ac.selective_ac_option)

@@ -137,7 +137,7 @@ def test_degrees_product_vs_world_size(tmp_path, monkeypatch):
         load_config(path, world_size=2)
     msg = str(e.value)
     assert path in msg and "multiply to 4" in msg and "world size is 2" in msg
-    assert load_config(path, world_size=4).parallelism.tensor_parallel_degree == 2
+    assert load_config(path, world_size=4).parallelism.degrees.tensor_parallel_degree == 2
     # the world size comes from WORLD_SIZE when not given
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="world size is 3"):
@@ -146,7 +146,7 @@ def test_degrees_product_vs_world_size(tmp_path, monkeypatch):
     path2 = write(tmp_path, "[parallelism]\ntensor_parallel_degree = 2\n", "b.toml")
     with pytest.raises(ConfigError, match=r"data_parallel_shard_degree' = -1.*world size 3"):
         load_config(path2)
-    deg = load_config(path2, world_size=8).parallelism.resolved_degrees(8)
+    deg = load_config(path2, world_size=8).parallelism.degrees.resolved(8)
     assert deg["dp_shard"] == 4 and deg["tp"] == 2
 
 

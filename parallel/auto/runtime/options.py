@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-AC_MODES = ("none", "full", "selective")
+from parallel.settings import AC_MODES
 
 
 @dataclass(frozen=True)

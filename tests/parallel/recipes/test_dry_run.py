@@ -85,10 +85,10 @@ def test_example_config_loads_and_dry_runs(path):
     assert cfg.parallelism.mode == "manual"
     r = dry_run(cfg, world)
     print(format_report(r))
-    shape, names = mesh_shape(cfg.parallelism, world)
+    shape, names = mesh_shape(cfg.parallelism.degrees, world)
     assert r.mesh == " x ".join(f"{n}={s}" for n, s in zip(names, shape))
     deg = dict(zip(names, shape))
-    axes = set(names) | ({EP} if cfg.parallelism.expert_parallel_degree > 1 else set())
+    axes = set(names) | ({EP} if cfg.parallelism.degrees.expert_parallel_degree > 1 else set())
     if {DP_SHARD, CP} <= axes:
         axes = (axes - {DP_SHARD, CP}) | {DP_SHARD_CP}
     assert axes <= {axis for (_, axis) in r.collectives}, r.collectives
@@ -114,7 +114,7 @@ def test_invalid_degrees_are_recipe_errors(name, world, overrides, key):
     cfg = _cfg(name, world, *overrides)
     model = build_model(cfg.model.name, cfg.model.flavor)
     with fake_world(world):
-        mesh = build_mesh(cfg.parallelism, world, "cpu")
+        mesh = build_mesh(cfg.parallelism.degrees, world, "cpu")
         with pytest.raises(RecipeError) as err:
             apply_recipe(model, mesh, cfg)
     assert err.value.key == key and str(err.value).startswith(f"'parallelism.{key}' = "), err.value

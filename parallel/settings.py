@@ -1,0 +1,90 @@
+"""Settings of the parallel layer that a job fills from its TOML: the parallelism degrees and
+activation checkpointing (the planner's own are parallel/auto/config.py).
+
+Each settings object checks its own fields (`check`); a bad value is one SettingError naming
+the field, its value and the fix, which the trainer turns into a config error naming the file
+and the section. Checks that read several sections stay in the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+AC_MODES = ("none", "full", "selective")
+
+
+class SettingError(ValueError):
+    """One setting out of range: the field, its value and the fix."""
+
+    def __init__(self, key: str, value: Any, fix: str) -> None:
+        super().__init__(f"{key} = {value!r}: {fix}")
+        self.key, self.value, self.fix = key, value, fix
+
+
+@dataclass
+class ParallelDegrees:
+    """How many ranks each kind of parallelism takes (the hand-written recipes' mesh; in auto
+    mode the mesh the planner places on). data_parallel_shard_degree -1: the rest of the world."""
+
+    data_parallel_replicate_degree: int = 1
+    data_parallel_shard_degree: int = -1
+    tensor_parallel_degree: int = 1
+    context_parallel_degree: int = 1
+    expert_parallel_degree: int = 1
+    enable_sequence_parallel: bool = True
+
+    def resolved(self, world_size: int) -> dict[str, int]:
+        """Degrees by mesh axis name, with ``data_parallel_shard_degree = -1`` filled in (no checks)."""
+        others = self.data_parallel_replicate_degree * self.tensor_parallel_degree * self.context_parallel_degree
+        shard = self.data_parallel_shard_degree
+        if shard == -1:
+            shard = max(1, world_size // max(1, others))
+        return {"dp_replicate": self.data_parallel_replicate_degree, "dp_shard": shard,
+                "cp": self.context_parallel_degree, "tp": self.tensor_parallel_degree,
+                "ep": self.expert_parallel_degree}
+
+    def check(self, world_size: int) -> None:
+        """Positive degrees multiplying to `world_size`; EP dividing the data x cp ranks."""
+        for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "context_parallel_degree",
+                    "expert_parallel_degree"):
+            if getattr(self, key) < 1:
+                raise SettingError(key, getattr(self, key), "must be >= 1")
+        shard = self.data_parallel_shard_degree
+        if shard < 1 and shard != -1:
+            raise SettingError("data_parallel_shard_degree", shard, "must be >= 1, or -1 for the rest of the world")
+        others = self.data_parallel_replicate_degree * self.tensor_parallel_degree * self.context_parallel_degree
+        desc = (f"data_parallel_replicate_degree={self.data_parallel_replicate_degree} x "
+                f"data_parallel_shard_degree={shard} x tensor_parallel_degree={self.tensor_parallel_degree} x "
+                f"context_parallel_degree={self.context_parallel_degree}")
+        if shard == -1 and world_size % others:
+            raise SettingError("data_parallel_shard_degree", shard,
+                               f"cannot fill the world: {desc} does not divide the world size {world_size}; change "
+                               "the degrees or the number of processes")
+        if shard != -1 and others * shard != world_size:
+            raise SettingError("data_parallel_shard_degree", shard,
+                               f"the parallelism degrees multiply to {others * shard} ({desc}) but the world size is "
+                               f"{world_size}; make the product equal the number of processes or set "
+                               "data_parallel_shard_degree = -1")
+        deg = self.resolved(world_size)
+        if self.expert_parallel_degree > 1 and (deg["dp_shard"] * deg["cp"]) % self.expert_parallel_degree:
+            raise SettingError("expert_parallel_degree", self.expert_parallel_degree,
+                               "must divide data_parallel_shard_degree x context_parallel_degree "
+                               f"= {deg['dp_shard'] * deg['cp']}")
+
+
+@dataclass
+class ActivationCheckpoint:
+    """Activation checkpointing: mode "none" | "full" | "selective"; selective_ac_option "op"
+    (per-op SAC) or an integer N as a string (every N-th block)."""
+
+    mode: str = "none"
+    selective_ac_option: str = "op"
+
+    def check(self) -> None:
+        if self.mode not in AC_MODES:
+            raise SettingError("mode", self.mode, f"must be one of {', '.join(map(repr, AC_MODES))}")
+        opt = self.selective_ac_option
+        if self.mode == "selective" and opt != "op" and not (opt.isdigit() and int(opt) >= 1):
+            raise SettingError("selective_ac_option", opt,
+                               "must be 'op' or a positive integer N (every N-th block) as a string")
