@@ -82,7 +82,7 @@ class _Job:
 
 def _peak_memory(name: str, trainer: object) -> dict:
     """Peak live tensor bytes of one more training step (rank 0's), eager graphs."""
-    from trainer.dry_run import MemoryTracker
+    from parallel.measure import MemoryTracker
 
     inputs, labels = next(iter(trainer.dataloader))
     tracker = MemoryTracker()

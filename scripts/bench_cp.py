@@ -32,7 +32,7 @@ SMALL = {"n_layers": 2, "dim": 128, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden_d
 def _tracker_cls():
     """MemoryTracker that also sees what a region op allocates inside (the mode is re-entered)."""
     from parallel.auto import regions
-    from trainer.dry_run import MemoryTracker
+    from parallel.measure import MemoryTracker
 
     class RegionTracker(MemoryTracker):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

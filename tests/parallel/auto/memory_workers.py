@@ -82,7 +82,7 @@ def measure(mesh, plan_json: dict, ac: str) -> dict:
     from parallel.auto.config import PlannerConfig
     from parallel.auto.plan import Plan
     from parallel.auto.runtime import RuntimeOptions, local_shard
-    from trainer.dry_run import MemoryTracker
+    from parallel.measure import MemoryTracker
     from trainer.optim import clip_grad_norm_
 
     model, inputs = _model_and_inputs()

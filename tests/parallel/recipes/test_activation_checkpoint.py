@@ -10,7 +10,7 @@ import torch
 
 from models import build_model, cross_entropy_loss
 from parallel.activation_checkpoint import apply_ac
-from trainer.dry_run import MemoryTracker
+from parallel.measure import MemoryTracker
 
 MODES = [("none", "op"), ("full", "op"), ("selective", "op"), ("selective", "2")]
 
