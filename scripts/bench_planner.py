@@ -92,7 +92,7 @@ def run_arm(args: argparse.Namespace) -> dict:
     mp = mixed_precision_policy("bfloat16", "float32")
     ilp = args.arm == "ilp"
     planner = PlannerConfig(hardware=args.hardware, solver="ilp" if ilp else "mrf", time_limit=args.time_limit,
-                            seed=False if ilp else None, seed_rounds=args.seed_rounds)
+                            split_seeding=False if ilp else None, split_seeding_rounds=args.seed_rounds)
     request = PlanRequest(local_batch_size=args.local_batch_size, seq_len=args.seq_len, planner=planner, mp_policy=mp)
     t0, c0 = time.perf_counter(), time.process_time()
     with fake_world(world):

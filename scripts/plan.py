@@ -19,7 +19,7 @@ and this one instead. --coverage prints every ATen op of the traced graph and ho
 planner handles it (DTensor rule, constant, lifted constant, fallback, folded, unhandled).
 
 The job is planned exactly as the trainer plans it (parallel/auto/request.py): every
-[parallelism] planner setting of the config and its overrides (--parallelism.seed_rounds 2)
+[parallelism] planner setting of the config and its overrides (--parallelism.split_seeding_rounds 2)
 applies; --hardware, --solver, --time-limit, --memory-high and --memory-limit are shorthands
 that override the config's. The global batch is local_batch_size x the product of the data
 axes (dp, dp_replicate, dp_shard), and the token/label inputs are batch-sharded on them (what
@@ -48,7 +48,7 @@ from parallel.auto.plan_html import save_diff_html, save_html  # noqa: E402
 from parallel.auto.request import planning  # noqa: E402
 from parallel.auto.sweep.meshes import ranked_table, search_meshes  # noqa: E402
 from parallel.auto.sweep.point import PlanCache  # noqa: E402
-from trainer.auto import base_job, plan_request  # noqa: E402
+from trainer.auto_mode import base_job, plan_request  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 
 

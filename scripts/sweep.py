@@ -26,7 +26,7 @@ from parallel.auto.sweep.point import PlanCache, memory_limit  # noqa: E402
 from parallel.auto.sweep.report import markdown_table, memory_note, write_csv, write_markdown, write_svg  # noqa: E402
 from parallel.auto.sweep.run import Progress, run_points  # noqa: E402
 from parallel.auto.sweep.spec import SweepSpecError, load_sweep  # noqa: E402
-from trainer.auto import load_base_job  # noqa: E402
+from trainer.auto_mode import load_base_job  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ from models import build_model
 from parallel.auto.runtime import is_parallel_module
 from parallel.precision import dtype_of
 
-from .auto import PlanSource
+from .auto_mode import PlanSource
 from .config import JobConfig
 from .device import sharded_init_is_exact
 from .parallelizer import Parallelizer

@@ -139,7 +139,7 @@ class Parallelism:
     # size (trainer/mesh_auto.py) and builds the fastest that fits
     mesh: str = ""
     # auto mode: the planner's settings (parallel/auto/config.py), written as keys of [parallelism]:
-    # hardware, solver, time_limit, cluster_layers, seed, seed_radius, seed_rounds, memory_budget_low,
+    # hardware, solver, time_limit, cluster_layers, split_seeding(_radius, _rounds), memory_budget_low,
     # memory_budget_high, memory_limit_gib, memory_estimate, moe_imbalance_factor
     planner: PlannerConfig = field(default_factory=PlannerConfig, metadata={FLAT: True})
     recalibrate: bool = False  # hardware "auto": measure again instead of reading the cached profile
@@ -325,7 +325,16 @@ def resolve_config_path(config: str) -> Path:
                       f"configs/{names[0]}); known configs: {', '.join(known) or 'none'}")
 
 
+RENAMED = {("parallelism", "seed"): "split_seeding", ("parallelism", "seed_radius"): "split_seeding_radius",
+           ("parallelism", "seed_rounds"): "split_seeding_rounds"}
+"""Keys that were renamed (the split-dimension seeding, apart from [job] seed, the RNG's)."""
+
+
 def _set(cfg: JobConfig, section: str, key: str, value, where: str, from_cli: bool) -> None:
+    if (section, key) in RENAMED:
+        new = RENAMED[(section, key)]
+        raise ConfigError(f"{where}: '{section}.{key}' = {value!r}: renamed '{section}.{new}' (split-dimension "
+                          f"seeding; [job] seed is the random seed); write {new} instead")
     if section not in SECTIONS:
         raise ConfigError(f"{where}: unknown section [{section}] (in '{section}.{key}' = "
                           f"{value!r}); known sections: {', '.join(SECTIONS)}")

@@ -5,7 +5,7 @@
 A GPU job is proven on a CPU machine: a fake process group of ``world_size`` ranks and a
 fake **cuda** mesh (``job.device = "cpu"`` simulates a CPU job instead), then the trainer's
 own code path (trainer/build.py): the model on meta, planned on rank 0 exactly as the
-trainer plans it (trainer/auto.py), materialised as the per-rank ParallelModule, initialised
+trainer plans it (trainer/auto_mode.py), materialised as the per-rank ParallelModule, initialised
 shard by shard as GPUs do, and one training step built as the step graph the runtime
 would run (eager; the compiled run hands this same graph to Inductor). Printed: the plan
 summary, the predicted step time, the predicted peak memory per device and its parts, the

@@ -19,7 +19,7 @@ from parallel.auto.cost import ProfileError
 from parallel.auto.mesh_search import MeshSearchError
 from parallel.auto.sweep.meshes import degrees_of, ranked_table, search_meshes
 
-from .auto import base_job, planning_hardware
+from .auto_mode import base_job, planning_hardware
 from .config import JobConfig
 from .data import DataError, build_tokenizer
 from .device import local_device

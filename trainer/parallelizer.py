@@ -7,7 +7,7 @@
 
 `Recipes` is `[parallelism] mode = "manual"`: the hand-written recipes (FSDP, HSDP, TP,
 CP, EP), autograd's backward, autocast without FSDP. `Planner` is `mode = "auto"`: the plan
-of parallel/auto (trainer/auto.py), one step graph per step, re-planned when the sequence
+of parallel/auto (trainer/auto_mode.py), one step graph per step, re-planned when the sequence
 length changes, its prediction reported next to the measured step time. The trainer asks
 the mode, never the model, what to do.
 """
@@ -32,7 +32,7 @@ from parallel.recipes import RecipeError, apply_compile, apply_recipe
 from parallel.recipes.cp import cp_shard_batch
 from parallel.recipes.tp import loss_parallel_context, loss_value
 
-from .auto import PlanSource, auto_parallelize_for_training
+from .auto_mode import PlanSource, auto_parallelize_for_training
 from .config import ConfigError, JobConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]

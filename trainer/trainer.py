@@ -25,7 +25,7 @@ import torch.distributed as dist
 from parallel.auto.runtime import CompileError
 from parallel.mesh import build_mesh, dp_rank_and_degree
 
-from .auto import PlanSource
+from .auto_mode import PlanSource
 from .build import build_parallel_model
 from .checkpoint import CheckpointManager, resume_step
 from .config import ConfigError, JobConfig

@@ -294,14 +294,15 @@ class AutoParallel:
         if self._seeded():
             t0 = time.perf_counter()
             self.candidates, self.seed_info = seeded_candidates(
-                jg, self.mesh, cm, self.constraints, radius=self.planner.seed_radius, mp_dtype=self.mp_dtype,
+                jg, self.mesh, cm, self.constraints, radius=self.planner.split_seeding_radius, mp_dtype=self.mp_dtype,
                 cluster_layers=self.planner.cluster_layers, solver=self.planner.solver,
                 time_limit=self.planner.time_limit)
             self.timings["seed"] = time.perf_counter() - t0  # seed.py logs its summary
         assert self.candidates is not None
         low, high = self._memory_bounds()
         prob, sol = self._build_and_solve(self.candidates, low, high)
-        for _ in range((self.planner.seed_rounds if self._seeded() else 1) - 1):  # re-seed around the plan (seed.py)
+        rounds = self.planner.split_seeding_rounds if self._seeded() else 1
+        for _ in range(rounds - 1):  # re-seed around the plan (seed.py)
             t1 = time.perf_counter()
             chosen = {n: self.candidates.nodes[n].specs[sol.labels[prob.group_of[n]]] for n in self.seed_info.options}
             cands2 = reseeded_candidates(jg, self.mesh, self.seed_info, chosen)
@@ -411,7 +412,7 @@ class AutoParallel:
         return prob, sol
 
     def _seeded(self) -> bool:
-        return use_seeding(self.mesh.ndim, self.planner.seed)
+        return use_seeding(self.mesh.ndim, self.planner.split_seeding)
 
     # ---- materialisation (parallel/auto/runtime) ----
     def apply_placement(self, plan: Plan, options: RuntimeOptions | None = None) -> nn.Module:

@@ -1,6 +1,6 @@
 """The planner's settings, one object passed whole from every entry point.
 
-    planner = PlannerConfig(hardware="h100", seed_rounds=2, memory_limit_gib=70)
+    planner = PlannerConfig(hardware="h100", split_seeding_rounds=2, memory_limit_gib=70)
     with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, planner=planner) as autop: ...
 
 The trainer fills it from `[parallelism]` (its keys there are these field names) and
@@ -34,7 +34,7 @@ class PlannerConfig:
     hardware: the cost model's profile (a configs/hardware name, a path, or a profile);
     solver: "auto" | "ilp" | "mrf" | "highs" | "cbc"; time_limit: seconds for the ILP (per
     TRW-S run for the MRF); cluster_layers: one decision for the repeated copies of a layer;
-    seed / seed_radius / seed_rounds: split-dimension seeding (None: on from 3-D meshes),
+    split_seeding / _radius / _rounds: split-dimension seeding (None: on from 3-D meshes),
     the mesh axes a seeded strategy may differ on, re-seeding rounds around the plan;
     memory_budget_low / _high: parameter bytes per device as a fraction of all (None: no
     floor / fully sharded); memory_limit_gib: the predicted peak per device may reach this
@@ -47,9 +47,9 @@ class PlannerConfig:
     solver: str = "auto"
     time_limit: float = 600.0
     cluster_layers: bool = True
-    seed: Optional[bool] = None
-    seed_radius: int = 2
-    seed_rounds: int = 1
+    split_seeding: Optional[bool] = None
+    split_seeding_radius: int = 2
+    split_seeding_rounds: int = 1
     memory_budget_low: Optional[float] = None
     memory_budget_high: Optional[float] = None
     memory_limit_gib: Optional[float] = None
@@ -104,10 +104,12 @@ def _problems(c: PlannerConfig) -> list[SettingError]:
         out.append(SettingError("memory_estimate", c.memory_estimate,
                                 f"the memory limit (memory_limit_gib = {c.memory_limit_gib}) is checked against the "
                                 "estimate: unset memory_limit_gib or set memory_estimate = true"))
-    if c.seed_radius < 0:
-        out.append(SettingError("seed_radius", c.seed_radius, "must be >= 0 (mesh axes a seeded strategy may change)"))
-    if c.seed_rounds < 1:
-        out.append(SettingError("seed_rounds", c.seed_rounds, "must be >= 1 (1: seed once, no re-seeding)"))
+    if c.split_seeding_radius < 0:
+        out.append(SettingError("split_seeding_radius", c.split_seeding_radius,
+                                "must be >= 0 (mesh axes a seeded strategy may change)"))
+    if c.split_seeding_rounds < 1:
+        out.append(SettingError("split_seeding_rounds", c.split_seeding_rounds,
+                                "must be >= 1 (1: seed once, no re-seeding)"))
     if not c.time_limit > 0:
         out.append(SettingError("time_limit", c.time_limit, "must be > 0 seconds"))
     if not c.moe_imbalance_factor >= 1.0:

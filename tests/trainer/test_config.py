@@ -210,21 +210,24 @@ def test_planner_knobs_default_to_the_api_and_parse():
     p = load_config("llama3_debug_auto", world_size=2).parallelism.planner
     assert p == PlannerConfig()
     assert JobConfig().parallelism.planner.hardware == JobConfig().metrics.hardware == DEFAULT_HARDWARE
-    p = load_config("llama3_debug_auto", ["--parallelism.seed", "--parallelism.seed_radius", "1",
-                                          "--parallelism.seed_rounds", "3", "--parallelism.time_limit", "30",
+    p = load_config("llama3_debug_auto", ["--parallelism.split_seeding", "--parallelism.split_seeding_radius", "1",
+                                          "--parallelism.split_seeding_rounds", "3", "--parallelism.time_limit", "30",
                                           "--parallelism.cluster_layers", "false", "--parallelism.memory_estimate",
                                           "false"], world_size=2).parallelism.planner
-    assert (p.seed, p.seed_radius, p.seed_rounds, p.time_limit, p.cluster_layers, p.memory_estimate) == (
+    assert (p.split_seeding, p.split_seeding_radius, p.split_seeding_rounds, p.time_limit, p.cluster_layers,
+            p.memory_estimate) == (
         True, 1, 3, 30.0, False, False)
-    assert load_config("llama3_debug", ["--parallelism.seed", "none"], world_size=1).parallelism.planner.seed is None
+    cfg = load_config("llama3_debug", ["--parallelism.split_seeding", "none"], world_size=1)
+    assert cfg.parallelism.planner.split_seeding is None
 
 
 @pytest.mark.parametrize("key,value,match", [
-    ("seed_radius", "-1", r"seed_radius' = -1: must be >= 0"),
-    ("seed_rounds", "0", r"seed_rounds' = 0: must be >= 1"),
+    ("split_seeding_radius", "-1", r"split_seeding_radius' = -1: must be >= 0"),
+    ("split_seeding_rounds", "0", r"split_seeding_rounds' = 0: must be >= 1"),
+    ("seed_rounds", "2", r"seed_rounds' = '2': renamed 'parallelism.split_seeding_rounds'"),
     ("time_limit", "0", r"time_limit' = 0.0: must be > 0"),
     ("cluster_layers", "maybe", r"cluster_layers' = 'maybe' has the wrong type; expected true/false"),
-    ("seed", "often", r"seed' = 'often' has the wrong type; expected true/false or none"),
+    ("split_seeding", "often", r"split_seeding' = 'often' has the wrong type; expected true/false or none"),
     ("plan_file", "no/such/plan.json", r"plan_file' = 'no/such/plan.json': no such file"),
     ("hardware", "broken.toml", r"hardware' = 'broken.toml': hardware profile file not found"),
     ("moe_imbalance_factor", "0.9", r"moe_imbalance_factor' = 0.9: must be >= 1.0"),

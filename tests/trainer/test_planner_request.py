@@ -18,15 +18,15 @@ from parallel.auto.problem import PlanningError
 from parallel.auto.sweep import point as sweep_point
 from parallel.auto.sweep.meshes import search_meshes
 from parallel.auto.sweep.spec import expand_points
-from trainer import auto
+from trainer import auto_mode as auto
 from trainer.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model.n_layers", "1", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--training.seq_len", "16", "--training.local_batch_size", "1", "--parallelism.hardware", "h100"]
 # one value per field, none the default; every field of PlannerConfig must be here
-VALUES = {"hardware": "a100", "solver": "mrf", "time_limit": 12.5, "cluster_layers": False, "seed": True,
-          "seed_radius": 1, "seed_rounds": 3, "memory_budget_low": 0.05, "memory_budget_high": 0.5,
+VALUES = {"hardware": "a100", "solver": "mrf", "time_limit": 12.5, "cluster_layers": False, "split_seeding": True,
+          "split_seeding_radius": 1, "split_seeding_rounds": 3, "memory_budget_low": 0.05, "memory_budget_high": 0.5,
           "memory_limit_gib": 33.0, "memory_estimate": False, "moe_imbalance_factor": 2.0, "optimizer": "for-loop"}
 
 
@@ -111,11 +111,11 @@ def test_plan_py_passes_the_setting(recorder, key):
 
 
 def test_plan_py_shorthands_override_the_config_and_leave_the_rest(recorder):
-    argv = ["--config", "llama3_debug_auto", "--mesh", "2", *TINY, "--parallelism.seed_rounds", "2",
+    argv = ["--config", "llama3_debug_auto", "--mesh", "2", *TINY, "--parallelism.split_seeding_rounds", "2",
             "--parallelism.time_limit", "30", "--time-limit", "7"]
     with pytest.raises(PlanningError):
         _plan_script().main(argv)
-    assert (recorder[-1].seed_rounds, recorder[-1].time_limit) == (2, 7.0)
+    assert (recorder[-1].split_seeding_rounds, recorder[-1].time_limit) == (2, 7.0)
 
 
 @pytest.mark.parametrize("key", FIELDS)

@@ -14,7 +14,7 @@ from parallel.auto.sweep.point import PlanCache
 from parallel.auto.sweep.report import markdown_table, svg_picture, write_csv
 from parallel.auto.sweep.run import Progress, run_points
 from parallel.auto.sweep.spec import SweepSpecError
-from trainer.auto import base_job, load_base_job
+from trainer.auto_mode import base_job, load_base_job
 from trainer.config import ConfigError, load_config
 
 

@@ -304,7 +304,7 @@ def plan_candidates(graph: JointGraph, mesh: DeviceMesh, plan: Plan) -> Candidat
     """Candidates holding exactly the strategy `plan` chose for every node.
 
     For applying a plan on a seeded (3-D and up) mesh without solving it here: a plan
-    replayed from a file, or one another rank solved. The full D-dim menus are never
+    loaded from a file, or one another rank solved. The full D-dim menus are never
     enumerated: each node's chosen D-dim strategy is assembled from its per-axis 1-D
     menus (the same ones seeding uses), matched by the placement strings the plan saved,
     and enumeration is restricted to that one key. A node whose saved placements no 1-D

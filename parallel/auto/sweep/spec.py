@@ -14,7 +14,7 @@ Every problem -- unknown section or key, a wrong type, a world size no mesh lays
 sequence longer than the model takes, a mesh of another world size -- is one
 :class:`SweepSpecError` naming the file, the key, the value and the fix, raised before any
 planning starts. The base job is read by the caller's `base_job(name)` (the trainer's
-`trainer.auto.load_base_job`: this package does not read job configs).
+`trainer.auto_mode.load_base_job`: this package does not read job configs).
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def test_auto_mode_matches_one_rank_resumes_and_replays(tmp_path):
     shutil.copy(plan_path, saved)
     r = torchrun(tmp_path, "auto", ["--training.steps", "6", *CK, "--parallelism.plan_file", str(saved)])
     out = r.stdout + r.stderr
-    assert f"replayed from {saved}" in out and "solved by" not in out
+    assert f"loaded from {saved}" in out and "solved by" not in out
     resumed = read_losses(tmp_path, "auto")
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     diff = max(abs(resumed[s] - ref[s]) for s in resumed)

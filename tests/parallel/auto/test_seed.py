@@ -124,7 +124,7 @@ def test_api_seeds_3d_by_default_and_solver_choice(jg):
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
         # seeding is asserted here, not the peak; 2 s per MRF run: the unbounded objectives in 2/3 of the time
         with AutoParallel(model, _inputs, mesh, loss_fn=lm_loss,
-                          planner=PlannerConfig(solver="mrf", seed_rounds=2, time_limit=2.0,
+                          planner=PlannerConfig(solver="mrf", split_seeding_rounds=2, time_limit=2.0,
                                                 memory_estimate=False)) as autop:
             assert autop.candidates is None  # no full 3-D enumeration up front
             p = (Shard(0), Replicate(), Replicate())
@@ -158,7 +158,7 @@ def test_config_rejects_unknown_solver():
 
 @pytest.mark.slow  # plans on a fake 2x2/3-D world: 12-43 s here
 def test_saved_plan_applies_on_a_seeded_mesh_without_solving(tmp_path):
-    """A 3-D plan replayed from a file (or received from rank 0) is materialised without
+    """A 3-D plan loaded from a file (or received from rank 0) is materialised without
     enumerating the full 3-D menus: each node gets exactly the saved strategy."""
     from parallel.auto.placements import placement_str
     from parallel.auto.plan import Plan

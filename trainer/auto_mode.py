@@ -10,7 +10,7 @@
    (hardware profile, solver, memory budget, seeding, time limit, layer clustering) and
    broadcasts the plan (JSON), or its error, which every rank then raises; every rank
    checks the plan against its own trace (same graph, same candidate menus) and all
-   ranks verify they hold the identical plan. `parallelism.plan_file` replays a saved
+   ranks verify they hold the identical plan. `parallelism.plan_file` applies a saved
    plan without solving; a plan made for another model, mesh or input shape is refused.
 3. The plan summary and objective are logged, the plan JSON is written to
    `<dump_folder>/<job.name>/plan.json`, and the model is materialised as a
@@ -213,7 +213,7 @@ def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, s
             plan = autop.replay_placement(source.replay)
             how = f"replayed (the previous plan's placements, re-priced for inputs {input_shapes})"
         elif saved is not None and _fitting_plan_file(saved, autop, input_shapes, par.plan_file, source.resuming):
-            plan, how = saved, f"replayed from {par.plan_file}"
+            plan, how = saved, f"loaded from {par.plan_file}"
         else:
             plan = _solve_on_rank0(autop)
             how = f"solved by {plan.solver} ({plan.status}) for mesh {tuple(mesh.shape)}, inputs {input_shapes}"

@@ -1,4 +1,4 @@
-"""trainer/auto.py without a process group: the job's planning request reaches AutoParallel,
+"""trainer/auto_mode.py without a process group: the job's planning request reaches AutoParallel,
 and the planner's errors become ConfigErrors naming the key (stub planner, stub mesh)."""
 
 from types import SimpleNamespace
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import parallel.auto.request as request
-import trainer.auto as auto
+import trainer.auto_mode as auto
 from parallel.auto.problem import MemoryLimitError, PlanningError
 from trainer.config import ConfigError, load_config
 
@@ -43,15 +43,16 @@ class NoPlan:
 def test_knobs_reach_the_planner_and_no_plan_names_the_budget(monkeypatch):
     monkeypatch.setattr(request, "AutoParallel", NoPlan)
     cfg = load_config("llama3_debug_auto", [
-        "--parallelism.hardware", "h100", "--parallelism.solver", "mrf", "--parallelism.seed", "true",
-        "--parallelism.seed_radius", "1", "--parallelism.seed_rounds", "2", "--parallelism.time_limit", "12.5",
+        "--parallelism.hardware", "h100", "--parallelism.solver", "mrf", "--parallelism.split_seeding", "true",
+        "--parallelism.split_seeding_radius", "1", "--parallelism.split_seeding_rounds", "2",
+        "--parallelism.time_limit", "12.5",
         "--parallelism.cluster_layers", "false", "--parallelism.memory_budget_high", "0.1",
         "--training.mixed_precision_param", "bfloat16"], world_size=2)
     with pytest.raises(ConfigError) as e:
         auto.auto_parallelize_for_training(torch.nn.Linear(2, 2), MESH, cfg, BATCH)
     s = NoPlan.seen
     p = s["planner"]
-    assert (p.hardware, p.solver, p.seed, p.seed_radius, p.seed_rounds, p.time_limit,
+    assert (p.hardware, p.solver, p.split_seeding, p.split_seeding_radius, p.split_seeding_rounds, p.time_limit,
             p.cluster_layers) == ("h100", "mrf", True, 1, 2, 12.5, False)
     assert s["mp_policy"].param_dtype == torch.bfloat16 and s["mp_policy"].reduce_dtype == torch.float32
     assert (p.memory_budget_low, p.memory_budget_high) == (None, 0.1)
