@@ -298,7 +298,7 @@ _lock = threading.Lock()
 def _attention_fwd_rule(op: Any, args_schema: Any, kwargs_schema: Any) -> list[list[Any]]:
     # outputs (out [B,H,S,D], logsumexp [B,H,S]); inputs (q, k, v [, attn_mask])
     n_in = 3 + (1 if isinstance(kwargs_schema.get("attn_mask"), TensorMeta) else 0)
-    # batch or heads; sequence sharding needs a context-parallel contract
+    # batch or heads; sequence sharding needs a context-parallel region
     return [[ShardingPlaceholder(d)] * (2 + n_in) for d in (0, 1)]
 
 

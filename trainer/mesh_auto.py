@@ -24,6 +24,7 @@ from .config import JobConfig
 from .data import DataError, build_tokenizer
 from .device import local_device
 from .errors import ConfigError
+from .metrics import setup_logging
 
 logger = logging.getLogger("autotitan")
 
@@ -33,6 +34,7 @@ def resolve_mesh(cfg: JobConfig) -> JobConfig:
     group (every rank calls this), else `cfg` itself (a single process trains unsharded)."""
     if cfg.parallelism.mesh != "auto" or not (dist.is_available() and dist.is_initialized()):
         return cfg
+    setup_logging(dist.get_rank())  # the search's progress and ranked table are the job's first log lines
     try:
         vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else build_tokenizer(cfg.data.tokenizer).vocab_size
     except DataError as e:

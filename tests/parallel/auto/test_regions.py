@@ -5,7 +5,7 @@ and a plan made with a region the model no longer declares is refused by name.""
 
 import pytest
 import torch
-from contract_workers import B, D, S, autop_for, make_plan, reference, worker
+from region_workers import B, D, S, autop_for, make_plan, reference, worker
 from torch.distributed.tensor import Replicate, Shard
 
 from parallel.auto import regions
@@ -63,7 +63,7 @@ def test_declaration_errors():
 
 
 def test_outside_the_planner_the_region_is_plain_code():
-    from contract_workers import Toy, data
+    from region_workers import Toy, data
 
     torch.manual_seed(0)
     m = Toy()
