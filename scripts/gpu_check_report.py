@@ -108,6 +108,54 @@ def run_state(rc: int | None, n_steps: int) -> str:
     return "ok" if n_steps else "FAILED no steps"  # it ran, but no step line was parsed
 
 
+def _verdict(args: argparse.Namespace, name: str, ref: list, failed: list[str]) -> str:
+    """The losses column: a debug variant against the CPU run, the 1B auto run against manual."""
+    if name in DEBUG:
+        diff, n = max_rel_diff(losses(args.runs, name), ref)
+        if diff is None:
+            failed.append(f"{name}: no losses to compare")
+            return "FAILED (no losses)" if ref else "FAILED (no CPU losses)"
+        ok = diff <= args.tol and n == len(ref)
+        if not ok:
+            failed.append(f"{name}: losses differ from the CPU run")
+        return f"{'match' if ok else 'DIFFER'} vs CPU {diff:.1e} ({n})"
+    if name == "1b_auto_compiled":  # bf16, two different programs: shown, not judged
+        diff, n = max_rel_diff(losses(args.runs, name), losses(args.runs, "1b_manual_compiled"))
+        return f"vs manual {diff:.1e} ({n})" if diff is not None else "-"
+    return "-"
+
+
+def _row(args: argparse.Namespace, name: str, st: dict, ref: list, profiles: list[str], failed: list[str],
+         notes: list[str], tps: dict[str, float | None]) -> str:
+    """One variant's table line (its failures and notes appended to `failed`, `notes`)."""
+    rc, secs = st.get(name, (None, 0))
+    logp = args.out / f"{name}.log"
+    log = logp.read_text(errors="replace") if logp.exists() else ""
+    t, mfu, mem, n_steps = step_figures(log)
+    state = run_state(rc, n_steps)
+    if state != "ok":
+        failed.append(f"{name}: {state[7:]}")
+        notes.append(f"{name}: {error_line(log) if log else 'no log'}")
+    verdict = _verdict(args, name, ref, failed)
+    trace = "-"
+    if name in B1 or name in profiles:
+        trace = "yes" if (args.out / f"{name}.json.gz").exists() else "NO"
+        if trace == "NO" and state == "ok":
+            failed.append(f"{name}: no profiler trace")
+    if name in profiles:  # 4 steps, the last one profiled: no speed worth showing
+        t = mfu = None
+    tps[name] = t if state == "ok" else None
+    pred = predicted_peak_gib(args.runs, name, log) if "auto" in name else None
+    compiled = "compiled" in name or name in profiles
+    recomp = sum("Recompiling" in ln for ln in log.splitlines()) if compiled else "-"
+    breaks = sum("Graph break" in ln for ln in log.splitlines()) if compiled else "-"
+    m = MEASURED.findall(log)
+    if m:
+        notes.append(f"{name}: step time measured / predicted by the cost model = {m[-1]}")
+    return (f"{name:<22} {state:<15} {secs:>4}s {fmt(t, ',.0f'):>9} {fmt(mfu, '.1f', '%'):>6} "
+            f"{fmt(mem, '.2f'):>8} {fmt(pred, '.2f'):>8}  {verdict:<28} {recomp:>6} {breaks:>6} {trace:>5}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path)
@@ -119,52 +167,12 @@ def main() -> int:
     failed: list[str] = []
     tps: dict[str, float | None] = {}
     notes: list[str] = []
-
     header = (f"{'variant':<22} {'status':<15} {'time':>5} {'tok/s':>9} {'MFU':>6} {'peak GiB':>8} {'pred GiB':>8}  "
               f"{'losses (max rel diff)':<28} {'recomp':>6} {'breaks':>6} {'trace':>5}")
     lines = [header, "-" * len(header)]
     profiles = sorted(n for n in st if n.startswith("profile_"))  # PROFILE_DEBUG=1
     for name in ["cpu_ref", *DEBUG, *B1, *profiles]:
-        rc, secs = st.get(name, (None, 0))
-        logp = args.out / f"{name}.log"
-        log = logp.read_text(errors="replace") if logp.exists() else ""
-        t, mfu, mem, n_steps = step_figures(log)
-        state = run_state(rc, n_steps)
-        if state != "ok":
-            failed.append(f"{name}: {state[7:]}")
-            notes.append(f"{name}: {error_line(log) if log else 'no log'}")
-        verdict = "-"
-        if name in DEBUG:
-            diff, n = max_rel_diff(losses(args.runs, name), ref)
-            if diff is None:
-                verdict = "FAILED (no losses)" if ref else "FAILED (no CPU losses)"
-                failed.append(f"{name}: no losses to compare")
-            else:
-                ok = diff <= args.tol and n == len(ref)
-                verdict = f"{'match' if ok else 'DIFFER'} vs CPU {diff:.1e} ({n})"
-                if not ok:
-                    failed.append(f"{name}: losses differ from the CPU run")
-        elif name == "1b_auto_compiled":  # bf16, two different programs: shown, not judged
-            diff, n = max_rel_diff(losses(args.runs, name), losses(args.runs, "1b_manual_compiled"))
-            verdict = f"vs manual {diff:.1e} ({n})" if diff is not None else "-"
-        trace = "-"
-        if name in B1 or name in profiles:
-            trace = "yes" if (args.out / f"{name}.json.gz").exists() else "NO"
-            if trace == "NO" and state == "ok":
-                failed.append(f"{name}: no profiler trace")
-        if name in profiles:  # 4 steps, the last one profiled: no speed worth showing
-            t = mfu = None
-        tps[name] = t if state == "ok" else None
-        pred = predicted_peak_gib(args.runs, name, log) if "auto" in name else None
-        compiled = "compiled" in name or name in profiles
-        recomp = sum("Recompiling" in ln for ln in log.splitlines()) if compiled else "-"
-        breaks = sum("Graph break" in ln for ln in log.splitlines()) if compiled else "-"
-        lines.append(f"{name:<22} {state:<15} {secs:>4}s {fmt(t, ',.0f'):>9} {fmt(mfu, '.1f', '%'):>6} "
-                     f"{fmt(mem, '.2f'):>8} {fmt(pred, '.2f'):>8}  {verdict:<28} {recomp:>6} {breaks:>6} {trace:>5}")
-        m = MEASURED.findall(log)
-        if m:
-            notes.append(f"{name}: step time measured / predicted by the cost model = {m[-1]}")
-
+        lines.append(_row(args, name, st, ref, profiles, failed, notes, tps))
     print()
     versions = args.out / "versions.txt"
     if versions.exists():
