@@ -31,6 +31,7 @@ from trainer.config_checks import validate_config
 from trainer.device import backend, local_device
 from trainer.dry_run import main as dry_run_main
 from trainer.dry_run_auto import main as dry_run_auto_main
+from trainer.errors import TrainingFault
 from trainer.mesh_auto import resolve_mesh
 from trainer.trainer import Trainer
 
@@ -39,6 +40,7 @@ USER_ERRORS = (ConfigError, RecipeError, PlanningError, PlanMismatchError, Profi
 the lower layers' errors into ConfigErrors naming the key; the others are listed so that
 one that slips through is still reported the same way."""
 EXIT_CONFIG_ERROR = 2
+EXIT_FAULT = 1
 REPORT_GRACE_S = 5.0
 """How long the other ranks wait before exiting on such an error: torchrun stops every rank
 once one has exited, so rank 0, which prints the error, must not be stopped first."""
@@ -62,16 +64,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     return ap.parse_known_args(argv)
 
 
-def init_distributed(device: str = "auto") -> bool:
+def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> bool:
     """The process group from torchrun's env vars (NCCL on GPUs, gloo on CPUs); none for a
-    plain single process."""
+    plain single process. `timeout_s`: how long its start and every collective may wait."""
     if dist.is_initialized():
         return False
     if "WORLD_SIZE" not in os.environ or (
             os.environ["WORLD_SIZE"] == "1" and "MASTER_ADDR" not in os.environ):
         return False
     local_device(device)  # a GPU rank binds its GPU before NCCL starts
-    dist.init_process_group(backend(device), timeout=timedelta(minutes=10))
+    dist.init_process_group(backend(device), timeout=timedelta(seconds=timeout_s))
     return True
 
 
@@ -79,18 +81,19 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-def report(message: str) -> int:
-    """Rank 0 prints the error as one line (every rank raised the same one); all exit 2."""
-    if _rank() == 0:
-        print("config error: " + " ".join(message.split("\n")), file=sys.stderr, flush=True)
+def report(message: str, kind: str = "config error", reporting_rank: int = 0) -> int:
+    """One rank (rank 0, unless it is the one that stalled) prints the error as one line (every
+    rank raised the same one); all exit 2 for a config error, 1 for a fault."""
+    if _rank() == reporting_rank:
+        print(f"{kind}: " + " ".join(message.split("\n")), file=sys.stderr, flush=True)
     else:
         time.sleep(REPORT_GRACE_S)
-    return EXIT_CONFIG_ERROR
+    return EXIT_CONFIG_ERROR if kind == "config error" else EXIT_FAULT
 
 
 def train(cfg: JobConfig) -> None:
     """Run the job, in a process group when torchrun started us."""
-    started = init_distributed(cfg.job.device)
+    started = init_distributed(cfg.job.device, cfg.comm.timeout_s)
     try:
         Trainer(resolve_mesh(cfg)).train()  # mesh = "auto": the searched mesh's degrees
         if started:  # every rank done with its collectives before gloo is torn down
@@ -121,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     try:
         return run(args, overrides)
+    except TrainingFault as e:
+        message, rank = str(e), e.reporting_rank
+        del e
+        gc.collect()
+        return report(message, "training fault", rank)
     except USER_ERRORS as e:
         error: Exception = e
     # The error's frames still hold the mesh and its gloo groups; freed at interpreter exit,

@@ -94,6 +94,9 @@ class Training:
     # [[step, seq_len], ...]: from optimizer step `step` (0-based) on, train at `seq_len`; first step 0,
     # steps strictly increasing; overrides seq_len. Auto mode re-plans at each change (parallelism.replan)
     seq_len_schedule: list = field(default_factory=list)
+    # a step whose loss or gradient norm is not finite stops the job before the optimizer step
+    # (the weights and checkpoints stay finite); N > 0: up to N such steps are skipped instead
+    skip_nonfinite_steps: int = 0
 
     def seq_len_at(self, step: int) -> int:
         """The sequence length of 0-based step `step` (seq_len when there is no schedule)."""
@@ -179,6 +182,13 @@ class Data:
 
 
 @dataclass
+class Comm:
+    # seconds a collective (and the process group's start) may wait for the other ranks; then
+    # the job ends, naming the ranks that stalled
+    timeout_s: float = 600.0
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -191,6 +201,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     data: Data = field(default_factory=Data)
+    comm: Comm = field(default_factory=Comm)
     # where the config came from (for messages); not a TOML section
     source: str = field(default="<defaults>", compare=False)
 

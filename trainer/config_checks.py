@@ -91,6 +91,10 @@ def _validate_ranges(cfg: JobConfig) -> None:
         cfg.activation_checkpoint.check()
     except SettingError as e:
         raise _err(cfg, "activation_checkpoint", e.key, e.fix) from None
+    if t.skip_nonfinite_steps < 0:
+        raise _err(cfg, "training", "skip_nonfinite_steps", "must be >= 0 (0: stop at the first non-finite step)")
+    if not cfg.comm.timeout_s > 0:
+        raise _err(cfg, "comm", "timeout_s", "must be > 0 seconds")
     if cfg.data.num_workers < 0:
         raise _err(cfg, "data", "num_workers", "must be >= 0")
     if cfg.data.path and not Path(cfg.data.path).exists():

@@ -27,13 +27,21 @@ from parallel.mesh import build_mesh, dp_rank_and_degree
 
 from .auto_mode import PlanSource
 from .build import build_parallel_model
-from .checkpoint import CheckpointManager, resume_step
+from .checkpoint import CheckpointManager, complete_checkpoints, resume_step
 from .config import ConfigError, JobConfig
 from .data import DataError, build_dataloader, build_tokenizer
 from .device import local_device
 from .metrics import MetricsLogger, setup_logging
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, follow_parameters
 from .parallelizer import parallelizer_for
+from .step_guard import StepGuard
+
+TIMEOUT_WORDS = ("timed out", "timeout", "Timeout")
+
+
+def _timed_out(e: BaseException) -> bool:
+    """A collective that waited past the process group's timeout (gloo's and NCCL's words)."""
+    return any(w in str(e) for w in TIMEOUT_WORDS)
 
 logger = logging.getLogger("autotitan")
 
@@ -69,6 +77,7 @@ class Trainer:
             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, dp_rank=self.dp_rank)
         self.step = 0
+        self.guard = StepGuard(t.skip_nonfinite_steps, self.rank, self.device)
         self._step_times: list[float] = []
         self.flops_per_token = self._flops_per_token()
         self.compute_dtype = t.mixed_precision_param if t.dtype == "float32" else t.dtype
@@ -135,25 +144,50 @@ class Trainer:
         inputs, labels, positions = self.parallelizer.shard_batch(inputs, labels)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.parallelizer.forward_backward(self.model, inputs, labels, positions)
+        self.guard.at(self.step, "the gradient norm")
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         self.lr_used = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.lr_scheduler.step()
+        self.guard.at(self.step, "the step's agreement (finite values, stop requests)")
+        if self.guard.check(self.step, loss, grad_norm, self.model):  # every rank agrees: finite
+            self.guard.at(self.step, "the optimizer step")
+            self.optimizer.step()
+            self.lr_scheduler.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         return loss.detach(), grad_norm
 
     # ------------------------------------------------------------------ loop
 
     def train(self) -> dict[int, float]:
-        """Train from the resumed step to `training.steps`; {step: loss} of the logged steps."""
+        """Train from the resumed step to `training.steps` (or a SIGTERM: the step is finished
+        and saved); {step: loss} of the logged steps. A collective that times out is a
+        TrainingFault naming the stalled ranks."""
         if not self.start():
             return self.logged
         try:
-            while self.step < self.cfg.training.steps:
-                self.next_step()
+            with self.guard:
+                while self.step < self.cfg.training.steps and not self.guard.stop:
+                    self.next_step()
+        except RuntimeError as e:
+            if self.distributed and _timed_out(e):
+                raise self.guard.stalled(e, self.cfg.comm.timeout_s) from None
+            raise
         finally:
             self.metrics.close()
+        if self.guard.stop:
+            self._stop_on_request()
         self._log_runtime()
         return self.logged
+
+    def _stop_on_request(self) -> None:
+        """SIGTERM: the step finished; save it (unless just saved) and say how to resume."""
+        ck = self.checkpointer
+        saved = ck.enabled and self.step in complete_checkpoints(ck.folder)
+        if ck.enabled and not saved:
+            self.checkpointer.save(self.step)
+        if self.rank == 0:
+            where = f"checkpoint step-{self.step} in {ck.folder}" if ck.enabled else "no checkpoint (disabled)"
+            logger.info(f"stopped after step {self.step} on SIGTERM: {where}; run the same command to resume")
 
     def start(self) -> bool:
         """Resume from the latest checkpoint, open the metrics, log the job; False when the
@@ -195,6 +229,7 @@ class Trainer:
             self._data_iter = iter(self.dataloader)
         self.step += 1
         inputs, labels = next(self._data_iter)
+        self.guard.at(self.step, "the forward and backward")
         t0 = time.perf_counter()
         loss, grad_norm = self._checked_step(inputs, labels)
         self._step_times.append(time.perf_counter() - t0)
@@ -205,6 +240,8 @@ class Trainer:
             self.metrics.log(self.step, loss_v, grad_norm.item(), self.lr_used)
             self.logged[self.step] = loss_v
         if self.checkpointer.should_save(self.step, self.cfg.training.steps):
+            self.guard.at(self.step, "the checkpoint save")
+            self.guard.check_weights(self.step, self.model)
             self.checkpointer.save(self.step)
             self.metrics.reset_timer()
         return loss

@@ -1,0 +1,112 @@
+"""Faults a job meets while it runs: non-finite values stop it (or are skipped) before the
+optimizer applies them, SIGTERM finishes the step, saves and exits 0, and the run resumes."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_helpers import read_losses
+
+from trainer.checkpoint import complete_checkpoints
+from trainer.errors import TrainingFault
+from trainer.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--model.n_layers", "1", "--training.seq_len", "32", "--training.local_batch_size", "2",
+         "--metrics.log_freq", "1"]
+
+
+def _poison(trainer: Trainer, steps: set[int]) -> None:
+    """Make the output of the first block's attention infinite at the given steps (a forward hook:
+    the fault comes from outside the trainer, as a bad batch or an overflow would)."""
+    calls = {"n": 0}
+
+    def hook(module, args, out):
+        calls["n"] += 1
+        return out * float("inf") if calls["n"] in steps else out
+
+    trainer.model.layers[0].attention.register_forward_hook(hook)
+
+
+def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_a_nonfinite_step_stops_the_job_before_the_optimizer_and_names_step_and_parameter(cfg_factory, tmp_path):
+    cfg = cfg_factory(extra=[*SMALL, "--training.steps", "5", "--checkpoint.enable", "--checkpoint.interval", "2"])
+    tr = Trainer(cfg)
+    _poison(tr, {3})
+    with pytest.raises(TrainingFault) as e:
+        tr.train()
+    msg = str(e.value)
+    assert msg.startswith("step 3: non-finite loss or gradient norm (first non-finite gradient: ")
+    assert "skip_nonfinite_steps" in msg
+    assert all(torch.isfinite(p).all() for p in tr.model.parameters())  # the optimizer never stepped on it
+    assert list(complete_checkpoints(tr.checkpointer.folder)) == [2]  # nothing written after the fault
+
+
+def test_skipped_nonfinite_steps_leave_the_weights_and_training_goes_on(cfg_factory):
+    cfg = cfg_factory(extra=[*SMALL, "--training.steps", "4", "--training.skip_nonfinite_steps", "1"])
+    tr = Trainer(cfg)
+    _poison(tr, {3})
+    before = {}
+
+    real_next = tr.next_step
+
+    def next_step():
+        if tr.step == 2:
+            before.update(_weights(tr))
+        out = real_next()
+        if tr.step == 3:  # the skipped step changed nothing
+            after = _weights(tr)
+            assert all(torch.equal(before[n], after[n]) for n in before)
+        return out
+
+    tr.next_step = next_step
+    logged = tr.train()
+    assert sorted(logged) == [1, 2, 3, 4] and not math.isfinite(logged[3]) and math.isfinite(logged[4])
+    (said,) = tr.guard.skipped  # the warning logged
+    assert said.startswith("step 3: non-finite") and "step skipped (1 of training.skip_nonfinite_steps = 1)" in said
+    # a second poisoned step is one too many
+    tr2 = Trainer(cfg_factory(extra=[*SMALL, "--training.steps", "4", "--training.skip_nonfinite_steps", "1"],
+                              job="twice"))
+    _poison(tr2, {2, 3})
+    with pytest.raises(TrainingFault, match=r"^step 3: .*all 1 allowed skips used"):
+        tr2.train()
+
+
+def _train_cmd(tmp_path: Path, steps: int) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), "--config", "llama3_debug", *SMALL, "--training.steps",
+            str(steps), "--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--job.dump_folder",
+            str(tmp_path), "--job.name", "preempted"]
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_0_and_the_same_command_resumes(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(_train_cmd(tmp_path, 1000), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=ROOT)
+    lines = []
+    deadline = time.time() + 120
+    for line in proc.stdout:  # wait until it trains, then preempt it
+        lines.append(line)
+        if line.startswith("step 3 |") or time.time() > deadline:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    out = "".join(lines) + out
+    assert proc.returncode == 0, out[-2000:]
+    stop = [ln for ln in out.splitlines() if "on SIGTERM" in ln]
+    assert len(stop) == 1 and "run the same command to resume" in stop[0], out[-2000:]
+    step = int(stop[0].split("stopped after step ")[1].split()[0])
+    assert step >= 3 and list(complete_checkpoints(tmp_path / "preempted" / "checkpoints")) == [step]
+    r = subprocess.run(_train_cmd(tmp_path, step + 2), capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"resumed from {tmp_path / 'preempted' / 'checkpoints' / f'step-{step}'} at step {step}" in r.stdout
+    assert sorted(read_losses(tmp_path, "preempted"))[-1] == step + 2
