@@ -106,12 +106,11 @@ class AutoParallel:
         mp_policy: MixedPrecisionPolicy | None = None,
         regions: tuple[str, ...] = (),
         graph: JointGraph | None = None,
-        cost_model: CostModel | None = None,
     ) -> None:
         """`planner`: every planner setting (config.py); `runtime`: how the plan will run (priced);
         `regions`: declared local_map regions traced as one node each; `graph`: a joint graph
         traced earlier for this model and these global inputs (a sweep plans one trace on many
-        meshes); `cost_model`: instead of the one built from the planner's hardware."""
+        meshes)."""
         self.model = model
         self.planner = planner if planner is not None else PlannerConfig()
         self.planner.check()
@@ -123,7 +122,7 @@ class AutoParallel:
         self.seed_info: Any = None
         self.runtime = runtime if runtime is not None else RuntimeOptions()
         self.mp_dtype: torch.dtype | None = getattr(mp_policy, "param_dtype", None) if mp_policy is not None else None
-        self._cost_model = cost_model
+        self._cost_model: CostModel | None = None  # built on first use (cost_model())
         # a joint graph traced earlier for this model and these global inputs (a sweep plans one
         # trace on many meshes: the trace does not depend on the mesh); None: trace on entry
         self._given_graph = graph
