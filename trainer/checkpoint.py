@@ -2,14 +2,23 @@
 
 Layout: ``<dump_folder>/<job.name>/<checkpoint.folder>/step-N``. A save writes into
 ``step-N.tmp``; after every rank has finished (DCP writes ``.metadata`` last, then a
-barrier) rank 0 renames it to ``step-N``. A process killed mid-save therefore leaves only
-a ``.tmp`` folder, which restart ignores and deletes. Works with or without a process
-group (single process).
+barrier) rank 0 writes ``manifest.json`` (every file's size) and renames the folder to
+``step-N``. A process killed mid-save therefore leaves only a ``.tmp`` folder, which
+restart ignores and deletes. A checkpoint whose files do not match its manifest (a shard
+deleted or truncated after the save) is skipped for the previous complete one, with one
+log line naming the damaged file. Old checkpoints are renamed ``step-N.deleting`` before
+they are deleted (after a newer one is complete on every rank), so a kill mid-deletion
+never leaves a half-deleted folder that looks complete. A save that fails (a full disk, a
+folder without write permission) stops the job with one error naming the folder and the
+bytes it needed; the previous complete checkpoint stays the latest. Works with or without a
+process group (single process).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import logging
 import os
 import pickle
@@ -23,9 +32,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from parallel import _torch as T
+
 from .config import Checkpoint
+from .errors import ConfigError, TrainingFault
 from .optim import lr_schedule_state, restore_lr_schedule
 
 logger = logging.getLogger("autotitan")
@@ -40,6 +53,8 @@ def _quiet():
 
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
+MANIFEST = "manifest.json"
+DELETING = ".deleting"
 
 
 def _dist() -> bool:
@@ -66,12 +81,43 @@ def complete_checkpoints(folder: Path) -> dict[int, Path]:
     return dict(sorted(out.items()))
 
 
+def damage(path: Path) -> Optional[str]:
+    """What is wrong with a complete checkpoint's files against its manifest (None: intact;
+    a checkpoint written before manifests existed is taken as it is)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        return f"{path / MANIFEST} is unreadable ({e})"
+    for name, size in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != size:
+            return f"{f} is {f.stat().st_size} bytes, not the {size} written"
+    return None
+
+
+def intact_checkpoints(folder: Path, log: bool = False) -> dict[int, Path]:
+    """Complete checkpoints whose files match their manifests (damaged ones logged, once each,
+    when `log`: the job resumes from the newest intact one)."""
+    out = {}
+    for step, path in complete_checkpoints(folder).items():
+        why = damage(path)
+        if why is None:
+            out[step] = path
+        elif log and _rank() == 0:
+            logger.warning(f"skipping damaged checkpoint {path}: {why}")
+    return out
+
+
 def resume_step(ckpt_cfg: Checkpoint, folder: Path) -> int:
     """The step a job will resume at (0: none, or checkpointing off), known before the model
     is built: a scheduled sequence length and the plan for it depend on it."""
     if not ckpt_cfg.enable:
         return 0
-    done = complete_checkpoints(Path(folder))
+    done = intact_checkpoints(Path(folder))
     if ckpt_cfg.load_step >= 0:
         return ckpt_cfg.load_step if ckpt_cfg.load_step in done else 0  # a missing one: load() says so
     return max(done) if done else 0
@@ -112,8 +158,8 @@ class CheckpointManager:
         return self.enabled and (step % self.cfg.interval == 0 or step == last_step)
 
     def save(self, step: int) -> Path:
-        """Write ``step-N.tmp`` on every rank, then rank 0 renames it: only complete
-        checkpoints ever carry the final name."""
+        """Write ``step-N.tmp`` on every rank, then rank 0 writes the manifest and renames it:
+        only complete checkpoints ever carry the final name."""
         final = self.folder / f"step-{step}"
         tmp = self.folder / f"step-{step}.tmp"
         if _rank() == 0:
@@ -121,10 +167,15 @@ class CheckpointManager:
             if tmp.exists():
                 shutil.rmtree(tmp)
         _barrier()
-        with _quiet():
-            dcp.save(self._state(step), checkpoint_id=str(tmp))
+        state = self._state(step)
+        try:
+            with _quiet():
+                dcp.save(state, checkpoint_id=str(tmp))
+        except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's write errors
+            raise self._save_failed(step, tmp, state, e) from None
         _barrier()  # every rank has written its files and .metadata exists
         if _rank() == 0:
+            _write_manifest(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -133,13 +184,36 @@ class CheckpointManager:
         logger.info(f"saved checkpoint {final}")
         return final
 
+    def _save_failed(self, step: int, tmp: Path, state: dict, error: Exception) -> TrainingFault:
+        """A save that could not be written: the folder, the cause, the bytes it needed; the
+        half-written folder removed, the previous complete checkpoint left the latest."""
+        need = _state_bytes(state)
+        if _dist():
+            t = torch.tensor([need], dtype=torch.float64)
+            with contextlib.suppress(Exception):
+                dist.all_reduce(t)
+                need = int(t.item())
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        prev = complete_checkpoints(self.folder)
+        latest = f"{prev[max(prev)]} stays the latest" if prev else "there is no earlier checkpoint"
+        cause = _os_cause(error)
+        return TrainingFault(f"step {step}: the checkpoint could not be written to {self.folder} ({cause}); it needs "
+                             f"about {need / 2**20:,.1f} MiB; {latest}; free space or give the folder write "
+                             "permission (or point job.dump_folder elsewhere), then run the same command to resume")
+
     def _prune(self) -> None:
+        """Keep the newest ``keep_latest_k`` (called once a newer checkpoint is complete on every
+        rank); each old one is renamed away first, so a kill mid-delete never leaves a
+        half-deleted folder that looks complete."""
         k = self.cfg.keep_latest_k
         if k <= 0:
             return
         done = complete_checkpoints(self.folder)
         for step in list(done)[:-k]:
-            shutil.rmtree(done[step], ignore_errors=True)
+            gone = done[step].with_name(done[step].name + DELETING)
+            os.replace(done[step], gone)
+            shutil.rmtree(gone, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
 
@@ -147,15 +221,16 @@ class CheckpointManager:
         """Delete ``step-N.tmp`` and unfinished folders (rank 0), then barrier."""
         if _rank() == 0 and self.folder.is_dir():
             for p in self.folder.iterdir():
-                if p.is_dir() and (p.name.endswith(".tmp") or (
+                if p.is_dir() and (p.name.endswith((".tmp", DELETING)) or (
                         _STEP_RE.match(p.name) and not (p / ".metadata").is_file())):
                     logger.warning(f"removing incomplete checkpoint {p}")
                     shutil.rmtree(p, ignore_errors=True)
         _barrier()
 
     def find(self) -> Optional[Path]:
-        """The checkpoint to resume from: ``load_step`` when set, else the latest complete one."""
-        done = complete_checkpoints(self.folder)
+        """The checkpoint to resume from: ``load_step`` when set, else the latest intact one
+        (damaged ones are skipped, saying which file is wrong)."""
+        done = intact_checkpoints(self.folder, log=True)
         if self.cfg.load_step >= 0:
             if self.cfg.load_step not in done:
                 raise FileNotFoundError(
@@ -184,6 +259,7 @@ class CheckpointManager:
         have_dl = dl_key in meta
         if not have_dl:
             state.pop("dataloader")
+        _check_matches(path, state, meta)
         with _quiet():
             dcp.load(state, checkpoint_id=str(path))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
@@ -200,3 +276,48 @@ class CheckpointManager:
             self.dataloader.batch_sampler.skip_to(step)
         logger.info(f"resumed from {path} at step {step}")
         return step
+
+
+def _write_manifest(folder: Path) -> None:
+    """Every file of a written checkpoint with its size (written, then renamed)."""
+    files = {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"files": files}, indent=0))
+    os.replace(tmp, folder / MANIFEST)
+
+
+def _state_bytes(state: Any) -> int:
+    """Bytes of this rank's tensors in a state dict (what its part of a checkpoint holds)."""
+    total = 0
+    for x in T.tree_flatten(state)[0]:
+        if isinstance(x, torch.Tensor):
+            local = x.to_local() if isinstance(x, DTensor) else x
+            total += local.numel() * local.element_size()
+        elif isinstance(x, bytes):
+            total += len(x)
+    return total
+
+
+def _os_cause(error: BaseException) -> str:
+    """The operating system's words for a failed write, found in DCP's wrapped errors."""
+    text = str(error)
+    for code in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
+        if os.strerror(code) in text:
+            return os.strerror(code).lower()
+    return text.strip().splitlines()[-1][:200] if text.strip() else type(error).__name__
+
+
+def _check_matches(path: Path, state: dict, meta: dict) -> None:
+    """A checkpoint of another model (other names or shapes) is one error naming the first
+    mismatches, before DCP reads a byte."""
+    want = {f"model.{k}": tuple(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+    have = {k: tuple(getattr(m, "size", ())) for k, m in meta.items() if k.startswith("model.")}
+    missing = [k for k in want if k not in have]
+    shapes = [f"{k} {list(have[k])} (this model: {list(want[k])})" for k in want if k in have and have[k] != want[k]]
+    if missing or shapes:
+        first = (missing[:3] and [f"missing {', '.join(m[6:] for m in missing[:3])}"]) + shapes[:3]
+        more = " ..." if len(missing) + len(shapes) > 6 else ""
+        raise ConfigError(f"checkpoint {path} was written by another model: {'; '.join(first)}{more}; resume it "
+                          "with the model that wrote it, or start fresh in another folder (job.name, job.dump_folder "
+                          "or checkpoint.folder)")
+

@@ -39,6 +39,19 @@ from .step_guard import StepGuard
 TIMEOUT_WORDS = ("timed out", "timeout", "Timeout")
 
 
+def _check_writable(cfg: JobConfig, run_dir: Path, rank: int) -> None:
+    """The run folder can be created and written (plans, metrics, checkpoints): a read-only or
+    impossible dump folder is a config error before any work."""
+    probe = run_dir / f".writable-{rank}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{cfg.source}: 'job.dump_folder' = {cfg.job.dump_folder!r}: cannot write the run folder "
+                          f"{run_dir} ({e.strerror or e}); choose a folder this job may write") from None
+
+
 def _timed_out(e: BaseException) -> bool:
     """A collective that waited past the process group's timeout (gloo's and NCCL's words)."""
     return any(w in str(e) for w in TIMEOUT_WORDS)
@@ -56,6 +69,7 @@ class Trainer:
         self.world_size = dist.get_world_size() if self.distributed else 1
         setup_logging(self.rank)
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
+        _check_writable(cfg, self.run_dir, self.rank)
         self.device = local_device(cfg.job.device)
         if cfg.parallelism.mesh == "auto" and self.distributed:
             raise ConfigError(f"{cfg.source}: 'parallelism.mesh' = 'auto': the mesh is chosen before the Trainer is "

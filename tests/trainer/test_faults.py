@@ -1,6 +1,7 @@
 """Faults a job meets while it runs: non-finite values stop it (or are skipped) before the
 optimizer applies them, SIGTERM finishes the step, saves and exits 0, and the run resumes."""
 
+import errno
 import math
 import os
 import signal
@@ -110,3 +111,113 @@ def test_sigterm_finishes_the_step_saves_and_exits_0_and_the_same_command_resume
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"resumed from {tmp_path / 'preempted' / 'checkpoints' / f'step-{step}'} at step {step}" in r.stdout
     assert sorted(read_losses(tmp_path, "preempted"))[-1] == step + 2
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+CKPT = [*SMALL, "--checkpoint.enable", "--checkpoint.interval", "2"]
+
+
+def _run(cfg_factory, steps: int, job: str, extra=()) -> Trainer:
+    tr = Trainer(cfg_factory(extra=[*CKPT, "--training.steps", str(steps), *extra], job=job))
+    tr.train()
+    return tr
+
+
+def _shard(path: Path) -> Path:
+    return sorted(path.glob("*.distcp"))[0]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_a_damaged_latest_checkpoint_is_skipped_for_the_previous_one_and_the_losses_are_identical(
+        cfg_factory, tmp_path, damage):
+    ref = _run(cfg_factory, 6, "ref")
+    _run(cfg_factory, 4, "job")
+    folder = tmp_path / "job" / "checkpoints"
+    shard = _shard(folder / "step-4")
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    else:
+        shard.unlink()
+    tr = Trainer(cfg_factory(extra=[*CKPT, "--training.steps", "6"], job="job"))
+    assert tr.resume_step == 2  # the plan and sequence length are chosen for the step it will really load
+    assert tr.checkpointer.find() == folder / "step-2"
+    tr.train()
+    losses, want = read_losses(tmp_path, "job"), read_losses(tmp_path, "ref")
+    assert {s: losses[s] for s in (3, 4, 5, 6)} == {s: want[s] for s in (3, 4, 5, 6)}  # bit-identical
+    assert ref.step == tr.step == 6
+
+
+def test_the_damage_is_named(tmp_path):
+    from trainer.checkpoint import damage, intact_checkpoints
+
+    (tmp_path / "step-2").mkdir()
+    (tmp_path / "step-2" / ".metadata").write_bytes(b"m")
+    (tmp_path / "step-2" / "__0_0.distcp").write_bytes(b"abcd")
+    (tmp_path / "step-2" / "manifest.json").write_text('{"files": {".metadata": 1, "__0_0.distcp": 8}}')
+    assert damage(tmp_path / "step-2") == f"{tmp_path / 'step-2' / '__0_0.distcp'} is 4 bytes, not the 8 written"
+    assert intact_checkpoints(tmp_path) == {}
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES])
+def test_a_save_that_cannot_be_written_stops_the_job_and_keeps_the_previous_checkpoint(
+        cfg_factory, tmp_path, monkeypatch, code):
+    import torch.distributed.checkpoint as dcp
+
+    tr = Trainer(cfg_factory(extra=[*CKPT, "--training.steps", "4"], job="full"))
+    real = dcp.FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if "step-4" in str(self.path):
+            raise OSError(code, os.strerror(code))
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
+    with pytest.raises(TrainingFault) as e:
+        tr.train()
+    folder = tmp_path / "full" / "checkpoints"
+    msg = str(e.value)
+    assert msg.startswith(f"step 4: the checkpoint could not be written to {folder} ({os.strerror(code).lower()})")
+    assert "MiB" in msg and f"{folder / 'step-2'} stays the latest" in msg
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2"]  # nothing half-written left
+
+
+def test_a_dump_folder_that_cannot_be_written_is_a_config_error_before_any_work(cfg_factory, tmp_path):
+    from trainer.config import ConfigError
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"'job.dump_folder' = '.*a_file': cannot write the run folder"):
+        Trainer(cfg_factory(extra=[*SMALL, "--job.dump_folder", str(blocker)]))
+
+
+def test_a_kill_while_pruning_leaves_a_loadable_latest(cfg_factory, tmp_path, monkeypatch):
+    import shutil
+
+    real = shutil.rmtree
+
+    def killed(path, *a, **k):  # the process dies after the first file of the old checkpoint went
+        next(Path(path).glob("*.distcp")).unlink()
+        raise KeyboardInterrupt
+
+    tr = Trainer(cfg_factory(extra=[*CKPT, "--training.steps", "4", "--checkpoint.keep_latest_k", "1"], job="prune"))
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        tr.train()
+    monkeypatch.setattr(shutil, "rmtree", real)
+    folder = tmp_path / "prune" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2.deleting", "step-4"]
+    again = Trainer(cfg_factory(extra=[*CKPT, "--training.steps", "5", "--checkpoint.keep_latest_k", "1"],
+                                job="prune"))
+    again.train()
+    assert again.step == 5 and not (folder / "step-2.deleting").exists()
+
+
+def test_a_checkpoint_of_another_model_is_one_error_naming_the_mismatch(cfg_factory, tmp_path):
+    from trainer.config import ConfigError
+
+    _run(cfg_factory, 2, "other")
+    tr = Trainer(cfg_factory(extra=[*CKPT, "--training.steps", "4", "--model.dim", "128", "--model.n_heads", "4"],
+                             job="other"))
+    with pytest.raises(ConfigError, match=r"checkpoint .*step-2 was written by another model: .*\(this model: "):
+        tr.train()
