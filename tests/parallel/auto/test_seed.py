@@ -117,8 +117,10 @@ def _axis(key, a):
     return (tuple(None if x is None else repr(x[a]) for x in outs), tuple(repr(i[a]) for i in ins))
 
 
-@pytest.mark.slow  # plans on a fake 2x2/3-D world: 12-43 s here
-def test_api_seeds_3d_by_default_and_solver_choice(jg):
+@pytest.fixture(scope="module")
+def seeded_3d():
+    """One seeded 3-D plan (the API's default path, two seeding rounds) for the tests of this
+    module that need any seeded plan: planning it takes ~35 s here, so it is made once."""
     model = build_model("llama3", "debug", device="meta", **TINY)
     with fake_world(8):
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
@@ -126,14 +128,31 @@ def test_api_seeds_3d_by_default_and_solver_choice(jg):
         with AutoParallel(model, _inputs, mesh, loss_fn=lm_loss,
                           planner=PlannerConfig(solver="mrf", split_seeding_rounds=2, time_limit=2.0,
                                                 memory_estimate=False)) as autop:
-            assert autop.candidates is None  # no full 3-D enumeration up front
+            enumerated_up_front = autop.candidates is not None
             p = (Shard(0), Replicate(), Replicate())
             autop.add_input_constraints([p, p])
             plan = autop.optimize_placement(verbose=False)
-        assert autop.seed_info is not None and "seed" in plan.timings
-        assert autop.seed_info.rounds == 2 and "reseed" in plan.timings  # one re-seeding round ran
-        assert plan.solver == "mrf"
-        assert plan.param_placements()  # every parameter placed
+            graph = autop.graph  # released when the context exits
+    return {"plan_json": plan.to_json(), "plan": plan, "seed_info": autop.seed_info, "graph": graph,
+            "enumerated_up_front": enumerated_up_front}
+
+
+def _seeded_plan(seeded_3d):
+    """A fresh copy of the shared seeded plan (a test may change it)."""
+    from parallel.auto.plan import Plan
+
+    return Plan.from_json(seeded_3d["plan_json"])
+
+
+@pytest.mark.slow  # plans on a fake 3-D world: ~35 s here (shared with the saved-plan tests below)
+def test_api_seeds_3d_by_default_and_solver_choice(seeded_3d):
+    model = build_model("llama3", "debug", device="meta", **TINY)
+    plan, seed_info = seeded_3d["plan"], seeded_3d["seed_info"]
+    assert not seeded_3d["enumerated_up_front"]  # no full 3-D enumeration up front
+    assert seed_info is not None and "seed" in plan.timings
+    assert seed_info.rounds == 2 and "reseed" in plan.timings  # one re-seeding round ran
+    assert plan.solver == "mrf"
+    assert plan.param_placements()  # every parameter placed
     with pytest.raises(ValueError, match="unknown solver"):
         AutoParallel(model, _inputs, None, planner=PlannerConfig(solver="gurobi"))
 
@@ -157,22 +176,16 @@ def test_config_rejects_unknown_solver():
 
 
 @pytest.mark.slow  # plans on a fake 2x2/3-D world: 12-43 s here
-def test_saved_plan_applies_on_a_seeded_mesh_without_solving(tmp_path):
+def test_saved_plan_applies_on_a_seeded_mesh_without_solving(tmp_path, seeded_3d):
     """A 3-D plan loaded from a file (or received from rank 0) is materialised without
     enumerating the full 3-D menus: each node gets exactly the saved strategy."""
     from parallel.auto.placements import placement_str
     from parallel.auto.plan import Plan
 
     shape, names = (2, 2, 2), ("dp", "cp", "tp")
-    dp = (Shard(0), Replicate(), Replicate())
+    plan = _seeded_plan(seeded_3d)  # any seeded plan serves here (input batch-sharded on dp)
     with fake_world(8):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        # any seeded plan serves here: the quick solver, no peak estimate
-        with AutoParallel(build_model("llama3", "debug", device="meta", **TINY), _inputs, mesh, loss_fn=lm_loss,
-                          planner=PlannerConfig(hardware="h100", solver="mrf", time_limit=2.0,
-                                                memory_estimate=False)) as autop:
-            autop.add_input_constraints([dp, dp])
-            plan = autop.optimize_placement(verbose=False)
         path = tmp_path / "plan.json"
         plan.save(str(path))
         model = build_model("llama3", "debug", device="meta", **TINY)
@@ -193,19 +206,15 @@ def test_saved_plan_applies_on_a_seeded_mesh_without_solving(tmp_path):
 
 
 @pytest.mark.slow  # plans on a fake 2x2/3-D world: 12-43 s here
-def test_saved_placements_no_axis_menu_has_are_refused_on_a_seeded_mesh():
+def test_saved_placements_no_axis_menu_has_are_refused_on_a_seeded_mesh(seeded_3d):
     from parallel.auto.plan import PlanMismatchError
     from parallel.auto.solve.seed import plan_candidates
 
     shape, names = (2, 2, 2), ("dp", "cp", "tp")
+    plan = _seeded_plan(seeded_3d)  # any seeded plan serves here
     with fake_world(8):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        # any seeded plan serves here: the quick solver, no peak estimate
-        with AutoParallel(build_model("llama3", "debug", device="meta", **TINY), _inputs, mesh, loss_fn=lm_loss,
-                          planner=PlannerConfig(hardware="h100", solver="mrf", time_limit=2.0,
-                                                memory_estimate=False)) as autop:
-            plan = autop.optimize_placement(verbose=False)
-            wq = next(n for n, p in plan.nodes.items() if p.label == "param layers.0.attention.wq.weight")
-            plan.nodes[wq].output_placements = ["(S(7), R, R)"]  # no such dim
-            with pytest.raises(PlanMismatchError, match="layers.0.attention.wq.weight"):
-                plan_candidates(autop.graph, mesh, plan)
+        wq = next(n for n, p in plan.nodes.items() if p.label == "param layers.0.attention.wq.weight")
+        plan.nodes[wq].output_placements = ["(S(7), R, R)"]  # no such dim
+        with pytest.raises(PlanMismatchError, match="layers.0.attention.wq.weight"):
+            plan_candidates(seeded_3d["graph"], mesh, plan)
