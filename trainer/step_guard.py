@@ -32,7 +32,7 @@ from .errors import TrainingFault
 
 logger = logging.getLogger("autotitan")
 HEARTBEAT_KEY = "autotitan/heartbeat/{rank}"
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 0.5
 QUIET_S = 5 * HEARTBEAT_S  # a heartbeat older than this: the rank has stalled
 
 

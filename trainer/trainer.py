@@ -36,7 +36,7 @@ from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, follow_
 from .parallelizer import parallelizer_for
 from .step_guard import StepGuard
 
-TIMEOUT_WORDS = ("timed out", "timeout", "Timeout")
+TIMEOUT_WORDS = ("timed out", "timeout")
 
 
 def _check_writable(cfg: JobConfig, run_dir: Path, rank: int) -> None:
@@ -54,7 +54,7 @@ def _check_writable(cfg: JobConfig, run_dir: Path, rank: int) -> None:
 
 def _timed_out(e: BaseException) -> bool:
     """A collective that waited past the process group's timeout (gloo's and NCCL's words)."""
-    return any(w in str(e) for w in TIMEOUT_WORDS)
+    return any(w in str(e).lower() for w in TIMEOUT_WORDS)
 
 logger = logging.getLogger("autotitan")
 

@@ -221,3 +221,52 @@ def test_a_checkpoint_of_another_model_is_one_error_naming_the_mismatch(cfg_fact
                              job="other"))
     with pytest.raises(ConfigError, match=r"checkpoint .*step-2 was written by another model: .*\(this model: "):
         tr.train()
+
+
+# --------------------------------------------------------------------------- stalled ranks
+
+
+def _workers(launcher_pid: int) -> dict[int, int]:
+    """rank -> pid of torchrun's worker processes (their RANK environment variable)."""
+    kids = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout.split()
+    out = {}
+    for k in kids:
+        env = Path(f"/proc/{k}/environ").read_bytes().split(b"\0")
+        out.update({int(e[5:]): int(k) for e in env if e.startswith(b"RANK=")})
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_job_within_the_timeout_named_and_leaves_no_process(tmp_path):
+    cmd = ["torchrun", "--nproc_per_node", "2", str(ROOT / "train.py"), "--config", "llama3_debug", *SMALL,
+           "--training.steps", "100000", "--comm.timeout_s", "3", "--job.dump_folder", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 3 |"):
+            break
+    ranks = _workers(proc.pid)
+    os.kill(ranks[1], signal.SIGSTOP)  # rank 1 hangs (a dead GPU, a stuck filesystem)
+    stopped = time.time()
+    fault = None
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("training fault:"):
+            fault, found = line, time.time() - stopped
+            break
+    proc.wait(timeout=120)
+    out = "".join(lines)
+    assert fault is not None, out[-3000:]
+    assert found < 3 + 10  # the timeout, and the time to say so
+    assert "a collective timed out after 3 s ([comm] timeout_s); stalled: rank 1 (silent for" in fault
+    assert "rank 0 waited in" in fault and "restart it" in fault
+    assert proc.returncode != 0 and not any(_alive(p) for p in ranks.values())  # no rank left behind
