@@ -1,0 +1,26 @@
+"""Fault injection for scripts/fault_matrix.py, from outside the trainer: Python imports this
+module at start-up when its folder is on PYTHONPATH, and it acts only when AUTOTITAN_FAULT is
+set. The library has no fault code of its own.
+
+    AUTOTITAN_FAULT=kill_in_save:RANK:STEP   # SIGKILL this process while DCP writes step-STEP
+                                             # (RANK: a rank number or "all")
+"""
+
+import os
+
+_SPEC = os.environ.get("AUTOTITAN_FAULT", "")
+
+if _SPEC.startswith("kill_in_save:") and "RANK" in os.environ:
+    import signal
+
+    import torch.distributed.checkpoint as dcp
+
+    _, _rank, _step = _SPEC.split(":")
+    _write = dcp.FileSystemWriter.write_data
+
+    def _killing_write(self, plan, planner):
+        if f"step-{_step}.tmp" in str(self.path) and _rank in ("all", os.environ["RANK"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _write(self, plan, planner)
+
+    dcp.FileSystemWriter.write_data = _killing_write
