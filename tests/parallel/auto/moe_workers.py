@@ -30,14 +30,17 @@ def reference(steps: int) -> dict:
     return train_reference(build("cpu"), steps)
 
 
-def autop_for(mesh, solver: str = "auto", imbalance: float = DEFAULT_ROUTING_IMBALANCE):
-    """The planner of the MoE model on `mesh`, the all-to-all priced at `imbalance`."""
+def autop_for(mesh, solver: str = "auto", imbalance: float = DEFAULT_ROUTING_IMBALANCE,
+              time_limit: float = 600.0):
+    """The planner of the MoE model on `mesh`, the all-to-all priced at `imbalance`, each
+    solver run limited to `time_limit` seconds."""
     from parallel.auto.api import AutoParallel, lm_loss
     from parallel.auto.config import PlannerConfig
 
     tok = torch.zeros(GLOBAL_B, SEQ, dtype=torch.long)
     # placements and numerics are asserted here, not the peak
-    planner = PlannerConfig(hardware="cpu", solver=solver, memory_estimate=False, moe_imbalance_factor=imbalance)
+    planner = PlannerConfig(hardware="cpu", solver=solver, memory_estimate=False, moe_imbalance_factor=imbalance,
+                            time_limit=time_limit)
     return AutoParallel(build(), (tok, tok), mesh, loss_fn=lm_loss, regions=REGIONS, planner=planner)
 
 
@@ -57,9 +60,10 @@ def force_ep(autop, ep_axes: tuple[int, ...]) -> None:
 
 
 def make_plan(shape: tuple[int, ...], ep_axes: tuple[int, ...] | None, solver: str = "auto",
-              imbalance: float = DEFAULT_ROUTING_IMBALANCE) -> tuple[dict, str]:
+              imbalance: float = DEFAULT_ROUTING_IMBALANCE, time_limit: float = 600.0) -> tuple[dict, str]:
     """Plan on a fake world (data batch-sharded; `ep_axes` None = the free plan; the MoE
-    all-to-all priced at `imbalance`); returns the plan JSON and its summary."""
+    all-to-all priced at `imbalance`; `time_limit`: seconds per solver run); returns the plan
+    JSON and its summary."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
@@ -68,7 +72,7 @@ def make_plan(shape: tuple[int, ...], ep_axes: tuple[int, ...] | None, solver: s
     names = ("dp", "tp")[: len(shape)]
     with fake_world(int(torch.tensor(shape).prod())):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        with autop_for(mesh, solver, imbalance) as autop:
+        with autop_for(mesh, solver, imbalance, time_limit) as autop:
             autop.add_input_constraints([(Shard(0),) * len(shape)] * 2)
             if ep_axes is not None:
                 force_ep(autop, ep_axes)
