@@ -1,7 +1,7 @@
 """The fault matrix: a short job is hurt from outside while it runs, restarted as a user would
 (the same command), and must finish with the losses of an uninterrupted run.
 
-    python scripts/fault_matrix.py [--modes manual,auto] [--worlds 2,4] [--trials 20] [--faults all]
+    python scripts/fault_matrix.py [--modes manual,auto] [--worlds 2,4] [--kill-points 20] [--faults all]
 
 Faults (injected from outside the trainer: signals, file damage, an environment hook the
 script sets, scripts/fault_hooks/sitecustomize.py):
@@ -162,7 +162,8 @@ def trial(mode: str, world: int, fault: str, base: Path, ref: dict[str, float], 
     else:
         trigger, fire, env = inject(fault, world)
         rc, out, detect = run(cmd, trigger, fire, env)
-        outcome.detect_s.append(detect)
+        if trigger is not None:  # a fault the script fired: the time until the job ended
+            outcome.detect_s.append(detect)
         if fault == "sigterm" and rc != 0:
             outcome.notes.append(f"SIGTERM: exit {rc}")
         named = True
@@ -180,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="manual,auto")
     ap.add_argument("--worlds", default="2,4")
-    ap.add_argument("--trials", type=int, default=20, help="trials of each random-point fault")
+    ap.add_argument("--kill-points", type=int, default=20,
+                    help="kill -9 trials per mode and world, spread over the kill faults that apply to the mode")
+    ap.add_argument("--trials", type=int, default=None, help="instead: trials of each random-point fault")
     ap.add_argument("--faults", default="all", help=f"comma-separated, of: {', '.join(FAULTS)}")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                         assert rc == 0, out[-3000:]
                         refs[key] = losses(base, f"ref{int(key)}")
                     outcome = Outcome()
-                    n = args.trials if fault.startswith("kill") or fault == "sigterm" else 1
+                    n = trials(args, fault, mode, faults)
                     for _ in range(n):
                         trial(mode, world, fault, base, refs[key], outcome)
                     failed += not all(outcome.identical)
@@ -210,6 +213,18 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(["", header(), *map(row_text, rows)]))
     print(f"fault matrix: {'every trial identical' if not failed else f'{failed} rows with a failed trial'}")
     return 1 if failed else 0
+
+
+def trials(args: argparse.Namespace, fault: str, mode: str, faults: tuple) -> int:
+    """Trials of `fault`: one for the file faults; the kill points split over the kill faults."""
+    if not (fault.startswith("kill") or fault == "sigterm"):
+        return 1
+    if args.trials is not None:
+        return args.trials
+    if fault == "sigterm":
+        return 2
+    kills = [f for f in faults if f.startswith("kill") and (mode == "auto" or f not in AUTO_ONLY)]
+    return -(-args.kill_points // len(kills))
 
 
 def header() -> str:
