@@ -38,11 +38,13 @@ def torchrun(tmp_path, job, extra, nproc=2, config="llama3_debug", check=True):
 def test_auto_mode_matches_one_rank_resumes_and_replays(tmp_path):
     from trainer.trainer import Trainer
 
+    # two blocks (the flavor has four) keep the repeated-layer planning and halve each run's trace
+    small = ["--model.n_layers", "2"]
     # reference: 1 rank, local batch 4 = the 2-rank global batch (2 x 2)
-    ref = Trainer(make_config(tmp_path, extra=["--training.steps", "6"] + SPLIT, job="ref")).train()
+    ref = Trainer(make_config(tmp_path, extra=[*small, "--training.steps", "6"] + SPLIT, job="ref")).train()
     ref_gn = read_grad_norms(tmp_path, "ref")
 
-    r = torchrun(tmp_path, "auto", ["--training.steps", "4", *CK])
+    r = torchrun(tmp_path, "auto", [*small, "--training.steps", "4", *CK])
     out = r.stdout + r.stderr
     assert "auto-parallel plan solved by" in out and "parameter memory per device" in out
     assert out.index("auto-parallel plan") < out.index("step 1 |")  # plan summary, then the log
@@ -62,7 +64,7 @@ def test_auto_mode_matches_one_rank_resumes_and_replays(tmp_path):
     # resume from the step-4 checkpoint, replaying the saved plan (no solve)
     saved = tmp_path / "saved_plan.json"
     shutil.copy(plan_path, saved)
-    r = torchrun(tmp_path, "auto", ["--training.steps", "6", *CK, "--parallelism.plan_file", str(saved)])
+    r = torchrun(tmp_path, "auto", [*small, "--training.steps", "6", *CK, "--parallelism.plan_file", str(saved)])
     out = r.stdout + r.stderr
     assert f"loaded from {saved}" in out and "solved by" not in out
     resumed = read_losses(tmp_path, "auto")
