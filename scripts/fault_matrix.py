@@ -173,7 +173,9 @@ def trial(mode: str, world: int, fault: str, base: Path, ref: dict[str, float], 
     same = rc == 0 and got == ref and named
     outcome.identical.append(same)
     if not same:
-        outcome.notes.append(f"exit {rc}, {len(got)} losses, damage named: {named}: {out[-300:]}")
+        diff = next((f"step {s}: {got.get(s)} vs {v} uninterrupted" for s, v in ref.items() if got.get(s) != v), "")
+        outcome.notes.append(f"exit {rc}, {len(got)} losses, damage named: {named}; first difference: {diff}; "
+                             f"{out[-300:]}")
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -199,10 +201,11 @@ def main(argv: list[str] | None = None) -> int:
                     if fault in AUTO_ONLY and mode != "auto":
                         continue
                     key = fault == "kill_replan"
-                    if key not in refs:  # the uninterrupted run of this job
-                        rc, out, _ = run(command(world, mode, fault, base, f"ref{int(key)}"))
+                    if key not in refs:  # the uninterrupted run of this job, in a folder of its own
+                        name = f"ref-{mode}-{world}-{int(key)}"
+                        rc, out, _ = run(command(world, mode, fault, base, name))
                         assert rc == 0, out[-3000:]
-                        refs[key] = losses(base, f"ref{int(key)}")
+                        refs[key] = losses(base, name)
                     outcome = Outcome()
                     n = trials(args, fault, mode, faults)
                     for _ in range(n):
