@@ -42,6 +42,11 @@ def constrain(autop, kind: str) -> None:
         raise ValueError(kind)
 
 
+# one joint-graph trace per process: it depends neither on the mesh nor on the plan, so the
+# plans of a module share it (as apply_workers' plans do)
+_GRAPH: list = []
+
+
 def plan_and_estimate(world: int, kind: str, ac_modes: list[str]) -> tuple[dict, dict]:
     """(plan JSON, AC mode -> estimated peak bytes) on a fake world of `world` ranks."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -53,8 +58,10 @@ def plan_and_estimate(world: int, kind: str, ac_modes: list[str]) -> tuple[dict,
     with fake_world(world):
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         model, inputs = _model_and_inputs()
-        with AutoParallel(model, inputs, mesh, loss_fn=lm_loss,
-                          planner=PlannerConfig(hardware="cpu", time_limit=30)) as autop:
+        # the estimates below are the ones asserted: the plan's own (default RuntimeOptions) is skipped
+        with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, graph=_GRAPH[0] if _GRAPH else None,
+                          planner=PlannerConfig(hardware="cpu", time_limit=30, memory_estimate=False)) as autop:
+            _GRAPH[:] = [autop.graph]
             constrain(autop, kind)
             plan = autop.optimize_placement(verbose=False)
             est = {ac: autop.estimate_memory(plan, RuntimeOptions(ac_mode=ac)) for ac in ac_modes}
