@@ -97,7 +97,7 @@ def test_seq_len_beyond_the_flavor(tmp_path):
 @pytest.mark.slow
 def test_infeasible_memory_budget(tmp_path):
     """Rank 0 finds no plan; rank 1, waiting for the plan, receives the error instead."""
-    args = ["--config", "llama3_debug_auto", "--parallelism.memory_budget_high", "0.1"]
+    args = ["--config", "llama3_debug_auto", "--parallelism.memory_budget_high", "0.1", "--model.n_layers", "1"]
     names = ("llama3_debug_auto.toml", "parallelism.memory_budget_high' = 0.1", "unset it")
     codes, errs = torchrun(tmp_path / "torchrun", args)
     assert_one_line(codes, errs, *names, others=(2, SIGTERM))
