@@ -17,6 +17,7 @@ from parallel.auto.cost import load_hardware
 from parallel.auto.problem import PlanningError
 from parallel.auto.sweep import point as sweep_point
 from parallel.auto.sweep.meshes import search_meshes
+from parallel.auto.sweep.point import PlanCache
 from parallel.auto.sweep.spec import expand_points
 from trainer import auto_mode as auto
 from trainer.config import ConfigError, load_config
@@ -133,9 +134,10 @@ def test_a_sweep_point_passes_the_setting_and_keys_its_cache_on_it(recorder, key
 
 
 @pytest.mark.parametrize("key", FIELDS)
-def test_the_mesh_search_passes_the_setting(recorder, key):
+def test_the_mesh_search_passes_the_setting(recorder, key, tmp_path):
     job = auto.base_job(_job(key, VALUES[key]))
-    rows = search_meshes(job, 2, job.request.planner.hardware, workers=1, cache=None, out=lambda s: None)
+    cache = PlanCache(tmp_path)  # an empty cache: every mesh is planned here, in this process
+    rows = search_meshes(job, 2, job.request.planner.hardware, workers=1, cache=cache, out=lambda s: None)
     assert rows and all(r["status"] == "no plan: recorded" for r in rows)
     assert recorder and all(getattr(p, key) == VALUES[key] for p in recorder)
 

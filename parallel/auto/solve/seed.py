@@ -32,13 +32,15 @@ from typing import Any
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial
 
+from parallel import _torch as T
 from parallel.auto.cost import CostModel
+from parallel.auto.enumeration import make_spec
 from parallel.auto.formulation import build_problem
 from parallel.auto.placements import placement_words, spec_placement_strs, strategy_key
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.problem import Constraint, min_parameter_fraction
 from parallel.auto.solve import solve
-from parallel.auto.strategies import PLACEHOLDER, Candidates, build_candidates
+from parallel.auto.strategies import GETITEM, PLACEHOLDER, Candidates, NodeCandidates, build_candidates
 from parallel.auto.trace import JointGraph
 
 log = logging.getLogger("parallel.auto.seed")
@@ -339,9 +341,41 @@ def plan_candidates(graph: JointGraph, mesh: DeviceMesh, plan: Plan) -> Candidat
             per_axis.append(found)
         restrict[name] = [_combine(per_axis)]
     cands = build_candidates(graph, mesh, restrict=restrict)
+    for name, c in cands.nodes.items():
+        if c.kind == GETITEM:
+            _pin_getitem(c, axis_cands, plan)
     log.info("plan candidates: the saved plan's strategies rebuilt from the 1-D menus in %.1fs",
              time.perf_counter() - t0)
     return cands
+
+
+def _pin_getitem(c: NodeCandidates, axis_cands: list[Candidates], plan: Plan) -> None:
+    """Give a getitem node exactly the placement the plan chose for it.
+
+    A getitem is a variable of its own in the solve: it may differ from its producer's
+    output (a redistribution right after the getitem), so the one menu entry the
+    producer's single strategy implies is not always the plan's; the plan's is rebuilt
+    from the per-axis 1-D getitem menus, as for every other node."""
+    np_ = plan.nodes.get(c.name)
+    if np_ is None:
+        raise PlanMismatchError(f"the plan has no strategy for node {c.name} of this model's joint graph; re-plan")
+    want = list(np_.output_placements)
+    if not c.specs or any(spec_placement_strs(s)[0] == want for s in c.specs):
+        return  # no tensor here (refused by the plan check), or the producer's own placement
+    (tokens,) = _axis_tokens(want)
+    placements = []
+    for a, cands in enumerate(axis_cands):
+        found = next((s.output_specs.placements[0] for s in cands.nodes[c.name].specs
+                      if spec_placement_strs(s)[0] == [f"({tokens[a]})"]), None) if tokens else None
+        if found is None:
+            raise PlanMismatchError(
+                f"plan node {c.name} (getitem): its placement {want} is not one of this graph's on mesh axis {a}; "
+                "the plan was made for a different model or mesh: re-plan")
+        placements.append(found)
+    meta = c.specs[0].output_specs.tensor_meta
+    mesh = c.specs[0].output_specs.mesh
+    pinned = make_spec(mesh, tuple(placements), meta)
+    c.specs = [T.OpSpec(pinned, [make_spec(mesh, tuple(placements), meta)])]
 
 
 def _unseeded_vars_estimate(axes: list[tuple[Candidates, list[int], Any]]) -> int:
