@@ -107,16 +107,16 @@ def _collective_fn(kind: str, numel: int, group: dist.ProcessGroup | None,
     n = dist.get_world_size(group)
     full, shard = torch.randn(numel, device=device), torch.randn(numel // n, device=device)
     if kind == "all_gather":
-        return lambda: dist.all_gather_into_tensor(full, shard, group=group)
+        return lambda: dist.all_gather_single(full, shard, group=group)
     if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(shard, full, group=group)
+        return lambda: dist.reduce_scatter_single(shard, full, group=group)
     if kind == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
     if dist.get_backend(group) == "gloo":
         # DTensor's Shard(i) -> Shard(j) on a CPU group is an all-gather of every rank's buffer
         # and a local chunk ("does not support alltoall yet"): time what actually runs
         gathered = torch.empty(numel * n, device=device)
-        return lambda: dist.all_gather_into_tensor(gathered, full, group=group)
+        return lambda: dist.all_gather_single(gathered, full, group=group)
     out = torch.empty_like(full)
     return lambda: dist.all_to_all_single(out, full, group=group)
 
@@ -135,7 +135,7 @@ def measure_stream_latency(group: dist.ProcessGroup | None = None, k: int = 8, r
     full = torch.empty(4096 * n, device=device)
 
     def stream() -> None:
-        works = [dist.all_gather_into_tensor(full, shard, group=group, async_op=True) for _ in range(k)]
+        works = [dist.all_gather_single(full, shard, group=group, async_op=True) for _ in range(k)]
         for w in works:
             w.wait()
 

@@ -76,7 +76,7 @@ def test_simulation_charges_only_the_communication_compute_does_not_hide():
         group = mesh.get_group(0).group_name
 
         def step(x, w):
-            gathered = funcol.all_gather_tensor(w, 0, (mesh, 0))
+            gathered = funcol.all_gather_single(w, 0, (mesh, 0))
             y = x @ x
             return y, gathered + 1
 
