@@ -71,10 +71,15 @@ class Model:
     n_routed_experts: Optional[int] = None
     n_shared_experts: Optional[int] = None
     n_activated_experts: Optional[int] = None
+    # a Hugging Face tokenizer.json ("" : the byte tokenizer, [data] tokenizer); bos_token / eos_token
+    # name its BOS / EOS ("" : as the tokenizer defines them: tokenizer_config.json, post-processor, specials)
+    tokenizer_path: str = ""
+    bos_token: str = ""
+    eos_token: str = ""
 
     def arg_overrides(self) -> dict[str, int]:
         """The model arguments this config sets (what build_model takes over the flavor)."""
-        skip = {"name", "flavor", "vocab_size"}
+        skip = {"name", "flavor", "vocab_size", "tokenizer_path", "bos_token", "eos_token"}
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name not in skip and getattr(self, f.name) is not None}
 
@@ -173,10 +178,11 @@ class Metrics:
 
 @dataclass
 class Data:
-    # "" : the corpus shipped in data/; otherwise a .txt/.jsonl file or a folder of them.
+    # "" : the corpus shipped in data/; otherwise a file, a folder (recursive) or a glob of
+    # .txt, .jsonl, .parquet, .csv, .json, .arrow files (trainer/sources.py)
     path: str = ""
     tokenizer: str = "byte"
-    jsonl_field: str = "text"
+    jsonl_field: str = "text"  # the text's key / column in .jsonl, .parquet, .csv, .json, .arrow files
     shuffle: bool = True
     num_workers: int = 0
 

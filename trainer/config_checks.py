@@ -19,6 +19,7 @@ from parallel.settings import SettingError
 
 from .device import CPU, CUDA, check_compiler, check_device
 from .errors import ConfigError
+from .tokenizer import TokenizerError, tokenizer_for
 
 JobConfig = Any  # trainer.config.JobConfig (this module sits below it)
 
@@ -65,6 +66,7 @@ def validate_config(cfg: JobConfig, world_size: Optional[int] = None, simulated_
     _validate_parallelism(cfg, env_world_size() if world_size is None else world_size)
     _validate_planner(cfg)
     _validate_model(cfg)
+    _validate_tokenizer(cfg)
     _validate_runtime(cfg, simulated_device)
 
 
@@ -97,8 +99,8 @@ def _validate_ranges(cfg: JobConfig) -> None:
         raise _err(cfg, "comm", "timeout_s", "must be > 0 seconds")
     if cfg.data.num_workers < 0:
         raise _err(cfg, "data", "num_workers", "must be >= 0")
-    if cfg.data.path and not Path(cfg.data.path).exists():
-        raise _err(cfg, "data", "path", "no such file or folder")
+    if cfg.data.path and not any(c in cfg.data.path for c in "*?[") and not Path(cfg.data.path).exists():
+        raise _err(cfg, "data", "path", "no such file or folder")  # a glob's matches are checked when read
 
 
 def _validate_hardware(cfg: JobConfig) -> None:
@@ -180,6 +182,27 @@ def _validate_model(cfg: JobConfig) -> None:
                    f"exceeds max_seq_len = {max_seq_len} of {cfg.model.name}/{cfg.model.flavor} (the length of its "
                    f"RoPE tables); set training.seq_len <= {max_seq_len}, or pick a flavor with a longer max_seq_len")
     _validate_schedule(cfg, max_seq_len)
+
+
+def _validate_tokenizer(cfg: JobConfig) -> None:
+    """`model.tokenizer_path` parses, its BOS/EOS resolve, and `model.vocab_size` holds its vocabulary."""
+    m = cfg.model
+    if not m.tokenizer_path:
+        for key in ("bos_token", "eos_token"):
+            if getattr(m, key):
+                raise _err(cfg, "model", key, "needs model.tokenizer_path (the byte tokenizer has no special "
+                           "tokens); set the tokenizer.json or remove the key")
+        return
+    try:
+        tok = tokenizer_for(cfg)
+    except TokenizerError as e:
+        section, key = e.key.split(".")
+        msg = str(e).removeprefix(f"{m.tokenizer_path}: ") if key == "tokenizer_path" else str(e)
+        raise _err(cfg, section, key, msg) from None
+    if 0 < m.vocab_size < tok.vocab_size:
+        raise _err(cfg, "model", "vocab_size", f"smaller than the vocabulary of {tok.vocab_size} tokens of "
+                   f"'model.tokenizer_path' = {m.tokenizer_path!r}; set model.vocab_size >= {tok.vocab_size} or -1 "
+                   f"(the tokenizer's)")
 
 
 SCHEDULE_FORM = "a list of [step, seq_len] pairs, e.g. [[0, 2048], [1000, 8192]]"

@@ -1,7 +1,8 @@
-"""Tokenizer, corpus and the data-parallel, checkpointable data loader.
+"""The data-parallel, checkpointable data loader over the packed corpus.
 
-- ``ByteTokenizer``: UTF-8 bytes, vocabulary 256.
-- ``load_corpus``: the shipped ``data/corpus.txt`` or the user's .txt / .jsonl files.
+- ``load_tokens``: every document of ``[data] path`` (``trainer/sources.py``) tokenized and
+  packed into one token stream: ``[BOS] doc EOS [BOS] doc EOS ...`` for a ``tokenizer.json``,
+  documents joined by a blank line for the byte tokenizer (``trainer/tokenizer.py``).
 - ``TokenWindows``: non-overlapping windows of ``seq_len + 1`` tokens -> (inputs, labels).
 - ``DPBatchSampler``: an endless, seeded sample order cut into *global* batches of
   ``local_batch_size x dp_degree`` samples; data-parallel rank r takes the r-th slice.
@@ -11,83 +12,60 @@
 
 from __future__ import annotations
 
-import json
 import warnings
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Iterable, Iterator
 from typing import Optional
 
 import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-SHIPPED_CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus.txt"
+from .sources import SHIPPED_CORPUS, DataError, iter_documents
+from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError, build_tokenizer, tokenizer_for
 
+__all__ = ["SHIPPED_CORPUS", "ByteTokenizer", "DPBatchSampler", "DataError", "HFTokenizer", "TokenWindows",
+           "TokenizerError", "build_dataloader", "build_tokenizer", "load_corpus", "load_tokens", "tokenizer_for"]
 
-class DataError(ValueError):
-    """Text that cannot feed the configured batches (the trainer reports it as a config
-    error naming its file)."""
-
-
-class ByteTokenizer:
-    """Byte-level tokenizer: token id = UTF-8 byte value."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-    def encode_to_tensor(self, text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()
-
-
-def build_tokenizer(name: str):
-    if name == "byte":
-        return ByteTokenizer()
-    raise DataError(f"unknown tokenizer {name!r}; available: byte")
-
-
-def _read_file(path: Path, jsonl_field: str) -> list[str]:
-    if path.suffix == ".jsonl":
-        docs = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
-                if not isinstance(rec, dict) or jsonl_field not in rec:
-                    raise DataError(f"{path}:{lineno}: no '{jsonl_field}' field "
-                                     f"(set [data] jsonl_field)")
-                docs.append(str(rec[jsonl_field]))
-        return docs
-    return [path.read_text(encoding="utf-8", errors="replace")]
+ENCODE_CHUNK = 512  # documents a tokenizer.json encodes at once (its encode_batch runs them in parallel)
 
 
 def load_corpus(path: str = "", jsonl_field: str = "text") -> str:
-    """The text to train on: the shipped corpus, a file, or a folder of .txt/.jsonl files
-    (read in sorted order). Documents are separated by a blank line."""
-    if not path:
-        return SHIPPED_CORPUS.read_text(encoding="utf-8")
-    p = Path(path)
-    if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.suffix in (".txt", ".jsonl") and f.is_file())
-        if not files:
-            raise DataError(f"[data] path {path!r}: no .txt or .jsonl files in the folder")
-    elif p.is_file():
-        files = [p]
-    else:
-        raise DataError(f"[data] path {path!r}: no such file or folder")
-    docs = []
-    for f in files:
-        docs += _read_file(f, jsonl_field)
-    return "\n\n".join(docs)
+    """The text to train on as one string, documents separated by a blank line (what the
+    byte tokenizer packs)."""
+    return "\n\n".join(iter_documents(path, jsonl_field))
+
+
+def _encode_all(tokenizer: Tokenizer, docs: Iterable[str]) -> Iterator[list[int]]:
+    if not hasattr(tokenizer, "encode_batch"):
+        yield from map(tokenizer.encode, docs)
+        return
+    chunk: list[str] = []
+    for doc in docs:
+        chunk.append(doc)
+        if len(chunk) == ENCODE_CHUNK:
+            yield from tokenizer.encode_batch(chunk)
+            chunk = []
+    if chunk:
+        yield from tokenizer.encode_batch(chunk)
+
+
+def pack_documents(tokenizer: Tokenizer, docs: Iterable[str]) -> torch.Tensor:
+    """One token stream: each document with the tokenizer's BOS before it and its separator
+    after it (``ends_documents``) or between documents. uint8 for byte ids, else int32."""
+    dtype = torch.uint8 if tokenizer.vocab_size <= 256 else torch.int32
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    sep = list(tokenizer.separator)
+    pieces: list[torch.Tensor] = []
+    for i, ids in enumerate(_encode_all(tokenizer, docs)):
+        lead = sep if (i > 0 and not tokenizer.ends_documents) else []
+        tail = sep if tokenizer.ends_documents else []
+        pieces.append(torch.tensor(lead + bos + ids + tail, dtype=dtype))
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype)
+
+
+def load_tokens(data_cfg, tokenizer: Tokenizer) -> torch.Tensor:
+    """The packed token stream of ``[data] path`` (the shipped corpus when unset)."""
+    return pack_documents(tokenizer, iter_documents(data_cfg.path, data_cfg.jsonl_field))
 
 
 class TokenWindows(Dataset):
@@ -181,14 +159,14 @@ def _collate(batch):
 
 
 def build_dataloader(data_cfg, *, seq_len: int, local_batch_size: int, dp_rank: int = 0,
-                     dp_degree: int = 1, seed: int = 0, tokenizer=None
-                     ) -> StatefulDataLoader:
+                     dp_degree: int = 1, seed: int = 0, tokenizer: Optional[Tokenizer] = None,
+                     tokens: Optional[torch.Tensor] = None) -> StatefulDataLoader:
     """A StatefulDataLoader yielding (inputs [B, S], labels [B, S]) int64 batches for this
     data-parallel rank, forever. ``loader.state_dict()`` / ``load_state_dict()`` carry
-    the position."""
-    tokenizer = tokenizer or build_tokenizer(data_cfg.tokenizer)
-    text = load_corpus(data_cfg.path, data_cfg.jsonl_field)
-    tokens = tokenizer.encode_to_tensor(text)
+    the position. ``tokens``: the packed stream when the caller has it (one read for the
+    loaders of several sequence lengths)."""
+    if tokens is None:
+        tokens = load_tokens(data_cfg, tokenizer or build_tokenizer(data_cfg.tokenizer))
     ds = TokenWindows(tokens, seq_len)
     sampler = DPBatchSampler(len(ds), local_batch_size, dp_rank, dp_degree, seed,
                              shuffle=data_cfg.shuffle)

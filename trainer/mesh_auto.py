@@ -21,7 +21,7 @@ from parallel.auto.sweep.meshes import degrees_of, ranked_table, search_meshes
 
 from .auto_mode import base_job, planning_hardware
 from .config import JobConfig
-from .data import DataError, build_tokenizer
+from .data import DataError, TokenizerError, tokenizer_for
 from .device import local_device
 from .errors import ConfigError
 from .metrics import setup_logging
@@ -36,8 +36,8 @@ def resolve_mesh(cfg: JobConfig) -> JobConfig:
         return cfg
     setup_logging(dist.get_rank())  # the search's progress and ranked table are the job's first log lines
     try:
-        vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else build_tokenizer(cfg.data.tokenizer).vocab_size
-    except DataError as e:
+        vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else tokenizer_for(cfg).vocab_size
+    except (DataError, TokenizerError) as e:
         raise ConfigError(f"{cfg.source}: {e}") from None
     return choose_mesh(cfg, dist.get_world_size(), local_device(cfg.job.device).type, vocab)
 def choose_mesh(cfg: JobConfig, world: int, device_type: str, vocab_size: int) -> JobConfig:

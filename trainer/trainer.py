@@ -29,11 +29,12 @@ from .auto_mode import PlanSource
 from .build import build_parallel_model
 from .checkpoint import CheckpointManager, complete_checkpoints, resume_step
 from .config import ConfigError, JobConfig
-from .data import DataError, build_dataloader, build_tokenizer
+from .data import DataError, build_dataloader, load_tokens, tokenizer_for
 from .device import local_device
 from .metrics import MetricsLogger, setup_logging
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, follow_parameters
 from .parallelizer import parallelizer_for
+from .profiling import StepProfiler, check_profiling
 from .step_guard import StepGuard
 
 TIMEOUT_WORDS = ("timed out", "timeout")
@@ -105,14 +106,16 @@ class Trainer:
         any work; every rank reads the same text, so all ranks raise it)."""
         cfg, t = self.cfg, self.cfg.training
         try:
-            self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+            self.tokenizer = tokenizer_for(cfg)
+            tokens = load_tokens(cfg.data, self.tokenizer)  # read and packed once for every length
             self.loaders = {seq: build_dataloader(
                 cfg.data, seq_len=seq, local_batch_size=t.local_batch_size,
                 dp_rank=self.dp_rank, dp_degree=self.dp_degree, seed=cfg.job.seed,
-                tokenizer=self.tokenizer) for seq in dict.fromkeys([*t.seq_lens(), self.seq_len])}
+                tokenizer=self.tokenizer, tokens=tokens) for seq in dict.fromkeys([*t.seq_lens(), self.seq_len])}
         except DataError as e:
-            key = "seq_len_schedule" if t.seq_len_schedule else "seq_len"
-            raise ConfigError(f"{cfg.source}: 'training.{key}': {e}") from None
+            key = e.key or ("training.seq_len_schedule" if t.seq_len_schedule else "training.seq_len")
+            value = f" = {cfg.data.path!r}" if key == "data.path" else ""
+            raise ConfigError(f"{cfg.source}: '{key}'{value}: {e}") from None
         self.dataloader = self.loaders[self.seq_len]
 
     def _build_model(self) -> torch.nn.Module:
@@ -122,8 +125,8 @@ class Trainer:
         vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else self.tokenizer.vocab_size
         if vocab < self.tokenizer.vocab_size:
             raise ConfigError(f"{cfg.source}: 'model.vocab_size' = {vocab} is smaller than "
-                              f"the tokenizer's vocabulary {self.tokenizer.vocab_size}; raise it or "
-                              f"set -1 to take the tokenizer's")
+                              f"the tokenizer's vocabulary {self.tokenizer.vocab_size} ('model.tokenizer_path' = "
+                              f"{cfg.model.tokenizer_path!r}); raise it or set -1 to take the tokenizer's")
         model = build_parallel_model(cfg, self.parallelizer, self.device, vocab, self._sample_batch(),
                                      PlanSource(resuming=self.resume_step > 0))
         self.model_args = model.args
