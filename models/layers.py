@@ -99,13 +99,30 @@ class RMSNorm(nn.Module):
 # --------------------------------------------------------------------------------------
 
 
+def llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: tuple[float, float, float, int]) -> torch.Tensor:
+    """LLaMA 3.1's RoPE scaling (HF ``rope_type = "llama3"``): wavelengths longer than the
+    original context / ``low`` are divided by ``factor``, shorter than context / ``high``
+    kept, those between interpolated smoothly. ``scaling = (factor, low, high, original_len)``."""
+    factor, low, high, old_len = scaling
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rope_tables(
-    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None,
+    scaling: tuple[float, float, float, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``cos, sin`` of shape ``[max_seq_len, head_dim]`` for rotate-half RoPE."""
+    """Return ``cos, sin`` of shape ``[max_seq_len, head_dim]`` for rotate-half RoPE
+    (``scaling``: LLaMA 3.1's, see `llama3_scaled_inv_freq`)."""
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     )
+    if scaling is not None:
+        inv_freq = llama3_scaled_inv_freq(inv_freq, scaling)
     t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # [S, head_dim/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [S, head_dim]
@@ -133,15 +150,16 @@ class RotaryEmbedding(nn.Module):
     them and ``init_weights`` recomputes them after ``to_empty``.
     """
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float,
+                 scaling: tuple[float, float, float, int] | None = None) -> None:
         super().__init__()
-        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        self.head_dim, self.max_seq_len, self.theta, self.scaling = head_dim, max_seq_len, theta, scaling
         self.register_buffer("cos", torch.empty(max_seq_len, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_seq_len, head_dim), persistent=False)
 
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
         device = buffer_device if buffer_device is not None else self.cos.device
-        cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.theta, device)
+        cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.theta, device, self.scaling)
         self.cos = cos
         self.sin = sin
 

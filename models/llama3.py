@@ -25,10 +25,22 @@ class Llama3Args:
     rope_theta: float = 500000.0
     max_seq_len: int = 8192
     qk_norm: bool = False
+    # LLaMA 3.1 RoPE scaling (HF rope_type "llama3"); factor 0: none
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             self.head_dim = self.dim // self.n_heads
+
+    def rope_scaling(self) -> tuple[float, float, float, int] | None:
+        """(factor, low, high, original length) for `RotaryEmbedding`, None when unscaled."""
+        if self.rope_scaling_factor <= 0:
+            return None
+        return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                self.rope_original_max_seq_len)
 
     def override(self, **kw: object) -> Llama3Args:
         """``dataclasses.replace`` that re-derives ``head_dim`` when it was derived and
@@ -91,7 +103,7 @@ class Llama3Model(DecoderBase):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.rope = RotaryEmbedding(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.rope = RotaryEmbedding(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling())
         self.layers = nn.ModuleList(
             TransformerBlock(
                 layer_id=i,

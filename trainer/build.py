@@ -23,6 +23,7 @@ from parallel.precision import dtype_of
 from .auto_mode import PlanSource
 from .config import JobConfig
 from .device import sharded_init_is_exact
+from .hf_checkpoint import initial_arg_overrides
 from .parallelizer import Parallelizer
 
 
@@ -41,8 +42,8 @@ def build_parallel_model(cfg: JobConfig, parallelizer: Parallelizer, device: tor
     """The job's model on `device`, initialised from the job's seed and parallelized by the
     job's mode (recipe or plan), in train mode. `storage`: the context the weights are
     allocated in (the dry run's FakeTensorMode; the trainer's real memory by default)."""
-    model = build_model(cfg.model.name, cfg.model.flavor, device="meta", vocab_size=vocab_size,
-                        **cfg.model.arg_overrides())
+    overrides = {**initial_arg_overrides(cfg), **cfg.model.arg_overrides()}  # an HF start's RoPE and eps
+    model = build_model(cfg.model.name, cfg.model.flavor, device="meta", vocab_size=vocab_size, **overrides)
     sharded = sharded_init_is_exact(device)
     if not sharded:
         with storage():

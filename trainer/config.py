@@ -167,6 +167,11 @@ class Checkpoint:
     interval: int = 500
     keep_latest_k: int = 0  # 0: keep all
     load_step: int = -1  # -1: the latest complete checkpoint
+    # a fresh job (no checkpoint to resume) starts from these weights: a DCP folder
+    # (scripts/convert_hf.py to-dcp), or an HF safetensors folder with initial_load_in_hf
+    initial_load_path: str = ""
+    initial_load_in_hf: bool = False
+    last_save_in_hf: bool = False  # also write the final step as an HF folder: <folder>/step-N-hf
 
 
 @dataclass

@@ -31,10 +31,10 @@ from .checkpoint import CheckpointManager, complete_checkpoints, resume_step
 from .config import ConfigError, JobConfig
 from .data import DataError, build_dataloader, load_tokens, tokenizer_for
 from .device import local_device
+from .hf_checkpoint import export_hf_config, load_initial, save_hf
 from .metrics import MetricsLogger, setup_logging
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, follow_parameters
 from .parallelizer import parallelizer_for
-from .profiling import StepProfiler, check_profiling
 from .step_guard import StepGuard
 
 TIMEOUT_WORDS = ("timed out", "timeout")
@@ -193,8 +193,17 @@ class Trainer:
             self.metrics.close()
         if self.guard.stop:
             self._stop_on_request()
+        elif self.cfg.checkpoint.last_save_in_hf:
+            self._save_hf()
         self._log_runtime()
         return self.logged
+
+    def _save_hf(self) -> None:
+        """`last_save_in_hf`: the final weights as an HF folder next to the DCP checkpoints."""
+        out = self.run_dir / self.cfg.checkpoint.folder / f"step-{self.step}-hf"
+        path = save_hf(self.model, export_hf_config(self.cfg, self.model_args), out)
+        if path is not None:
+            logger.info(f"saved Hugging Face checkpoint {path}")
 
     def _stop_on_request(self) -> None:
         """SIGTERM: the step finished; save it (unless just saved) and say how to resume."""
@@ -211,6 +220,10 @@ class Trainer:
         job has nothing left to train (metrics closed)."""
         cfg, t = self.cfg, self.cfg.training
         self.step = self.checkpointer.maybe_load()
+        if self.step == 0 and cfg.checkpoint.initial_load_path:  # a fresh job from given weights
+            load_initial(self.model, cfg)
+            if self.rank == 0:
+                logger.info(f"loaded initial weights from {cfg.checkpoint.initial_load_path}")
         self.metrics = MetricsLogger(
             cfg.metrics, self.run_dir, rank=self.rank, world_size=self.world_size,
             flops_per_token=self.flops_per_token, compute_dtype=self.compute_dtype,

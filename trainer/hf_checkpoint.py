@@ -1,0 +1,333 @@
+"""Hugging Face weights in and out of a job: `[checkpoint] initial_load_path` (+ `initial_load_in_hf`)
+and `last_save_in_hf`; also the file side of `scripts/convert_hf.py`.
+
+Loading goes through DCP into the model's own (DTensor) state dict, so every rank reads only
+its shards, in manual and auto mode and on any world size: an HF folder with torch's
+`HuggingFaceStorageReader` (safetensors slices), a DCP folder (`convert_hf.py to-dcp`) with the
+default reader. Saving gathers the full state dict on rank 0 (torch's `full_state_dict`
+option), which writes the safetensors shards into a temporary folder and renames it: a
+failed or killed export leaves no half-written folder under the final name. Names, config
+translation and the RoPE layout are `models/hf.py`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from models import get_model_spec
+from models.hf import (
+    HF_ARCHITECTURES,
+    HFConfigError,
+    args_from_hf_config,
+    args_overrides_from_hf,
+    from_hf_key,
+    hf_config_from_args,
+    hf_state_keys,
+    to_hf_key,
+)
+
+from .errors import ConfigError
+
+HF_CONFIG_FILE = "hf_config.json"
+"""The HF config inside a DCP folder written by `convert_hf.py to-dcp`: `to-hf` needs nothing else."""
+MAX_SHARD_BYTES = 4 * 2**30
+HF_MODELS = set(HF_ARCHITECTURES.values())
+_FIRST = 3  # mismatches named in an error
+
+
+@contextlib.contextmanager
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------------- config
+
+
+def read_hf_config(folder: Path | str) -> dict[str, Any]:
+    """`config.json` of an HF folder (or `hf_config.json` of one of our DCP folders)."""
+    folder = Path(folder)
+    for name in ("config.json", HF_CONFIG_FILE):
+        if (folder / name).is_file():
+            return json.loads((folder / name).read_text())
+    raise FileNotFoundError(f"{folder} has no config.json (nor {HF_CONFIG_FILE})")
+
+
+def _key(cfg: Any) -> str:
+    return f"{cfg.source}: 'checkpoint.initial_load_path' = {cfg.checkpoint.initial_load_path!r}"
+
+
+def initial_arg_overrides(cfg: Any) -> dict[str, Any]:
+    """The start checkpoint's non-shape model arguments (RoPE base and scaling, norm eps) over
+    the flavor's; {} without an initial load or HF config. A missing folder or an HF config of
+    another architecture is a ConfigError (checked when the model is built, before any read)."""
+    ck = cfg.checkpoint
+    if ck.last_save_in_hf and cfg.model.name not in HF_MODELS:
+        raise ConfigError(f"{cfg.source}: 'checkpoint.last_save_in_hf' = true: model {cfg.model.name!r} has no "
+                          f"Hugging Face export (supported: {sorted(HF_MODELS)}); set it false")
+    if ck.initial_load_in_hf and not ck.initial_load_path:
+        raise ConfigError(f"{cfg.source}: 'checkpoint.initial_load_in_hf' = true without "
+                          "'checkpoint.initial_load_path'; give the HF folder to start from")
+    path = ck.initial_load_path
+    if not path:
+        return {}
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"{_key(cfg)}: no such folder; give an HF safetensors folder (initial_load_in_hf = true) "
+                          "or a DCP folder (scripts/convert_hf.py to-dcp)")
+    try:
+        hf_cfg = read_hf_config(folder)
+    except FileNotFoundError as e:
+        if cfg.checkpoint.initial_load_in_hf:
+            raise ConfigError(f"{_key(cfg)}: {e}; an HF checkpoint folder has config.json next to its "
+                              "safetensors") from None
+        return {}
+    try:
+        name, _ = args_from_hf_config(hf_cfg)
+    except (HFConfigError, KeyError) as e:
+        raise ConfigError(f"{_key(cfg)}: {e}; convert a supported checkpoint") from None
+    if name != cfg.model.name:
+        raise ConfigError(f"{_key(cfg)}: a {hf_cfg['architectures'][0]} checkpoint ({name}), but model.name = "
+                          f"{cfg.model.name!r}; set model.name = {name!r}")
+    return args_overrides_from_hf(hf_cfg)
+
+
+# ---------------------------------------------------------------------------------- checks
+
+
+def mismatches(want: dict[str, tuple], have: dict[str, tuple]) -> list[str]:
+    """The first differences between a model's {name: shape} and a checkpoint's."""
+    missing = [k for k in want if k not in have]
+    shapes = [f"{k} {list(have[k])} (this model: {list(want[k])})" for k in want if k in have and have[k] != want[k]]
+    extra = [k for k in have if k not in want]
+    out = []
+    if missing:
+        out.append(f"missing {', '.join(missing[:_FIRST])}" + (" ..." if len(missing) > _FIRST else ""))
+    out += shapes[:_FIRST]
+    if extra:
+        out.append(f"unexpected {', '.join(extra[:_FIRST])}" + (" ..." if len(extra) > _FIRST else ""))
+    return out
+
+
+def _check(path: Path, what: str, want: dict[str, tuple], have: dict[str, tuple]) -> None:
+    bad = mismatches(want, have)
+    if bad:
+        raise ConfigError(f"checkpoint {path} does not match {what}: {'; '.join(bad)}; load it with the model "
+                          "and flavor that wrote it (or its [model] arguments)")
+
+
+def _flavor(cfg: Any) -> str:
+    over = cfg.model.arg_overrides()
+    extra = f" with {over}" if over else ""
+    return f"model {cfg.model.name}/{cfg.model.flavor}{extra}"
+
+
+# ---------------------------------------------------------------------------------- load
+
+
+def hf_tensor_shapes(folder: Path) -> dict[str, tuple]:
+    """{HF name: shape} of every tensor in a folder's safetensors files (headers only)."""
+    out: dict[str, tuple] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                out[k] = tuple(st.get_slice(k).get_shape())
+    return out
+
+
+def load_initial(model: torch.nn.Module, cfg: Any) -> None:
+    """Load `[checkpoint] initial_load_path` into the (parallelized) model in place: each rank
+    reads its shards only. Names or shapes that differ from the model are one ConfigError
+    naming the first mismatches and the model's flavor, before a tensor is read."""
+    folder = Path(cfg.checkpoint.initial_load_path)
+    sd = get_model_state_dict(model)
+    want = {k: tuple(v.shape) for k, v in sd.items()}
+    if cfg.checkpoint.initial_load_in_hf:
+        load_hf_into(sd, folder, _flavor(cfg))
+    else:
+        meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        have = {k[len("model."):]: tuple(m.size) for k, m in meta.items() if k.startswith("model.")}
+        _check(folder, _flavor(cfg), want, have)
+        with _quiet():
+            dcp.load({"model": sd}, checkpoint_id=str(folder))
+    set_model_state_dict(model, sd)
+
+
+def load_hf_into(sd: dict[str, torch.Tensor], folder: Path, what: str) -> None:
+    """Fill our state dict `sd` (plain or DTensor values) from an HF safetensors folder with
+    DCP's HF reader; a tied checkpoint without `lm_head.weight` fills `output` from the embedding."""
+    names = hf_state_keys(list(sd))
+    have = hf_tensor_shapes(folder)
+    tied = read_hf_config(folder).get("tie_word_embeddings", False) and "lm_head.weight" not in have
+    want = {names[k]: tuple(v.shape) for k, v in sd.items() if not (tied and k == "output.weight")}
+    _check(folder, what, want, have)
+    hf_sd = {names[k]: v for k, v in sd.items() if not (tied and k == "output.weight")}
+    reader = dcp.HuggingFaceStorageReader(str(folder))
+    with _quiet():
+        dcp.load(hf_sd, storage_reader=reader)
+        if tied:
+            dcp.load({"model.embed_tokens.weight": sd["output.weight"]},
+                     storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
+
+
+def read_hf_folder(folder: Path | str) -> tuple[str, Any, dict[str, Any], dict[str, torch.Tensor]]:
+    """(model name, args, HF config, our full state dict) of an HF folder, in one process
+    (`convert_hf.py to-dcp`, tests); checked against the model the config describes."""
+    folder = Path(folder)
+    hf_cfg = read_hf_config(folder)
+    name, args = args_from_hf_config(hf_cfg)
+    with torch.device("meta"):
+        model = get_model_spec(name).model_cls(args)
+    sd = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in model.state_dict().items()
+          if k in hf_state_keys([k])}
+    load_hf_into(sd, folder, f"the {name} model its config.json describes")
+    return name, args, hf_cfg, sd
+
+
+# ---------------------------------------------------------------------------------- save
+
+
+def write_hf_folder(tensors: dict[str, torch.Tensor], hf_cfg: dict[str, Any], out: Path | str,
+                    max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write HF-named full tensors and `config.json` as a safetensors folder (one file, or shards
+    with `model.safetensors.index.json`): into `OUT.tmp`, renamed to `OUT` once complete."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t.detach().contiguous().cpu()
+        size += nbytes
+    n = len(shards)
+    files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for name, shard in zip(files, shards):
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+    if n > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {k: f for f, s in zip(files, shards) for k in s}}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    _replace(tmp, out)
+    return out
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """`tmp` becomes `out`; an older `out` is renamed away first and deleted after."""
+    old = out.with_name(out.name + ".old")
+    if out.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def to_hf_tensors(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our full state dict -> HF names (buffers dropped); an unknown name raises KeyError."""
+    return {to_hf_key(k): v for k, v in sd.items() if k in hf_state_keys([k])}
+
+
+def from_hf_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF names -> ours."""
+    return {from_hf_key(k): v for k, v in tensors.items()}
+
+
+def save_hf(model: torch.nn.Module, hf_cfg: dict[str, Any], out: Path | str) -> Optional[Path]:
+    """Export the (parallelized) model as an HF folder: gathered on rank 0 (every rank takes
+    part), written there; returns the folder on rank 0, None elsewhere."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    sd = get_model_state_dict(model, options=opts)
+    path = None
+    if _rank() == 0:
+        path = write_hf_folder(to_hf_tensors(sd), hf_cfg, out)
+    _barrier()
+    return path
+
+
+def export_hf_config(cfg: Any, args: Any) -> dict[str, Any]:
+    """The HF config of a job's export: the start checkpoint's (other entries kept) with the
+    model's arguments, or one made from the arguments alone."""
+    base = None
+    if cfg.checkpoint.initial_load_path:
+        with contextlib.suppress(FileNotFoundError):
+            base = read_hf_config(cfg.checkpoint.initial_load_path)
+    try:
+        return hf_config_from_args(cfg.model.name, args, base)
+    except HFConfigError as e:
+        raise ConfigError(f"{cfg.source}: 'checkpoint.last_save_in_hf' = true: {e}") from None
+
+
+# ---------------------------------------------------------------------------------- conversion
+
+
+def hf_to_dcp(hf_dir: Path | str, dcp_dir: Path | str) -> Path:
+    """An HF folder as a DCP folder of our names (`model.<name>`) with the HF config inside
+    (`hf_config.json`); written as `DCP_DIR.tmp`, renamed once complete."""
+    hf_dir, out = Path(hf_dir), Path(dcp_dir)
+    try:
+        name, args, hf_cfg, sd = read_hf_folder(hf_dir)
+    except (HFConfigError, KeyError) as e:
+        raise ConfigError(f"{hf_dir}/config.json: {e}") from None
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with _quiet():
+        dcp.save({"model": sd}, checkpoint_id=str(tmp))
+    (tmp / HF_CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2))
+    _replace(tmp, out)
+    return out
+
+
+def dcp_to_hf(dcp_dir: Path | str, hf_dir: Path | str) -> Path:
+    """A DCP folder with `hf_config.json` (`to-dcp`'s, or a training checkpoint given one) as an
+    HF folder; its names and shapes are checked against the model the config describes."""
+    src = Path(dcp_dir)
+    if not (src / HF_CONFIG_FILE).is_file():
+        raise ConfigError(f"{src}: no {HF_CONFIG_FILE} (the HF config a DCP folder from convert_hf.py to-dcp "
+                          "carries); export a training job with [checkpoint] last_save_in_hf = true instead")
+    hf_cfg = json.loads((src / HF_CONFIG_FILE).read_text())
+    try:
+        name, args = args_from_hf_config(hf_cfg)
+    except (HFConfigError, KeyError) as e:
+        raise ConfigError(f"{src / HF_CONFIG_FILE}: {e}") from None
+    with torch.device("meta"):
+        model = get_model_spec(name).model_cls(args)
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items() if k in hf_state_keys([k])}
+    meta = dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    have = {k[len("model."):]: tuple(m.size) for k, m in meta.items() if k.startswith("model.")}
+    _check(src, f"the {name} model its {HF_CONFIG_FILE} describes", want, have)
+    sd = {k: torch.empty(shape, dtype=meta[f"model.{k}"].properties.dtype) for k, shape in want.items()}
+    with _quiet():
+        dcp.load({"model": sd}, checkpoint_id=str(src))
+    return write_hf_folder(to_hf_tensors(sd), hf_config_from_args(name, args, hf_cfg), hf_dir)
