@@ -121,12 +121,12 @@ def _read_parquet(path: Path, field: str) -> Iterator[str]:
     if field not in names:
         raise _err(f"{path}: no '{field}' column (columns: {', '.join(names)}); set [data] jsonl_field "
                    f"to the column that holds the text")
+    if pf.metadata.num_rows == 0:
+        raise _err(f"{path}: empty file (no rows); remove it from [data] path or add rows")
     kind = pf.schema_arrow.field(field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise _err(f"{path}: column '{field}' is {kind}, not text; set [data] jsonl_field to the column "
                    f"that holds the text")
-    if pf.metadata.num_rows == 0:
-        raise _err(f"{path}: empty file (no rows); remove it from [data] path or add rows")
     row = 0
     for batch in pf.iter_batches(columns=[field]):
         for value in batch.column(0).to_pylist():

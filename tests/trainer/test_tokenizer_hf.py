@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from bpe_helpers import save_bpe_with_template
 from trainer_helpers import FAST
 
 from trainer.config import Data, load_config
@@ -18,24 +18,10 @@ TINY = ["--model.n_layers", "1", "--model.dim", "64", "--model.n_heads", "4", "-
         "--training.seq_len", "32", "--training.local_batch_size", "2"]
 
 
-def _train_bpe(specials: list[str]) -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train([str(SHIPPED_CORPUS)], trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    return tok
-
-
 @pytest.fixture(scope="module")
 def bpe_path(tmp_path_factory):
     """A BPE tokenizer.json with <s>/</s> placed by its post-processor (ids 0 and 1)."""
-    tok = _train_bpe(["<s>", "</s>"])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 1)])
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok.save(str(path))
-    return path
+    return save_bpe_with_template(tmp_path_factory.mktemp("tok") / "tokenizer.json", VOCAB)
 
 
 def _variant(bpe_path, tmp_path, specials: list[str], name="tokenizer.json"):
