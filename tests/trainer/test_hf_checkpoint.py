@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from trainer.config import ConfigError, load_config  # noqa: E402
+from trainer.hf_checkpoint import hf_to_dcp  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel" / "recipes"))
@@ -55,6 +56,14 @@ def test_start_from_hf_weights(hf_llama, tmp_path):
         diff = (tr.model(TOKENS) - hf(TOKENS).logits).abs().max().item()
     print(f"1 rank, loaded: max |logits(ours) - logits(transformers)| = {diff:.2e}")
     assert diff <= TOL
+    # the same weights as a DCP folder (convert_hf.py to-dcp): its hf_config.json gives the RoPE base
+    hf_to_dcp(d, tmp_path / "dcp")
+    tr = Trainer(_cfg(tmp_path, "dcp", tmp_path / "dcp", ["--training.steps", "1", "--checkpoint.initial_load_in_hf",
+                                                          "false"]))
+    assert tr.model_args.rope_theta == 10000.0
+    tr.start()
+    with torch.no_grad():
+        assert (tr.model(TOKENS) - hf(TOKENS).logits).abs().max().item() <= TOL
 
 
 def test_other_model_or_architecture_is_a_config_error(hf_llama, tmp_path):
