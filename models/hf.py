@@ -154,7 +154,7 @@ def hf_config_from_args(name: str, args: Llama3Args, base: dict[str, Any] | None
         num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
         vocab_size=args.vocab_size, intermediate_size=args.ffn_hidden_dim, rms_norm_eps=args.norm_eps,
         rope_theta=args.rope_theta, max_position_embeddings=args.max_seq_len, hidden_act="silu",
-        attention_bias=False, tie_word_embeddings=False, torch_dtype="float32")
+        attention_bias=False, tie_word_embeddings=False)
     if name == "llama3":
         cfg["mlp_bias"] = False
     scaling = args.rope_scaling()

@@ -169,14 +169,17 @@ def load_initial(model: torch.nn.Module, cfg: Any) -> None:
     folder = Path(cfg.checkpoint.initial_load_path)
     sd = get_model_state_dict(model)
     want = {k: tuple(v.shape) for k, v in sd.items()}
-    if cfg.checkpoint.initial_load_in_hf:
-        load_hf_into(sd, folder, _flavor(cfg))
-    else:
-        meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-        have = {k[len("model."):]: tuple(m.size) for k, m in meta.items() if k.startswith("model.")}
-        _check(folder, _flavor(cfg), want, have)
-        with _quiet():
-            dcp.load({"model": sd}, checkpoint_id=str(folder))
+    try:
+        if cfg.checkpoint.initial_load_in_hf:
+            load_hf_into(sd, folder, _flavor(cfg))
+        else:
+            meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+            have = {k[len("model."):]: tuple(m.size) for k, m in meta.items() if k.startswith("model.")}
+            _check(folder, _flavor(cfg), want, have)
+            with _quiet():
+                dcp.load({"model": sd}, checkpoint_id=str(folder))
+    except ConfigError as e:
+        raise ConfigError(f"{_key(cfg)}: {e}") from None
     set_model_state_dict(model, sd)
 
 
@@ -271,7 +274,9 @@ def save_hf(model: torch.nn.Module, hf_cfg: dict[str, Any], out: Path | str) -> 
     sd = get_model_state_dict(model, options=opts)
     path = None
     if _rank() == 0:
-        path = write_hf_folder(to_hf_tensors(sd), hf_cfg, out)
+        tensors = to_hf_tensors(sd)
+        dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+        path = write_hf_folder(tensors, {**hf_cfg, "dtype": dtype, "torch_dtype": dtype}, out)
     _barrier()
     return path
 
@@ -330,4 +335,6 @@ def dcp_to_hf(dcp_dir: Path | str, hf_dir: Path | str) -> Path:
     sd = {k: torch.empty(shape, dtype=meta[f"model.{k}"].properties.dtype) for k, shape in want.items()}
     with _quiet():
         dcp.load({"model": sd}, checkpoint_id=str(src))
-    return write_hf_folder(to_hf_tensors(sd), hf_config_from_args(name, args, hf_cfg), hf_dir)
+    dtype = str(next(iter(sd.values())).dtype).removeprefix("torch.")
+    hf_cfg = {**hf_config_from_args(name, args, hf_cfg), "dtype": dtype, "torch_dtype": dtype}
+    return write_hf_folder(to_hf_tensors(sd), hf_cfg, hf_dir)

@@ -13,8 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from models import get_model_spec  # noqa: E402
-from models.hf import args_from_hf_config, from_hf_key, to_hf_key  # noqa: E402
-from trainer.hf_checkpoint import read_hf_folder  # noqa: E402
+from models.hf import args_from_hf_config, from_hf_key, hf_config_from_args, to_hf_key  # noqa: E402
+from trainer.hf_checkpoint import read_hf_folder, to_hf_tensors, write_hf_folder  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import convert_hf  # noqa: E402
@@ -124,3 +124,18 @@ def test_bad_input_is_one_error(saved, tmp_path, capsys):
     assert "missing model.layers.2." in err
     assert "model.layers.0.mlp.gate_proj.weight [128, 64] (this model: [96, 64])" in err
     assert not any(p.name.startswith("out") for p in tmp_path.iterdir())  # nothing written
+
+
+def test_sharded_folders(saved, tmp_path):
+    """Many safetensors shards with an index, both ways: transformers' shards read, ours written."""
+    m, _ = saved["llama31"]
+    m.save_pretrained(tmp_path / "in", max_shard_size="60KB")
+    assert len(list((tmp_path / "in").glob("*.safetensors"))) > 1
+    name, args, cfg, sd = read_hf_folder(tmp_path / "in")
+    out = write_hf_folder(to_hf_tensors(sd), hf_config_from_args(name, args, cfg), tmp_path / "out",
+                          max_shard_bytes=60_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and set(index["weight_map"]) == set(to_hf_tensors(sd))
+    back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert (back(TOKENS).logits - m(TOKENS).logits).abs().max().item() <= TOL
