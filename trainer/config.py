@@ -190,6 +190,9 @@ class Data:
     jsonl_field: str = "text"  # the text's key / column in .jsonl, .parquet, .csv, .json, .arrow files
     shuffle: bool = True
     num_workers: int = 0
+    # true: pack windows while reading (corpus order, the corpus never held in memory; trainer/streaming.py);
+    # false: the corpus tokenized into memory first (shuffled windows)
+    streaming: bool = False
 
 
 @dataclass

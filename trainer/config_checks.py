@@ -101,6 +101,11 @@ def _validate_ranges(cfg: JobConfig) -> None:
         raise _err(cfg, "data", "num_workers", "must be >= 0")
     if cfg.data.path and not any(c in cfg.data.path for c in "*?[") and not Path(cfg.data.path).exists():
         raise _err(cfg, "data", "path", "no such file or folder")  # a glob's matches are checked when read
+    if cfg.data.streaming and cfg.data.shuffle:
+        raise _err(cfg, "data", "shuffle", "a streamed corpus ([data] streaming = true) is read in order; set "
+                   "data.shuffle = false (shuffle the files beforehand) or data.streaming = false")
+    if cfg.data.streaming and cfg.data.num_workers:
+        raise _err(cfg, "data", "num_workers", "a streamed corpus is read in the training process; set 0")
 
 
 def _validate_hardware(cfg: JobConfig) -> None:

@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .sources import SHIPPED_CORPUS, DataError, iter_documents
+from .streaming import PackedStream
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError, build_tokenizer, tokenizer_for
 
 __all__ = ["SHIPPED_CORPUS", "ByteTokenizer", "DPBatchSampler", "DataError", "HFTokenizer", "TokenWindows",
@@ -160,13 +161,18 @@ def _collate(batch):
 
 def build_dataloader(data_cfg, *, seq_len: int, local_batch_size: int, dp_rank: int = 0,
                      dp_degree: int = 1, seed: int = 0, tokenizer: Optional[Tokenizer] = None,
-                     tokens: Optional[torch.Tensor] = None) -> StatefulDataLoader:
+                     tokens: Optional[torch.Tensor] = None) -> StatefulDataLoader | PackedStream:
     """A StatefulDataLoader yielding (inputs [B, S], labels [B, S]) int64 batches for this
     data-parallel rank, forever. ``loader.state_dict()`` / ``load_state_dict()`` carry
     the position. ``tokens``: the packed stream when the caller has it (one read for the
-    loaders of several sequence lengths)."""
+    loaders of several sequence lengths). ``[data] streaming``: a PackedStream instead
+    (windows packed while reading, corpus order; trainer/streaming.py)."""
+    tokenizer = tokenizer or build_tokenizer(data_cfg.tokenizer)
+    if getattr(data_cfg, "streaming", False):
+        return PackedStream(data_cfg, tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
+                            dp_rank=dp_rank, dp_degree=dp_degree)
     if tokens is None:
-        tokens = load_tokens(data_cfg, tokenizer or build_tokenizer(data_cfg.tokenizer))
+        tokens = load_tokens(data_cfg, tokenizer)
     ds = TokenWindows(tokens, seq_len)
     sampler = DPBatchSampler(len(ds), local_batch_size, dp_rank, dp_degree, seed,
                              shuffle=data_cfg.shuffle)

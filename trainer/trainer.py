@@ -107,7 +107,8 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         try:
             self.tokenizer = tokenizer_for(cfg)
-            tokens = load_tokens(cfg.data, self.tokenizer)  # read and packed once for every length
+            # read and packed once for every length (a streamed corpus is read by each loader as it goes)
+            tokens = None if cfg.data.streaming else load_tokens(cfg.data, self.tokenizer)
             self.loaders = {seq: build_dataloader(
                 cfg.data, seq_len=seq, local_batch_size=t.local_batch_size,
                 dp_rank=self.dp_rank, dp_degree=self.dp_degree, seed=cfg.job.seed,
@@ -258,7 +259,12 @@ class Trainer:
         if self._data_iter is None:
             self._data_iter = iter(self.dataloader)
         self.step += 1
-        inputs, labels = next(self._data_iter)
+        try:
+            inputs, labels = next(self._data_iter)
+        except DataError as e:  # a streamed corpus meets bad data where it is read
+            raise ConfigError(f"{self.cfg.source}: 'data.path' = {self.cfg.data.path!r}: {e} (read at step "
+                              f"{self.step + 1}: [data] streaming checks a file's first document before step 1, "
+                              f"the rest when it is reached)") from None
         self.guard.at(self.step, "the forward and backward")
         t0 = time.perf_counter()
         loss, grad_norm = self._checked_step(inputs, labels)

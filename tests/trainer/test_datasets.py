@@ -89,11 +89,14 @@ def test_dp_shards_partition_and_resume_at_the_exact_sample(corpus):
     assert all(torch.equal(a[0], b[1][0]) and torch.equal(a[1], b[1][1]) for a, b in zip(expect, got))
 
 
-def test_checkpoint_resume_reads_the_next_sample(corpus, tmp_path):
+@pytest.mark.parametrize("streaming", [False, True])
+def test_checkpoint_resume_reads_the_next_sample(corpus, tmp_path, streaming):
     """4 steps in one run == 2 steps, a DCP checkpoint, 2 more steps (loader state in the checkpoint)."""
     tok = save_bpe_with_template(tmp_path / "tokenizer.json", 300)
     base = FAST + TINY + ["--job.dump_folder", str(tmp_path), "--data.path", str(corpus),
                           "--model.tokenizer_path", str(tok), "--lr_scheduler.decay_steps", "4"]
+    if streaming:
+        base += ["--data.streaming", "true", "--data.shuffle", "false"]
     full = Trainer(load_config("llama3_debug", base + ["--job.name", "full", "--training.steps", "4"],
                                world_size=1)).train()
     ck = base + ["--job.name", "split", "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
@@ -150,3 +153,55 @@ def test_glob_without_matches_and_unknown_file_kind(tmp_path):
     cfg = load_config("llama3_debug", ["--data.path", str(tmp_path / "*.jsonl")], world_size=1)  # checked when read
     with pytest.raises(ConfigError, match=r"'data.path' = .*the pattern matches no"):
         Trainer(cfg)
+
+
+def _batches(loader, n):
+    it = iter(loader)
+    return [next(it) for _ in range(n)]
+
+
+def test_streaming_packs_the_in_memory_windows_in_order(corpus, tmp_path):
+    tok = HFTokenizer(str(save_bpe_with_template(tmp_path / "tokenizer.json", 300)))
+    mem, stream = Data(path=str(corpus), shuffle=False), Data(path=str(corpus), shuffle=False, streaming=True)
+    n = len(load_tokens(mem, tok)) // (8 * 6) - 1  # global batches of the first epoch
+    one = _batches(build_dataloader(mem, seq_len=8, local_batch_size=6, tokenizer=tok), n)
+    for r in range(2):
+        got = _batches(build_dataloader(stream, seq_len=8, local_batch_size=3, dp_rank=r, dp_degree=2,
+                                        tokenizer=tok), n)
+        for (x, y), (xs, ys) in zip(one, got):
+            assert torch.equal(x[3 * r: 3 * r + 3], xs) and torch.equal(y[3 * r: 3 * r + 3], ys)
+
+
+def test_streaming_resumes_at_the_exact_window(corpus):
+    cfg = Data(path=str(corpus), shuffle=False, streaming=True)
+    n = len(load_tokens(cfg, ByteTokenizer())) // 24 + 2  # into the second epoch
+    dl = build_dataloader(cfg, seq_len=8, local_batch_size=3)
+    it = iter(dl)
+    for _ in range(n):
+        next(it)
+    state = dl.state_dict()
+    assert state["epoch"] == 1 and state["batches"] == n
+    expect = [next(it) for _ in range(3)]
+    again = build_dataloader(cfg, seq_len=8, local_batch_size=3)
+    again.load_state_dict(state)
+    skipped = build_dataloader(cfg, seq_len=8, local_batch_size=3)
+    skipped.batch_sampler.skip_to(n)  # a checkpoint without this rank's state
+    for loader in (again, skipped):
+        got = _batches(loader, 3)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(expect, got))
+    with pytest.raises(ConfigError, match="not a streamed corpus position"):
+        again.load_state_dict({"epoch": 0, "batch": 3})
+
+
+def test_streaming_checks_first_documents_before_step_one_and_the_rest_when_read(tmp_path):
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs("ok", 40))
+                                      + '{"body": "late"}\n')
+    cfg = Data(path=str(tmp_path), shuffle=False, streaming=True)
+    dl = build_dataloader(cfg, seq_len=8, local_batch_size=8)  # the first document is fine
+    with pytest.raises(DataError, match=r"a.jsonl:41: no 'text' field"):
+        _batches(dl, 200)
+    (tmp_path / "b.jsonl").write_text('{"txt": "first"}\n')
+    with pytest.raises(DataError, match=r"b.jsonl:1: no 'text' field"):
+        build_dataloader(cfg, seq_len=8, local_batch_size=2)
+    with pytest.raises(ConfigError, match=r"'data.shuffle' = True: a streamed corpus .* is read in order"):
+        load_config("llama3_debug", ["--data.streaming", "true"], world_size=1)
