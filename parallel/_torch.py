@@ -93,7 +93,7 @@ __all__ = [
     "get_plain_input_and_grad_nodes", "is_fake", "op_name", "partition_joint", "partition_value",
     "autograd_enabled", "real_tensors", "register_planner_ops", "register_region_strategy", "trace_fake",
     "sequence_nr", "sharding_propagator", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_mesh",
-    "CPU_ATTENTION_BWD", "CPU_ATTENTION_FWD",
+    "CPU_ATTENTION_BWD", "CPU_ATTENTION_FWD", "dump_cuda_memory_snapshot", "record_cuda_memory_history",
 ]
 
 aten = torch.ops.aten
@@ -381,3 +381,14 @@ def autograd_enabled() -> Iterator[None]:
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.enable_grad())
         yield
+
+
+def record_cuda_memory_history(enabled: bool, max_entries: int = 100_000) -> None:
+    """Start (or stop) CUDA's caching allocator recording every alloc/free with its stack, for
+    `dump_cuda_memory_snapshot` (trainer/profiling.py; torch's API for it is private)."""
+    torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=max_entries)
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    """The allocator's recorded history as a pickle (pytorch.org/memory_viz reads it)."""
+    torch.cuda.memory._dump_snapshot(path)

@@ -203,6 +203,20 @@ class Comm:
 
 
 @dataclass
+class Profiling:
+    # torch.profiler Chrome traces per rank of every profile_freq-th step (steps N*profile_freq), in
+    # <dump_folder>/<job.name>/<save_traces_folder>/iteration_N/rank{R}_trace.json (trainer/profiling.py)
+    enable_profiling: bool = False
+    save_traces_folder: str = "profile_traces"
+    profile_freq: int = 10
+    # memory at the same steps, in <save_memory_snapshot_folder>/iteration_N/: CUDA's allocator snapshot
+    # (rank{R}_memory_snapshot.pickle, for pytorch.org/memory_viz); on CPU the profiler's per-op memory
+    # table (rank{R}_memory.txt), and the trace carries its memory events
+    enable_memory_snapshot: bool = False
+    save_memory_snapshot_folder: str = "memory_snapshot"
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -216,6 +230,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     data: Data = field(default_factory=Data)
     comm: Comm = field(default_factory=Comm)
+    profiling: Profiling = field(default_factory=Profiling)
     # where the config came from (for messages); not a TOML section
     source: str = field(default="<defaults>", compare=False)
 

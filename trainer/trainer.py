@@ -35,6 +35,7 @@ from .hf_checkpoint import export_hf_config, load_initial, save_hf
 from .metrics import MetricsLogger, setup_logging
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, follow_parameters
 from .parallelizer import parallelizer_for
+from .profiling import StepProfiler, check_profiling
 from .step_guard import StepGuard
 
 TIMEOUT_WORDS = ("timed out", "timeout")
@@ -71,6 +72,7 @@ class Trainer:
         setup_logging(self.rank)
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
         _check_writable(cfg, self.run_dir, self.rank)
+        check_profiling(cfg)
         self.device = local_device(cfg.job.device)
         if cfg.parallelism.mesh == "auto" and self.distributed:
             raise ConfigError(f"{cfg.source}: 'parallelism.mesh' = 'auto': the mesh is chosen before the Trainer is "
@@ -183,9 +185,10 @@ class Trainer:
         if not self.start():
             return self.logged
         try:
-            with self.guard:
+            with self.guard, StepProfiler(self.cfg, self.run_dir, self.rank, self.device, self.step) as prof:
                 while self.step < self.cfg.training.steps and not self.guard.stop:
                     self.next_step()
+                    prof.step()
         except RuntimeError as e:
             if self.distributed and _timed_out(e):
                 raise self.guard.stalled(e, self.cfg.comm.timeout_s) from None

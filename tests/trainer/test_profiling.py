@@ -1,0 +1,89 @@
+"""[profiling]: per-rank Chrome traces of the chosen steps, with the step's ops and its
+collectives in them, in manual and auto mode on 2 gloo ranks (gloo shows no collective on
+1 rank); the CPU memory table; bad settings are one config error naming the key."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from trainer_helpers import make_config
+
+from trainer.config import ConfigError
+from trainer.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel" / "recipes"))
+from dist_utils import run_distributed  # noqa: E402
+
+TINY = ["--model.n_layers", "1", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+        "--model.ffn_hidden_dim", "128", "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--metrics.hardware", "h100",
+        "--checkpoint.enable", "false"]
+PROFILE = ["--profiling.enable_profiling", "true", "--profiling.profile_freq", "2"]
+
+
+def _names(trace: Path) -> set[str]:
+    return {e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]}
+
+
+def _collectives(names: set[str]) -> set[str]:
+    return {n for n in names if n.startswith(("gloo:", "c10d::", "_c10d_functional::"))}
+
+
+def _worker(rank: int, world: int, tmp: str) -> dict:
+    from trainer.config import load_config
+    from trainer.trainer import Trainer
+
+    out = {}
+    for mode in ("manual", "auto"):
+        extra = ["--parallelism.hardware", "cpu"] if mode == "auto" else []
+        cfg = load_config("llama3_debug", [*TINY, *PROFILE, "--training.steps", "3", "--parallelism.mode", mode,
+                                           *extra, "--job.dump_folder", tmp, "--job.name", mode], world_size=world)
+        out[mode] = sorted(Trainer(cfg).train())
+    return out
+
+
+@pytest.mark.slow
+def test_traces_of_the_chosen_steps_hold_ops_and_collectives_in_both_modes(tmp_path):
+    for out in run_distributed(_worker, 2, str(tmp_path), timeout=300):
+        assert out == {"manual": [1, 2, 3], "auto": [1, 2, 3]}
+    for mode in ("manual", "auto"):
+        root = tmp_path / mode / "profile_traces"
+        # profile_freq 2 over 3 steps: step 2 only, one trace per rank
+        assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*.json")) == [
+            "iteration_2/rank0_trace.json", "iteration_2/rank1_trace.json"]
+        for rank in (0, 1):
+            names = _names(root / "iteration_2" / f"rank{rank}_trace.json")
+            assert "aten::mm" in names, (mode, sorted(names)[:50])
+            # the backend's own events of the step's parameter gathers and gradient/loss reductions
+            assert {"gloo:all_gather", "gloo:all_reduce"} <= names, (mode, sorted(_collectives(names)))
+
+
+def test_cpu_memory_table_and_trace_memory_events(tmp_path):
+    """One process: the trace of step 2 carries the profiler's memory events, and the memory
+    table of that step lists the matmuls' allocations."""
+    cfg = make_config(tmp_path, extra=[*TINY, *PROFILE, "--training.steps", "2",
+                                       "--profiling.enable_memory_snapshot", "true"])
+    Trainer(cfg).train()
+    assert "[memory]" in _names(tmp_path / "run" / "profile_traces" / "iteration_2" / "rank0_trace.json")
+    table = (tmp_path / "run" / "memory_snapshot" / "iteration_2" / "rank0_memory.txt").read_text()
+    assert "Self CPU Mem" in table and "aten::mm" in table
+
+
+@pytest.mark.parametrize("extra, key", [
+    (["--profiling.profile_freq", "0"], "'profiling.profile_freq' = 0"),
+    (["--profiling.save_traces_folder", ""], "'profiling.save_traces_folder' = ''"),
+])
+def test_bad_settings_are_one_config_error(tmp_path, extra, key):
+    cfg = make_config(tmp_path, extra=[*TINY, *PROFILE, *extra])
+    with pytest.raises(ConfigError, match=key):
+        Trainer(cfg)
+
+
+def test_an_unwritable_traces_folder_is_a_config_error(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "traces").write_text("a file, not a folder")
+    cfg = make_config(tmp_path, extra=[*TINY, *PROFILE, "--training.steps", "1",
+                                       "--profiling.save_traces_folder", "traces"])
+    with pytest.raises(ConfigError, match="'profiling.save_traces_folder' = 'traces': cannot write"):
+        Trainer(cfg).train()

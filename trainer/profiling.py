@@ -1,0 +1,143 @@
+"""Profiler traces and memory snapshots of chosen training steps (`[profiling]`).
+
+    with StepProfiler(cfg, run_dir, rank, device, start_step=step) as prof:
+        while ...:
+            trainer.next_step()
+            prof.step()
+
+Every `profile_freq`-th step (steps N x profile_freq, counted from the job's start, so a
+resumed job profiles the same steps) is recorded by torch.profiler after a few warm-up steps
+and written per rank as a Chrome trace (chrome://tracing, Perfetto):
+`<run_dir>/<save_traces_folder>/iteration_N/rank{R}_trace.json`, the collectives included
+(gloo's and NCCL's own events). With `enable_memory_snapshot`, at the same steps: on CUDA
+the caching allocator's history (`rank{R}_memory_snapshot.pickle`, pytorch.org/memory_viz);
+on CPU, which has no allocator history, the profiler records memory (profile_memory) and
+writes its per-op memory table (`rank{R}_memory.txt`), the trace carrying the memory
+events. (The profiler's `export_memory_timeline` is deprecated in torch 2.13 and not used.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from parallel import _torch as T
+
+from .config import ConfigError, JobConfig
+
+WARMUP_STEPS = 3
+"""Steps the profiler runs before the recorded one (fewer when profile_freq is smaller)."""
+EXPECTED_WARNINGS = ("Incomplete profiler cycle", "Warning: Profiler clears events at the end of each cycle")
+"""torch's warnings about what this module means to do: a job ending inside a warm-up (nothing
+was recorded, nothing is lost), and a trace of one step only (acc_events off)."""
+
+
+def check_profiling(cfg: JobConfig) -> None:
+    """One config error naming the key for settings the profiler cannot use."""
+    p = cfg.profiling
+    if (p.enable_profiling or p.enable_memory_snapshot) and p.profile_freq < 1:
+        raise ConfigError(f"{cfg.source}: 'profiling.profile_freq' = {p.profile_freq!r}: must be >= 1 "
+                          "(the profiled steps are its multiples)")
+    for key, on in (("save_traces_folder", p.enable_profiling),
+                    ("save_memory_snapshot_folder", p.enable_memory_snapshot)):
+        if on and not getattr(p, key).strip():
+            raise ConfigError(f"{cfg.source}: 'profiling.{key}' = '': name a folder (under the run folder)")
+
+
+def _writable(cfg: JobConfig, key: str, folder: Path, rank: int) -> None:
+    """The output folder can be made and written: else a config error before the first step."""
+    probe = folder / f".writable-{rank}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{cfg.source}: 'profiling.{key}' = {getattr(cfg.profiling, key)!r}: cannot write "
+                          f"{folder} ({e.strerror or e}); choose a folder this job may write") from None
+
+
+@contextlib.contextmanager
+def _expected_warnings() -> Iterator[None]:
+    with warnings.catch_warnings():
+        for message in EXPECTED_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
+        yield
+
+
+class StepProfiler:
+    """The `[profiling]` section at work in the training loop (inactive when both switches are off)."""
+
+    def __init__(self, cfg: JobConfig, run_dir: Path, rank: int, device: torch.device, start_step: int = 0):
+        check_profiling(cfg)
+        p = cfg.profiling
+        self.rank, self.freq = rank, p.profile_freq
+        self.trace_dir = Path(run_dir) / p.save_traces_folder if p.enable_profiling else None
+        self.memory_dir = Path(run_dir) / p.save_memory_snapshot_folder if p.enable_memory_snapshot else None
+        self.cuda = device.type == "cuda"
+        for key, folder in (("save_traces_folder", self.trace_dir), ("save_memory_snapshot_folder", self.memory_dir)):
+            if folder is not None:
+                _writable(cfg, key, folder, rank)
+        self.step_num = start_step
+        self._prof: Optional[profile] = None
+        self._closing = False
+        # the torch profiler runs for traces, and on CPU for the memory table
+        self._profiler_on = self.trace_dir is not None or (self.memory_dir is not None and not self.cuda)
+
+    def __enter__(self) -> StepProfiler:
+        if self.memory_dir is not None and self.cuda:
+            T.record_cuda_memory_history(True)
+        if self._profiler_on:
+            warmup = min(WARMUP_STEPS, self.freq - 1)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self._prof = profile(
+                activities=activities, record_shapes=True,
+                profile_memory=self.memory_dir is not None and not self.cuda,
+                schedule=schedule(wait=self.freq - 1 - warmup, warmup=warmup, active=1),
+                on_trace_ready=self._trace_ready)
+            with _expected_warnings():
+                self._prof.__enter__()
+            self._prof.step_num = self.step_num  # the schedule counts the job's steps
+        return self
+
+    def step(self) -> None:
+        """After each training step: the profiler's schedule moves on; a CUDA snapshot is dumped
+        at a profiled step."""
+        self.step_num += 1
+        if self._prof is not None:
+            with _expected_warnings():
+                self._prof.step()
+        if self.memory_dir is not None and self.cuda and self.step_num % self.freq == 0:
+            T.dump_cuda_memory_snapshot(str(self._folder(self.memory_dir, self.step_num)
+                                            / f"rank{self.rank}_memory_snapshot.pickle"))
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._prof is not None:
+            # what the profiler started after the last step is no step of the job: not written
+            self._closing = True
+            with _expected_warnings():
+                self._prof.__exit__(*exc)
+            self._prof = None
+        if self.memory_dir is not None and self.cuda:
+            T.record_cuda_memory_history(False)
+
+    @staticmethod
+    def _folder(root: Path, step: int) -> Path:
+        folder = root / f"iteration_{step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def _trace_ready(self, prof: profile) -> None:
+        """The recorded step, written once it is over (prof.step_num: that step's number)."""
+        if self._closing:
+            return
+        if self.trace_dir is not None:
+            prof.export_chrome_trace(str(self._folder(self.trace_dir, prof.step_num) / f"rank{self.rank}_trace.json"))
+        if self.memory_dir is not None:
+            table = prof.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=40)
+            (self._folder(self.memory_dir, prof.step_num) / f"rank{self.rank}_memory.txt").write_text(table + "\n")
