@@ -48,6 +48,7 @@ from parallel.recipes.tp import loss_parallel_context, register_partial_grad_hoo
 
 from .config import ConfigError, JobConfig
 from .device import CPU
+from .tokenizer import tokenizer_vocab
 
 __all__ = ["CollectiveCounter", "DryRunReport", "dry_run", "format_report", "main"]
 
@@ -215,10 +216,11 @@ def _explain_data_dependence(cfg: JobConfig) -> Iterator[None]:
 def _parallel_model(cfg: JobConfig, mesh: DeviceMesh, notes: list[str]) -> torch.nn.Module:
     """The model on meta, in the master dtype, with the configured recipe applied; a
     degree that does not fit is a ConfigError naming the key."""
-    overrides = {"vocab_size": cfg.model.vocab_size} if cfg.model.vocab_size > 0 else {}
+    vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else tokenizer_vocab(cfg)
+    overrides = {"vocab_size": vocab} if vocab > 0 else {}
     overrides.update(cfg.model.arg_overrides())
     model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **overrides)
-    if cfg.model.vocab_size <= 0:
+    if vocab <= 0:
         notes.append(f"vocab_size = {model.args.vocab_size} (the flavor's; the byte tokenizer would use 256)")
     if cfg.training.dtype != "float32":
         model = model.to(dtype_of(cfg.training.dtype))

@@ -39,6 +39,7 @@ from .config import ConfigError, JobConfig
 from .device import CUDA, check_fake_cuda, simulated_device
 from .dry_run import OP_KINDS, group_axis_names
 from .parallelizer import Planner
+from .tokenizer import tokenizer_vocab
 
 GPU_PROFILE = "h100"  # the cost model's profile of a simulated GPU job whose hardware is "auto"
 
@@ -128,7 +129,7 @@ def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
         report = AutoDryRunReport(world_size=world_size, device=str(device), model=f"{cfg.model.name}/"
                                   f"{cfg.model.flavor}", mesh=" x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape)),
                                   tokens=(0, 0), notes=[note] if note else [])
-        vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else _flavor_vocab(cfg, report)
+        vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else tokenizer_vocab(cfg) or _flavor_vocab(cfg, report)
         fake_mode = T.FakeTensorMode(allow_non_fake_inputs=True)  # one mode: the weights meet the step's inputs
         fake = lambda: fake_mode  # noqa: E731
         host_inputs = _step_inputs(cfg, mesh)

@@ -186,3 +186,8 @@ def tokenizer_for(cfg) -> Tokenizer:
     """The job's tokenizer (``[model] tokenizer_path`` over ``[data] tokenizer``)."""
     m = cfg.model
     return build_tokenizer(cfg.data.tokenizer, m.tokenizer_path, m.bos_token, m.eos_token)
+
+
+def tokenizer_vocab(cfg) -> int:
+    """The vocabulary of ``[model] tokenizer_path`` (0 without one: the dry run then keeps the flavor's)."""
+    return tokenizer_for(cfg).vocab_size if cfg.model.tokenizer_path else 0

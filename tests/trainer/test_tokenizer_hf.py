@@ -11,6 +11,7 @@ from trainer_helpers import FAST
 from trainer.config import Data, load_config
 from trainer.data import SHIPPED_CORPUS, HFTokenizer, TokenizerError, build_dataloader, load_tokens, pack_documents
 from trainer.errors import ConfigError
+from trainer.tokenizer import tokenizer_vocab
 from trainer.trainer import Trainer
 
 VOCAB = 400
@@ -80,6 +81,9 @@ def test_config_errors_name_file_keys_and_numbers(bpe_path, tmp_path):
                                           r"'model.tokenizer_path'.*model.vocab_size >= 400"):
         load_config("llama3_debug", ["--model.tokenizer_path", str(bpe_path), "--model.vocab_size", "300"],
                     world_size=1)
+    # what the dry run sizes the embedding with when vocab_size = -1 (0: the flavor's)
+    assert tokenizer_vocab(load_config("llama3_debug", ["--model.tokenizer_path", str(bpe_path)], world_size=1)) == 400
+    assert tokenizer_vocab(load_config("llama3_debug", [], world_size=1)) == 0
     with pytest.raises(ConfigError, match="'model.eos_token' = '</s>': needs model.tokenizer_path"):
         load_config("llama3_debug", ["--model.eos_token", "</s>"], world_size=1)
 
