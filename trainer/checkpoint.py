@@ -39,6 +39,7 @@ from parallel import _torch as T
 
 from .config import Checkpoint
 from .errors import ConfigError, TrainingFault
+from .hf_checkpoint import write_model_hf_config
 from .optim import lr_schedule_state, restore_lr_schedule
 
 logger = logging.getLogger("autotitan")
@@ -175,6 +176,7 @@ class CheckpointManager:
             raise self._save_failed(step, tmp, state, e) from None
         _barrier()  # every rank has written its files and .metadata exists
         if _rank() == 0:
+            write_model_hf_config(tmp, self.model)  # what convert_hf.py to-hf needs (LLaMA 3, Qwen3)
             _write_manifest(tmp)
             if final.exists():
                 shutil.rmtree(final)

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from models import get_model_spec
+from models import MODEL_SPECS, get_model_spec
 from models.hf import (
     HF_ARCHITECTURES,
     HFConfigError,
@@ -294,6 +294,20 @@ def export_hf_config(cfg: Any, args: Any) -> dict[str, Any]:
         raise ConfigError(f"{cfg.source}: 'checkpoint.last_save_in_hf' = true: {e}") from None
 
 
+def model_hf_config(model: torch.nn.Module) -> Optional[dict[str, Any]]:
+    """The HF config of a model that has an HF map (None otherwise), from its arguments."""
+    args = getattr(model, "args", None)
+    names = [s.name for s in MODEL_SPECS.values() if type(args) is s.args_cls and s.name in HF_MODELS]
+    return hf_config_from_args(names[0], args) if names else None
+
+
+def write_model_hf_config(folder: Path, model: torch.nn.Module) -> None:
+    """`hf_config.json` in a DCP checkpoint folder, so that `convert_hf.py to-hf` needs nothing else."""
+    hf_cfg = model_hf_config(model)
+    if hf_cfg is not None:
+        (folder / HF_CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2))
+
+
 # ---------------------------------------------------------------------------------- conversion
 
 
@@ -315,12 +329,12 @@ def hf_to_dcp(hf_dir: Path | str, dcp_dir: Path | str) -> Path:
 
 
 def dcp_to_hf(dcp_dir: Path | str, hf_dir: Path | str) -> Path:
-    """A DCP folder with `hf_config.json` (`to-dcp`'s, or a training checkpoint given one) as an
+    """A DCP folder with `hf_config.json` (`to-dcp`'s, or a training checkpoint's) as an
     HF folder; its names and shapes are checked against the model the config describes."""
     src = Path(dcp_dir)
     if not (src / HF_CONFIG_FILE).is_file():
-        raise ConfigError(f"{src}: no {HF_CONFIG_FILE} (the HF config a DCP folder from convert_hf.py to-dcp "
-                          "carries); export a training job with [checkpoint] last_save_in_hf = true instead")
+        raise ConfigError(f"{src}: no {HF_CONFIG_FILE} (the HF config that to-dcp's folders and the LLaMA 3 and "
+                          "Qwen3 training checkpoints carry): not such a DCP folder; give one of those")
     hf_cfg = json.loads((src / HF_CONFIG_FILE).read_text())
     try:
         name, args = args_from_hf_config(hf_cfg)

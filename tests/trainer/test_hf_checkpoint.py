@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from trainer.config import ConfigError, load_config  # noqa: E402
-from trainer.hf_checkpoint import hf_to_dcp  # noqa: E402
+from trainer.hf_checkpoint import dcp_to_hf, hf_to_dcp  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel" / "recipes"))
@@ -103,3 +103,8 @@ def test_two_ranks_train_and_export(hf_llama, tmp_path):
     print(f"2 ranks, trained 3 steps: max |logits(ours) - logits(transformers, exported)| = {diff:.2e} "
           f"(moved {moved:.2e} from the start)")
     assert diff <= TOL and moved > 1e-3
+    # the step-3 DCP checkpoint (sharded on 2 ranks, optimizer state besides) carries its HF config: to-hf
+    hf_from_dcp = dcp_to_hf(tmp_path / "manual" / "checkpoints" / "step-3", tmp_path / "from_dcp")
+    with torch.no_grad():
+        logits = transformers.LlamaForCausalLM.from_pretrained(hf_from_dcp).eval()(TOKENS).logits
+    assert (logits - out["logits"]).abs().max().item() <= TOL
