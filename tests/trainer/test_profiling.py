@@ -3,23 +3,14 @@ collectives in them, in manual and auto mode on 2 gloo ranks (gloo shows no coll
 1 rank); the CPU memory table; bad settings are one config error naming the key."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from profiled_jobs import MODES, PROFILE, TINY, two_rank_profiled_jobs
 from trainer_helpers import make_config
 
 from trainer.config import ConfigError
 from trainer.trainer import Trainer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel" / "recipes"))
-from dist_utils import run_distributed  # noqa: E402
-
-TINY = ["--model.n_layers", "1", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--model.ffn_hidden_dim", "128", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--metrics.hardware", "h100",
-        "--checkpoint.enable", "false"]
-PROFILE = ["--profiling.enable_profiling", "true", "--profiling.profile_freq", "2"]
 
 
 def _names(trace: Path) -> set[str]:
@@ -30,25 +21,13 @@ def _collectives(names: set[str]) -> set[str]:
     return {n for n in names if n.startswith(("gloo:", "c10d::", "_c10d_functional::"))}
 
 
-def _worker(rank: int, world: int, tmp: str) -> dict:
-    from trainer.config import load_config
-    from trainer.trainer import Trainer
-
-    out = {}
-    for mode in ("manual", "auto"):
-        extra = ["--parallelism.hardware", "cpu"] if mode == "auto" else []
-        cfg = load_config("llama3_debug", [*TINY, *PROFILE, "--training.steps", "3", "--parallelism.mode", mode,
-                                           *extra, "--job.dump_folder", tmp, "--job.name", mode], world_size=world)
-        out[mode] = sorted(Trainer(cfg).train())
-    return out
-
-
 @pytest.mark.slow
-def test_traces_of_the_chosen_steps_hold_ops_and_collectives_in_both_modes(tmp_path):
-    for out in run_distributed(_worker, 2, str(tmp_path), timeout=300):
-        assert out == {"manual": [1, 2, 3], "auto": [1, 2, 3]}
-    for mode in ("manual", "auto"):
-        root = tmp_path / mode / "profile_traces"
+def test_traces_of_the_chosen_steps_hold_ops_and_collectives_in_both_modes():
+    tmp, results = two_rank_profiled_jobs()
+    for out in results:
+        assert all(out[m + "_steps"] == [1, 2, 3] for m in MODES), out
+    for mode in MODES:
+        root = tmp / mode / "profile_traces"
         # profile_freq 2 over 3 steps: step 2 only, one trace per rank
         assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*.json")) == [
             "iteration_2/rank0_trace.json", "iteration_2/rank1_trace.json"]
