@@ -102,6 +102,12 @@ def initial_arg_overrides(cfg: Any) -> dict[str, Any]:
     if not folder.is_dir():
         raise ConfigError(f"{_key(cfg)}: no such folder; give an HF safetensors folder (initial_load_in_hf = true) "
                           "or a DCP folder (scripts/convert_hf.py to-dcp)")
+    if not ck.initial_load_in_hf and not (folder / ".metadata").is_file():
+        is_hf = (folder / "config.json").is_file()
+        hint = " (it has config.json: set checkpoint.initial_load_in_hf = true)" if is_hf else ""
+        raise ConfigError(f"{_key(cfg)}: not a DCP checkpoint folder (no .metadata){hint}")
+    if ck.initial_load_in_hf and not any(folder.glob("*.safetensors")):
+        raise ConfigError(f"{_key(cfg)}: no .safetensors files; give a Hugging Face checkpoint folder")
     try:
         hf_cfg = read_hf_config(folder)
     except FileNotFoundError as e:

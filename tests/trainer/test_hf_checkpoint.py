@@ -72,6 +72,8 @@ def test_other_model_or_architecture_is_a_config_error(hf_llama, tmp_path):
         Trainer(_cfg(tmp_path, "two_layers", d, ["--model.n_layers", "2"])).start()
     msg = str(e.value)
     assert "model llama3/debug" in msg and "missing model.layers.1." in msg and "'n_layers': 2" in msg
+    with pytest.raises(ConfigError, match="not a DCP checkpoint folder .* set checkpoint.initial_load_in_hf = true"):
+        Trainer(_cfg(tmp_path, "not_dcp", d, ["--checkpoint.initial_load_in_hf", "false"]))
     with pytest.raises(ConfigError, match=r"a LlamaForCausalLM checkpoint \(llama3\), but model.name = 'qwen3'"):
         Trainer(_cfg(tmp_path, "qwen", d, ["--model.head_dim", "16"], name="qwen3_debug"))
 
