@@ -193,6 +193,10 @@ class Data:
     # true: pack windows while reading (corpus order, the corpus never held in memory; trainer/streaming.py);
     # false: the corpus tokenized into memory first (shuffled windows)
     streaming: bool = False
+    # "" : files read by their suffix (trainer/sources.py); a datasets.load_dataset builder name ("text", "json",
+    # "csv", "parquet", ...) reads the files of `path` with it; "auto": `path` is a local dataset folder
+    dataset_builder: str = ""
+    split: str = "train"  # the split a dataset_builder reads
 
 
 @dataclass

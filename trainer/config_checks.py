@@ -19,6 +19,7 @@ from parallel.settings import SettingError
 
 from .device import CPU, CUDA, check_compiler, check_device
 from .errors import ConfigError
+from .sources import packaged_builders
 from .tokenizer import TokenizerError, tokenizer_for
 
 JobConfig = Any  # trainer.config.JobConfig (this module sits below it)
@@ -106,6 +107,22 @@ def _validate_ranges(cfg: JobConfig) -> None:
                    "data.shuffle = false (shuffle the files beforehand) or data.streaming = false")
     if cfg.data.streaming and cfg.data.num_workers:
         raise _err(cfg, "data", "num_workers", "a streamed corpus is read in the training process; set 0")
+    _validate_builder(cfg)
+
+
+def _validate_builder(cfg: JobConfig) -> None:
+    """`data.dataset_builder`: a builder datasets runs from local files (never the hub), with a path."""
+    builder = cfg.data.dataset_builder
+    if not builder:
+        return
+    if not cfg.data.path:
+        raise _err(cfg, "data", "dataset_builder", "needs data.path (the files or the local dataset folder)")
+    choices = packaged_builders()
+    if builder != "auto" and builder not in choices:
+        raise _err(cfg, "data", "dataset_builder", f"not a datasets builder for local files; use 'auto' (a local "
+                   f"dataset folder) or one of {', '.join(choices)}")
+    if builder == "auto" and not Path(cfg.data.path).is_dir():
+        raise _err(cfg, "data", "dataset_builder", "'auto' reads a local dataset folder; data.path is not a folder")
 
 
 def _validate_hardware(cfg: JobConfig) -> None:

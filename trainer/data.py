@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from .sources import SHIPPED_CORPUS, DataError, iter_documents
+from .sources import SHIPPED_CORPUS, DataError, documents_of, iter_documents
 from .streaming import PackedStream
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError, build_tokenizer, tokenizer_for
 
@@ -66,7 +66,7 @@ def pack_documents(tokenizer: Tokenizer, docs: Iterable[str]) -> torch.Tensor:
 
 def load_tokens(data_cfg, tokenizer: Tokenizer) -> torch.Tensor:
     """The packed token stream of ``[data] path`` (the shipped corpus when unset)."""
-    return pack_documents(tokenizer, iter_documents(data_cfg.path, data_cfg.jsonl_field))
+    return pack_documents(tokenizer, documents_of(data_cfg))
 
 
 class TokenWindows(Dataset):

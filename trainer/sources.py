@@ -8,7 +8,10 @@ files are read in sorted order. Per kind:
 - ``.parquet``: one row a document, the text in column ``jsonl_field`` (pyarrow, a row
   group at a time);
 - ``.csv``, ``.json``, ``.arrow``: ``datasets.load_dataset`` with the file as its
-  ``data_files``, read as a stream (no copy in the datasets cache), field ``jsonl_field``.
+  ``data_files``, read as a stream (no copy in the datasets cache), field ``jsonl_field``;
+- with ``[data] dataset_builder``: everything through ``datasets.load_dataset`` -- a builder
+  name (``text``, ``json``, ``csv``, ``parquet``, ...) over the files of the path, or ``auto``
+  for a local dataset folder (its builder and splits inferred), rows of ``[data] split``.
 
 Bad data -- an empty file, a missing or non-text field, undecodable bytes, a file the
 reader cannot open -- is a :class:`DataError` naming the file and the line (``path:LINE``)
@@ -41,6 +44,21 @@ class DataError(ValueError):
 
 def _err(message: str) -> DataError:
     return DataError(message, key="data.path")
+
+
+def documents_of(data_cfg) -> Iterator[str]:
+    """The documents of a ``[data]`` section."""
+    return iter_documents(data_cfg.path, data_cfg.jsonl_field, data_cfg.dataset_builder, data_cfg.split)
+
+
+def first_documents(data_cfg) -> None:
+    """Read the first document of every file (of the dataset, with a builder): what a streamed
+    corpus checks before step 1."""
+    if data_cfg.dataset_builder:
+        next(documents_of(data_cfg), None)
+    elif data_cfg.path:
+        for f in list_files(data_cfg.path):
+            next(iter(read_documents(f, data_cfg.jsonl_field)), None)
 
 
 def list_files(path: str) -> list[Path]:
@@ -155,6 +173,50 @@ def _read_datasets(path: Path, field: str) -> Iterator[str]:
         raise _err(f"{path}: empty file (no rows); remove it from [data] path or add rows")
 
 
+def packaged_builders() -> tuple[str, ...]:
+    """The builder names ``datasets.load_dataset`` runs from local files (no hub)."""
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    return tuple(sorted(_PACKAGED_DATASETS_MODULES))
+
+
+def _builder_files(path: str) -> list[str]:
+    """Every file ``path`` names for a builder (any suffix: the builder reads them), sorted."""
+    if any(c in path for c in "*?["):
+        files = sorted(f for f in glob.glob(path, recursive=True) if Path(f).is_file())
+    elif Path(path).is_dir():
+        files = sorted(str(f) for f in Path(path).rglob("*") if f.is_file() and not f.name.startswith("."))
+    else:
+        files = [path] if Path(path).is_file() else []
+    if not files:
+        raise _err(f"[data] path {path!r}: no files for [data] dataset_builder")
+    return files
+
+
+def _read_builder(path: str, field: str, builder: str, split: str) -> Iterator[str]:
+    """``datasets.load_dataset`` as a stream: ``builder = "auto"`` opens the local dataset folder
+    ``path`` (its builder and splits inferred from its files), a builder name reads ``path``'s files."""
+    import datasets
+
+    where = f"{path} (split {split!r})"
+    row = -1
+    try:
+        if builder == "auto":
+            ds = datasets.load_dataset(path, split=split, streaming=True)
+        else:
+            ds = datasets.load_dataset(builder, data_files=_builder_files(path), split=split, streaming=True)
+        for row, rec in enumerate(ds):
+            yield _field(rec, field, f"{where}: row {row}", "column")
+    except DataError:
+        raise
+    except Exception as e:  # the builders raise their readers' own errors
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise _err(f"{where}: datasets.load_dataset({builder!r}) could not read it ({type(e).__name__}: {first}); "
+                   f"check [data] dataset_builder and split") from None
+    if row < 0:
+        raise _err(f"{where}: no rows; check [data] path and split")
+
+
 def read_documents(path: Path, field: str = "text") -> Iterator[str]:
     """The documents of one data file, in order."""
     if path.suffix == ".txt":
@@ -166,8 +228,12 @@ def read_documents(path: Path, field: str = "text") -> Iterator[str]:
     return _read_datasets(path, field)
 
 
-def iter_documents(path: str = "", field: str = "text") -> Iterator[str]:
-    """Every document of ``[data] path`` in order ("" : the shipped corpus, one document)."""
+def iter_documents(path: str = "", field: str = "text", builder: str = "", split: str = "train") -> Iterator[str]:
+    """Every document of ``[data] path`` in order ("" : the shipped corpus, one document);
+    ``builder`` (``[data] dataset_builder``): read by ``datasets.load_dataset`` instead."""
+    if builder:
+        yield from _read_builder(path, field, builder, split)
+        return
     files = list_files(path) if path else [SHIPPED_CORPUS]
     for f in files:
         yield from read_documents(f, field)

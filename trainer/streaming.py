@@ -21,7 +21,7 @@ from itertools import islice
 import torch
 
 from .errors import ConfigError
-from .sources import DataError, iter_documents, list_files, read_documents
+from .sources import DataError, documents_of, first_documents
 from .tokenizer import Tokenizer
 
 
@@ -31,16 +31,14 @@ class PackedStream:
 
     def __init__(self, data_cfg, tokenizer: Tokenizer, *, seq_len: int, local_batch_size: int,
                  dp_rank: int = 0, dp_degree: int = 1):
-        self.path, self.field = data_cfg.path, data_cfg.jsonl_field
+        self.data_cfg = data_cfg
         self.tokenizer = tokenizer
         self.seq_len, self.local_batch_size, self.dp_rank = seq_len, local_batch_size, dp_rank
         self.global_batch = local_batch_size * dp_degree
         self.epoch = self.doc = self.offset = 0
         self.batches_done = 0
         self.batch_sampler = self  # what a checkpoint without this rank's state positions (skip_to)
-        if self.path:
-            for f in list_files(self.path):  # every file opens and has its first document before step 1
-                next(iter(read_documents(f, self.field)), None)
+        first_documents(data_cfg)  # every file opens and has its first document before step 1
         next(self._batches(0, 0, 0))  # the first global batch fits (errors before any step)
 
     # --------------------------------------------------------------- reading
@@ -56,7 +54,7 @@ class PackedStream:
         epoch of fewer than ``need`` tokens (one global batch) is a DataError."""
         while True:
             n = 0
-            for i, text in enumerate(islice(iter_documents(self.path, self.field), doc, None), doc):
+            for i, text in enumerate(islice(documents_of(self.data_cfg), doc, None), doc):
                 ids = self._doc_tokens(epoch, i, text)
                 n += len(ids)
                 if offset < len(ids):

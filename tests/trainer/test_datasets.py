@@ -15,7 +15,7 @@ import train
 from trainer.config import Data, load_config
 from trainer.data import ByteTokenizer, DataError, HFTokenizer, build_dataloader, load_tokens
 from trainer.errors import ConfigError
-from trainer.sources import iter_documents, list_files
+from trainer.sources import documents_of, iter_documents, list_files
 from trainer.trainer import Trainer
 
 TINY = ["--model.n_layers", "1", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
@@ -205,3 +205,22 @@ def test_streaming_checks_first_documents_before_step_one_and_the_rest_when_read
         build_dataloader(cfg, seq_len=8, local_batch_size=2)
     with pytest.raises(ConfigError, match=r"'data.shuffle' = True: a streamed corpus .* is read in order"):
         load_config("llama3_debug", ["--data.streaming", "true"], world_size=1)
+
+
+def test_dataset_builder_reads_through_load_dataset(tmp_path):
+    """[data] dataset_builder: a builder over the path's files, or 'auto' for a local dataset folder."""
+    (tmp_path / "lines").mkdir()
+    (tmp_path / "lines" / "a.txt").write_text("line one\nline two\n")
+    assert list(documents_of(Data(path=str(tmp_path / "lines"), dataset_builder="text"))) == ["line one", "line two"]
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "train.jsonl").write_text("".join(json.dumps({"body": f"train {i}"}) + "\n" for i in range(3)))
+    (ds / "test.jsonl").write_text(json.dumps({"body": "held out"}) + "\n")
+    auto = Data(path=str(ds), dataset_builder="auto", jsonl_field="body")
+    assert list(documents_of(auto)) == ["train 0", "train 1", "train 2"]
+    assert list(documents_of(Data(path=str(ds), dataset_builder="auto", jsonl_field="body", split="test"))) == [
+        "held out"]
+    with pytest.raises(DataError, match=r"\(split 'train'\): row 0: no 'text' field \(it has 'body'\)"):
+        list(documents_of(Data(path=str(ds), dataset_builder="auto")))
+    with pytest.raises(ConfigError, match=r"'data.dataset_builder' = 'jsonnn': not a datasets builder"):
+        load_config("llama3_debug", ["--data.path", str(ds), "--data.dataset_builder", "jsonnn"], world_size=1)
