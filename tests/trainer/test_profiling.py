@@ -66,3 +66,22 @@ def test_an_unwritable_traces_folder_is_a_config_error(tmp_path):
                                        "--profiling.save_traces_folder", "traces"])
     with pytest.raises(ConfigError, match="'profiling.save_traces_folder' = 'traces': cannot write"):
         Trainer(cfg).train()
+
+
+def test_cuda_memory_snapshots_at_the_profiled_steps(tmp_path, monkeypatch):
+    """The CUDA branch without a GPU: the allocator's history is recorded for the whole run and
+    dumped after every profile_freq-th step (counted from a resumed step), per rank."""
+    import torch
+
+    from trainer import profiling
+
+    calls = []
+    monkeypatch.setattr(profiling.T, "record_cuda_memory_history", lambda on: calls.append(("record", on)))
+    monkeypatch.setattr(profiling.T, "dump_cuda_memory_snapshot", lambda path: calls.append(("dump", path)))
+    cfg = make_config(tmp_path, extra=["--profiling.enable_memory_snapshot", "true", "--profiling.profile_freq", "2"])
+    with profiling.StepProfiler(cfg, tmp_path / "run", 3, torch.device("cuda"), start_step=1) as prof:
+        for _ in range(4):  # steps 2..5
+            prof.step()
+    folder = tmp_path / "run" / "memory_snapshot"
+    assert calls == [("record", True), ("dump", str(folder / "iteration_2" / "rank3_memory_snapshot.pickle")),
+                     ("dump", str(folder / "iteration_4" / "rank3_memory_snapshot.pickle")), ("record", False)]
