@@ -200,6 +200,11 @@ def test_streaming_checks_first_documents_before_step_one_and_the_rest_when_read
     dl = build_dataloader(cfg, seq_len=8, local_batch_size=8)  # the first document is fine
     with pytest.raises(DataError, match=r"a.jsonl:41: no 'text' field"):
         _batches(dl, 200)
+    job = load_config("llama3_debug", FAST + TINY + ["--job.dump_folder", str(tmp_path), "--data.path", str(tmp_path),
+                                                     "--data.streaming", "true", "--data.shuffle", "false",
+                                                     "--training.steps", "200"], world_size=1)
+    with pytest.raises(ConfigError, match=r"'data.path' = .*a.jsonl:41: no 'text' field .*\(read at step \d+: "):
+        Trainer(job).train()  # the job ends with the one-line error where the stream reaches the row
     (tmp_path / "b.jsonl").write_text('{"txt": "first"}\n')
     with pytest.raises(DataError, match=r"b.jsonl:1: no 'text' field"):
         build_dataloader(cfg, seq_len=8, local_batch_size=2)
