@@ -30,6 +30,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from parallel import _torch as T
 
 from .config import ConfigError, JobConfig
+from .device import CUDA
 
 WARMUP_STEPS = 3
 """Steps the profiler runs before the recorded one (fewer when profile_freq is smaller)."""
@@ -79,7 +80,7 @@ class StepProfiler:
         self.rank, self.freq = rank, p.profile_freq
         self.trace_dir = Path(run_dir) / p.save_traces_folder if p.enable_profiling else None
         self.memory_dir = Path(run_dir) / p.save_memory_snapshot_folder if p.enable_memory_snapshot else None
-        self.cuda = device.type == "cuda"
+        self.cuda = device.type == CUDA
         for key, folder in (("save_traces_folder", self.trace_dir), ("save_memory_snapshot_folder", self.memory_dir)):
             if folder is not None:
                 _writable(cfg, key, folder, rank)
