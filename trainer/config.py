@@ -200,6 +200,17 @@ class Data:
 
 
 @dataclass
+class Validation:
+    # every `freq` steps: the loss and perplexity of `steps` global batches, forward only (trainer/validation.py)
+    enable: bool = False
+    freq: int = 10
+    steps: int = 4
+    # "" : the last `steps` global batches of the training data, held back from training; otherwise a path
+    # read like [data] path (its tokenizer, jsonl_field and dataset_builder)
+    data: str = ""
+
+
+@dataclass
 class Comm:
     # seconds a collective (and the process group's start) may wait for the other ranks; then
     # the job ends, naming the ranks that stalled
@@ -233,6 +244,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     data: Data = field(default_factory=Data)
+    validation: Validation = field(default_factory=Validation)
     comm: Comm = field(default_factory=Comm)
     profiling: Profiling = field(default_factory=Profiling)
     # where the config came from (for messages); not a TOML section

@@ -108,6 +108,22 @@ def _validate_ranges(cfg: JobConfig) -> None:
     if cfg.data.streaming and cfg.data.num_workers:
         raise _err(cfg, "data", "num_workers", "a streamed corpus is read in the training process; set 0")
     _validate_builder(cfg)
+    _validate_validation(cfg)
+
+
+def _validate_validation(cfg: JobConfig) -> None:
+    """`[validation]`: positive counts, a path that exists, a split a streamed corpus cannot give."""
+    v = cfg.validation
+    if not v.enable:
+        return
+    for key in ("freq", "steps"):
+        if getattr(v, key) < 1:
+            raise _err(cfg, "validation", key, "must be >= 1")
+    if v.data and not any(c in v.data for c in "*?[") and not Path(v.data).exists():
+        raise _err(cfg, "validation", "data", "no such file or folder")
+    if not v.data and cfg.data.streaming:
+        raise _err(cfg, "validation", "data", "a streamed corpus ([data] streaming = true) is read as it goes, so "
+                   "no split of it can be held back: set validation.data to a validation dataset")
 
 
 def _validate_builder(cfg: JobConfig) -> None:

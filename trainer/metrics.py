@@ -120,6 +120,7 @@ class MetricsLogger:
             self.peak, self.peak_note = peak_flops(metrics_cfg.hardware, compute_dtype)
         self.losses: dict[str, float] = {}
         self.grad_norms: dict[str, float] = {}
+        self.val_losses: dict[str, float] = {}
         if rank == 0 and start_step > 0 and self.losses_path.exists():
             try:
                 old = json.loads(self.losses_path.read_text())
@@ -127,6 +128,7 @@ class MetricsLogger:
                                if int(k) <= start_step}
                 self.grad_norms = {k: v for k, v in old.get("grad_norm", {}).items()
                                    if int(k) <= start_step}
+                self.val_losses = {k: v for k, v in old.get("validation", {}).items() if int(k) <= start_step}
             except (ValueError, OSError):
                 pass
         self.tb = None
@@ -171,6 +173,19 @@ class MetricsLogger:
         self._t0 = time.perf_counter()
         return m
 
+    def log_validation(self, step: int, loss: float, perplexity: float, tokens: int) -> None:
+        """`[validation]`'s numbers of a step: one console line (rank 0), TensorBoard scalars
+        validation/loss and validation/perplexity, and losses.json's "validation" ({step: loss})."""
+        if self.rank != 0:
+            return
+        logger.info(f"step {step} | validation loss {loss:.4f} | perplexity {perplexity:.2f} | {tokens} tokens")
+        self.val_losses[str(step)] = loss
+        self._write_losses()
+        if self.tb is not None:
+            self.tb.add_scalar("validation/loss", loss, step)
+            self.tb.add_scalar("validation/perplexity", perplexity, step)
+            self.tb.flush()
+
     def reset_timer(self) -> None:
         self._tokens = 0
         self._t0 = time.perf_counter()
@@ -178,7 +193,10 @@ class MetricsLogger:
     def _write_losses(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.losses_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"loss": self.losses, "grad_norm": self.grad_norms}))
+        d = {"loss": self.losses, "grad_norm": self.grad_norms}
+        if self.val_losses:
+            d["validation"] = self.val_losses
+        tmp.write_text(json.dumps(d))
         os.replace(tmp, self.losses_path)
 
     def close(self) -> None:

@@ -59,6 +59,11 @@ class Parallelizer:
         """Forward, loss, backward of one step; the local loss."""
         raise NotImplementedError
 
+    def forward_loss(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                     positions: Optional[torch.Tensor]) -> torch.Tensor:
+        """Forward and loss only (validation, under no_grad): this rank's loss, as `forward_backward`'s."""
+        raise NotImplementedError
+
     def for_seq_len(self, model: torch.nn.Module, sample_batch: Batch) -> tuple[torch.nn.Module, Any, str]:
         """The model for a new sequence length (`sample_batch`'s): (model, the parameters moved
         into it, or None when it is the same model, how it was made)."""
@@ -116,6 +121,14 @@ class Recipes(Parallelizer):
             loss.backward()
         return loss_value(loss)
 
+    def forward_loss(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                     positions: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx = (torch.autocast(self.device.type, dtype=dtype_of(self.cfg.training.mixed_precision_param))
+               if self.autocast else contextlib.nullcontext())
+        with loss_parallel_context(model), ctx:
+            logits = model(inputs) if positions is None else model(inputs, positions)
+            return loss_value(cross_entropy_loss(logits, labels))
+
 
 class Planner(Parallelizer):
     """`mode = "auto"`: the planner's plan, run as one step graph per step."""
@@ -147,6 +160,15 @@ class Planner(Parallelizer):
             loss.backward()
             return loss
         return model.forward_backward(*((inputs, labels) if positions is None else (inputs, labels, positions)))
+
+    def forward_loss(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                     positions: Optional[torch.Tensor]) -> torch.Tensor:
+        """The plan's forward phase alone (the module's forward: the planned placements, the
+        DTensor parameters as they are); no backward, no optimizer."""
+        if not is_parallel_module(model):
+            return cross_entropy_loss(model(inputs), labels)
+        out = model(*((inputs, labels) if positions is None else (inputs, labels, positions)))
+        return out[0] if isinstance(out, (tuple, list)) else out
 
     def for_seq_len(self, model: torch.nn.Module, sample_batch: Batch) -> tuple[torch.nn.Module, Any, str]:
         """The plan this job made for the new length before, else a fresh solve or a replay of

@@ -37,6 +37,7 @@ from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, follow_
 from .parallelizer import parallelizer_for
 from .profiling import StepProfiler, check_profiling
 from .step_guard import StepGuard
+from .validation import Validator, held_tokens, holdout, validation_tokens
 
 TIMEOUT_WORDS = ("timed out", "timeout")
 
@@ -111,6 +112,9 @@ class Trainer:
             self.tokenizer = tokenizer_for(cfg)
             # read and packed once for every length (a streamed corpus is read by each loader as it goes)
             tokens = None if cfg.data.streaming else load_tokens(cfg.data, self.tokenizer)
+            self._held: Optional[torch.Tensor] = None
+            if tokens is not None:  # [validation] without its own data: the stream's tail is held back
+                tokens, self._held = holdout(tokens, held_tokens(cfg, self.dp_degree))
             self.loaders = {seq: build_dataloader(
                 cfg.data, seq_len=seq, local_batch_size=t.local_batch_size,
                 dp_rank=self.dp_rank, dp_degree=self.dp_degree, seed=cfg.job.seed,
@@ -120,6 +124,32 @@ class Trainer:
             value = f" = {cfg.data.path!r}" if key == "data.path" else ""
             raise ConfigError(f"{cfg.source}: '{key}'{value}: {e}") from None
         self.dataloader = self.loaders[self.seq_len]
+        self.validator = self._build_validator()
+
+    def _build_validator(self) -> Optional[Validator]:
+        """`[validation]`: its own data (`validation.data`) or the held-back tail of the training stream."""
+        v = self.cfg.validation
+        if not v.enable:
+            return None
+        key = "validation.data" if v.data else "validation.steps"
+        try:
+            if v.data:
+                tokens, source = validation_tokens(self.cfg, self.tokenizer), f"validation.data = {v.data!r}"
+            else:
+                tokens = self._held
+                source = f"the last {len(tokens) - 1} tokens of the training data, held back from training"
+            return Validator(self.cfg, tokens, dp_rank=self.dp_rank, dp_degree=self.dp_degree,
+                             device=self.device, source=source)
+        except DataError as e:
+            raise ConfigError(f"{self.cfg.source}: '{key}' = {getattr(v, key.split('.')[1])!r}: {e}") from None
+
+    def validate(self) -> tuple[float, float, int]:
+        """`[validation]` now: forward only on the current weights; logged (console, TensorBoard)."""
+        self.guard.at(self.step, "the validation")
+        loss, ppl, tokens = self.validator.run(self.model, self.parallelizer, self.seq_len)
+        self.metrics.log_validation(self.step, loss, ppl, tokens)
+        self.metrics.reset_timer()
+        return loss, ppl, tokens
 
     def _build_model(self) -> torch.nn.Module:
         """The model, initialised from the job's seed and parallelized (recipe or plan): see
@@ -240,6 +270,9 @@ class Trainer:
                 f"{self._mesh_desc()}, global batch {t.local_batch_size * self.dp_degree} x "
                 f"{self.seq_len} tokens{sched}, steps {self.step + 1}..{t.steps}, MFU peak from "
                 f"{self.metrics.peak_note or 'n/a'}")
+            if self.validator is not None:
+                logger.info(f"validation every {cfg.validation.freq} steps: {cfg.validation.steps} global batches "
+                            f"of {self.validator.source}")
         self.logged: dict[int, float] = {}
         self._data_iter = None
         if self.step >= t.steps:
@@ -278,6 +311,8 @@ class Trainer:
             loss_v = self.reduce_mean(loss.item())
             self.metrics.log(self.step, loss_v, grad_norm.item(), self.lr_used)
             self.logged[self.step] = loss_v
+        if self.validator is not None and self.validator.should_run(self.step):
+            self.validate()
         if self.checkpointer.should_save(self.step, self.cfg.training.steps):
             self.guard.at(self.step, "the checkpoint save")
             self.guard.check_weights(self.step, self.model)

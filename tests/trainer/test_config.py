@@ -58,7 +58,7 @@ def test_overrides_forms():
 def test_one_dataclass_per_section():
     cfg = JobConfig()
     sections = ["job", "model", "training", "optimizer", "lr_scheduler", "parallelism",
-                "activation_checkpoint", "checkpoint", "metrics", "data", "comm", "profiling"]
+                "activation_checkpoint", "checkpoint", "metrics", "data", "validation", "comm", "profiling"]
     assert list(cfg.to_dict()) == sections
     assert len({type(getattr(cfg, s)) for s in sections}) == len(sections)
     keys = cfg.to_dict()["parallelism"]  # flat, as in the TOML file: the planner's settings are keys of it
