@@ -1,6 +1,8 @@
 """Plan materialisation numerics on 4 gloo ranks (2x2 mesh): the default plan and plans
 forced into DDP-, FSDP- and TP-like (FSDP on dp x TP on tp) shapes equal a 1-rank run (fp32, rtol 1e-4, atol 1e-6);
-ten AdamW steps of the default LLaMA plan track the 1-rank losses."""
+ten AdamW steps of the default LLaMA plan track the 1-rank losses. Qwen3 (LLaMA's graph plus
+the q/k norms) runs its default and TP-like plans: the forced DDP/FSDP shapes add nothing
+that LLaMA's do not test."""
 
 import functools
 
@@ -9,7 +11,7 @@ from apply_workers import compare, grads_close, make_plans, reference, run_distr
 
 SHAPE, NAMES = (2, 2), ("dp", "tp")
 JOBS = [("llama3", "default", 10), ("llama3", "ddp", 1), ("llama3", "fsdp", 1), ("llama3", "tp", 1),
-        ("qwen3", "default", 1), ("qwen3", "ddp", 1), ("qwen3", "fsdp", 1), ("qwen3", "tp", 1)]
+        ("qwen3", "default", 1), ("qwen3", "tp", 1)]
 # any valid plan is exact: the MRF solver (TRW-S + local search) with a 1 s budget per
 # run keeps the test fast (same energies as unbounded here; proving 2x2 ILPs optimal takes ~1 min)
 SOLVER = "mrf"
