@@ -141,7 +141,8 @@ class Trainer:
             return Validator(self.cfg, tokens, dp_rank=self.dp_rank, dp_degree=self.dp_degree,
                              device=self.device, source=source)
         except DataError as e:
-            raise ConfigError(f"{self.cfg.source}: '{key}' = {getattr(v, key.split('.')[1])!r}: {e}") from None
+            msg = str(e).replace("[data] path", "validation.data")  # the reader's words name its own key
+            raise ConfigError(f"{self.cfg.source}: '{key}' = {getattr(v, key.split('.')[1])!r}: {msg}") from None
 
     def validate(self) -> tuple[float, float, int]:
         """`[validation]` now: forward only on the current weights; logged (console, TensorBoard)."""

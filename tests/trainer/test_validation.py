@@ -111,7 +111,7 @@ def test_validation_does_not_perturb_training(jobs, on, off):
         assert (w == res[off + "_weights"][name]).all(), name
 
 
-def test_held_back_split_is_logged_and_excluded(cfg_factory, tmp_path, caplog):
+def test_held_back_split_is_logged_and_excluded(cfg_factory):
     from trainer.trainer import Trainer
 
     small = ["--model.n_layers", "1", "--training.steps", "0"]
@@ -135,7 +135,8 @@ def test_bad_settings_are_config_errors(tmp_path, key, value, words):
     assert f"'validation.{key}' = " in str(e.value) and value in str(e.value) and words in str(e.value)
 
 
-@pytest.mark.parametrize("text, words", [("", "empty file"), ("too short", "fewer than one global batch")])
+@pytest.mark.parametrize("text, words", [("", "empty file; remove it from validation.data"),
+                                         ("too short", "fewer than one global batch")])
 def test_empty_validation_data_is_a_config_error(cfg_factory, tmp_path, text, words):
     from trainer.trainer import Trainer
 
@@ -151,3 +152,30 @@ def test_streamed_corpus_needs_validation_data(tmp_path):
         load_config("llama3_debug", [*VAL, "--data.streaming", "true", "--data.shuffle", "false",
                                      "--job.dump_folder", str(tmp_path)], world_size=1)
     assert "'validation.data' = ''" in str(e.value) and "streaming" in str(e.value)
+
+
+def test_console_and_tensorboard(tmp_path):
+    import logging
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainer.config import Metrics
+    from trainer.metrics import MetricsLogger
+
+    m = MetricsLogger(Metrics(enable_tensorboard=True, hardware="h100"), tmp_path, rank=0, world_size=1,
+                      flops_per_token=1.0, compute_dtype="float32", device=__import__("torch").device("cpu"))
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda r: lines.append(r.getMessage())
+    logging.getLogger("autotitan").addHandler(handler)
+    try:
+        m.log_validation(3, 2.0, math.exp(2.0), 256)
+    finally:
+        logging.getLogger("autotitan").removeHandler(handler)
+        m.close()
+    assert lines == ["step 3 | validation loss 2.0000 | perplexity 7.39 | 256 tokens"]
+    ev = EventAccumulator(str(tmp_path / "tb"))
+    ev.Reload()
+    assert [(e.step, e.value) for e in ev.Scalars("validation/loss")] == [(3, 2.0)]
+    assert math.isclose(ev.Scalars("validation/perplexity")[0].value, math.exp(2.0), rel_tol=1e-6)
+    assert json.loads((tmp_path / "losses.json").read_text())["validation"] == {"3": 2.0}
