@@ -303,3 +303,16 @@ def _no_blocks(cfg: JobConfig) -> str | None:
     except (ValueError, AttributeError) as e:
         return f"{cfg.model.name} has no transformer blocks to checkpoint ({e})"
     return None if blocks else f"{cfg.model.name} has no transformer blocks to checkpoint"
+
+
+def check_writable(source: str, key: str, value: Any, folder: Path, rank: int) -> None:
+    """The folder a setting names can be made and written by this rank: else one config error
+    naming the key and its value, before the first step (not a crash at the first write)."""
+    probe = folder / f".writable-{rank}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{source}: '{key}' = {value!r}: cannot write {folder} ({e.strerror or e}); "
+                          "choose a folder this job may write") from None

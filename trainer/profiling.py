@@ -30,6 +30,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from parallel import _torch as T
 
 from .config import ConfigError, JobConfig
+from .config_checks import check_writable
 from .device import CUDA
 
 WARMUP_STEPS = 3
@@ -49,18 +50,6 @@ def check_profiling(cfg: JobConfig) -> None:
                     ("save_memory_snapshot_folder", p.enable_memory_snapshot)):
         if on and not getattr(p, key).strip():
             raise ConfigError(f"{cfg.source}: 'profiling.{key}' = '': name a folder (under the run folder)")
-
-
-def _writable(cfg: JobConfig, key: str, folder: Path, rank: int) -> None:
-    """The output folder can be made and written: else a config error before the first step."""
-    probe = folder / f".writable-{rank}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"{cfg.source}: 'profiling.{key}' = {getattr(cfg.profiling, key)!r}: cannot write "
-                          f"{folder} ({e.strerror or e}); choose a folder this job may write") from None
 
 
 @contextlib.contextmanager
@@ -83,7 +72,7 @@ class StepProfiler:
         self.cuda = device.type == CUDA
         for key, folder in (("save_traces_folder", self.trace_dir), ("save_memory_snapshot_folder", self.memory_dir)):
             if folder is not None:
-                _writable(cfg, key, folder, rank)
+                check_writable(cfg.source, f"profiling.{key}", getattr(p, key), folder, rank)
         self.step_num = start_step
         self._prof: Optional[profile] = None
         self._closing = False

@@ -29,6 +29,7 @@ from .auto_mode import PlanSource
 from .build import build_parallel_model
 from .checkpoint import CheckpointManager, complete_checkpoints, resume_step
 from .config import ConfigError, JobConfig
+from .config_checks import check_writable
 from .data import DataError, build_dataloader, load_tokens, tokenizer_for
 from .device import local_device
 from .hf_checkpoint import export_hf_config, load_initial, save_hf
@@ -40,19 +41,6 @@ from .step_guard import StepGuard
 from .validation import Validator, held_tokens, holdout, validation_tokens
 
 TIMEOUT_WORDS = ("timed out", "timeout")
-
-
-def _check_writable(cfg: JobConfig, run_dir: Path, rank: int) -> None:
-    """The run folder can be created and written (plans, metrics, checkpoints): a read-only or
-    impossible dump folder is a config error before any work."""
-    probe = run_dir / f".writable-{rank}"
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"{cfg.source}: 'job.dump_folder' = {cfg.job.dump_folder!r}: cannot write the run folder "
-                          f"{run_dir} ({e.strerror or e}); choose a folder this job may write") from None
 
 
 def _timed_out(e: BaseException) -> bool:
@@ -72,7 +60,7 @@ class Trainer:
         self.world_size = dist.get_world_size() if self.distributed else 1
         setup_logging(self.rank)
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
-        _check_writable(cfg, self.run_dir, self.rank)
+        check_writable(cfg.source, "job.dump_folder", cfg.job.dump_folder, self.run_dir, self.rank)
         check_profiling(cfg)
         self.device = local_device(cfg.job.device)
         if cfg.parallelism.mesh == "auto" and self.distributed:
