@@ -85,13 +85,16 @@ def _two_ranks(rank: int, world: int, tmp: str, hf_dir: str) -> dict:
     tr.model.eval()
     with torch.no_grad():
         logits = tr.model(TOKENS)
-    return {"losses": losses, "logits": logits}
+    # auto mode: the planner's placements read the same shards (DCP reshards to any plan)
+    auto = Trainer(_cfg(tmp, "auto", hf_dir, ["--training.steps", "2", "--checkpoint.last_save_in_hf", "true",
+                                              "--parallelism.mode", "auto"], world_size=2))
+    return {"losses": losses, "logits": logits, "auto_losses": auto.train()}
 
 
 @pytest.mark.slow
 def test_two_ranks_train_and_export(hf_llama, tmp_path):
     """FSDP on 2 ranks reads its shards of the HF folder, trains 3 steps and exports: transformers
-    gives the trained model's logits."""
+    gives the trained model's logits. Auto mode on 2 ranks starts from the same weights."""
     hf, d = hf_llama
     out = run_distributed(_two_ranks, 2, str(tmp_path), str(d), timeout=300)[0]
     assert sorted(out["losses"]) == [1, 2, 3]
@@ -110,3 +113,10 @@ def test_two_ranks_train_and_export(hf_llama, tmp_path):
     with torch.no_grad():
         logits = transformers.LlamaForCausalLM.from_pretrained(hf_from_dcp).eval()(TOKENS).logits
     assert (logits - out["logits"]).abs().max().item() <= TOL
+    # auto mode started from the same HF weights trains the same two steps (same data, same
+    # global batch), and its export is a complete HF folder of the trained weights
+    for step in (1, 2):
+        assert out["auto_losses"][step] == pytest.approx(out["losses"][step], rel=1e-5), step
+    auto_hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "auto" / "checkpoints" / "step-2-hf").eval()
+    with torch.no_grad():
+        assert (auto_hf(TOKENS).logits - hf(TOKENS).logits).abs().max().item() > 1e-3  # trained, not the start
