@@ -8,6 +8,8 @@ script sets, scripts/fault_hooks/sitecustomize.py):
   kill_step       kill -9 of one rank at a random step
   kill_save_all   kill -9 of every rank inside the checkpoint save (DCP writing its files)
   kill_save_one   kill -9 of one rank inside the save
+  kill_async_save kill -9 of one rank inside an async save ([checkpoint] async_mode = "async": DCP's
+                  background write, the next steps running); compared with the blocking run's losses
   kill_planning   kill -9 of one rank while the planner plans (auto mode)
   kill_replan     kill -9 of one rank while it re-plans at a sequence-length change (auto mode)
   sigterm         SIGTERM to every rank (a preemption): the step is finished, saved, exit 0
@@ -44,8 +46,9 @@ JOB = ["--config", "llama3_debug", "--model.n_layers", "1", "--training.seq_len"
        "--checkpoint.interval", str(INTERVAL)]
 AUTO = ["--parallelism.mode", "auto", "--parallelism.hardware", "cpu", "--parallelism.memory_estimate", "false"]
 REPLAN = ["--training.seq_len_schedule", "[[0, 16], [4, 32]]"]
-FAULTS = ("kill_step", "kill_save_all", "kill_save_one", "kill_planning", "kill_replan", "sigterm", "truncate_shard",
-          "delete_shard", "other_model")
+ASYNC = ["--checkpoint.async_mode", "async"]
+FAULTS = ("kill_step", "kill_save_all", "kill_save_one", "kill_async_save", "kill_planning", "kill_replan", "sigterm",
+          "truncate_shard", "delete_shard", "other_model")
 AUTO_ONLY = ("kill_planning", "kill_replan")
 PLANNING_LINE = "trace"  # the planner's first progress line (rank 0): the job is planning
 
@@ -59,7 +62,8 @@ class Outcome:
 
 
 def command(world: int, mode: str, fault: str, folder: Path, name: str) -> list[str]:
-    extra = (AUTO if mode == "auto" else []) + (REPLAN if fault == "kill_replan" else [])
+    extra = (AUTO if mode == "auto" else []) + (REPLAN if fault == "kill_replan" else []) + (
+        ASYNC if fault == "kill_async_save" else [])
     return ["torchrun", "--nproc_per_node", str(world), "--master_port", str(random.randint(20000, 40000)),
             str(ROOT / "train.py"), *JOB, *extra, "--job.dump_folder", str(folder), "--job.name", name]
 
@@ -112,7 +116,7 @@ def inject(fault: str, world: int) -> tuple:
     if fault == "kill_step":
         at = random.randint(2, STEPS - 1)
         return (lambda ln: ln.startswith(f"step {at} |")), kill_one, {}
-    if fault in ("kill_save_all", "kill_save_one"):
+    if fault in ("kill_save_all", "kill_save_one", "kill_async_save"):
         step = random.choice(range(INTERVAL * 2, STEPS, INTERVAL))
         rank = "all" if fault == "kill_save_all" else str(victim)
         return None, None, {"AUTOTITAN_FAULT": f"kill_in_save:{rank}:{step}", "PYTHONPATH": str(HOOKS)}

@@ -12,11 +12,20 @@ never leaves a half-deleted folder that looks complete. A save that fails (a ful
 folder without write permission) stops the job with one error naming the folder and the
 bytes it needed; the previous complete checkpoint stays the latest. Works with or without a
 process group (single process).
+
+``[checkpoint] async_mode = "async"``: DCP's ``async_save`` copies the state to CPU memory
+before it returns (the next optimizer step cannot change what is saved) and writes it in a
+background thread, over a gloo process group of its own (its collectives never interleave
+with training's), while the next steps run. The save is made complete (manifest, rename,
+pruning) only after its future has finished on every rank: at the start of the next save, at
+the end of training, and when every rank stops on a training fault (a non-finite step). A
+kill before then leaves only ``step-N.tmp``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import json
 import logging
@@ -25,6 +34,8 @@ import pickle
 import re
 import shutil
 import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -124,11 +135,22 @@ def resume_step(ckpt_cfg: Checkpoint, folder: Path) -> int:
     return max(done) if done else 0
 
 
+@dataclass
+class _PendingSave:
+    """An async save whose files are still being written (this rank's part)."""
+
+    step: int
+    tmp: Path
+    future: Future
+    need: int  # bytes of this rank's state (for a failed write's message)
+
+
 class CheckpointManager:
     """Saves and restores the whole training state as DCP folders (see the module doc)."""
 
     def __init__(self, ckpt_cfg: Checkpoint, folder: Path, *, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, lr_scheduler: LambdaLR, dataloader: Any, dp_rank: int = 0):
+                 optimizer: torch.optim.Optimizer, lr_scheduler: LambdaLR, dataloader: Any, dp_rank: int = 0,
+                 timeout_s: float = 600.0):
         self.cfg = ckpt_cfg
         self.folder = Path(folder)
         self.model = model
@@ -137,6 +159,14 @@ class CheckpointManager:
         self.dataloader = dataloader
         self.dp_rank = dp_rank
         self.enabled = ckpt_cfg.enable
+        self.async_save = ckpt_cfg.async_mode == "async"
+        self._pending: Optional[_PendingSave] = None
+        # async saves run their collectives on a group of their own (gloo: CPU tensors), as TorchTitan does
+        self._pg = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+                    if self.enabled and self.async_save and _dist() else None)
+        if self.enabled and self.async_save and not _dist():
+            # the background thread's save warns "assuming a single process": that is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
     # ------------------------------------------------------------------ state
 
@@ -160,7 +190,9 @@ class CheckpointManager:
 
     def save(self, step: int) -> Path:
         """Write ``step-N.tmp`` on every rank, then rank 0 writes the manifest and renames it:
-        only complete checkpoints ever carry the final name."""
+        only complete checkpoints ever carry the final name. Async mode: the state is staged and
+        its write started; it is completed by the next ``save`` or ``wait``."""
+        self.wait()
         final = self.folder / f"step-{step}"
         tmp = self.folder / f"step-{step}.tmp"
         if _rank() == 0:
@@ -171,9 +203,40 @@ class CheckpointManager:
         state = self._state(step)
         try:
             with _quiet():
+                if self.async_save:
+                    future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
+                    self._pending = _PendingSave(step, tmp, future, _state_bytes(state))
+                    return final
                 dcp.save(state, checkpoint_id=str(tmp))
         except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's write errors
-            raise self._save_failed(step, tmp, state, e) from None
+            raise self._save_failed(step, tmp, _state_bytes(state), e) from None
+        return self._complete(step, tmp)
+
+    def wait(self) -> Optional[Path]:
+        """Finish the pending async save (None: there is none): wait for this rank's write, then
+        complete it on every rank. Called before the next save and at the end of training."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        try:
+            pending.future.result()
+        except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's write errors
+            raise self._save_failed(pending.step, pending.tmp, pending.need, e) from None
+        return self._complete(pending.step, pending.tmp)
+
+    def abandon(self) -> None:
+        """Training ended on an error: let this rank's write of a pending async save end (its
+        folder stays ``step-N.tmp``, never complete), so that no thread still uses the process
+        groups when they are destroyed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                pending.future.result()
+
+    def _complete(self, step: int, tmp: Path) -> Path:
+        """Every rank has written its part of ``tmp``: rank 0 writes the manifest, renames it to
+        ``step-N`` and prunes old checkpoints."""
+        final = self.folder / f"step-{step}"
         _barrier()  # every rank has written its files and .metadata exists
         if _rank() == 0:
             write_model_hf_config(tmp, self.model)  # what convert_hf.py to-hf needs (LLaMA 3, Qwen3)
@@ -186,10 +249,9 @@ class CheckpointManager:
         logger.info(f"saved checkpoint {final}")
         return final
 
-    def _save_failed(self, step: int, tmp: Path, state: dict, error: Exception) -> TrainingFault:
-        """A save that could not be written: the folder, the cause, the bytes it needed; the
-        half-written folder removed, the previous complete checkpoint left the latest."""
-        need = _state_bytes(state)
+    def _save_failed(self, step: int, tmp: Path, need: int, error: Exception) -> TrainingFault:
+        """A save that could not be written: the folder, the cause, the bytes it needed (`need`:
+        this rank's); the half-written folder removed, the previous complete checkpoint left the latest."""
         if _dist():
             t = torch.tensor([need], dtype=torch.float64)
             with contextlib.suppress(Exception):

@@ -172,6 +172,9 @@ class Checkpoint:
     initial_load_path: str = ""
     initial_load_in_hf: bool = False
     last_save_in_hf: bool = False  # also write the final step as an HF folder: <folder>/step-N-hf
+    # "disabled": a save blocks the step; "async": DCP's async_save snapshots the state to CPU and writes it
+    # while the next steps run (complete, renamed step-N, once every rank's part is written)
+    async_mode: str = "disabled"
 
 
 @dataclass

@@ -36,6 +36,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("job", "device"): ("auto", CUDA, CPU),
     ("training", "compile_mode"): ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"),
     ("data", "tokenizer"): ("byte",),
+    ("checkpoint", "async_mode"): ("disabled", "async"),
 }
 
 

@@ -32,6 +32,7 @@ from .config import ConfigError, JobConfig
 from .config_checks import check_writable
 from .data import DataError, build_dataloader, load_tokens, tokenizer_for
 from .device import local_device
+from .errors import TrainingFault
 from .hf_checkpoint import export_hf_config, load_initial, save_hf
 from .metrics import MetricsLogger, setup_logging
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, follow_parameters
@@ -81,7 +82,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, self.run_dir / cfg.checkpoint.folder, model=self.model,
             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-            dataloader=self.dataloader, dp_rank=self.dp_rank)
+            dataloader=self.dataloader, dp_rank=self.dp_rank, timeout_s=cfg.comm.timeout_s)
         self.step = 0
         self.guard = StepGuard(t.skip_nonfinite_steps, self.rank, self.device)
         self._step_times: list[float] = []
@@ -208,11 +209,16 @@ class Trainer:
                 while self.step < self.cfg.training.steps and not self.guard.stop:
                     self.next_step()
                     prof.step()
+                self.guard.at(self.step, "the checkpoint save")
+                self.checkpointer.wait()  # an async save still writing: complete on every rank
         except RuntimeError as e:
             if self.distributed and _timed_out(e):
                 raise self.guard.stalled(e, self.cfg.comm.timeout_s) from None
+            if isinstance(e, TrainingFault):  # every rank stops on it: an async save in flight is completed
+                self.checkpointer.wait()
             raise
         finally:
+            self.checkpointer.abandon()  # after an error: no async write left running (none otherwise)
             self.metrics.close()
         if self.guard.stop:
             self._stop_on_request()
@@ -234,6 +240,7 @@ class Trainer:
         saved = ck.enabled and self.step in complete_checkpoints(ck.folder)
         if ck.enabled and not saved:
             self.checkpointer.save(self.step)
+            self.checkpointer.wait()
         if self.rank == 0:
             where = f"checkpoint step-{self.step} in {ck.folder}" if ck.enabled else "no checkpoint (disabled)"
             logger.info(f"stopped after step {self.step} on SIGTERM: {where}; run the same command to resume")

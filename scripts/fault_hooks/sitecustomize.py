@@ -3,7 +3,9 @@ module at start-up when its folder is on PYTHONPATH, and it acts only when AUTOT
 set. The library has no fault code of its own.
 
     AUTOTITAN_FAULT=kill_in_save:RANK:STEP   # SIGKILL this process while DCP writes step-STEP
-                                             # (RANK: a rank number or "all")
+                                             # (RANK: a rank number or "all"; an async save's
+                                             # write runs in DCP's background thread: the kill
+                                             # strikes while the next steps train)
 """
 
 import os
