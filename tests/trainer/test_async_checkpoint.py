@@ -3,6 +3,7 @@ written, the saved tensors are those of the saved step (equal to a blocking save
 run's losses equal the uninterrupted run's, and a kill -9 inside an async save leaves the
 previous checkpoint the latest complete one."""
 
+import errno
 import os
 import subprocess
 import sys
@@ -168,6 +169,26 @@ def test_a_fault_with_an_async_save_in_flight_completes_it_first(cfg_factory, tm
         tr.train()
     folder = tmp_path / "fault" / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["step-2"] and tr.checkpointer._pending is None
+
+
+def test_an_async_write_that_fails_stops_the_job_at_the_next_save_naming_its_step(cfg_factory, tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    real = dcp.FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if "step-4" in str(self.path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
+    tr = Trainer(cfg_factory(extra=[*TINY, *ASYNC, "--training.steps", "6"], job="full"))
+    with pytest.raises(TrainingFault) as e:
+        tr.train()
+    folder = tmp_path / "full" / "checkpoints"
+    assert str(e.value).startswith(f"step 4: the checkpoint could not be written to {folder} (no space left on device)")
+    assert f"{folder / 'step-2'} stays the latest" in str(e.value)
+    assert tr.step == 6 and sorted(p.name for p in folder.iterdir()) == ["step-2"]  # found at the step-6 save
 
 
 def test_an_unknown_async_mode_is_a_config_error_naming_key_and_value(cfg_factory):
