@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .config import JobConfig
 from .data import DataError, TokenWindows, load_tokens
+from .device import CUDA
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger("autotitan")
@@ -105,7 +106,7 @@ def evaluate(model: torch.nn.Module, parallelizer: Any, batches: list, device: t
     (no grad, RNG forked, the train/eval mode restored)."""
     was_training = model.training
     sums = torch.zeros(2, dtype=torch.float64, device=device)
-    devices = [device] if device.type == "cuda" else []
+    devices = [device] if device.type == CUDA else []
     model.eval()
     try:
         with torch.random.fork_rng(devices=devices, device_type=device.type), torch.no_grad():
