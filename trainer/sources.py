@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import glob
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 SHIPPED_CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus.txt"
 
@@ -154,22 +154,29 @@ def _read_parquet(path: Path, field: str) -> Iterator[str]:
             yield value
 
 
+def _stream_rows(open_stream: Callable[[], Any], field: str, where: str, what: str,
+                 fix: str = "") -> Generator[str, None, int]:
+    """The text of every row of a ``datasets`` stream; a reader's own error (the builders raise
+    their parsers' exceptions) becomes one DataError naming ``where``; returns the row count."""
+    row = -1
+    try:
+        for row, rec in enumerate(open_stream()):
+            yield _field(rec, field, f"{where}: row {row}", "column")
+    except DataError:
+        raise
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise _err(f"{where}: {what} could not read it ({type(e).__name__}: {first}){fix}") from None
+    return row + 1
+
+
 def _read_datasets(path: Path, field: str) -> Iterator[str]:
     import datasets
 
-    try:
-        ds = datasets.load_dataset(DATASETS_BUILDERS[path.suffix], data_files=[str(path)], split="train",
-                                   streaming=True)
-        rows = iter(ds)
-        row = -1
-        for row, rec in enumerate(rows):
-            yield _field(rec, field, f"{path}: row {row}", "column")
-    except DataError:
-        raise
-    except Exception as e:  # the builders raise their readers' own errors
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise _err(f"{path}: datasets.load_dataset could not read it ({type(e).__name__}: {first})") from None
-    if row < 0:
+    rows = yield from _stream_rows(
+        lambda: datasets.load_dataset(DATASETS_BUILDERS[path.suffix], data_files=[str(path)], split="train",
+                                      streaming=True), field, str(path), "datasets.load_dataset")
+    if rows == 0:
         raise _err(f"{path}: empty file (no rows); remove it from [data] path or add rows")
 
 
@@ -198,22 +205,15 @@ def _read_builder(path: str, field: str, builder: str, split: str) -> Iterator[s
     ``path`` (its builder and splits inferred from its files), a builder name reads ``path``'s files."""
     import datasets
 
-    where = f"{path} (split {split!r})"
-    row = -1
-    try:
+    def open_stream():
         if builder == "auto":
-            ds = datasets.load_dataset(path, split=split, streaming=True)
-        else:
-            ds = datasets.load_dataset(builder, data_files=_builder_files(path), split=split, streaming=True)
-        for row, rec in enumerate(ds):
-            yield _field(rec, field, f"{where}: row {row}", "column")
-    except DataError:
-        raise
-    except Exception as e:  # the builders raise their readers' own errors
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise _err(f"{where}: datasets.load_dataset({builder!r}) could not read it ({type(e).__name__}: {first}); "
-                   f"check [data] dataset_builder and split") from None
-    if row < 0:
+            return datasets.load_dataset(path, split=split, streaming=True)
+        return datasets.load_dataset(builder, data_files=_builder_files(path), split=split, streaming=True)
+
+    where = f"{path} (split {split!r})"
+    rows = yield from _stream_rows(open_stream, field, where, f"datasets.load_dataset({builder!r})",
+                                   "; check [data] dataset_builder and split")
+    if rows == 0:
         raise _err(f"{where}: no rows; check [data] path and split")
 
 
