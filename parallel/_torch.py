@@ -248,6 +248,33 @@ def unflatten_mesh(mesh: Any, dim: int, sizes: tuple[int, ...], names: tuple[str
     return mesh._unflatten(dim, sizes, names)
 
 
+def replicate(module: Any, **kwargs: Any) -> Any:
+    """torch's composable DDP (`torch.distributed._composable.replicate`): the module keeps
+    its class and parameter names (checkpoints, compiled blocks); DDP is built at the first
+    forward. No public equivalent in 2.13 besides wrapping in `DistributedDataParallel`."""
+    from torch.distributed._composable.replicate import replicate as _replicate
+
+    return _replicate(module, **kwargs)
+
+
+def ddp_of(module: Any) -> Any:
+    """The `DistributedDataParallel` a `replicate`d module runs (None before its first forward)."""
+    from torch.distributed._composable.replicate import replicate as _replicate
+
+    state = _replicate.state(module)
+    ref = getattr(state, "_ddp_weakref", None) if state is not None else None
+    return ref() if ref is not None else None
+
+
+def ddp_buckets(params: list, bucket_bytes: int) -> list[list[int]]:
+    """DDP's gradient buckets (indices into `params`, in the order given) as its reducer
+    rebuilds them after the first step: torch's own assignment, a small first bucket
+    (`dist._DEFAULT_FIRST_BUCKET_BYTES`), then `bucket_bytes` each."""
+    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, bucket_bytes]
+    indices, _ = dist._compute_bucket_assignment_by_size(params, limits, [False] * len(params))
+    return [list(b) for b in indices]
+
+
 # ---------------------------------------------------------------------------
 # Fake world for planning without hardware
 # ---------------------------------------------------------------------------

@@ -5,13 +5,19 @@
     python scripts/bench_auto_vs_manual.py --config qwen3_debug
 
 Same model, global batch, optimizer and world size for every variant:
-  fsdp     FSDP2 over the 4 ranks                  auto_4      the planner on a 1-D mesh of 4
-  hsdp     HSDP, 2 replicas x 2 shards             auto_2x2_dp the planner on a 2 x 2 (replicate x shard) mesh
-  fsdp_tp  FSDP (2) x Megatron TP + SP (2)         auto_2x2_tp the planner on a 2 x 2 (shard x tp) mesh
-Every auto variant plans freely with `hardware = "auto"` (this machine, measured). A
-1-rank run of the same job comes first; every variant's losses must track it (rtol 1e-4)
-before any speed is printed. Steps are timed round-robin across the variants
-(scripts/bench_common.py); tokens/s from the median step.
+  ddp      torch's DDP over the 4 ranks (replicate)  auto_4       the planner, free, on a 1-D mesh of 4
+  fsdp     FSDP2 over the 4 ranks                    auto_4_fsdp  the planner on that mesh, FSDP-shaped preset
+  hsdp     HSDP, 2 replicas x 2 shards               auto_4_ddp   the planner on that mesh, DDP-shaped preset
+  fsdp_tp  FSDP (2) x Megatron TP + SP (2)           auto_2x2_dp  free on a 2 x 2 (replicate x shard) mesh
+                                                     auto_2x2_tp  free on a 2 x 2 (shard x tp) mesh
+Every auto variant plans with `hardware = "auto"` (this machine, measured); the presets
+(parallel/auto/presets.py `fsdp`, `ddp`) are plan constraints given to the Trainer, as in
+scripts/fidelity.py. The table separates the two gains: planner = free auto / the best
+preset on the same (auto) runtime; runtime = a preset on the auto runtime / the matching
+hand recipe (auto_4_fsdp / fsdp, auto_4_ddp / ddp). A 1-rank run of the same job comes
+first; every variant's losses must track it (rtol 1e-4) before any speed is printed.
+Steps are timed round-robin across the variants (scripts/bench_common.py); tokens/s from
+the median step.
 """
 
 from __future__ import annotations
@@ -25,18 +31,23 @@ from bench_common import run_on_ranks, temp_folder, time_round_robin
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
+    "ddp": ["--parallelism.mode", "manual", "--parallelism.data_parallel_replicate_degree", "4"],
     "fsdp": ["--parallelism.mode", "manual", "--parallelism.data_parallel_shard_degree", "4"],
     "hsdp": ["--parallelism.mode", "manual", "--parallelism.data_parallel_replicate_degree", "2",
              "--parallelism.data_parallel_shard_degree", "2"],
     "fsdp_tp": ["--parallelism.mode", "manual", "--parallelism.data_parallel_shard_degree", "2",
                 "--parallelism.tensor_parallel_degree", "2"],
     "auto_4": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4"],
+    "auto_4_fsdp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4"],
+    "auto_4_ddp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4"],
     "auto_2x2_dp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_replicate_degree", "2",
                     "--parallelism.data_parallel_shard_degree", "2"],
     "auto_2x2_tp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "2",
                     "--parallelism.tensor_parallel_degree", "2"],
 }
-RECIPES = ("fsdp", "hsdp", "fsdp_tp")
+RECIPES = ("ddp", "fsdp", "hsdp", "fsdp_tp")
+PRESETS = {"auto_4_fsdp": ("fsdp", "fsdp"), "auto_4_ddp": ("ddp", "ddp")}  # variant -> (preset, its hand recipe)
+FREE = ("auto_4", "auto_2x2_dp", "auto_2x2_tp")
 RTOL = 1e-4
 
 
@@ -62,13 +73,15 @@ class _Job:
         self.args, self.tmp = args, tmp
 
     def __call__(self) -> dict:
+        from parallel.auto import presets
         from trainer.config import load_config
         from trainer.trainer import Trainer
 
         built = {}
         for name in self.args.variants:
             flags = [*_flags(self.args, self.tmp, name, _data_degree(VARIANTS[name])), *VARIANTS[name]]
-            built[name] = Trainer(load_config(self.args.config, flags, world_size=4))
+            preset = getattr(presets, PRESETS[name][0]) if name in PRESETS else None
+            built[name] = Trainer(load_config(self.args.config, flags, world_size=4), plan_constraints=preset)
         return time_round_robin(built, self.args.warmup, self.args.steps)
 
 
@@ -80,6 +93,21 @@ def reference_losses(args: argparse.Namespace, tmp: str) -> list[float]:
     cfg = load_config(args.config, _flags(args, tmp, "one_rank", 1), world_size=1)
     logged = Trainer(cfg).train()
     return [logged[s] for s in sorted(logged)]
+
+
+def print_gains(tps: dict[str, float]) -> None:
+    """The headline (best free auto / best hand recipe) split into its two gains (Markdown)."""
+    best = {k: max((n for n in names if n in tps), key=tps.get, default=None)
+            for k, names in (("recipe", RECIPES), ("free", FREE), ("preset", tuple(PRESETS)))}
+    rows = [("headline", best["free"], best["recipe"], ">= 1.05"),
+            ("planner (same auto runtime)", best["free"], best["preset"], ">= 1.0"),
+            ("planner, same mesh", "auto_4", best["preset"], ""),
+            *[("runtime (same plan shape)", v, recipe, "") for v, (_, recipe) in PRESETS.items()],
+            ("runtime, best preset vs best recipe", best["preset"], best["recipe"], "")]
+    print("\n| gain | numerator | denominator | tokens/s ratio | goal |\n|---|---|---|---|---|")
+    for what, num, den, goal in rows:
+        if num in tps and den in tps:
+            print(f"| {what} | {num} | {den} | {tps[num] / tps[den]:.2f} | {goal} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,16 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print("losses do not track the 1-rank run; no speed is printed:\n  " + "\n  ".join(bad))
         return 1
-    print(f"{'variant':<13} {'step (median)':>14} {'tokens/s':>10}  max rel |loss - 1 rank|")
+    print("| variant | step (median) | tokens/s | max rel loss vs 1 rank |\n|---|---|---|---|")
     for name, r in rows.items():
-        print(f"{name:<13} {r['step_s'] * 1e3:>11.1f} ms {r['tokens_per_s']:>10.0f}  {r['loss_rel']:.1e}")
-    recipes = {n: rows[n]["tokens_per_s"] for n in RECIPES if n in rows}
-    autos = {n: rows[n]["tokens_per_s"] for n in rows if n.startswith("auto")}
-    if recipes and autos:
-        best_r, best_a = max(recipes, key=recipes.get), max(autos, key=autos.get)
-        print(f"best auto ({best_a}) / best recipe ({best_r}): {autos[best_a] / recipes[best_r]:.2f}")
-        for a in autos:
-            print(f"  {a} / {best_r}: {autos[a] / recipes[best_r]:.2f}")
+        print(f"| {name} | {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:.0f} | {r['loss_rel']:.1e} |")
+    print_gains({n: r["tokens_per_s"] for n, r in rows.items()})
     return 0
 
 

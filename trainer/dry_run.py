@@ -16,6 +16,10 @@ shards):
   it ends (what backward will read; activation checkpointing shrinks it), and the peak of
   all tensors created during forward + backward (activations, all-gathered parameters,
   gradients, temporaries), tracked per storage by a dispatch mode;
+* DDP (``dp_replicate`` alone): DDP's reducer cannot be built on fake tensors, so it is
+  simulated (``parallel.recipes.ddp.simulate_ddp``): torch's bucket assignment, the
+  reducer's flat bucket buffers (counted as "DDP buckets" in the peak) and one all-reduce
+  per bucket once its gradients are accumulated;
 * the collectives issued: count and bytes per kind and per mesh axis. Bytes are the
   per-rank buffer of the collective: all-gather -> gathered output, reduce-scatter ->
   unreduced input, all-reduce -> the tensor, all-to-all -> the input.
@@ -40,10 +44,11 @@ from torch.distributed.tensor.debug import CommDebugMode
 from models import build_model, cross_entropy_loss
 from parallel import _torch as T
 from parallel.measure import MemoryTracker
-from parallel.mesh import CP, TP, build_mesh
+from parallel.mesh import CP, DP_REPLICATE, TP, build_mesh, submesh
 from parallel.precision import dtype_of
-from parallel.recipes import RecipeError, apply_recipe
+from parallel.recipes import RecipeError, apply_recipe, is_ddp_mesh
 from parallel.recipes.cp import cp_shard_batch
+from parallel.recipes.ddp import simulate_ddp
 from parallel.recipes.tp import loss_parallel_context, register_partial_grad_hooks
 
 from .config import ConfigError, JobConfig
@@ -150,6 +155,7 @@ class DryRunReport:
     param_bytes: int = 0
     grad_bytes: int = 0
     optim_bytes: int = 0
+    buffer_bytes: int = 0  # DDP's gradient buckets (the reducer's flat buffers)
     activation_bytes: int = 0  # alive at the end of forward
     peak_fwd_bwd_bytes: int = 0
     collectives: dict = field(default_factory=dict)  # (kind, axis) -> (count, bytes)
@@ -159,8 +165,8 @@ class DryRunReport:
     @property
     def total_peak_bytes(self) -> int:
         """Parameters + optimizer states + the forward/backward peak (which includes the
-        gradients created by the pass)."""
-        return self.param_bytes + self.optim_bytes + self.peak_fwd_bwd_bytes
+        gradients created by the pass) + DDP's bucket buffers."""
+        return self.param_bytes + self.optim_bytes + self.peak_fwd_bwd_bytes + self.buffer_bytes
 
 
 def _gib(n: int) -> str:
@@ -175,9 +181,12 @@ def format_report(r: DryRunReport) -> str:
         f"  parameters          {_gib(r.param_bytes)}",
         f"  gradients           {_gib(r.grad_bytes)}",
         f"  optimizer states    {_gib(r.optim_bytes)}   (AdamW exp_avg + exp_avg_sq)",
+        *([f"  DDP buckets         {_gib(r.buffer_bytes)}   (the reducer's flat gradient buffers)"]
+          if r.buffer_bytes else []),
         f"  activations         {_gib(r.activation_bytes)}   (alive at the end of forward)",
         f"  peak fwd+bwd        {_gib(r.peak_fwd_bwd_bytes)}   (activations + gathered params + grads + temporaries)",
-        f"  estimated peak      {_gib(r.total_peak_bytes)}   (parameters + optimizer + peak fwd+bwd)",
+        f"  estimated peak      {_gib(r.total_peak_bytes)}   (parameters + optimizer + peak fwd+bwd"
+        f"{' + DDP buckets' if r.buffer_bytes else ''})",
         "  collectives (one forward + backward):",
         f"    {'kind':<15}{'mesh axis':<18}{'count':>7}{'bytes':>16}",
     ]
@@ -225,7 +234,7 @@ def _parallel_model(cfg: JobConfig, mesh: DeviceMesh, notes: list[str]) -> torch
     if cfg.training.dtype != "float32":
         model = model.to(dtype_of(cfg.training.dtype))
     try:
-        return apply_recipe(model, mesh, cfg)
+        return apply_recipe(model, mesh, cfg, ddp=False)  # DDP: simulated after materialising
     except RecipeError as e:
         raise ConfigError(f"{cfg.source}: {e}") from None
 
@@ -288,6 +297,11 @@ def dry_run(job_config: JobConfig, world_size: int) -> DryRunReport:
         model = _parallel_model(cfg, mesh, report.notes)
         with T.FakeTensorMode(allow_non_fake_inputs=True):
             _materialize(model, uses_tp=TP in names)
+            if is_ddp_mesh(mesh):
+                buckets = simulate_ddp(model, submesh(mesh, DP_REPLICATE))
+                report.buffer_bytes = sum(_local_nbytes(b) for b in buckets)
+                report.notes.append(f"DDP simulated: {len(buckets)} gradient buckets (torch's assignment, "
+                                    "backward order approximated by the reverse parameter order)")
             _fwd_bwd(cfg, model, mesh, report)
         del model
     report.seconds = time.time() - t0

@@ -2,8 +2,9 @@
 
 ``apply_recipe(model, mesh, job_config)`` applies, in order: tensor/sequence parallel
 (``tp``), context parallel (``cp``), expert parallel (``ep``), activation checkpointing,
-``compile``, then data parallel (FSDP over ``dp_shard x cp``, HSDP with ``dp_replicate``).
-Each recipe is a reusable function in its own module (tp.py, cp.py, ep.py, fsdp.py).
+``compile``, then data parallel (FSDP over ``dp_shard x cp``, HSDP with ``dp_replicate``;
+``dp_replicate`` alone is DDP). Each recipe is a reusable function in its own module
+(tp.py, cp.py, ep.py, fsdp.py, ddp.py).
 A degree that does not fit the model, the sequence or the mesh raises :class:`RecipeError`
 before anything is changed; the trainer reports it as a config error.
 """
@@ -17,16 +18,17 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from models import transformer_blocks
 from parallel.activation_checkpoint import apply_ac
-from parallel.mesh import CP, TP, axis_size
-from parallel.precision import mixed_precision_policy
+from parallel.mesh import CP, DP_REPLICATE, TP, axis_size, submesh
+from parallel.precision import dtype_of, mixed_precision_policy
 
 from .cp import apply_cp, validate_cp
+from .ddp import apply_ddp, is_ddp_mesh, validate_ddp
 from .ep import apply_ep, build_ep_meshes, experts_fsdp_filter, validate_ep_mesh, validate_ep_model
 from .errors import RecipeError
 from .fsdp import apply_fsdp, data_parallel_mesh
 from .tp import apply_tp, validate_tp
 
-__all__ = ["RecipeError", "apply_compile", "apply_recipe", "validate_recipe"]
+__all__ = ["RecipeError", "apply_compile", "apply_recipe", "is_ddp_mesh", "validate_recipe"]
 
 
 def validate_recipe(model: nn.Module, mesh: DeviceMesh, job_config: Any) -> None:
@@ -34,6 +36,7 @@ def validate_recipe(model: nn.Module, mesh: DeviceMesh, job_config: Any) -> None
     or the mesh: checked up front, so a bad config fails before the model is touched."""
     tp, cp = axis_size(mesh, TP), axis_size(mesh, CP)
     ep = job_config.parallelism.degrees.expert_parallel_degree
+    validate_ddp(mesh)
     if tp > 1:
         validate_tp(model.args, tp)
     if cp > 1:
@@ -43,8 +46,10 @@ def validate_recipe(model: nn.Module, mesh: DeviceMesh, job_config: Any) -> None
         validate_ep_mesh(mesh, ep)
 
 
-def apply_recipe(model: nn.Module, mesh: DeviceMesh, job_config: Any) -> nn.Module:
-    """Parallelize ``model`` (materialised or on meta) on ``mesh`` per ``job_config``."""
+def apply_recipe(model: nn.Module, mesh: DeviceMesh, job_config: Any, *, ddp: bool = True) -> nn.Module:
+    """Parallelize ``model`` (materialised or on meta) on ``mesh`` per ``job_config``.
+    ``ddp=False`` leaves a DDP mesh's model unreplicated (the dry run simulates the reducer,
+    :func:`parallel.recipes.ddp.simulate_ddp`: DDP cannot be built on fake tensors)."""
     par, training = job_config.parallelism, job_config.training
     validate_recipe(model, mesh, job_config)
     if axis_size(mesh, TP) > 1:
@@ -59,6 +64,10 @@ def apply_recipe(model: nn.Module, mesh: DeviceMesh, job_config: Any) -> nn.Modu
     apply_ac(model, ac.mode, ac.selective_ac_option)
     if training.compile:
         apply_compile(model)
+    if is_ddp_mesh(mesh):
+        if not ddp:
+            return model
+        return apply_ddp(model, submesh(mesh, DP_REPLICATE), dtype_of(training.mixed_precision_reduce))
     dp = data_parallel_mesh(mesh)
     if dp is None or dp.size() == 1:
         return model

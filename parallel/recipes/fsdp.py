@@ -1,4 +1,5 @@
 """FSDP2 / HSDP recipe: ``fully_shard`` every transformer block, then the root module.
+(``dp_replicate`` without a shard or cp axis is DDP: :mod:`parallel.recipes.ddp`.)
 
 One implementation for both: on a 1-D mesh ``fully_shard`` is FSDP (parameters are
 DTensors sharded on dim 0; the forward all-gathers one block at a time, the backward
@@ -26,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from models import transformer_blocks
-from parallel.mesh import CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, axis_names, flatten_axes, submesh
+from parallel.mesh import CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, axis_names, flatten_axes
 
 __all__ = ["apply_fsdp", "data_parallel_mesh"]
 
@@ -35,12 +36,11 @@ PreShard = Callable[[nn.Module, DeviceMesh, MixedPrecisionPolicy], None]
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The mesh FSDP/HSDP runs on: ``(dp_replicate, dp_shard_cp)`` (2-D, HSDP) when both are
-    present, else the 1-D shard axis (``dp_shard`` x ``cp``, or ``dp_replicate`` alone, which
-    then is sharded too); ``None`` when the mesh has no data/context axis."""
+    present, else the 1-D shard axis (``dp_shard`` x ``cp``); ``None`` when the mesh has no
+    shard/context axis (``dp_replicate`` alone is DDP, :mod:`parallel.recipes.ddp`)."""
     names = axis_names(mesh)
-    has_shard = DP_SHARD in names or CP in names
-    if not has_shard:
-        return submesh(mesh, DP_REPLICATE) if DP_REPLICATE in names else None
+    if DP_SHARD not in names and CP not in names:
+        return None
     shard = flatten_axes(mesh, (DP_SHARD, CP), DP_SHARD_CP)
     if DP_REPLICATE not in names:
         return shard

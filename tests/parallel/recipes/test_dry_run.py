@@ -105,6 +105,8 @@ BAD_DEGREES = [
     ("llama3_debug", 2, ["--parallelism.expert_parallel_degree", "2"], "expert_parallel_degree"),
     ("deepseek_v3_debug", 4, ["--parallelism.expert_parallel_degree", "2",
                               "--parallelism.data_parallel_replicate_degree", "2"], "expert_parallel_degree"),
+    ("llama3_debug", 4, ["--parallelism.data_parallel_replicate_degree", "2",  # DDP does not compose with TP
+                         "--parallelism.tensor_parallel_degree", "2"], "data_parallel_replicate_degree"),
 ]
 
 
