@@ -87,6 +87,9 @@ class Model:
 @dataclass
 class Training:
     local_batch_size: int = 8
+    # samples per optimizer step over all data-parallel ranks; -1: local_batch_size x the data degree
+    # (dp_replicate x dp_shard). Larger: gradient accumulation over global / (local x data degree) micro-batches
+    global_batch_size: int = -1
     seq_len: int = 256
     steps: int = 100
     max_norm: float = 1.0  # <= 0 disables gradient clipping
@@ -114,6 +117,15 @@ class Training:
     def seq_lens(self) -> list[int]:
         """Every sequence length the job trains at, in order of first use."""
         return [length for _, length in self.seq_len_schedule] or [self.seq_len]
+
+    def global_batch(self, dp_degree: int) -> int:
+        """Samples per optimizer step on `dp_degree` data-parallel ranks (the default: one local batch each)."""
+        return self.global_batch_size if self.global_batch_size > 0 else self.local_batch_size * dp_degree
+
+    def micro_batches(self, dp_degree: int) -> int:
+        """Forward/backward passes per optimizer step: the global batch over local batch x data degree
+        (config_checks.py makes it a whole number before any work)."""
+        return max(1, self.global_batch(dp_degree) // (self.local_batch_size * dp_degree))
 
 
 @dataclass

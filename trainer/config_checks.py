@@ -161,6 +161,33 @@ def _validate_parallelism(cfg: JobConfig, world_size: int) -> None:
         cfg.parallelism.degrees.check(world_size)
     except SettingError as e:
         raise _err(cfg, "parallelism", e.key, e.fix) from None
+    if cfg.parallelism.mesh != "auto":  # the mesh search divides the global batch per mesh itself
+        deg = cfg.parallelism.degrees.resolved(world_size)
+        _validate_global_batch(cfg, deg["dp_replicate"] * deg["dp_shard"])
+
+
+def _validate_global_batch(cfg: JobConfig, data_degree: int) -> None:
+    """`global_batch_size`: -1, or a whole number of micro-batches of local batch x data degree."""
+    t = cfg.training
+    g, b = t.global_batch_size, t.local_batch_size
+    if g == -1:
+        return
+    if g < 1:
+        raise _err(cfg, "training", "global_batch_size", "must be >= 1, or -1 (local_batch_size x the data degree)")
+    step = b * data_degree
+    if g % step == 0:
+        return
+    lower, upper = (g // step) * step, (g // step + 1) * step
+    near = " or ".join(str(v) for v in (lower, upper) if v > 0)
+    fix = f"set training.global_batch_size to a multiple of it ({near})"
+    if g % data_degree == 0:
+        per_rank = g // data_degree
+        locals_ = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+        best = sorted(locals_, key=lambda d: (abs(d - b), d))[:2]
+        fix += f", or training.local_batch_size to a divisor of {per_rank} ({' or '.join(map(str, sorted(best)))})"
+    raise _err(cfg, "training", "global_batch_size",
+               f"is not a multiple of training.local_batch_size ({b}) x the data degree (dp_replicate x dp_shard = "
+               f"{data_degree}) = {step}: every step is a whole number of micro-batches; {fix}")
 
 
 def _validate_mesh(cfg: JobConfig) -> None:

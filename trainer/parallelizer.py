@@ -4,6 +4,7 @@
     model = parallelizer.parallelize(model, sample_batch)
     inputs, labels, positions = parallelizer.shard_batch(inputs, labels)
     loss = parallelizer.forward_backward(model, inputs, labels, positions)
+    loss = parallelizer.accumulate(model, [(inputs, labels, positions), ...])   # gradient accumulation
 
 `Recipes` is `[parallelism] mode = "manual"`: the hand-written recipes (FSDP, HSDP, TP,
 CP, EP), autograd's backward, autocast without FSDP. `Planner` is `mode = "auto"`: the plan
@@ -55,9 +56,30 @@ class Parallelizer:
         raise NotImplementedError
 
     def forward_backward(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-                         positions: Optional[torch.Tensor]) -> torch.Tensor:
-        """Forward, loss, backward of one step; the local loss."""
+                         positions: Optional[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+        """Forward, loss, backward of one (micro-)batch, the gradients of `scale` x the loss added
+        to the parameters'; the local loss (unscaled)."""
         raise NotImplementedError
+
+    def accumulate(self, model: torch.nn.Module, micro: list[tuple]) -> torch.Tensor:
+        """One optimizer step's forward and backward over its micro-batches ((inputs, labels,
+        positions) each, equal sizes): each backward scaled by 1 / their number, so the summed
+        gradient is that of the mean loss over the global batch; all but the last run without
+        gradient reductions (`no_gradient_sync`). The local loss: the mean over the micro-batches."""
+        n = len(micro)
+        if n == 1:
+            return self.forward_backward(model, *micro[0])
+        losses = []
+        for i, (inputs, labels, positions) in enumerate(micro):
+            with self.no_gradient_sync(model) if i < n - 1 else contextlib.nullcontext():
+                losses.append(self.forward_backward(model, inputs, labels, positions, scale=1.0 / n).detach())
+        return torch.stack(losses).mean()
+
+    def no_gradient_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """A micro-batch before the last: gradients accumulate unreduced where the mode can
+        defer its reduction (default: it cannot; every micro-batch reduces, which is correct,
+        only more communication)."""
+        return contextlib.nullcontext()
 
     def forward_loss(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
                      positions: Optional[torch.Tensor]) -> torch.Tensor:
@@ -109,7 +131,7 @@ class Recipes(Parallelizer):
         return inputs, labels, None
 
     def forward_backward(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-                         positions: Optional[torch.Tensor]) -> torch.Tensor:
+                         positions: Optional[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
         ctx = (torch.autocast(self.device.type, dtype=dtype_of(self.cfg.training.mixed_precision_param))
                if self.autocast else contextlib.nullcontext())
         # TP with loss parallel: vocab-sharded logits; loss and backward inside the context
@@ -118,8 +140,25 @@ class Recipes(Parallelizer):
                 logits = model(inputs) if positions is None else model(inputs, positions)
                 loss = cross_entropy_loss(logits, labels)
                 del logits
-            loss.backward()
+            (loss if scale == 1.0 else loss * scale).backward()
         return loss_value(loss)
+
+    @contextlib.contextmanager
+    def no_gradient_sync(self, model: torch.nn.Module):
+        """FSDP2 / HSDP: `set_requires_gradient_sync(False)` on every fully_shard module (no
+        reduce-scatter or all-reduce; the unsharded gradients accumulate until the last
+        micro-batch); DDP: its `no_sync()`, once its reducer exists (built at the first forward:
+        before it, the first micro-batch reduces, which is correct)."""
+        fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        ddp = None if fsdp else _ddp_of(model)
+        for m in fsdp:
+            m.set_requires_gradient_sync(False, recurse=False)
+        try:
+            with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
+                yield
+        finally:
+            for m in fsdp:
+                m.set_requires_gradient_sync(True, recurse=False)
 
     def forward_loss(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
                      positions: Optional[torch.Tensor]) -> torch.Tensor:
@@ -154,12 +193,15 @@ class Planner(Parallelizer):
         return inputs, labels, None
 
     def forward_backward(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-                         positions: Optional[torch.Tensor]) -> torch.Tensor:
+                         positions: Optional[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+        """The plan's step graph once: with micro-batches (`accumulate`) once per micro-batch, its
+        gradients (reduced to their planned placements in the graph) scaled and summed."""
         if not is_parallel_module(model):  # a single process: nothing was planned
             loss = cross_entropy_loss(model(inputs), labels)
-            loss.backward()
+            (loss if scale == 1.0 else loss * scale).backward()
             return loss
-        return model.forward_backward(*((inputs, labels) if positions is None else (inputs, labels, positions)))
+        args = (inputs, labels) if positions is None else (inputs, labels, positions)
+        return model.forward_backward(*args, grad_scale=scale)
 
     def forward_loss(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
                      positions: Optional[torch.Tensor]) -> torch.Tensor:
@@ -195,6 +237,15 @@ class Planner(Parallelizer):
         st = model.plan_runner.stats
         return (f"runtime: {st['step_graph_steps']} steps as one step graph per rank, "
                 f"{st['deviations']} deviations from the plan")
+
+
+def _ddp_of(model: torch.nn.Module) -> Any:
+    """The DistributedDataParallel that reduces the model's gradients, if any: the model itself
+    (a DDP wrapper) or torch's composable `replicate`'s (parallel/_torch.py), None otherwise."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model
+    ddp_of = getattr(T, "ddp_of", None)
+    return ddp_of(model) if ddp_of is not None else None
 
 
 def parallelizer_for(cfg: JobConfig, mesh: Optional[DeviceMesh], device: torch.device,

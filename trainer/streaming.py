@@ -30,8 +30,9 @@ class PackedStream:
     with ``state_dict`` / ``load_state_dict`` like the in-memory loader's."""
 
     def __init__(self, data_cfg, tokenizer: Tokenizer, *, seq_len: int, local_batch_size: int,
-                 dp_rank: int = 0, dp_degree: int = 1):
+                 dp_rank: int = 0, dp_degree: int = 1, micro_batches: int = 1):
         self.data_cfg = data_cfg
+        self.micro_batches = micro_batches  # an optimizer step reads this many of its global batches
         self.tokenizer = tokenizer
         self.seq_len, self.local_batch_size, self.dp_rank = seq_len, local_batch_size, dp_rank
         self.global_batch = local_batch_size * dp_degree
@@ -110,12 +111,12 @@ class PackedStream:
         self.batches_done = int(state["batches"])
 
     def skip_to(self, global_batches_done: int) -> None:
-        """Position after ``global_batches_done`` global batches from the start (a checkpoint with
-        no state for this rank): re-reads and re-packs the corpus up to there."""
+        """Position after ``global_batches_done`` optimizer steps' batches from the start (a checkpoint
+        with no state for this rank): re-reads and re-packs the corpus up to there."""
         self.epoch = self.doc = self.offset = 0
         self.batches_done = 0
         if global_batches_done:
             batches = self._batches(0, 0, 0)
-            for _ in range(global_batches_done):
+            for _ in range(global_batches_done * self.micro_batches):
                 _, (self.epoch, self.doc, self.offset) = next(batches)
-        self.batches_done = global_batches_done
+        self.batches_done = global_batches_done * self.micro_batches

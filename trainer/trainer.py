@@ -69,6 +69,9 @@ class Trainer:
                               "built: call trainer.mesh_auto.choose_mesh(cfg, ...) first (train.py does)")
         self.mesh = build_mesh(cfg.parallelism.degrees, self.world_size, self.device.type) if self.distributed else None
         self.dp_rank, self.dp_degree = dp_rank_and_degree(self.mesh)
+        # gradient accumulation: the global batch is the job, micro-batches of the local batch make it up
+        self.global_batch = cfg.training.global_batch(self.dp_degree)
+        self.micro_batches = cfg.training.micro_batches(self.dp_degree)
         # the parallelism mode, chosen once: recipes or the planner (plan_constraints: the planner's presets)
         self.parallelizer = parallelizer_for(cfg, self.mesh, self.device, plan_constraints)
         # the step a resumed job starts from fixes the first sequence length (and its plan)
@@ -107,7 +110,8 @@ class Trainer:
             self.loaders = {seq: build_dataloader(
                 cfg.data, seq_len=seq, local_batch_size=t.local_batch_size,
                 dp_rank=self.dp_rank, dp_degree=self.dp_degree, seed=cfg.job.seed,
-                tokenizer=self.tokenizer, tokens=tokens) for seq in dict.fromkeys([*t.seq_lens(), self.seq_len])}
+                tokenizer=self.tokenizer, tokens=tokens, micro_batches=self.micro_batches)
+                for seq in dict.fromkeys([*t.seq_lens(), self.seq_len])}
         except DataError as e:
             key = e.key or ("training.seq_len_schedule" if t.seq_len_schedule else "training.seq_len")
             value = f" = {cfg.data.path!r}" if key == "data.path" else ""
@@ -179,11 +183,14 @@ class Trainer:
         return t.item() / self.world_size
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; returns (local loss, total grad norm) as tensors."""
+        """One optimizer step over this rank's part of the global batch (its micro-batches of
+        `local_batch_size` rows, stacked); returns (local loss: the mean over the micro-batches,
+        total grad norm) as tensors."""
         inputs, labels = inputs.to(self.device), labels.to(self.device)
-        inputs, labels, positions = self.parallelizer.shard_batch(inputs, labels)
+        b = self.cfg.training.local_batch_size
+        micro = [self.parallelizer.shard_batch(x, y) for x, y in zip(inputs.split(b), labels.split(b))]
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.parallelizer.forward_backward(self.model, inputs, labels, positions)
+        loss = self.parallelizer.accumulate(self.model, micro)
         self.guard.at(self.step, "the gradient norm")
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         self.lr_used = self.optimizer.param_groups[0]["lr"]
@@ -263,8 +270,8 @@ class Trainer:
             logger.info(
                 f"job {cfg.job.name}: {cfg.model.name}/{cfg.model.flavor} "
                 f"({self.num_params / 1e6:.2f}M params), world {self.world_size}, mesh "
-                f"{self._mesh_desc()}, global batch {t.local_batch_size * self.dp_degree} x "
-                f"{self.seq_len} tokens{sched}, steps {self.step + 1}..{t.steps}, MFU peak from "
+                f"{self._mesh_desc()}, global batch {self.global_batch} x {self.seq_len} tokens{sched}"
+                f"{self._accumulation_desc()}, steps {self.step + 1}..{t.steps}, MFU peak from "
                 f"{self.metrics.peak_note or 'n/a'}")
             if self.validator is not None:
                 logger.info(f"validation every {cfg.validation.freq} steps: {cfg.validation.steps} global batches "
@@ -292,7 +299,7 @@ class Trainer:
             self._data_iter = iter(self.dataloader)
         self.step += 1
         try:
-            inputs, labels = next(self._data_iter)
+            inputs, labels = self._next_batch()
         except DataError as e:  # a streamed corpus meets bad data where it is read
             raise ConfigError(f"{self.cfg.source}: 'data.path' = {self.cfg.data.path!r}: {e} (read at step "
                               f"{self.step + 1}: [data] streaming checks a file's first document before step 1, "
@@ -315,6 +322,13 @@ class Trainer:
             self.checkpointer.save(self.step)
             self.metrics.reset_timer()
         return loss
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of one global batch: its `micro_batches` micro-batches, stacked."""
+        if self.micro_batches == 1:
+            return next(self._data_iter)
+        xs, ys = zip(*(next(self._data_iter) for _ in range(self.micro_batches)))
+        return torch.cat(xs), torch.cat(ys)
 
     def change_seq_len(self, seq: int) -> None:
         """Train at `seq` from now on, without a restart: the loader of that length continues
@@ -368,6 +382,13 @@ class Trainer:
             return self.train_step(inputs, labels)
         except CompileError as e:
             raise ConfigError(f"{self.cfg.source}: 'training.compile' = true: {e}") from None
+
+    def _accumulation_desc(self) -> str:
+        if self.micro_batches == 1:
+            return ""
+        t = self.cfg.training
+        return (f" ({self.micro_batches} micro-batches of local batch {t.local_batch_size} x {self.dp_degree} data "
+                f"ranks, gradients accumulated)")
 
     def _mesh_desc(self) -> str:
         if self.mesh is None:

@@ -94,10 +94,13 @@ class ParallelModuleMixin:
         buffers = [self.buffer_refs[f]() for f in runner.buffer_names]
         return params, buffers, [self._planned_input(i, x) for i, x in enumerate(flat)]
 
-    def forward_backward(self, *inputs: Any) -> torch.Tensor:
+    def forward_backward(self, *inputs: Any, grad_scale: float = 1.0) -> torch.Tensor:
         """One training step's forward, loss and backward as ONE per-device graph (step_graph.py):
-        accumulates every parameter's gradient (as `loss.backward()` would) and returns the
-        local loss. Overlap and Inductor compilation follow the plan's RuntimeOptions."""
+        accumulates every parameter's gradient (as `loss.backward()` would; `grad_scale` x it:
+        gradient accumulation's 1 / micro-batches) and returns the local loss. The gradients
+        arrive reduced to their planned placements (the graph's collectives), so accumulating
+        micro-batches reduces once per micro-batch. Overlap and Inductor compilation follow the
+        plan's RuntimeOptions."""
         runner: PlanRunner = self.plan_runner
         with torch.no_grad():  # the graph computes the gradients: no autograd work on the host per tensor
             params, buffers, dts = self.planned_arguments(*inputs)
@@ -105,6 +108,8 @@ class ParallelModuleMixin:
             plocs = [p.to_local() for p in params]
             blocs = [b.to_local() if isinstance(b, DTensor) else b for b in buffers]
             outs, grads = sg(plocs, blocs, [x.to_local() for x in dts])
+            if grad_scale != 1.0:
+                grads = [g * grad_scale for g in grads]
             for p, g in zip(params, sg.grads_as_dtensors(grads)):
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad + g
