@@ -1,14 +1,38 @@
-"""Measuring tools for tests, benchmarks and the dry run: what a run allocates, seen from
-torch's dispatcher (independent of the planner's memory estimate).
+"""Measuring tools for tests, benchmarks and the dry run: what a run allocates, independent
+of the planner's memory estimate.
 
-    with MemoryTracker() as mem:
+    with AllocatorPeak() as mem:         # the allocator: every allocation, any op, any thread
+        trainer.train_step(x, y)
+    print(mem.result.peak_bytes, mem.result.phase, mem.result.op)
+
+    with MemoryTracker() as mem:         # torch's dispatcher: the storages of op outputs
         loss = model(x).sum(); loss.backward()
-    print(mem.peak)          # bytes of tensor storages live at the worst op
+    print(mem.peak)
+
+`AllocatorPeak` is the observer to check the estimate against: the estimate walks the same
+FX graph a `MemoryTracker` sees, so the tracker shares its blind spots (kernel scratch,
+collective buffers, allocations outside dispatched ops); the allocator does not.
+On CPU torch 2.13 has no allocator statistic of its own (`torch.cpu` offers no
+`max_memory_allocated`; the C10 flag `caffe2_report_cpu_memory_usage` only logs), but the
+CPU allocator reports every allocation and free to the profiler when `profile_memory=True`:
+the `[memory]` events (bytes, time, thread), from which the running total and its peak are
+rebuilt here. Frees of blocks allocated before the window are not reported (the allocator
+does not know their size), so the figure is the peak of bytes allocated inside the window
+above what was alive at its start. On CUDA the caching allocator's own
+`max_memory_allocated` (after `reset_peak_memory_stats`) is the figure; the profiler still
+locates the peak. The phase of the peak is the innermost `phase(...)` range around it
+(the trainer marks its step: forward_backward, clip, optimizer); inside forward_backward,
+whose one step graph has no marker of its own, the backward begins at the first op named
+`*backward*` (any case: the loss's nll_loss_backward, autograd's engine ranges), where the
+estimate's walk splits it too (at the loss).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,7 +40,142 @@ from torch.distributed.tensor import DTensor
 
 from parallel import _torch as T
 
-__all__ = ["MemoryTracker"]
+__all__ = ["AllocatorPeak", "MemoryTracker", "PeakMeasurement", "phase", "rss_bytes", "state_bytes"]
+
+PHASE_PREFIX = "autotitan.phase."
+_PHASES = {"forward_backward": "forward", "clip": "clip", "optimizer": "optimizer"}
+
+
+def phase(name: str) -> contextlib.AbstractContextManager:
+    """A named range of a training step (forward_backward, clip, optimizer) that
+    `AllocatorPeak` attributes its peak to; a profiler range, ~1 µs when nothing profiles."""
+    return torch.profiler.record_function(PHASE_PREFIX + name)
+
+
+def _proc_status(key: str) -> int:
+    """A byte figure of /proc/self/status (VmRSS, VmHWM); 0 where there is none."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now."""
+    return _proc_status("VmRSS")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak RSS (VmHWM) to the current RSS (Linux: clear_refs 5)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Bytes of the storages alive between steps: parameter shards (a DTensor's local
+    tensor), buffers, optimizer states; each storage once."""
+    tensors = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()] + list(module.buffers())
+    for st in (optimizer.state.values() if optimizer is not None else ()):
+        tensors += [v.to_local() if isinstance(v, DTensor) else v for v in st.values() if torch.is_tensor(v)]
+    seen = {T.storage_id(t): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
+    return sum(seen.values())
+
+
+@dataclass
+class PeakMeasurement:
+    """What one measured window allocated, seen by the allocator."""
+
+    device: str  # "cpu" or "cuda"
+    source: str  # which allocator figure the peak is
+    peak_bytes: int  # bytes allocated in the window and alive at its worst moment
+    end_bytes: int  # ... and still alive when the window closed
+    phase: str  # the step phase at the peak: forward, backward, clip, optimizer ("" outside any)
+    op: str  # the innermost op running when the peak allocation was made
+    rss_start: int  # resident set size when the window opened
+    rss_peak: int  # the kernel's peak RSS during the window (0: not available)
+    rss_end: int
+    events: int  # allocator events seen
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class AllocatorPeak:
+    """The allocator's peak over a window (see the module docstring); `result` after exit."""
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device).type
+        self.result: PeakMeasurement | None = None
+        self._prof: Any = None
+
+    def __enter__(self) -> "AllocatorPeak":
+        self._rss_reset = _reset_peak_rss()
+        self._rss_start = rss_bytes()
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._cuda_start = torch.cuda.memory_allocated()
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self._prof = torch.profiler.profile(activities=acts, profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        self._prof.__exit__(*exc)
+        rss_end = rss_bytes()
+        events = self._prof.profiler.kineto_results.events()
+        peak, end, at, count = _running_peak(events, self.device)
+        p_phase, op = _locate(events, at) if at is not None else ("", "")
+        source = "profiler [memory] events of the CPU allocator"
+        if self.device == "cuda":
+            peak = torch.cuda.max_memory_allocated() - self._cuda_start
+            end = torch.cuda.memory_allocated() - self._cuda_start
+            source = "torch.cuda.max_memory_allocated (caching allocator)"
+        self.result = PeakMeasurement(
+            device=self.device, source=source, peak_bytes=peak, end_bytes=end, phase=p_phase, op=op,
+            rss_start=self._rss_start, rss_peak=_proc_status("VmHWM") if self._rss_reset else 0, rss_end=rss_end,
+            events=count)
+
+
+def _running_peak(events: list, device: str) -> tuple[int, int, int | None, int]:
+    """(peak of the running total, its end value, the time of the peak's allocation, count)
+    of the window's allocator events on `device`."""
+    mem = sorted((e for e in events if e.name() == "[memory]" and e.device_type().name == device.upper()),
+                 key=lambda e: e.start_ns())
+    total, peak, at = 0, 0, None
+    for e in mem:
+        total += e.nbytes()
+        if total > peak:
+            peak, at = total, e.start_ns()
+    return peak, total, at, len(mem)
+
+
+def _locate(events: list, t: int) -> tuple[str, str]:
+    """(phase, innermost op) at time `t`: the phase ranges are `phase()`'s; inside
+    forward_backward the first `*backward*` op starts the backward."""
+    ops = [e for e in events if e.name() != "[memory]" and e.device_type().name == "CPU" and not e.is_async()]
+    around = [e for e in ops if e.start_ns() <= t <= e.end_ns()]
+    marks = [e for e in around if e.name().startswith(PHASE_PREFIX)]
+    name = ""
+    if marks:
+        mark = max(marks, key=lambda e: e.start_ns())
+        name = _PHASES.get(mark.name()[len(PHASE_PREFIX):], mark.name()[len(PHASE_PREFIX):])
+        if name == "forward":
+            bwd = [e for e in ops if mark.start_ns() <= e.start_ns() <= t and "backward" in e.name().lower()
+                   and not e.name().startswith(PHASE_PREFIX)]
+            name = "backward" if bwd else "forward"
+    inner = [e for e in around if not e.name().startswith(PHASE_PREFIX)]
+    op = max(inner, key=lambda e: e.start_ns()).name() if inner else ""
+    return name, op
 
 
 class MemoryTracker(T.TorchDispatchMode):

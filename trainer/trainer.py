@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.auto.runtime import CompileError
+from parallel.measure import phase
 from parallel.mesh import build_mesh, dp_rank_and_degree
 
 from .auto_mode import PlanSource
@@ -190,14 +191,17 @@ class Trainer:
         b = self.cfg.training.local_batch_size
         micro = [self.parallelizer.shard_batch(x, y) for x, y in zip(inputs.split(b), labels.split(b))]
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.parallelizer.accumulate(self.model, micro)
+        with phase("forward_backward"):  # named ranges: parallel.measure.AllocatorPeak locates its peak
+            loss = self.parallelizer.accumulate(self.model, micro)
         self.guard.at(self.step, "the gradient norm")
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        with phase("clip"):
+            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         self.lr_used = self.optimizer.param_groups[0]["lr"]
         self.guard.at(self.step, "the step's agreement (finite values, stop requests)")
         if self.guard.check(self.step, loss, grad_norm, self.model):  # every rank agrees: finite
             self.guard.at(self.step, "the optimizer step")
-            self.optimizer.step()
+            with phase("optimizer"):
+                self.optimizer.step()
             self.lr_scheduler.step()
         else:
             self.optimizer.zero_grad(set_to_none=True)
