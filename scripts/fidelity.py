@@ -3,46 +3,70 @@
     python scripts/fidelity.py                         # debug LLaMA, 4 gloo ranks, 1-D mesh of 4
     python scripts/fidelity.py --mesh 2x2              # the same on a 2 x 2 mesh (dp_shard x tp)
     python scripts/fidelity.py --model wide            # 6 layers, dim 512, seq 512
+    python scripts/fidelity.py --config qwen3_debug --mesh 2x2
+    python scripts/fidelity.py --config llama3_debug --model none --training.seq_len 1024 --model.n_layers 2
 
-For one job and mesh it makes >= 10 distinct plans (the planner's free choice, and plans
-shaped like FSDP, DDP, Megatron TP, mixtures, a memory budget, pinned embeddings, a plan
-made for H100s), predicts each plan's step time (the runtime's step graph simulated on
-the calibrated profile, `hardware = "auto"`), runs each for real through the trainer (warm-up,
-then the median of the timed steps, round-robin across plans so machine noise hits all
-alike), and prints the table with Spearman's rho, Kendall's tau, the median absolute
-percentage error and the selection regret (measured time of the predicted-best plan /
-the measured-best one - 1).
+For one job (`--config`, a `--model` preset of shape flags, then any `--section.key value`
+override, e.g. `--model.dim 512`) and mesh (`N`: dp_shard N; `AxB`: dp_shard A x tp B) it
+plans every variant (the planner's free choice, and plans shaped like FSDP, DDP, Megatron
+TP, mixtures, a memory budget, pinned embeddings, a plan made for H100s), keeps the
+*distinct* ones (by `Plan.placement_digest`; duplicates are listed, and fewer distinct
+plans than requested is exit 2, not statistics over copies), runs each for real through
+the trainer (warm-up, then the median of the timed steps, round-robin across plans so
+machine noise hits all alike) and scores two predictors against the measured medians:
+
+* the ILP objective (`plan.objective_us`: what the planner and the mesh search minimise;
+  a plan solved on another profile is re-priced on the free plan's problem);
+* the step simulation (the runtime's step graph simulated on the calibrated profile).
+
+For each: Spearman's rho (average ranks for ties), Kendall's tau-b, mean and median
+absolute percentage error, selection regret (measured time of the predicted-best plan /
+the measured best - 1); and the planner's own regret (the free plan's measured time /
+the measured best - 1). Statistics: scripts/fidelity_stats.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
-import math
-import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import fidelity_stats as st
 from bench_common import run_on_ranks, temp_folder, time_round_robin
 
-MODELS = {
-    "debug": ["--model.n_layers", "4", "--training.seq_len", "128", "--training.local_batch_size", "4"],
+MODELS = {  # shape presets; later --section.key flags override them
+    "debug": ["--training.seq_len", "128", "--training.local_batch_size", "4"],
     "wide": ["--model.n_layers", "6", "--model.dim", "512", "--model.n_heads", "8", "--model.n_kv_heads", "8",
              "--model.ffn_hidden_dim", "1536", "--training.seq_len", "512", "--training.local_batch_size", "2"],
+    "none": [],
 }
 COMMON = ["--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "100000",
-          "--parallelism.mode", "auto"]
+          "--parallelism.mode", "auto", "--validation.enable", "false"]
+MIN_PLANS = 10
 
 
-def _mesh_flags(mesh: str) -> list[str]:
-    if mesh == "2x2":
-        return ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
-    return ["--parallelism.data_parallel_shard_degree", mesh]
+def parse_mesh(mesh: str) -> tuple[int, ...]:
+    """'4' -> (4,), '2x2' -> (2, 2); ValueError naming the flag otherwise."""
+    try:
+        dims = tuple(int(x) for x in mesh.lower().split("x"))
+    except ValueError:
+        dims = ()
+    if not dims or len(dims) > 2 or min(dims) < 1:
+        raise ValueError(f"--mesh {mesh!r}: not a mesh; give N (dp_shard N) or AxB (dp_shard A x tp B), e.g. 4 or 2x2")
+    return dims
+
+
+def mesh_flags(dims: tuple[int, ...]) -> list[str]:
+    flags = ["--parallelism.data_parallel_shard_degree", str(dims[0])]
+    return flags + (["--parallelism.tensor_parallel_degree", str(dims[1])] if len(dims) == 2 else [])
 
 
 def _variants(ndim: int) -> dict[str, object]:
-    """name -> a function adding constraints to an open AutoParallel (None: the free plan)."""
+    """name -> a function adding constraints to an open AutoParallel (None: the free plan;
+    "h100": solved on the h100 profile). The free plan comes first: a duplicate is named
+    after the first plan it equals."""
     from parallel.auto import presets
 
     last = ndim - 1
@@ -59,6 +83,11 @@ def _variants(ndim: int) -> dict[str, object]:
         "budget_0.5": lambda a: a.add_parameter_memory_constraint(high=0.5),
         "budget_1.0": lambda a: a.add_parameter_memory_constraint(high=1.0),
         "replicated_embeddings": lambda a: presets.replicated(a, ["tok_embeddings", "output"]),
+        "budget_0.75": lambda a: a.add_parameter_memory_constraint(high=0.75),
+        "fsdp_attention_only": lambda a: presets.fsdp(a, data_axes=(0,), fragments=["attention"]),
+        "fsdp_mlp_only": lambda a: presets.fsdp(a, data_axes=(0,), fragments=["feed_forward"]),
+        "tp_attention_only": lambda a: presets.megatron(a, last, fragments=["attention"], data_axes=data,
+                                                        fsdp_other_axes=ndim > 1),
         "planned_for_h100": "h100",
     }
     if ndim > 1:
@@ -70,105 +99,179 @@ def _variants(ndim: int) -> dict[str, object]:
     return out
 
 
+class _Capture:
+    """A variant's constraints, keeping the AutoParallel they were applied to (its problem
+    re-prices plans solved on another profile)."""
+
+    def __init__(self, how: object):
+        self.how, self.autop = how, None
+
+    def __call__(self, autop: Any) -> None:
+        self.autop = autop
+        if callable(self.how):
+            self.how(autop)
+
+
 class _Job:
-    """Every rank: plan each variant (rank 0 solves, via the trainer), build its trainer,
-    time them round-robin, predict each step on rank 0."""
+    """Every rank: plan each variant (rank 0 solves, via the trainer), drop duplicate plans,
+    time the distinct ones round-robin, predict each step on rank 0."""
 
-    def __init__(self, args: argparse.Namespace):
-        self.args, self.tmp = args, temp_folder()
+    def __init__(self, args: argparse.Namespace, flags: list[str]):
+        self.args, self.flags, self.tmp = args, flags, temp_folder()
 
-    def _trainer(self, name: str, how: object) -> object:
+    def _trainer(self, name: str, how: object, capture: _Capture) -> Any:
         from trainer.config import load_config
         from trainer.trainer import Trainer
 
         a = self.args
-        flags = [*MODELS[a.model], *COMMON, *_mesh_flags(a.mesh), "--training.steps", str(a.warmup + a.steps + 1),
-                 "--job.dump_folder", self.tmp, "--job.name", name]
+        flags = [*self.flags, "--training.steps", str(a.warmup + a.steps + 1), "--job.dump_folder", self.tmp,
+                 "--job.name", name]
         if how == "h100":
             flags += ["--parallelism.hardware", "h100"]
-        tr_cfg = load_config(a.config, flags, world_size=a.nproc)
-        return Trainer(tr_cfg, plan_constraints=how if callable(how) else None)
+        return Trainer(load_config(a.config, flags, world_size=a.nproc), plan_constraints=capture)
 
     def __call__(self) -> dict:
         import torch.distributed as dist
 
-        variants = _variants(2 if self.args.mesh == "2x2" else 1)
-        if self.args.plans:
-            variants = {k: v for k, v in variants.items() if k in self.args.plans.split(",")}
-        built = {name: self._trainer(name, how) for name, how in variants.items()}
-        out = time_round_robin(built, self.args.warmup, self.args.steps)
+        a = self.args
+        variants = _variants(len(a.dims))
+        if a.plans:
+            variants = {k: v for k, v in variants.items() if k in a.plans}
+        built, captures, failed = {}, {}, {}
+        for name, how in variants.items():
+            captures[name] = _Capture(how)
+            try:
+                built[name] = self._trainer(name, how, captures[name])
+            except Exception as e:  # noqa: BLE001 - a planning error is raised on every rank alike
+                failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        digests = {n: tr.model.plan.placement_digest() for n, tr in built.items()}
+        kept, dups = st.distinct(digests)
+        out: dict[str, Any] = {"digests": digests, "duplicates": dups, "failed": failed, "rows": {}}
+        if len(kept) < a.min_plans:
+            return out  # too few distinct plans: nothing is timed
+        built = {n: built[n] for n in kept}
+        rows = time_round_robin(built, a.warmup, a.steps)
         if dist.get_rank() == 0:
+            auto = built["auto"].model
+            cm, hw = auto.plan_cost_model, auto.plan.hardware
             for name, tr in built.items():
-                auto_hw = built["auto"].model.plan_cost_model  # every plan predicted on the calibrated profile
-                pred = tr.model.predict_step(auto_hw)
-                out[name].update(predicted_s=pred.step_us / 1e6, objective_us=tr.model.plan.objective_us,
-                                 explain=f"{tr.model.plan.breakdown()}\n{pred.summary()}\n"
-                                         + "\n".join(f"  step graph {k}: {v['count']} x, {v['bytes'] / 2**20:.1f} MiB, "
-                                                     f"{v['us']:,.0f} µs" for k, v in pred.collectives.items()),
-                                 summary=tr.model.plan.summary().splitlines()[0] if tr.model.plan else "")
+                plan = tr.model.plan
+                objective, repriced = plan.objective_us, plan.hardware != hw
+                if repriced:  # the objective on the calibrated profile: its placements priced on auto's problem
+                    from parallel.auto.replay import replay_plan
+                    objective = replay_plan(captures["auto"].autop.problem, plan, hardware=hw).objective_us
+                pred = tr.model.predict_step(cm)
+                rows[name].update(
+                    predicted_s=pred.step_us / 1e6, objective_us=objective, repriced=repriced,
+                    own_objective_us=plan.objective_us, digest=digests[name],
+                    explain=f"{plan.breakdown()}\n{pred.summary()}\n"
+                            + "\n".join(f"  step graph {k}: {v['count']} x, {v['bytes'] / 2**20:.1f} MiB, "
+                                        f"{v['us']:,.0f} µs" for k, v in pred.collectives.items()))
+        out["rows"] = rows
         return out
 
 
-def _ranks(xs: list[float]) -> list[float]:
-    order = sorted(range(len(xs)), key=xs.__getitem__)
-    r = [0.0] * len(xs)
-    for i, j in enumerate(order):
-        r[j] = float(i)
-    return r
+def _scores(name: str, pred: list[float], meas: list[float], names: list[str]) -> str:
+    best = min(pred)
+    picked = [n for n, p in zip(names, pred) if p == best]
+    rho, tau = st.spearman(pred, meas), st.kendall_tau_b(pred, meas)
+    return (f"{name:<16} Spearman rho {rho:6.3f}   Kendall tau-b {tau:6.3f}   "
+            f"mean APE {st.mean_ape(pred, meas):6.1f}%   median APE {st.median_ape(pred, meas):6.1f}%   "
+            f"selection regret {st.selection_regret(pred, meas) * 100:5.1f}% (predicted best: {', '.join(picked)})")
 
 
-def spearman(a: list[float], b: list[float]) -> float:
-    ra, rb = _ranks(a), _ranks(b)
-    ma, mb = statistics.mean(ra), statistics.mean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    return cov / math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
-
-
-def kendall(a: list[float], b: list[float]) -> float:
-    pairs = list(itertools.combinations(range(len(a)), 2))
-    s = sum((1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1) for i, j in pairs if a[i] != a[j] and b[i] != b[j])
-    return s / len(pairs)
-
-
-def report(rows: dict, args: argparse.Namespace) -> None:
+def report(result: dict, min_plans: int, out: Any = sys.stdout) -> int:
+    """Print the table and statistics (0), or why there are none: fewer distinct plans than
+    requested (2)."""
+    dups, failed = result["duplicates"], result["failed"]
+    for n, why in failed.items():
+        print(f"plan {n}: not planned ({why})", file=out)
+    for n, same in dups.items():
+        print(f"plan {n}: duplicate of {same} (placement digest {result['digests'][n]})", file=out)
+    n_distinct = len(result["digests"]) - len(dups)
+    if n_distinct < min_plans:
+        print(f"only {n_distinct} distinct plans of {len(result['digests']) + len(failed)} variants "
+              f"({len(dups)} duplicates, {len(failed)} not planned); {min_plans} were requested: no statistics "
+              "over duplicates. Ask for fewer (--min-plans) or other plans (--plans)", file=out)
+        return 2
+    rows = result["rows"]
     names = sorted(rows, key=lambda n: rows[n]["step_s"])
-    pred = [rows[n]["predicted_s"] for n in names]
-    meas = [rows[n]["step_s"] for n in names]
-    print(f"{'plan':<32} {'objective ms':>13} {'predicted ms':>13} {'measured ms':>12} {'meas/pred':>10}")
-    for n in names:
-        r = rows[n]
-        ratio = r["step_s"] / r["predicted_s"]
-        print(f"{n:<32} {r['objective_us'] / 1e3:>13.1f} {r['predicted_s'] * 1e3:>13.1f} {r['step_s'] * 1e3:>12.1f} "
-              f"{ratio:>10.2f}")
-    mape = statistics.median(abs(p - m) / m for p, m in zip(pred, meas)) * 100
-    best_pred = names[min(range(len(names)), key=pred.__getitem__)]
-    regret = rows[best_pred]["step_s"] / min(meas) - 1
-    print(f"\n{len(names)} plans: Spearman rho {spearman(pred, meas):.3f}, Kendall tau {kendall(pred, meas):.3f}, "
-          f"median |error| {mape:.1f}%, selection regret {regret * 100:.1f}% (predicted best: {best_pred}, "
-          f"measured best: {names[0]})")
+    meas = [rows[n]["step_s"] * 1e3 for n in names]
+    obj = [rows[n]["objective_us"] / 1e3 for n in names]
+    sim = [rows[n]["predicted_s"] * 1e3 for n in names]
+    r_meas, r_obj, r_sim = st.average_ranks(meas), st.average_ranks(obj), st.average_ranks(sim)
+    print(f"{'plan':<28} {'digest':<16} {'objective ms':>12} {'sim ms':>9} {'measured ms':>11} "
+          f"{'rank obj':>8} {'rank sim':>8} {'rank meas':>9} {'meas/sim':>8}", file=out)
+    for i, n in enumerate(names):
+        mark = "*" if rows[n].get("repriced") else ""
+        print(f"{n:<28} {rows[n]['digest']:<16} {obj[i]:>11.1f}{mark:1} {sim[i]:>9.1f} {meas[i]:>11.1f} "
+              f"{r_obj[i]:>8.1f} {r_sim[i]:>8.1f} {r_meas[i]:>9.1f} {meas[i] / sim[i]:>8.2f}", file=out)
+    if any(r.get("repriced") for r in rows.values()):
+        print("* solved on another profile; its objective re-priced on the free plan's problem "
+              "(calibrated profile)", file=out)
+    planner = st.regret_of(rows["auto"]["step_s"] * 1e3, meas)
+    rho_ok = min(st.spearman(obj, meas), st.spearman(sim, meas)) >= 0.9
+    print(f"\n{len(names)} distinct plans (measured best: {names[0]})", file=out)
+    print(_scores("ILP objective", obj, meas, names), file=out)
+    print(_scores("step simulation", sim, meas, names), file=out)
+    print(f"planner regret {planner * 100:.1f}% (the free plan 'auto' measured {rows['auto']['step_s'] * 1e3:.1f} ms)",
+          file=out)
+    print(f"goal (rho >= 0.9 for both predictors, planner regret <= 2%): "
+          f"{'met' if rho_ok and planner <= 0.02 else 'NOT met'}", file=out)
+    return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Any other --section.key value flag goes to the job (e.g. --model.dim 512).")
     p.add_argument("--config", default="llama3_debug")
-    p.add_argument("--model", choices=list(MODELS), default="debug")
-    p.add_argument("--mesh", choices=["4", "2x2", "2"], default="4")
+    p.add_argument("--model", choices=list(MODELS), default="debug", help="a preset of shape flags")
+    p.add_argument("--mesh", default="4", help="N (dp_shard N) or AxB (dp_shard A x tp B); default 4")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--plans", default="", help="comma-separated subset of the plans (default: all)")
+    p.add_argument("--min-plans", type=int, default=None,
+                   help=f"distinct plans required (default {MIN_PLANS}, or the number named by --plans)")
     p.add_argument("--explain", action="store_true", help="print each plan's objective breakdown and prediction")
-    args = p.parse_args(argv)
-    args.nproc = 4 if args.mesh in ("4", "2x2") else 2
+    args, extra = p.parse_known_args(argv)
+    try:
+        args.dims = parse_mesh(args.mesh)
+    except ValueError as e:
+        p.error(str(e))
+    args.nproc = 1
+    for d in args.dims:
+        args.nproc *= d
+    args.plans = [x for x in args.plans.split(",") if x]
+    if args.min_plans is None:
+        args.min_plans = len(args.plans) if args.plans else MIN_PLANS
+    return args, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = _parse(argv)
+    from trainer.config import load_config
+    from trainer.errors import ConfigError
+
+    flags = [*MODELS[args.model], *COMMON, *mesh_flags(args.dims), *extra]
+    try:  # a bad flag or value stops here, before any rank starts
+        load_config(args.config, flags, world_size=args.nproc)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    unknown = sorted(set(args.plans) - set(_variants(len(args.dims))))
+    if unknown:
+        print(f"--plans: unknown plan(s) {unknown}; known: {', '.join(_variants(len(args.dims)))}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
-    rows = run_on_ranks(_Job(args), args.nproc)
+    result = run_on_ranks(_Job(args, flags), args.nproc)
     took = time.perf_counter() - t0
-    print(f"\n{args.config} ({args.model}: {' '.join(MODELS[args.model])}) on {args.nproc} gloo ranks, "
+    print(f"\n{args.config} ({' '.join(flags[:len(MODELS[args.model])] + extra)}) on {args.nproc} gloo ranks, "
           f"mesh {args.mesh}; {args.steps} timed steps after {args.warmup} warm-up, round-robin ({took:.0f}s)")
-    report(rows, args)
-    if args.explain:
-        for name, r in rows.items():
+    rc = report(result, args.min_plans)
+    if args.explain and rc == 0:
+        for name, r in result["rows"].items():
             print(f"\n== {name}\n{r['explain']}")
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

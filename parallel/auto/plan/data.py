@@ -15,6 +15,7 @@ Its reports (summary, breakdown, diff) are in report.py; what needs the solved p
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -126,6 +127,13 @@ class Plan:
 
     def param_placements(self) -> dict[str, str]:
         return {fqn: n.output_placements[0] for fqn, n in self.params().items()}
+
+    def placement_digest(self) -> str:
+        """A short hash of every node's input and output placements alone: two plans with the
+        same digest run alike, whatever objective, solver, constraints or profile made them
+        (so a benchmark can tell a distinct plan from the same one solved twice)."""
+        d = sorted((n.name, n.input_placements, n.output_placements) for n in self.nodes.values())
+        return hashlib.sha256(json.dumps(d).encode()).hexdigest()[:16]
 
     def grad_placement(self, fqn: str) -> str:
         slot = self.grad_slots().get(fqn)

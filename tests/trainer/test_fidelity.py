@@ -1,0 +1,153 @@
+"""scripts/fidelity.py: its statistics against hand-computed values (ties included), the
+plan digest that deduplicates its plans, exit 2 when too few distinct plans remain, and
+(slow) the script end to end on a tiny job (2 gloo ranks, 3 plans)."""
+
+from __future__ import annotations
+
+import importlib
+import io
+import math
+import random
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import fidelity_stats as st  # noqa: E402
+
+
+def _fidelity():
+    return importlib.import_module("fidelity")  # by name: the spawned ranks unpickle its job from scripts/
+
+
+def test_average_ranks_share_the_mean_rank_of_a_tie():
+    assert st.average_ranks([10, 20, 20, 30]) == [1, 2.5, 2.5, 4]
+    assert st.average_ranks([5, 5, 5, 1]) == [3, 3, 3, 1]
+
+
+def test_spearman_does_not_break_a_tie_in_the_measured_order():
+    # ordinal ranks in listing order would give [1, 2, 3] vs [1, 2, 3]: rho = 1
+    pred, meas = [1.0, 1.0, 2.0], [1.0, 2.0, 3.0]
+    assert st.spearman(pred, meas) == pytest.approx(math.sqrt(3) / 2)  # 1.5 / sqrt(1.5 * 2)
+    assert st.spearman(pred[::-1], meas[::-1]) == pytest.approx(math.sqrt(3) / 2)
+    # ties on both sides: ranks [1, 2.5, 2.5, 4] vs [1, 3, 2, 4]: 4.5 / sqrt(4.5 * 5)
+    assert st.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(4.5 / math.sqrt(22.5))
+    assert st.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+
+
+def test_kendall_is_tau_b():
+    # one tie in the prediction: 2 concordant pairs of 3, denominator sqrt((3 - 1) * 3); tau-a would be 2/3
+    assert st.kendall_tau_b([1, 1, 2], [1, 2, 3]) == pytest.approx(2 / math.sqrt(6))
+    # a tie on each side: 4 concordant, sqrt(5 * 5)
+    assert st.kendall_tau_b([1, 1, 2, 3], [1, 2, 2, 3]) == pytest.approx(0.8)
+    assert st.kendall_tau_b([1, 1, 2, 3], [3, 2, 2, 1]) == pytest.approx(-0.8)
+    assert st.kendall_tau_b([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
+
+
+def test_statistics_agree_with_scipy_on_tied_data():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    rng = random.Random(0)
+    for _ in range(20):
+        a = [rng.randint(0, 5) for _ in range(12)]
+        b = [rng.randint(0, 5) for _ in range(12)]
+        assert st.spearman(a, b) == pytest.approx(scipy_stats.spearmanr(a, b).statistic)
+        assert st.kendall_tau_b(a, b) == pytest.approx(scipy_stats.kendalltau(a, b, variant="b").statistic)
+
+
+def test_mean_and_median_ape_are_different_numbers():
+    pred, meas = [110.0, 90.0, 100.0], [100.0, 100.0, 50.0]
+    assert st.ape(pred, meas) == pytest.approx([10, 10, 100])
+    assert st.mean_ape(pred, meas) == pytest.approx(40.0)
+    assert st.median_ape(pred, meas) == pytest.approx(10.0)
+
+
+def test_regrets():
+    meas = [10.0, 12.0, 8.0]
+    assert st.selection_regret([3, 1, 2], meas) == pytest.approx(12 / 8 - 1)
+    assert st.selection_regret([1, 1, 2], meas) == pytest.approx(11 / 8 - 1)  # a tie: the mean of the tied
+    assert st.selection_regret([2, 3, 1], meas) == 0.0
+    assert st.regret_of(10.0, meas) == pytest.approx(0.25)
+
+
+def test_distinct_keeps_the_first_of_each_digest_and_lists_the_rest():
+    kept, dups = st.distinct({"auto": "a", "budget_1.0": "a", "ddp": "b", "fsdp": "c", "x": "b"})
+    assert kept == ["auto", "ddp", "fsdp"]
+    assert dups == {"budget_1.0": "auto", "x": "ddp"}
+
+
+def _plan(out: str, objective: float, constraints: list[str]):
+    from parallel.auto.plan.data import NodePlan, Plan
+
+    nodes = {"w": NodePlan("w", "placeholder", "w", "param w", "fwd", "", 0, [], [], [out]),
+             "mm": NodePlan("mm", "op", "aten.mm", "", "fwd", "", 1, ["x", "w"], ["(S(0),)", out], ["(S(0),)"])}
+    return Plan(nodes=nodes, objective_us=objective, compute_us=1.0, comm_us={}, comm_bytes={}, solver="highs",
+                status="optimal", timings={"solve": objective}, num_vars=2, fingerprint="f", input_shapes=[],
+                mesh_shape=[2], mesh_axis_names=["dp_shard"], hardware="cpu", torch_version="x",
+                constraints=constraints)
+
+
+def test_placement_digest_sees_placements_only():
+    base = _plan("(R,)", 10.0, [])
+    assert _plan("(R,)", 12.0, ["budget high 1.0"]).placement_digest() == base.placement_digest()
+    assert _plan("(S(0),)", 10.0, []).placement_digest() != base.placement_digest()
+
+
+def _rows(meas: dict[str, float], obj: dict[str, float], sim: dict[str, float]) -> dict:
+    return {n: {"step_s": meas[n] / 1e3, "objective_us": obj[n] * 1e3, "predicted_s": sim[n] / 1e3,
+                "digest": n, "repriced": False} for n in meas}
+
+
+def test_too_few_distinct_plans_is_exit_2_naming_the_duplicates():
+    fid = _fidelity()
+    result = {"digests": {"auto": "a", "budget_1.0": "a", "fsdp": "c"}, "duplicates": {"budget_1.0": "auto"},
+              "failed": {"tp": "ConfigError: no plan"}, "rows": {}}
+    out = io.StringIO()
+    assert fid.report(result, 3, out) == 2
+    text = out.getvalue()
+    assert "plan budget_1.0: duplicate of auto" in text
+    assert "plan tp: not planned (ConfigError: no plan)" in text
+    assert "only 2 distinct plans" in text and "Spearman" not in text
+
+
+def test_report_scores_both_predictors_and_the_planner():
+    fid = _fidelity()
+    meas = {"auto": 12.0, "fsdp": 10.0, "ddp": 16.0}
+    obj = {"auto": 5.0, "fsdp": 6.0, "ddp": 7.0}  # the objective ranks auto first: regret 12/10 - 1
+    sim = {"auto": 11.0, "fsdp": 11.0, "ddp": 20.0}  # a tie for the best: (12 + 10) / 2 / 10 - 1
+    result = {"digests": {n: n for n in meas}, "duplicates": {}, "failed": {}, "rows": _rows(meas, obj, sim)}
+    out = io.StringIO()
+    assert fid.report(result, 3, out) == 0
+    text = out.getvalue()
+    ilp = next(ln for ln in text.splitlines() if ln.startswith("ILP objective"))
+    sim_line = next(ln for ln in text.splitlines() if ln.startswith("step simulation"))
+    assert "Spearman rho  0.500" in ilp and "Kendall tau-b  0.333" in ilp and "selection regret  20.0%" in ilp
+    assert "mean APE   51.5%" in ilp  # (7/12 + 4/10 + 9/16) / 3
+    assert "Spearman rho  0.866" in sim_line and "selection regret  10.0%" in sim_line
+    assert "median APE   10.0%" in sim_line  # 8.3 %, 10 %, 25 %
+    assert "planner regret 20.0%" in text and "NOT met" in text
+
+
+@pytest.mark.slow
+def test_the_script_runs_a_tiny_job_end_to_end(capsys):
+    fid = _fidelity()
+    rc = fid.main(["--mesh", "2", "--model", "none", "--model.n_layers", "1", "--model.dim", "64",
+                   "--model.n_heads", "2", "--model.n_kv_heads", "2", "--model.ffn_hidden_dim", "128",
+                   "--training.seq_len", "32", "--training.local_batch_size", "2", "--plans", "auto,fsdp,tp",
+                   "--steps", "2", "--warmup", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if re.match(r"(auto|fsdp|tp) +[0-9a-f]{16} ", ln)}
+    assert set(rows) == {"auto", "fsdp", "tp"}, out
+    assert len({r[1] for r in rows.values()}) == 3  # three distinct digests
+    objective = {n: float(r[2].rstrip("*")) for n, r in rows.items()}
+    assert objective["auto"] <= min(objective.values()) + 1e-6  # the free solve minimises the same objective
+    assert all(float(r[4]) > 0 for r in rows.values())
+    meas = [float(r[4]) for r in rows.values()]
+    sim = [float(r[3]) for r in rows.values()]
+    line = next(ln for ln in out.splitlines() if ln.startswith("step simulation"))
+    assert f"Spearman rho {st.spearman(sim, meas):6.3f}" in line
+    assert "planner regret" in out
