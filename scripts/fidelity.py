@@ -99,17 +99,18 @@ def _variants(ndim: int) -> dict[str, object]:
     return out
 
 
-class _Capture:
-    """A variant's constraints, keeping the AutoParallel they were applied to (its problem
-    re-prices plans solved on another profile)."""
+def _repriced(auto: Any, plans: dict[str, Any]) -> dict[str, float]:
+    """Each plan's placements priced on the free plan's job and calibrated profile (rank 0
+    alone: a fresh trace of the model on meta, the profile passed as an object)."""
+    import dataclasses
 
-    def __init__(self, how: object):
-        self.how, self.autop = how, None
+    from parallel.auto.request import planning
+    from trainer.auto_mode import plan_request
 
-    def __call__(self, autop: Any) -> None:
-        self.autop = autop
-        if callable(self.how):
-            self.how(autop)
+    req = plan_request(auto.cfg)
+    req = dataclasses.replace(req, planner=dataclasses.replace(req.planner, hardware=auto.model.plan_cost_model.hw))
+    with planning(auto.model.meta_template, auto.mesh, req) as autop:
+        return {n: autop.replay_placement(p).objective_us for n, p in plans.items()}
 
 
 class _Job:
@@ -117,18 +118,23 @@ class _Job:
     time the distinct ones round-robin, predict each step on rank 0."""
 
     def __init__(self, args: argparse.Namespace, flags: list[str]):
-        self.args, self.flags, self.tmp = args, flags, temp_folder()
+        self.args, self.flags = args, flags
+        self.folder = args.plan_dir or temp_folder()
 
-    def _trainer(self, name: str, how: object, capture: _Capture) -> Any:
+    def _trainer(self, name: str, how: object) -> Any:
         from trainer.config import load_config
         from trainer.trainer import Trainer
 
         a = self.args
-        flags = [*self.flags, "--training.steps", str(a.warmup + a.steps + 1), "--job.dump_folder", self.tmp,
+        flags = [*self.flags, "--training.steps", str(a.warmup + a.steps + 1), "--job.dump_folder", self.folder,
                  "--job.name", name]
         if how == "h100":
             flags += ["--parallelism.hardware", "h100"]
-        return Trainer(load_config(a.config, flags, world_size=a.nproc), plan_constraints=capture)
+        saved = Path(self.folder) / name / "plan.json"
+        if saved.exists():  # planned by an earlier run of this job (--plan-dir): loaded, not solved again
+            flags += ["--parallelism.plan_file", str(saved)]
+        cfg = load_config(a.config, flags, world_size=a.nproc)
+        return Trainer(cfg, plan_constraints=how if callable(how) else None)
 
     def __call__(self) -> dict:
         import torch.distributed as dist
@@ -137,11 +143,10 @@ class _Job:
         variants = _variants(len(a.dims))
         if a.plans:
             variants = {k: v for k, v in variants.items() if k in a.plans}
-        built, captures, failed = {}, {}, {}
+        built, failed = {}, {}
         for name, how in variants.items():
-            captures[name] = _Capture(how)
             try:
-                built[name] = self._trainer(name, how, captures[name])
+                built[name] = self._trainer(name, how)
             except Exception as e:  # noqa: BLE001 - a planning error is raised on every rank alike
                 failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         digests = {n: tr.model.plan.placement_digest() for n, tr in built.items()}
@@ -154,15 +159,20 @@ class _Job:
         if dist.get_rank() == 0:
             auto = built["auto"].model
             cm, hw = auto.plan_cost_model, auto.plan.hardware
+            other = {n: tr.model.plan for n, tr in built.items() if tr.model.plan.hardware != hw}
+            # plans of another profile: their objective on the calibrated one (auto's too, as a check)
+            try:
+                repriced = _repriced(built["auto"], {**other, "auto": auto.plan}) if other else {}
+            except Exception as e:  # noqa: BLE001 - reported: those plans keep their own profile's objective
+                out["reprice_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                repriced, other = {}, {}
+            out["reprice_check"] = (auto.plan.objective_us, repriced.get("auto"))
             for name, tr in built.items():
                 plan = tr.model.plan
-                objective, repriced = plan.objective_us, plan.hardware != hw
-                if repriced:  # the objective on the calibrated profile: its placements priced on auto's problem
-                    from parallel.auto.replay import replay_plan
-                    objective = replay_plan(captures["auto"].autop.problem, plan, hardware=hw).objective_us
+                objective = repriced[name] if name in other else plan.objective_us
                 pred = tr.model.predict_step(cm)
                 rows[name].update(
-                    predicted_s=pred.step_us / 1e6, objective_us=objective, repriced=repriced,
+                    predicted_s=pred.step_us / 1e6, objective_us=objective, repriced=name in other,
                     own_objective_us=plan.objective_us, digest=digests[name],
                     explain=f"{plan.breakdown()}\n{pred.summary()}\n"
                             + "\n".join(f"  step graph {k}: {v['count']} x, {v['bytes'] / 2**20:.1f} MiB, "
@@ -207,8 +217,13 @@ def report(result: dict, min_plans: int, out: Any = sys.stdout) -> int:
         print(f"{n:<28} {rows[n]['digest']:<16} {obj[i]:>11.1f}{mark:1} {sim[i]:>9.1f} {meas[i]:>11.1f} "
               f"{r_obj[i]:>8.1f} {r_sim[i]:>8.1f} {r_meas[i]:>9.1f} {meas[i] / sim[i]:>8.2f}", file=out)
     if any(r.get("repriced") for r in rows.values()):
-        print("* solved on another profile; its objective re-priced on the free plan's problem "
-              "(calibrated profile)", file=out)
+        own, again = result.get("reprice_check", (None, None))
+        print("* solved on another profile; its placements re-priced on the free plan's job and calibrated profile"
+              + (f" (check: auto's objective {own / 1e3:.1f} ms, re-priced {again / 1e3:.1f} ms)" if again else ""),
+              file=out)
+    if result.get("reprice_error"):
+        print(f"re-pricing failed ({result['reprice_error']}): plans of another profile keep its objective",
+              file=out)
     planner = st.regret_of(rows["auto"]["step_s"] * 1e3, meas)
     rho_ok = min(st.spearman(obj, meas), st.spearman(sim, meas)) >= 0.9
     print(f"\n{len(names)} distinct plans (measured best: {names[0]})", file=out)
@@ -232,6 +247,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--plans", default="", help="comma-separated subset of the plans (default: all)")
     p.add_argument("--min-plans", type=int, default=None,
                    help=f"distinct plans required (default {MIN_PLANS}, or the number named by --plans)")
+    p.add_argument("--plan-dir", default="", help="run folders; a plan an earlier run of this same job saved "
+                   "there is loaded, not solved again (a run cut short resumes); default: a fresh temp folder")
     p.add_argument("--explain", action="store_true", help="print each plan's objective breakdown and prediction")
     args, extra = p.parse_known_args(argv)
     try:
