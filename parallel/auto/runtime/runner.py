@@ -86,19 +86,35 @@ def resolve_specs(candidates: Candidates, plan: Plan) -> dict[str, Any]:
 
 
 def block_indices(graph: JointGraph) -> dict[str, int]:
-    """node name -> index of the transformer block (numbered module entry) it belongs to;
-    parameters by their FQN, other nodes by the module that produced them."""
-    out: dict[str, int] = {}
+    """node name -> id of the transformer block (layer instance, as clustering finds the
+    repeated blocks: `cluster.layer_instance`) it belongs to; parameters by their FQN,
+    other nodes by the module that produced them. One id per instance: a stack's index
+    ('layers.3' -> 3), each further stack (a T5 decoder's 'decoder.block.i' after
+    'encoder.block.i') numbered after the previous one, so blocks of the same index in two
+    stacks never share a gather or reduction bucket or a recomputation graph."""
+    prefixes: dict[str, str] = {}
     for name, path in graph.module_of.items():
         prefix = layer_prefix(path)
         if prefix is not None:
-            out[name] = int(prefix.rsplit(".", 1)[-1])
+            prefixes[name] = prefix
     for fqn, node in graph.params.items():
         prefix = layer_prefix(fqn)
         if prefix is not None:
-            out[node.name] = int(prefix.rsplit(".", 1)[-1])
+            prefixes[node.name] = prefix
         else:
-            out.pop(node.name, None)
+            prefixes.pop(node.name, None)
+    top: dict[str, int] = {}  # stack ('encoder.block') -> its largest index, in order of appearance
+    for prefix in prefixes.values():
+        stack, idx = prefix.rsplit(".", 1)
+        top[stack] = max(top.get(stack, -1), int(idx))
+    offset, start = 0, {}
+    for stack, last in top.items():
+        start[stack] = offset
+        offset += last + 1
+    out: dict[str, int] = {}
+    for name, prefix in prefixes.items():
+        stack, idx = prefix.rsplit(".", 1)
+        out[name] = start[stack] + int(idx)
     return out
 
 
@@ -171,7 +187,9 @@ class PlanRunner:
         self.gather_params = _replicated_param_uses(graph, self.spec) if bucket else []
         self.ops = PlacementOps(mesh, self.spec, self.param_dtype,
                                 _deferred_layout_ops(self.bwd_gm, grad_nodes) if bucket else set(),
-                                {name: self.block_of.get(name, -1) for name in self.gather_params},
+                                # a parameter outside the blocks (embedding, head) is a bucket of its own:
+                                # gathered or reduced with another, it would wait for that one's use
+                                {name: self.block_of.get(name, name) for name in self.gather_params},
                                 load_balance=options.load_balance)
         # per-device graphs (local_graphs.py), built on the first call; False: interpret eagerly
         self.use_local_graphs = local_graphs
@@ -254,7 +272,7 @@ class PlanRunner:
             dst = self.out_placements(f"output[{s.index}]")
             key = bucket_key(tuple(v.placements), dst) if self.bucket and tuple(v.placements) != dst else None
             if key is not None:  # one bucket per block, as the gathers
-                block = self.block_of.get(self.graph.params[fqn].name, -1)
+                block = self.block_of.get(self.graph.params[fqn].name, fqn)
                 pending.setdefault((block, key, v.dtype), []).append((len(grads), dst))
             else:
                 v = self.to_placements(v, dst)

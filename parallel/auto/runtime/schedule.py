@@ -5,8 +5,13 @@ its `wait_tensor` blocks until the result is there. The plan's runner issues eve
 collective right before its first use, so nothing overlaps. This pass moves, in the FX
 graph itself (eager and compiled runs alike):
 
-  * every wait to just before the first op that reads its result (gradient reductions
-    then wait at the very end of the step, overlapping the rest of the backward);
+  * every wait to just before the first op that reads its result;
+  * except gradient reductions (read only by the step's output): each waits right after
+    the next reduction has started, so one bucket (one block) reduces while the next
+    block's backward runs, FSDP's one reduce-scatter in flight. Waiting at the very end
+    of the step instead would keep every unreduced gradient bucket alive until then (the
+    work holds its input until the wait returns): the whole full-size gradient at the
+    backward's end, measured by the CPU allocator (scripts/bench_foreign_memory.py);
   * every collective start as early as its inputs allow, together with the cheap layout
     ops (views, casts, concatenations) that build its buffer;
   * except parameter gathers (collectives fed by graph inputs only): those start when the
@@ -54,11 +59,12 @@ class OverlapReport:
     starts_moved: int = 0
     waits_moved: int = 0
     prefetched_gathers: int = 0
+    reductions_bounded: int = 0  # gradient reductions waited for when the next one starts
 
     def __str__(self) -> str:
         return (f"overlap: {self.collectives} collectives, {self.starts_moved} started earlier "
                 f"({self.prefetched_gathers} parameter gathers one bucket ahead), {self.waits_moved} waits deferred "
-                "to first use")
+                f"to first use ({self.reductions_bounded} gradient reductions waited for when the next starts)")
 
 
 def _after(n: fx.Node, k: int) -> fx.Node:
@@ -130,6 +136,25 @@ def _defer_waits(graph: fx.Graph, report: OverlapReport) -> None:
             report.waits_moved += 1
 
 
+def _bound_reductions(graph: fx.Graph, report: OverlapReport, in_flight: int = 1) -> None:
+    """Gradient reductions (collectives whose result only the graph's output reads) wait
+    for their result right after the `in_flight`-th next reduction has started, instead of
+    at the end of the step: at most `in_flight` + 1 reduction buffers are alive at once."""
+    out = graph.output_node()
+    reductions = []
+    for c in [n for n in graph.nodes if _is_collective(n)]:
+        waits = [u for u in c.users if _is_wait(u)]
+        if len(waits) != 1:
+            continue
+        _, reader = _result_chain(waits[0])
+        if reader is out:
+            reductions.append((c, waits[0]))
+    for (_, w), (nxt, _) in zip(reductions, reductions[in_flight:]):
+        if w > nxt.next:
+            nxt.append(w)
+            report.reductions_bounded += 1
+
+
 def _input_derived(graph: fx.Graph) -> set[fx.Node]:
     """Graph inputs and what cheap ops make of them alone (parameter shards, their casts)."""
     out: set[fx.Node] = set()
@@ -162,6 +187,7 @@ def schedule_overlap(gm: fx.GraphModule, recompile: bool = True) -> OverlapRepor
     for c, chain in others:
         if _move_up(chain, _anchor(chain, None)):
             report.starts_moved += 1
+    _bound_reductions(graph, report)
     graph.lint()
     if recompile:
         gm.recompile()
