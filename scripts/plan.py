@@ -4,9 +4,11 @@
         [--html plan.html] [--diff other_plan.json] [--coverage]
     python scripts/plan.py --config llama3_8b.toml --mesh auto --world-size 32 --hardware h100 [--workers 2]
 
---mesh auto plans every mesh of --world-size devices (parallel/auto/sweep/meshes.py; cached), prints
-them ranked by predicted step time per token (tokens/s; meshes that do not fit dropped) and
-goes on with the best.
+--mesh auto plans every mesh of --world-size devices (parallel/auto/sweep/meshes.py; cached) at one
+global batch ([training] global_batch_size, else local_batch_size x world size; each mesh's local
+batch = global / its data degree, more micro-batches where a plan does not fit), prints them
+ranked by the predicted time of that step (meshes that cannot divide the batch or do not fit
+listed after, with the reason) and goes on with the best.
 
 The summary gives the predicted peak memory per device (parameters, gradients, AdamW
 states, activations, transients, with the config's activation checkpointing) against the
@@ -46,7 +48,7 @@ from parallel.auto.mesh_search import MeshSearchError  # noqa: E402
 from parallel.auto.plan import Plan, PlanMismatchError  # noqa: E402
 from parallel.auto.plan_html import save_diff_html, save_html  # noqa: E402
 from parallel.auto.request import planning  # noqa: E402
-from parallel.auto.sweep.meshes import ranked_table, search_meshes  # noqa: E402
+from parallel.auto.sweep.meshes import ranked_table, search_global_batch, search_meshes  # noqa: E402
 from parallel.auto.sweep.point import PlanCache  # noqa: E402
 from trainer.auto_mode import base_job, plan_request  # noqa: E402
 from trainer.config import load_config  # noqa: E402
@@ -115,8 +117,9 @@ def search_job(args: argparse.Namespace) -> Plan:
         rows = search_meshes(base_job(cfg), args.world_size, hardware, workers=args.workers, cache=cache)
     except MeshSearchError as e:
         raise SystemExit(f"--world-size {args.world_size}: {e}") from None
+    gb = search_global_batch(base_job(cfg), args.world_size)
     print(f"meshes of {args.world_size} devices for {cfg.model.name} {cfg.model.flavor} on {hardware}, "
-          f"local batch {cfg.training.local_batch_size} x seq {cfg.training.seq_len}, ranked by predicted tokens/s:")
+          f"global batch {gb} x seq {cfg.training.seq_len}, ranked by predicted step time:")
     print(ranked_table(rows))
     best = next((r for r in rows if r["rank"] == 1), None)
     if best is None:
@@ -124,7 +127,8 @@ def search_job(args: argparse.Namespace) -> Plan:
     plan = cache.plan(best["key"])
     if plan is None:
         raise SystemExit(f"the best mesh's plan is missing from the cache {cache.folder}; run again")
-    print(f"best mesh: {best['mesh']} ({best['step_ms']:.1f} ms per step predicted)")
+    print(f"best mesh: {best['mesh']}, local batch {best['local_batch']} x {best.get('micro_batches', 1)} "
+          f"micro-batches ({best['step_ms']:.1f} ms per step predicted)")
     return plan
 
 

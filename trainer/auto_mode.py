@@ -102,8 +102,9 @@ def runtime_options(job_config: JobConfig) -> RuntimeOptions:
 def base_job(job_config: JobConfig) -> BaseJob:
     """What a sweep or the mesh search takes from this job: its model and planning request."""
     m = job_config.model
+    gb = job_config.training.global_batch_size
     return BaseJob(model=m.name, flavor=m.flavor, model_args=tuple(sorted(m.arg_overrides().items())),
-                   request=plan_request(job_config))
+                   request=plan_request(job_config), global_batch_size=gb if gb > 0 else None)
 
 
 def load_base_job(config: str | None) -> BaseJob:

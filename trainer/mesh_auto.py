@@ -1,7 +1,10 @@
 """The trainer's ``[parallelism] mesh = "auto"``: search the meshes, build the best.
 
 The search itself is parallel/auto/sweep/meshes.py (every mesh of the world size planned
-with the job's whole planning request, ranked by predicted tokens/s). The launcher
+with the job's whole planning request at the job's global batch, ranked by the predicted
+time of that step); the chosen mesh's local batch (global / its data degree / its
+micro-batches) becomes the job's `local_batch_size`, the global batch its
+`global_batch_size`. The launcher
 (train.py) resolves the mesh before it builds the Trainer: rank 0 searches in a spawned
 process (its own fake world; the job's real process group stays untouched) and broadcasts
 the chosen degrees, or the error, to every rank.
@@ -17,7 +20,7 @@ import torch.distributed as dist
 
 from parallel.auto.cost import ProfileError
 from parallel.auto.mesh_search import MeshSearchError
-from parallel.auto.sweep.meshes import degrees_of, ranked_table, search_meshes
+from parallel.auto.sweep.meshes import degrees_of, ranked_table, search_global_batch, search_meshes
 
 from .auto_mode import base_job, planning_hardware
 from .config import JobConfig
@@ -51,8 +54,11 @@ def choose_mesh(cfg: JobConfig, world: int, device_type: str, vocab_size: int) -
     dist.broadcast_object_list(payload, src=0)
     if isinstance(payload[0], Exception):
         raise payload[0]
-    par = dataclasses.replace(par, mesh="", degrees=dataclasses.replace(par.degrees, **payload[0]))
-    return dataclasses.replace(cfg, parallelism=par)
+    chosen = payload[0]
+    par = dataclasses.replace(par, mesh="", degrees=dataclasses.replace(par.degrees, **chosen["degrees"]))
+    training = dataclasses.replace(cfg.training, local_batch_size=chosen["local_batch_size"],
+                                   global_batch_size=chosen["global_batch_size"])
+    return dataclasses.replace(cfg, parallelism=par, training=training)
 
 
 def _search_on_rank0(cfg: JobConfig, world: int, hw: Any, vocab_size: int) -> dict | Exception:
@@ -62,10 +68,12 @@ def _search_on_rank0(cfg: JobConfig, world: int, hw: Any, vocab_size: int) -> di
         rows = search_meshes(base_job(cfg), world, hw, workers=1, vocab_size=vocab_size, out=logger.info)
     except (MeshSearchError, ProfileError) as e:
         return ConfigError(f"{where}: {e}; set the degrees instead")
-    logger.info("mesh search, ranked by predicted tokens/s:\n%s", ranked_table(rows))
+    gb = search_global_batch(base_job(cfg), world)
+    logger.info("mesh search at global batch %d, ranked by predicted step time:\n%s", gb, ranked_table(rows))
     best = next((r for r in rows if r["rank"] == 1), None)
     if best is None:
         return ConfigError(f"{where}: no mesh of {world} devices has a plan that fits ({rows[0]['status']} ...); "
                            "lower the budget, the batch or the sequence, or set the degrees")
-    logger.info("mesh search: building the best mesh %s (%.1f ms predicted per step)", best["mesh"], best["step_ms"])
-    return degrees_of(best)
+    logger.info("mesh search: building the best mesh %s (local batch %d x %d micro-batches, %.1f ms predicted per "
+                "step)", best["mesh"], best["local_batch"], best.get("micro_batches", 1), best["step_ms"])
+    return {"degrees": degrees_of(best), "local_batch_size": best["local_batch"], "global_batch_size": gb}

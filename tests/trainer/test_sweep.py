@@ -9,11 +9,11 @@ import pytest
 from parallel.auto.cost import load_hardware
 from parallel.auto.sweep import point as sweep_point
 from parallel.auto.sweep import spec as sweep_spec
-from parallel.auto.sweep.meshes import degrees_of, search_meshes
-from parallel.auto.sweep.point import PlanCache
+from parallel.auto.sweep.meshes import degrees_of, rank_rows, ranked_table, search_meshes, search_points
+from parallel.auto.sweep.point import PlanCache, point_key
 from parallel.auto.sweep.report import markdown_table, svg_picture, write_csv
 from parallel.auto.sweep.run import Progress, run_points
-from parallel.auto.sweep.spec import SweepSpecError
+from parallel.auto.sweep.spec import SweepSpecError, more_micro_batches, with_global_batch
 from trainer.auto_mode import base_job, load_base_job
 from trainer.config import ConfigError, load_config
 
@@ -134,27 +134,111 @@ def test_failing_point_is_a_row_and_the_sweep_goes_on(tmp_path, monkeypatch):
     assert svg.startswith("<svg") and svg.count("<circle") == 2  # one point per panel: the failed one has none
 
 
-@pytest.mark.slow  # plans 3 meshes twice
+TINY_JOB = ["--model.n_layers", "1", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+            "--model.ffn_hidden_dim", "128", "--training.seq_len", "32", "--training.local_batch_size", "2"]
+
+
+@pytest.mark.slow  # plans 3 meshes, then 3 more under a tiny memory limit
 def test_mesh_search_ranks_and_drops(tmp_path):
-    cfg = load_config("llama3_debug_auto", ["--model.n_layers", "1", "--model.dim", "64", "--model.n_heads", "4",
-                                            "--model.n_kv_heads", "2", "--model.ffn_hidden_dim", "128",
-                                            "--training.seq_len", "32", "--training.local_batch_size", "2"],
-                      validate=False)
+    cfg = load_config("llama3_debug_auto", TINY_JOB, validate=False)
     cache = PlanCache(tmp_path / "cache")
     rows = search_meshes(base_job(cfg), 2, "h100", workers=1, cache=cache, out=lambda s: None)
     assert sorted(r["mesh"] for r in rows) == ["cp=2", "dp_shard=2", "tp=2"]  # cp: seq 32 splits in 2 x 2 chunks
     assert [r["rank"] for r in rows] == [1, 2, 3]
-    assert rows[0]["mesh"] == "dp_shard=2"  # it steps over twice the tokens of cp=2 and tp=2
-    assert rows[0]["tokens_per_s"] >= max(r["tokens_per_s"] for r in rows[1:])
+    by = {r["mesh"]: r for r in rows}
+    # one global batch (local 2 x world 2) for every mesh: local batch = 4 / its data degree
+    assert {r["global_batch"] for r in rows} == {4}
+    assert (by["dp_shard=2"]["local_batch"], by["tp=2"]["local_batch"], by["cp=2"]["local_batch"]) == (2, 4, 4)
+    # tp=2 beats dp_shard=2 at this size: on the h100 profile every kernel of this 64-wide model costs its launch
+    # floor, so halving the batch saves no compute; tp=2's inputs are replicated and its plan replicates the whole
+    # step (no collective), while dp_shard=2 must all-reduce its gradients. The old ranking (tokens/s at each mesh's
+    # own global batch: dp_shard=2 stepped twice the tokens) put dp_shard=2 first.
+    print("ranked:", [(r["mesh"], round(r["step_ms"], 4), r["compute_us"], r["comm_us"]) for r in rows])
+    assert by["tp=2"]["comm_us"] == 0 < by["dp_shard=2"]["comm_us"]
+    assert by["tp=2"]["compute_us"] == pytest.approx(by["dp_shard=2"]["compute_us"], rel=0.01)
+    order = [r["mesh"] for r in rows]
+    assert order.index("tp=2") < order.index("dp_shard=2")
     assert degrees_of(rows[0])["data_parallel_shard_degree"] * degrees_of(rows[0])["tensor_parallel_degree"] == 2
-    cp_row = next(r for r in rows if r["mesh"] == "cp=2")
-    assert degrees_of(cp_row)["context_parallel_degree"] == 2 and cp_row["global_batch"] == 2
+    assert degrees_of(by["cp=2"])["context_parallel_degree"] == 2
     tiny = load_hardware("h100").replace(memory_bytes=1024, memory_limit_bytes=1024)  # nothing fits in 1 KiB
     dropped = search_meshes(base_job(cfg), 2, tiny, workers=1, cache=cache, out=lambda s: None)
     assert [r["rank"] for r in dropped] == ["-"] * 3 and {r["status"] for r in dropped} == {"OOM"}
+    # more micro-batches were tried before giving up: down to one sample per micro-batch
+    assert {r["mesh"]: (r["local_batch"], r["micro_batches"]) for r in dropped} == {
+        "dp_shard=2": (1, 2), "tp=2": (1, 4), "cp=2": (1, 4)}
     # the planner tried to fit (re-solved as sharded as it could) and says by how much it missed
     assert all(r["oom"] and r["mem_kind"] == "peak" and r["mem_gib"] > 0 for r in dropped)
     assert all("memory limit" in r["detail"] or "limit" in r["detail"] for r in dropped)
+
+
+@pytest.mark.slow  # plans 2 meshes, then tp=2 twice more under a memory limit
+def test_mesh_search_accumulates_where_memory_requires(tmp_path):
+    cfg = load_config("llama3_debug_auto", [*TINY_JOB, "--model.vocab_size", "4096", "--training.seq_len", "256"],
+                      validate=False)
+    cache = PlanCache(tmp_path / "cache")
+    job = base_job(cfg)
+    rows = {r["mesh"]: r for r in search_meshes(job, 2, "h100", workers=1, cache=cache, out=lambda s: None)
+            if r["mesh"] in ("tp=2", "dp_shard=2")}
+    # a limit below tp=2's peak at its local batch of 4, above dp_shard=2's at 2: tp=2 must accumulate
+    big, small = rows["tp=2"]["mem_gib"] * 2**30, rows["dp_shard=2"]["mem_gib"] * 2**30
+    assert small < big
+    limit = int((big + small) / 2)
+    hw = load_hardware("h100").replace(memory_bytes=limit, memory_limit_bytes=limit)
+    again = {r["mesh"]: r for r in search_meshes(job, 2, hw, workers=1, cache=cache, out=lambda s: None)}
+    tp = again["tp=2"]
+    print({m: (r["status"], r["local_batch"], r["micro_batches"], r["mem_gib"]) for m, r in again.items()})
+    assert again["dp_shard=2"]["micro_batches"] == 1 and again["dp_shard=2"]["status"] == "ok"
+    assert tp["status"] == "ok" and tp["micro_batches"] > 1 and tp["local_batch"] * tp["micro_batches"] == 4
+    assert tp["mem_gib"] * 2**30 <= limit
+    # its step is every micro-batch's step graph: the plan's objective times their number
+    assert tp["step_ms"] == pytest.approx(cache.plan(tp["key"]).objective_us * tp["micro_batches"] / 1e3)
+    assert tp["tokens_per_s"] == pytest.approx(4 * 256 / (tp["step_ms"] / 1e3))
+
+
+def test_a_mesh_that_cannot_divide_the_global_batch_is_a_row(tmp_path):
+    cfg = load_config("llama3_debug_auto", [*TINY_JOB, "--training.global_batch_size", "3"], validate=False)
+    job = base_job(cfg)
+    assert job.global_batch_size == 3
+    points = search_points(job, 4, "h100")
+    by = {p.mesh.label: p for p in points}
+    assert by["dp_shard=4"].reject == "not run: global batch 3 is not divisible by the data degree 4 (dp_shard=4)"
+    assert by["dp_shard=2,tp=2"].reject.endswith("the data degree 2 (dp_shard=2)")
+    assert not by["tp=4"].reject and by["tp=4"].local_batch_size == 3 and by["tp=4"].micro_batches == 1
+    rejected = [p for p in points if p.reject]
+    rows = run_points(rejected, workers=1, cache=PlanCache(tmp_path / "c"), progress=quiet())
+    assert [r["status"] for r in rows] == [p.reject for p in rejected] and all(r["step_ms"] is None for r in rows)
+    ranked = rank_rows(rejected, rows)
+    assert [r["rank"] for r in ranked] == ["-"] * len(rejected)
+    table = ranked_table(ranked)
+    assert "not divisible by the data degree 4" in table and "| 3 x 32 |" in table
+
+
+def test_fixed_global_batch_sets_each_meshs_local_batch():
+    cfg = load_config("llama3_debug_auto", [*TINY_JOB, "--training.global_batch_size", "16"], validate=False)
+    points = {p.mesh.label: p for p in search_points(base_job(cfg), 8, "h100")}
+    for label, local in [("dp_shard=8", 2), ("dp_shard=4,tp=2", 4), ("dp_shard=2,tp=4", 8), ("tp=8", 16),
+                         ("dp_replicate=2,dp_shard=4", 2), ("dp_shard=2,cp=2,tp=2", 8)]:
+        p = points[label]
+        assert (p.local_batch_size, p.micro_batches, p.global_batch, p.reject) == (local, 1, 16, ""), label
+        assert p.micro_global_batch == local * p.data_degree  # what is traced: one micro-batch of every data rank
+    more = more_micro_batches(points["dp_shard=2,tp=4"])  # 8 per data rank: 2 micro-batches of 4
+    assert (more.local_batch_size, more.micro_batches, more.global_batch) == (4, 2, 16)
+    assert point_key(more) != point_key(points["dp_shard=2,tp=4"])
+    assert more_micro_batches(points["dp_shard=8"]).micro_batches == 2
+    assert more_micro_batches(with_global_batch(points["dp_shard=8"], 16, 2)) is None  # 1 sample a micro-batch
+    default = {p.mesh.label: p for p in search_points(base_job(load_config("llama3_debug_auto", TINY_JOB,
+                                                                           validate=False)), 8, "h100")}
+    assert {p.global_batch for p in default.values()} == {2 * 8}  # default: local batch x world size
+
+
+def test_sweep_global_batch_axis(tmp_path):
+    text = TINY.replace("local_batch_size = 1", "global_batch_size = [4]") + "world_size = [4]\n"
+    spec = load_sweep(spec_file(tmp_path, text))
+    assert {(p.mesh.label, p.local_batch_size) for p in spec.points} == {
+        ("dp_shard=4", 1), ("tp=4", 4), ("dp_shard=2,tp=2", 2), ("dp_replicate=2,dp_shard=2", 1)}
+    with pytest.raises(SweepSpecError, match="both local_batch_size and global_batch_size"):
+        load_sweep(spec_file(tmp_path, text.replace("global_batch_size = [4]",
+                                                    "global_batch_size = [4]\nlocal_batch_size = 2")))
 
 
 @pytest.mark.slow  # spawns worker processes

@@ -3,10 +3,14 @@
 The meshes (parallel/auto/mesh_search.py: dp_replicate, dp_shard, cp, tp; a cp degree only
 where the sequence splits load-balanced) are each planned as a sweep point with the job's
 whole planning request (model, shapes, planner settings, runtime; cached, seeded as the
-planner seeds); meshes whose memory does not fit are dropped, the rest ranked by predicted
-step time per token (tokens/s: the global batch, local batch x data-parallel degree,
-differs between meshes). Used by ``scripts/plan.py --mesh auto`` and the trainer's
-``[parallelism] mesh = "auto"`` (trainer/mesh_auto.py).
+planner seeds) at the job's *global* batch, the same for every mesh (TorchTitan users fix
+it; a mesh with more data ranks must not win by training a larger one): each mesh's local
+batch is global / its data degree; a mesh whose data degree does not divide it is a row
+saying so; a plan that does not fit is planned again with more micro-batches (gradient
+accumulation; the step time counts every micro-batch's step graph). Meshes are ranked by
+the predicted time of that same step; those that do not fit are listed after. Used by
+``scripts/plan.py --mesh auto`` and the trainer's ``[parallelism] mesh = "auto"``
+(trainer/mesh_auto.py).
 """
 
 from __future__ import annotations
@@ -20,22 +24,32 @@ from parallel.mesh import CP, DP_REPLICATE, DP_SHARD, TP
 from .point import PlanCache
 from .report import markdown_table, memory_note
 from .run import Progress, run_points
-from .spec import BaseJob, Point, point_request
+from .spec import BaseJob, Point, point_request, with_global_batch
 
-RANK_COLUMNS = ("rank", "mesh", "batch x seq", "step ms", "tokens/s", "MFU", "mem GiB", "OOM", "plan s", "status",
-                "plan")
+RANK_COLUMNS = ("rank", "mesh", "batch x seq", "local", "micro", "step ms", "tokens/s", "MFU", "mem GiB", "OOM",
+                "plan s", "status", "plan")
+
+
+def search_global_batch(job: BaseJob, world: int) -> int:
+    """The global batch every mesh trains: the job's ``global_batch_size``, else its local
+    batch on every device as data rank (local batch x world: what the fully data-parallel
+    mesh trains without accumulation)."""
+    return job.global_batch_size or job.request.local_batch_size * world
 
 
 def search_points(job: BaseJob, world: int, hardware: str | HardwareProfile,
                   vocab_size: int | None = None) -> list[Point]:
     """One point per candidate mesh of ``world`` devices for the job: its whole planning
-    request (planner settings, runtime, mixed precision) on ``hardware``."""
+    request (planner settings, runtime, mixed precision) on ``hardware``, at the job's global
+    batch (:func:`search_global_batch`; local batch = global / the mesh's data degree)."""
     hw = load_hardware(hardware)
     req = job.request
     budget = req.planner.memory_budget_high if req.planner.memory_budget_high is not None else "auto"
     request = point_request(req, req.local_batch_size, req.seq_len, req.runtime.ac_mode, hardware, budget)
-    return [Point(index=i, model=job.model, flavor=job.flavor, model_args=job.model_args, mesh=spec,
-                  request=request, memory_high=budget, vocab_size=vocab_size, mesh_auto=True)
+    gb = search_global_batch(job, world)
+    return [with_global_batch(Point(index=i, model=job.model, flavor=job.flavor, model_args=job.model_args,
+                                    mesh=spec, request=request, memory_high=budget, vocab_size=vocab_size,
+                                    mesh_auto=True), gb)
             for i, spec in enumerate(searched_meshes(world, hw.gpus_per_node, req.seq_len))]
 
 
@@ -47,11 +61,13 @@ def searched_meshes(world: int, gpus_per_node: int, seq_len: int) -> list[MeshSp
 
 
 def rank_rows(points: list[Point], rows: list[dict]) -> list[dict]:
-    """Rows ranked: fitting meshes by predicted step time per token, i.e. tokens/s (``rank``
-    1, 2, ...; see :func:`rank_candidates`), then the dropped ones (OOM, planning failures)
-    with ``rank`` "-" and their reason."""
-    cands = [Candidate(p.mesh, r.get("objective_us"), r.get("status") == "ok", r.get("status", ""),
-                       tokens=p.global_batch * p.seq_len) for p, r in zip(points, rows)]
+    """Rows ranked: fitting meshes by predicted step time per token (``rank`` 1, 2, ...; see
+    :func:`rank_candidates`; at one global batch for every mesh, the order of the step times
+    of all micro-batches), then the dropped ones (OOM, a global batch the mesh cannot divide,
+    planning failures) with ``rank`` "-" and their reason."""
+    cands = [Candidate(p.mesh, r["step_ms"] * 1e3 if r.get("step_ms") is not None else None,
+                       r.get("status") == "ok", r.get("status", ""), tokens=p.global_batch * p.seq_len)
+             for p, r in zip(points, rows)]
     by_mesh = {p.mesh: r for p, r in zip(points, rows)}
     out = []
     for i, c in enumerate(rank_candidates(cands)):

@@ -43,13 +43,15 @@ def point_key(point: Point) -> str:
     (its "sharded" budget included), torch's version and the planner's source files."""
     model = {"name": point.model, "flavor": point.flavor, "args": list(point.model_args), "vocab": point.vocab_size,
              "sharded": point.memory_high is None}
+    if point.micro_batches > 1:  # the plan is the micro-batch's; the row's step is all of them
+        model["micro_batches"] = point.micro_batches
     return request_key(model, (point.mesh.shape, point.mesh.names), point.request)
 
 
 def trace_key(point: Point) -> tuple:
     """What the joint graph depends on (not the mesh, hardware, budget or AC mode; only
     whether the mesh has a cp axis: then the graph takes positions and attention is a region)."""
-    return (point.model, point.flavor, point.model_args, point.vocab_size, point.global_batch, point.seq_len,
+    return (point.model, point.flavor, point.model_args, point.vocab_size, point.micro_global_batch, point.seq_len,
             uses_context_parallel(point.mesh))
 
 
@@ -87,6 +89,8 @@ class PlanCache:
 def plan_point(point: Point, cache: PlanCache | None) -> dict:
     """The row of one point: from the cache, else planned (and cached). A failure is a row
     whose status says why; planning errors (no plan within the budget) are cached too."""
+    if point.reject:  # a fixed global batch this mesh cannot divide: a row, not a plan
+        return failure_row(point, point.reject)
     key = point_key(point)
     hit = cache.get(key) if cache is not None else None
     if hit is not None:
@@ -120,7 +124,8 @@ def base_row(point: Point) -> dict:
     dims = ",".join(f"{k}={v}" for k, v in point.model_args)
     return {"index": point.index, "model": f"{point.model}/{point.flavor}" + (f"[{dims}]" if dims else ""),
             "hardware": hw.name, "world": point.mesh.world, "mesh": point.mesh.label,
-            "global_batch": point.global_batch, "local_batch": point.local_batch_size, "seq_len": point.seq_len,
+            "global_batch": point.global_batch, "local_batch": point.local_batch_size,
+            "micro_batches": point.micro_batches, "seq_len": point.seq_len,
             "ac_mode": point.ac_mode, "budget": point.memory_high, "cached": False, "mesh_auto": point.mesh_auto,
             **dict(point.model_args)}
 
@@ -133,7 +138,7 @@ def failure_row(point: Point, reason: str) -> dict:
 def _plan_and_row(point: Point) -> tuple[Plan, dict]:
     hw = load_hardware(point.hardware)
     plan, n_params, param_bytes, budget = _plan(point, hw)
-    step_s = plan.objective_us * 1e-6
+    step_s = plan.objective_us * 1e-6 * point.micro_batches  # the step graph once per micro-batch
     tokens = point.global_batch * point.seq_len
     tps = tokens / step_s if step_s > 0 else float("inf")
     args = model_args(point.model, point.flavor, **dict(point.model_args))

@@ -13,7 +13,8 @@ from typing import Any
 
 COLUMNS = [  # (header, row key, format)
     ("rank", "rank", "{}"), ("#", "index", "{}"), ("model", "model", "{}"), ("hw", "hardware", "{}"),
-    ("world", "world", "{}"), ("mesh", "mesh", "{}"), ("batch x seq", None, ""), ("AC", "ac_mode", "{}"),
+    ("world", "world", "{}"), ("mesh", "mesh", "{}"), ("batch x seq", None, ""), ("local", "local_batch", "{}"),
+    ("micro", "micro_batches", "{}"), ("AC", "ac_mode", "{}"),
     ("budget", "budget", "{:.4g}"),
     ("step ms", "step_ms", "{:,.1f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"), ("MFU", "mfu", "{:.1%}"),
     ("mem GiB", "mem_gib", "{:.2f}"), ("OOM", "oom", ""), ("plan s", "plan_s", "{:.1f}"), ("status", "status", "{}"),

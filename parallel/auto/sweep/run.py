@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .point import PlanCache, failure_row, plan_point, point_key, trace_key
-from .spec import Point
+from .spec import Point, more_micro_batches
 
 
 class Progress:
@@ -57,11 +57,18 @@ def _hms(s: float) -> str:
 
 def run_points(points: Sequence[Point], *, workers: int = 2, cache: PlanCache | None = None,
                progress: Progress | None = None) -> list[dict]:
-    """One row per point, in the points' order (see the module docstring)."""
+    """One row per point, in the points' order (see the module docstring). A point at a fixed
+    global batch whose plan does not fit (OOM) is planned again with more micro-batches (a
+    smaller local batch; its step time counts all of them) until one fits or each micro-batch
+    is one sample; its row is the last try's."""
     progress = progress or Progress(len(points))
     rows: dict[int, dict] = {}
     todo = []
     for p in points:
+        if p.reject:  # not planned: the row says why
+            rows[p.index] = failure_row(p, p.reject)
+            progress.update(rows[p.index])
+            continue
         key = point_key(p)
         hit = cache.get(key) if cache is not None else None
         if hit is not None:
@@ -76,6 +83,11 @@ def run_points(points: Sequence[Point], *, workers: int = 2, cache: PlanCache | 
             progress.update(rows[p.index])
     elif todo:
         rows.update(_run_pool(todo, workers, cache, progress))
+    retries = [q for p in points if rows[p.index].get("status") == "OOM" and (q := more_micro_batches(p)) is not None]
+    if retries:
+        progress.total += len(retries)
+        for q, row in zip(retries, run_points(retries, workers=workers, cache=cache, progress=progress)):
+            rows[q.index] = row
     return [rows[p.index] for p in points]
 
 

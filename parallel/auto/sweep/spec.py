@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from models import ARG_KEYS, get_model_spec, model_args
 from parallel.auto.cost import ProfileError, load_hardware
 from parallel.auto.mesh_search import MeshSearchError, MeshSpec, check_world, enumerate_meshes, parse_mesh
 from parallel.auto.request import PlanRequest
+from parallel.mesh import DATA_AXES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,8 +42,8 @@ else:  # pragma: no cover
 SWEEPS_DIR = Path(__file__).resolve().parents[3] / "configs" / "sweeps"
 SWEEP_KEYS = {"name": str, "description": str, "config": str, "x": str, "workers": int}
 MODEL_DIMS = ARG_KEYS
-AXIS_KEYS = ("model", "flavor", *MODEL_DIMS, "hardware", "world_size", "mesh", "local_batch_size", "seq_len",
-             "ac_mode", "memory_budget_high")
+AXIS_KEYS = ("model", "flavor", *MODEL_DIMS, "hardware", "world_size", "mesh", "local_batch_size",
+             "global_batch_size", "seq_len", "ac_mode", "memory_budget_high")
 AC_MODES = ("none", "full", "selective")
 BUDGET_WORDS = ("auto", "sharded")
 
@@ -59,6 +61,7 @@ class BaseJob:
     flavor: str
     model_args: tuple[tuple[str, int], ...]
     request: PlanRequest
+    global_batch_size: int | None = None  # the job's [training] global_batch_size (None: not set)
 
 
 @dataclass(frozen=True)
@@ -74,10 +77,25 @@ class Point:
     memory_high: float | str | None  # fraction; "auto": the trainer's rule; None: fully sharded
     vocab_size: int | None = None  # None: the flavor's
     mesh_auto: bool = False  # enumerated by the mesh search
+    # a fixed global batch (mesh search, a sweep's global_batch_size axis): the request's local batch
+    # is the micro-batch, `micro_batches` of them a step; a mesh whose data degree does not divide
+    # it is not planned: `reject` says why (its row's status)
+    global_batch_size: int | None = None
+    micro_batches: int = 1
+    reject: str = ""
 
     @property
     def local_batch_size(self) -> int:
         return self.request.local_batch_size
+
+    @property
+    def data_degree(self) -> int:
+        return math.prod(self.mesh.shape[i] for i in self.mesh.data_axes())
+
+    @property
+    def micro_global_batch(self) -> int:
+        """The samples of one planned step graph over all data ranks (what is traced)."""
+        return self.local_batch_size * self.data_degree
 
     @property
     def seq_len(self) -> int:
@@ -94,10 +112,10 @@ class Point:
 
     @property
     def global_batch(self) -> int:
-        dp = 1
-        for i in self.mesh.data_axes():
-            dp *= self.mesh.shape[i]
-        return self.local_batch_size * dp
+        """Samples per optimizer step: the fixed global batch, else local x data degree x micro-batches."""
+        if self.global_batch_size is not None:
+            return self.global_batch_size
+        return self.micro_global_batch * self.micro_batches
 
 
 @dataclass
@@ -220,6 +238,10 @@ def expand_points(axes: dict[str, list], base: BaseJob, source: str) -> list[Poi
     req = base.request
     models = _model_combos(axes, base, source)
     hardware = [_load_profile(h, source) for h in axes.get("hardware", [req.planner.hardware])]
+    if "global_batch_size" in axes and "local_batch_size" in axes:
+        raise SweepSpecError(f"{source}: [axes] has both local_batch_size and global_batch_size; give one: a fixed "
+                             "global batch sets each mesh's local batch (global / its data degree)")
+    globals_ = axes.get("global_batch_size", [None])
     lbs = axes.get("local_batch_size", [req.local_batch_size])
     seqs = axes.get("seq_len", [req.seq_len])
     acs = axes.get("ac_mode", [req.runtime.ac_mode])
@@ -229,12 +251,39 @@ def expand_points(axes: dict[str, list], base: BaseJob, source: str) -> list[Poi
         _check_seq(name, flavor, dims, seq, source)
     points: list[Point] = []
     for (name, flavor, dims), (hw_name, hw) in itertools.product(models, hardware):
-        for (mesh, auto), lb, seq, ac, budget in itertools.product(_meshes(axes, hw, source), lbs, seqs, acs,
-                                                                   budgets):
-            points.append(Point(index=len(points), model=name, flavor=flavor, model_args=dims, mesh=mesh,
-                                request=point_request(req, lb, seq, ac, hw_name, budget), memory_high=budget,
-                                mesh_auto=auto))
+        for (mesh, auto), lb, gb, seq, ac, budget in itertools.product(_meshes(axes, hw, source), lbs, globals_,
+                                                                       seqs, acs, budgets):
+            point = Point(index=len(points), model=name, flavor=flavor, model_args=dims, mesh=mesh,
+                          request=point_request(req, lb, seq, ac, hw_name, budget), memory_high=budget,
+                          mesh_auto=auto)
+            points.append(point if gb is None else with_global_batch(point, gb))
     return points
+
+
+def with_global_batch(point: Point, global_batch: int, micro_batches: int = 1) -> Point:
+    """The point at a fixed global batch: local batch = global / (its data degree x
+    ``micro_batches``); a mesh whose data degree does not divide the global batch is a point
+    that is not planned (``reject`` says why: its row's status)."""
+    d = point.data_degree
+    if global_batch % (d * micro_batches):
+        data = ",".join(f"{n}={s}" for n, s in zip(point.mesh.names, point.mesh.shape) if n in DATA_AXES) or "none"
+        why = (f"not run: global batch {global_batch} is not divisible by the data degree {d} ({data})" if
+               global_batch % d else f"not run: {global_batch // d} samples per data rank are not "
+               f"{micro_batches} micro-batches")
+        return dataclasses.replace(point, global_batch_size=global_batch, micro_batches=micro_batches, reject=why)
+    local = global_batch // (d * micro_batches)
+    return dataclasses.replace(point, request=dataclasses.replace(point.request, local_batch_size=local),
+                               global_batch_size=global_batch, micro_batches=micro_batches, reject="")
+
+
+def more_micro_batches(point: Point) -> Point | None:
+    """The point with the next larger number of micro-batches that divides its per-rank batch
+    (a smaller local batch: less activation memory), or None when it is at one sample each."""
+    if point.global_batch_size is None or point.reject:
+        return None
+    per_rank = point.global_batch_size // point.data_degree
+    m = next((m for m in range(point.micro_batches + 1, per_rank + 1) if per_rank % m == 0), None)
+    return None if m is None else with_global_batch(point, point.global_batch_size, m)
 
 
 def point_request(base: PlanRequest, local_batch_size: int, seq_len: int, ac_mode: str, hardware: Any,
