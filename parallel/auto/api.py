@@ -35,6 +35,7 @@ from parallel.auto.cost import AUTO, CostModel, RuntimeSchedule
 from parallel.auto.cost.calibrate import resolve_auto
 from parallel.auto.cost.memory import GIB, MemoryEstimate, format_bytes
 from parallel.auto.coverage import GraphCoverage, coverage_of, coverage_report
+from parallel.auto.feasibility import memory_advice
 from parallel.auto.formulation import build_problem
 from parallel.auto.placements import placement_str
 from parallel.auto.plan import Plan, build_plan
@@ -375,10 +376,16 @@ class AutoParallel:
                 prob, sol = self._build_and_solve(self.candidates, low, cur)
             except PlanningError as e:
                 raise MemoryLimitError(f"{_over_limit(est)}, and the constraints allow no more sharding "
-                                       f"({e}); {_memory_fix(self.runtime.ac_mode)}", est) from None
+                                       f"({e}); {self._memory_advice(est)}", est) from None
             plan = self._plan(prob, sol, low, cur)
         raise MemoryLimitError(f"{_over_limit(est)}, even with the parameters as sharded as they can be (parameter "
-                               f"budget high={plan.memory_fraction:.4g}); {_memory_fix(self.runtime.ac_mode)}", est)
+                               f"budget high={plan.memory_fraction:.4g}); {self._memory_advice(est)}", est)
+
+    def _memory_advice(self, est: MemoryEstimate) -> str:
+        """The dominant part of the peak and the setting that lowers it, then the general fixes."""
+        advice = memory_advice(est, self.runtime.ac_mode, self.runtime.reshard_after_forward,
+                               getattr(self.mp_policy, "param_dtype", None), self.planner.optimizer)
+        return f"{advice}; {_memory_fix(self.runtime.ac_mode)}"
 
     def replay_placement(self, plan: Plan) -> Plan:
         """`plan` (made for another input shape, e.g. a shorter sequence) priced on this

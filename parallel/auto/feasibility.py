@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from parallel.auto.cost.memory import format_bytes
 from parallel.auto.placements import placement_str
 from parallel.auto.problem import Constraint, PlanningError, Problem
 
@@ -167,3 +168,46 @@ def _propagated(prob: Problem) -> list[np.ndarray]:
     allowed = [a.copy() for a in prob.allowed]
     _propagate(prob, allowed)
     return allowed
+
+
+# ---------------------------------------------------------------------------
+# What to change when no plan fits in memory
+# ---------------------------------------------------------------------------
+
+_PARTS = (("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer states"),
+          ("activations_bytes", "activations"), ("transient_bytes", "transient"))
+
+
+def dominant_part(est: Any) -> tuple[str, int]:
+    """(name, bytes) of the largest of a MemoryEstimate's five parts at its peak."""
+    key, name = max(_PARTS, key=lambda kn: getattr(est, kn[0]))
+    return name, getattr(est, key)
+
+
+def memory_advice(est: Any, ac_mode: str = "none", reshard_after_forward: bool = True,
+                  param_dtype: Any = None, optimizer: str = "foreach") -> str:
+    """Which part of the peak dominates and the one setting (job TOML key and value, and the
+    API's equivalent) that lowers that part, for MemoryLimitError's message."""
+    name, nbytes = dominant_part(est)
+    share = nbytes / est.peak_bytes if est.peak_bytes else 0.0
+    head = f"the largest part is {name} ({format_bytes(nbytes)}, {share:.0%} of the peak, in the {est.phase})"
+    if name == "activations":
+        mode = "full" if ac_mode == "selective" else "selective"
+        knob = (f"[activation_checkpoint] mode = \"{mode}\" in the job's TOML (API: RuntimeOptions(ac_mode="
+                f"\"{mode}\")), or a smaller [training] local_batch_size / seq_len" if ac_mode != "full" else
+                "a smaller [training] local_batch_size or seq_len in the job's TOML (activations are already "
+                "fully checkpointed)")
+    elif name == "transient" and est.phase == "optimizer" and optimizer == "foreach":
+        knob = ("[optimizer] implementation = \"for-loop\" in the job's TOML (API: PlannerConfig(optimizer="
+                "\"for-loop\")): AdamW's foreach temporaries are one tensor per parameter")
+    elif name == "transient" and not reshard_after_forward:
+        knob = ("[parallelism] reshard_after_forward = true in the job's TOML (API: RuntimeOptions("
+                "reshard_after_forward=True)): gathered parameters are kept from the forward to the backward")
+    elif name == "transient" and param_dtype is None:
+        knob = ("[training] mixed_precision_param = \"bfloat16\" in the job's TOML (API: mp_policy="
+                "MixedPrecisionPolicy(param_dtype=torch.bfloat16)): gathered parameters and their buffers in half "
+                "the bytes")
+    else:  # model states (or transients) already as small as the settings make them: more devices
+        knob = ("more ranks on the sharding axis: a larger [parallelism] data_parallel_shard_degree (or world "
+                "size) in the job's TOML (API: a larger mesh); each rank then holds a smaller shard")
+    return f"{head}: {knob}"
