@@ -10,8 +10,9 @@ rank 0's parameters then), so the recipe also applies to a model still on ``meta
 
 Mixed precision: the parameters stay in their dtype and the forward runs under autocast
 (the trainer's manual mode does that for every non-FSDP model); ``mixed_precision_reduce``
-below the parameters' dtype all-reduces compressed gradients (torch's ``bf16_compress_hook`` /
-``fp16_compress_hook``), otherwise they are reduced in their own dtype.
+below the parameters' dtype all-reduces each bucket in that dtype (a comm hook doing what
+torch's ``bf16_compress_hook`` does, which refuses anything but CUDA/NCCL), otherwise the
+gradients are reduced in their own dtype.
 
 DDP is the data-parallel axis alone: with ``dp_shard`` (HSDP) or ``cp`` the replicate axis
 is FSDP2's (:mod:`parallel.recipes.fsdp`); ``dp_replicate`` with ``tp`` and no shard axis is
@@ -20,10 +21,11 @@ refused (TorchTitan does the same: DDP does not compose with TP here).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, fp16_compress_hook
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallel import _torch as T
@@ -31,10 +33,9 @@ from parallel.mesh import CP, DP_REPLICATE, DP_SHARD, axis_names, axis_size
 
 from .errors import RecipeError
 
-__all__ = ["BUCKET_CAP_MB", "apply_ddp", "ddp_reducer", "is_ddp_mesh", "simulate_ddp", "validate_ddp"]
+__all__ = ["BUCKET_CAP_MB", "apply_ddp", "compress_hook", "ddp_reducer", "is_ddp_mesh", "simulate_ddp", "validate_ddp"]
 
 BUCKET_CAP_MB = 25.0  # torch's DistributedDataParallel default
-_COMPRESS_HOOKS = {torch.bfloat16: bf16_compress_hook, torch.float16: fp16_compress_hook}
 _KEY = "data_parallel_replicate_degree"
 
 
@@ -65,10 +66,25 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, reduce_dtype: torch.dtype |
         raise ValueError(f"DDP runs on a 1-D mesh, got {axis_names(dp_mesh)}")
     model = T.replicate(model, device_mesh=dp_mesh, bucket_cap_mb=bucket_cap_mb)
     param_dtype = next(model.parameters()).dtype
-    hook = _COMPRESS_HOOKS.get(reduce_dtype)
-    if hook is not None and torch.finfo(reduce_dtype).bits < torch.finfo(param_dtype).bits:
-        model.register_comm_hook(dp_mesh.get_group(), hook)
+    if reduce_dtype is not None and reduce_dtype.is_floating_point and reduce_dtype.itemsize < param_dtype.itemsize:
+        model.register_comm_hook(dp_mesh.get_group(), compress_hook(reduce_dtype))
     return model
+
+
+def compress_hook(dtype: torch.dtype) -> Callable[[dist.ProcessGroup, dist.GradBucket], torch.futures.Future]:
+    """A DDP comm hook all-reducing each gradient bucket in ``dtype`` (divided by the group
+    size first, against overflow) and copying the mean back into the bucket (any backend)."""
+
+    def hook(group, bucket):  # unannotated: DDP checks the annotations, and these would be strings
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(group.size())
+
+        def decompress(fut):
+            return buffer.copy_(fut.value()[0])
+
+        return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
+
+    return hook
 
 
 def ddp_reducer(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:

@@ -17,7 +17,8 @@ from trainer.config import load_config
 from trainer.trainer import Trainer
 
 FAST = ["--training.seq_len", "32", "--training.steps", "3", "--metrics.log_freq", "1",
-        "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false", "--optimizer.lr", "2e-3",
+        "--lr_scheduler.decay_steps", "6", "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false",
+        "--optimizer.lr", "2e-3",
         "--training.mixed_precision_param", "float32", "--training.mixed_precision_reduce", "float32"]
 
 
@@ -39,11 +40,20 @@ def test_replicate_alone_is_ddp_with_shard_is_hsdp():
         assert all(isinstance(p, DTensor) and p.device_mesh.ndim == 2 for p in model.parameters())
 
 
+MIXED = ["--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "bfloat16",
+         "--activation_checkpoint.mode", "full"]
+CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+
+
 def _ddp_worker(rank, world, folder):
     torch.set_num_threads(1)
-    cfg = _cfg(world, "--job.dump_folder", folder, "--training.local_batch_size", "2",
-               "--parallelism.data_parallel_replicate_degree", str(world))
-    t = Trainer(cfg)
+    flags = ["--job.dump_folder", folder, "--training.local_batch_size", "2",
+             "--parallelism.data_parallel_replicate_degree", str(world)]
+    # DCP checkpoint of the replicated model: 2 steps, saved, then resumed for the third
+    first = Trainer(_cfg(world, *flags, *CKPT, "--job.name", "split", "--training.steps", "2")).train()
+    second = Trainer(_cfg(world, *flags, *CKPT, "--job.name", "split")).train()
+    mixed = Trainer(_cfg(world, *flags, *MIXED, "--job.name", "mixed")).train()  # autocast, bf16 all-reduce, AC
+    t = Trainer(_cfg(world, *flags))
     losses = t.train()
     ddp = ddp_reducer(t.model)
     params = list(t.model.parameters())
@@ -51,7 +61,7 @@ def _ddp_worker(rank, world, folder):
     gathered = [torch.empty_like(grads) for _ in range(world)]
     torch.distributed.all_gather(gathered, grads)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    return {"losses": losses, "ddp": type(ddp).__name__,
+    return {"losses": losses, "split": {**first, **second}, "mixed": mixed, "ddp": type(ddp).__name__,
             "reducer": isinstance(getattr(ddp, "reducer", None), torch.distributed.Reducer),
             "bucket_mb": getattr(ddp, "bucket_bytes_cap", 0) / 2**20,
             "dtensors": sum(isinstance(p, DTensor) for p in params),
@@ -70,6 +80,11 @@ def test_ddp_matches_one_process_at_the_same_global_batch(tmp_path):
     assert set(got[0]["losses"]) == set(ref) and got[0]["losses"] == got[1]["losses"]
     for s in ref:
         assert got[0]["losses"][s] == pytest.approx(ref[s], rel=1e-5), (got[0]["losses"], ref)
+    assert got[0]["split"] == got[0]["losses"]  # resumed from the DCP checkpoint: bitwise the same (fp32)
+    mixed_ref = Trainer(_cfg(1, "--job.dump_folder", str(tmp_path / "ref"), "--job.name", "mixed",
+                             "--training.local_batch_size", "4", *MIXED)).train()
+    for s in ref:  # bf16 compute and a bf16 all-reduce: close to one process's autocast run, not equal
+        assert got[0]["mixed"][s] == pytest.approx(mixed_ref[s], rel=2e-2), (got[0]["mixed"], mixed_ref)
 
 
 def test_dry_run_simulates_ddp_buckets_and_all_reduces():
@@ -84,3 +99,27 @@ def test_dry_run_simulates_ddp_buckets_and_all_reduces():
     count, nbytes = r.collectives[("all_reduce", "dp_replicate")]
     assert set(r.collectives) == {("all_reduce", "dp_replicate")} and nbytes == full and count >= 2, r.collectives
     assert r.buffer_bytes == full and r.total_peak_bytes == 3 * full + r.peak_fwd_bwd_bytes + full
+
+
+def _compress_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallel.recipes.ddp import apply_ddp
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_replicate",))
+    torch.manual_seed(0)
+    model, ref = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+    ref.load_state_dict(model.state_dict())
+    apply_ddp(model, mesh, torch.bfloat16)
+    x = torch.randn(8, 64)
+    model(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    return model.weight.grad, ref.weight.grad, type(ddp_reducer(model)).__name__
+
+
+def test_a_16_bit_reduce_dtype_all_reduces_the_buckets_in_it():
+    """mixed_precision_reduce = bfloat16 on fp32 parameters: the bucket goes over the wire in
+    bf16 (on gloo too): the gradient is the fp32 one rounded to bf16, not the fp32 one."""
+    grad, ref, kind = run_distributed(_compress_worker, 1, timeout=120)[0]
+    assert kind == "DistributedDataParallel"
+    assert not torch.equal(grad, ref) and torch.equal(grad, ref.to(torch.bfloat16).float())
