@@ -10,6 +10,11 @@ bytes alive at every op:
     on it (a view keeps its base alive); graph outputs (the loss, the gradients) stay;
   * a collective's result is alive from its issue (its wait returns that same buffer),
     its input until the wait returns (the work holds it; an all-reduce works on a copy);
+  * on gloo (CPU ranks) an all-gather also allocates a buffer of its output's size inside
+    ProcessGroupGloo (a flat staging tensor), counted from the issue to the wait: invisible
+    to a dispatch-level tracker, seen by the allocator (parallel.measure.AllocatorPeak: the
+    debug LLaMA's logits gather for the loss, 4 MiB on 2 ranks and 8 MiB on 4, was exactly
+    what the estimate missed before it was counted; scripts/bench_memory.py);
   * graph inputs (parameter shards, buffers, the batch) exist before the step and are
     counted as persistent state, not by the walk;
   * on top: the parameters, buffers and AdamW's two states per parameter (in the
@@ -131,7 +136,7 @@ def _forward_end(loss: fx.Node) -> fx.Node:
 class _Liveness:
     """Live ranges of the storages of a graph's values (node positions, inclusive)."""
 
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, gather_staging: bool = False):
         self.nodes = list(gm.graph.nodes)
         pos = {n: i for i, n in enumerate(self.nodes)}
         self.size: dict[int, int] = {}
@@ -153,6 +158,9 @@ class _Liveness:
                 self.size[key] = max(self.size.get(key, 0), nbytes)
                 self.end[key] = max(self.end.get(key, i), last)
         self._hold_collective_inputs(pos)
+        self.staging: set[int] = set()  # gloo's flat all-gather buffers (synthetic keys, negative)
+        if gather_staging:
+            self._stage_gathers(pos)
 
     def keys(self, n: fx.Node) -> list[tuple[int, int]]:
         """(storage, bytes) of a node's tensors, a wait's result as its collective's output."""
@@ -174,6 +182,17 @@ class _Liveness:
             for a in n.all_input_nodes:
                 for key, _ in self.keys(a):
                     self.end[key] = max(self.end[key], wait - 1)
+
+    def _stage_gathers(self, pos: dict[fx.Node, int]) -> None:
+        """gloo's all-gather: a flat buffer of the output's bytes from the issue to the wait."""
+        for n in self.nodes:
+            if not _is_collective(n) or "all_gather" not in T.op_name(n.target):
+                continue
+            key = -1 - pos[n]
+            self.size[key] = sum(b for _, b in self.keys(n))
+            self.start[key], self.producer[key] = pos[n], n
+            self.end[key] = max((pos[u] for u in n.users), default=pos[n] + 1) - 1
+            self.staging.add(key)
 
     def internal(self) -> list[int]:
         return [k for k in self.start if k not in self.external]
@@ -215,6 +234,8 @@ def _labels(lv: _Liveness, grad_keys: set[int], boundary: int, n_inputs: int) ->
     for k in lv.internal():
         if k in grad_keys:
             out[k] = "grads"
+        elif k in lv.staging:
+            out[k] = "transient"
         elif lv.start[k] <= boundary and lv.producer[k] not in state:
             out[k] = "activations"
         else:
@@ -245,14 +266,15 @@ def _sweep(lv: _Liveness, labels: dict[int, str], boundary: int) -> tuple[_Peak,
 
 
 def step_graph_memory(gm: fx.GraphModule, *, n_inputs: int, n_outputs: int, state_bytes: int,
-                      optimizer_bytes: int, optimizer_temp: int) -> MemoryEstimate:
+                      optimizer_bytes: int, optimizer_temp: int, gather_staging: bool = False) -> MemoryEstimate:
     """The peak of one training step of `gm` (a rank's step graph: `(param locals, buffer
     locals, input locals) -> (outputs..., gradients...)`), see the module docstring.
 
     `state_bytes`: local parameter and buffer bytes; `optimizer_bytes`: the AdamW states;
-    `optimizer_temp`: the optimizer step's temporaries (`optimizer_temp_bytes`).
+    `optimizer_temp`: the optimizer step's temporaries (`optimizer_temp_bytes`);
+    `gather_staging`: the collectives run on gloo (all-gathers stage their output).
     """
-    lv = _Liveness(gm)
+    lv = _Liveness(gm, gather_staging)
     outs = [a for a in gm.graph.output_node().args[0] if isinstance(a, fx.Node)]
     pos = {n: i for i, n in enumerate(lv.nodes)}
     boundary = max(pos[_forward_end(n)] for n in outs[:n_outputs])  # the loss: the forward ends there

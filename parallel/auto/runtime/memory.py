@@ -4,7 +4,7 @@ Builds the plan's runner and its step graph (runtime/step_graph.py) on fake tens
 this rank's local shapes, exactly as `ParallelModule.forward_backward` does on real ones
 (the same partition, activation-checkpointing tags, bucketed gathers and reductions,
 overlap schedule), and walks it (cost/memory.py). Nothing is allocated: a 32-layer model
-takes seconds.
+takes seconds. On gloo ranks the all-gathers' staging buffers are counted too.
 """
 
 from __future__ import annotations
@@ -47,6 +47,17 @@ def _fake_dtensor(val: torch.Tensor, placements: tuple, mesh: DeviceMesh) -> DTe
                               stride=contiguous_stride(shape))
 
 
+def _on_gloo(mesh: DeviceMesh) -> bool:
+    """The mesh's collectives run on gloo (real CPU ranks; a fake world plans for its profile's
+    backend, NCCL on GPUs, which stages nothing): gloo's all-gathers stage their output."""
+    import torch.distributed as dist
+
+    try:
+        return dist.is_initialized() and dist.get_backend(mesh.get_group(0)) == "gloo"
+    except (RuntimeError, ValueError):
+        return False
+
+
 def estimate_memory(graph: JointGraph, candidates: Candidates, plan: Plan, mesh: DeviceMesh, *,
                     mp_policy: MixedPrecisionPolicy | None = None, options: RuntimeOptions | None = None,
                     optimizer: str = "foreach") -> MemoryEstimate:
@@ -68,6 +79,7 @@ def estimate_memory(graph: JointGraph, candidates: Candidates, plan: Plan, mesh:
     buffer_bytes = sum(_nbytes(tuple(v.shape), v.dtype) for v in bvals)
     est = step_graph_memory(sg.gm, n_inputs=len(inputs), n_outputs=len(sg.out_specs),
                             state_bytes=sum(local) + buffer_bytes, optimizer_bytes=2 * sum(trained),
-                            optimizer_temp=optimizer_temp_bytes(trained, optimizer))
+                            optimizer_temp=optimizer_temp_bytes(trained, optimizer),
+                            gather_staging=_on_gloo(mesh))
     log.debug("memory: %s", est.summary())
     return est

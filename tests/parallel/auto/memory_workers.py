@@ -1,13 +1,16 @@
-"""Helpers of the memory-estimate test (test_memory_measured.py): plans and their estimates
-made in the parent (fake world), then run on gloo ranks where the live tensor bytes of a
-training step (parameters, buffers, AdamW states and the step's peak) are measured."""
+"""Helpers of the memory-estimate test (test_memory_measured.py): plans made in the parent
+(fake world), then run on gloo ranks, which estimate them (on gloo, as the trainer's rank 0
+does: gloo's all-gather staging counted) and measure a training step
+by the allocator (parallel.measure.AllocatorPeak: every allocation of the step, from the
+profiler's memory events) on top of the state alive before it (parameter shards, buffers,
+AdamW states: parallel.measure.state_bytes)."""
 
 from __future__ import annotations
 
 import torch
 
-GLOBAL_B, SEQ = 8, 128  # activations of the same order as the model states: the estimate's hard part
-OVERRIDES = {"n_layers": 1}
+GLOBAL_B, SEQ = 8, 256  # the peak in the backward (activations > the model states), yet a small step
+OVERRIDES = {"n_layers": 2}
 
 
 def batch(vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,33 +71,20 @@ def plan_and_estimate(world: int, kind: str, ac_modes: list[str]) -> tuple[dict,
     return plan.to_json(), {ac: e.to_json() for ac, e in est.items()}
 
 
-def _state_bytes(pm: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Bytes of the storages alive between steps: parameter shards, buffers, optimizer states."""
-    from torch.distributed.tensor import DTensor
-
-    from parallel import _torch as T
-
-    seen: dict[int, int] = {}
-    tensors = [p.to_local() if isinstance(p, DTensor) else p for p in pm.parameters()] + list(pm.buffers())
-    for state in opt.state.values():
-        tensors += [v.to_local() if isinstance(v, DTensor) else v for v in state.values() if torch.is_tensor(v)]
-    for t in tensors:
-        seen[T.storage_id(t)] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
 def measure(mesh, plan_json: dict, ac: str) -> dict:
     """Train two steps (AdamW foreach, clipping, as the trainer does); the second is measured."""
     from parallel.auto.api import AutoParallel, lm_loss
     from parallel.auto.config import PlannerConfig
     from parallel.auto.plan import Plan
     from parallel.auto.runtime import RuntimeOptions, local_shard
-    from parallel.measure import MemoryTracker
+    from parallel.measure import AllocatorPeak, phase, state_bytes
     from trainer.optim import clip_grad_norm_
 
     model, inputs = _model_and_inputs()
     with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, planner=PlannerConfig(hardware="cpu")) as autop:
-        pm = autop.apply_placement(Plan.from_json(plan_json), RuntimeOptions(ac_mode=ac))
+        plan = Plan.from_json(plan_json)
+        pm = autop.apply_placement(plan, RuntimeOptions(ac_mode=ac))
+        est = autop.estimate_memory(plan, RuntimeOptions(ac_mode=ac)).to_json()  # on gloo: as the trainer's
     pm.to_empty(device="cpu")
     torch.manual_seed(0)
     pm.init_weights()
@@ -105,15 +95,17 @@ def measure(mesh, plan_json: dict, ac: str) -> dict:
         tok, lab = batch(model.args.vocab_size, step)
         lt, ll = (local_shard(x, mesh, runner.input_placements(i)) for i, x in enumerate((tok, lab)))
         opt.zero_grad(set_to_none=True)
-        base = _state_bytes(pm, opt)
-        tracker = MemoryTracker()
-        tracker.exclude([list(pm.parameters()), list(pm.buffers()), [lt, ll],
-                         [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]])
-        with tracker:
-            loss = pm.forward_backward(lt, ll)
-            clip_grad_norm_(pm.parameters(), 1.0)
-            opt.step()
-        out = {"base": base, "step_peak": tracker.peak, "peak": base + tracker.peak, "loss": loss.item()}
+        base = state_bytes(pm, opt)
+        with AllocatorPeak() as mem:
+            with phase("forward_backward"):
+                loss = pm.forward_backward(lt, ll)
+            with phase("clip"):
+                clip_grad_norm_(pm.parameters(), 1.0)
+            with phase("optimizer"):
+                opt.step()
+        m = mem.result
+        out = {"base": base, "step_peak": m.peak_bytes, "peak": base + m.peak_bytes, "phase": m.phase,
+               "op": m.op, "loss": loss.item(), "estimate": est}
     return out
 
 
