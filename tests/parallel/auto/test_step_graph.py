@@ -83,11 +83,13 @@ def test_overlap_prefetches_gathers_and_defers_waits(fsdp_plan):
     # ... and every wait sits right before (cheap ops aside) the first op that needs it
     for w in [n for n in nodes if _is_wait(n)]:
         assert all(pos[u] > pos[w] for u in w.users)
-    # gradient reductions are waited for at the end: after the last matmul of the backward
-    last_mm = max(pos[n] for n in _ops(sg.gm, "mm"))
-    rs_waits = [next(u for u in n.users if _is_wait(u)) for n in nodes
-                if _is_collective(n) and T.op_name(n.target) == "reduce_scatter_tensor"]
-    assert rs_waits and all(pos[w] > last_mm for w in rs_waits)
+    # gradient reductions: each is waited for once the next has started (one in flight, FSDP's), not all at
+    # the end of the step, where every unreduced bucket would still be alive
+    rs = [n for n in nodes if _is_collective(n) and T.op_name(n.target) == "reduce_scatter_tensor"]
+    rs_waits = [next(u for u in n.users if _is_wait(u)) for n in rs]
+    assert len(rs) >= 3 and rep.reductions_bounded >= len(rs) - 1
+    for k in range(len(rs) - 2):
+        assert pos[rs[k]] < pos[rs_waits[k]] < pos[rs[k + 2]], (rs[k], rs_waits[k], rs[k + 2])
 
 
 def test_analysis_step_graph_has_the_same_schedule_and_refuses_to_run(fsdp_plan):
