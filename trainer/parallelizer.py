@@ -244,8 +244,7 @@ def _ddp_of(model: torch.nn.Module) -> Any:
     (a DDP wrapper) or torch's composable `replicate`'s (parallel/_torch.py), None otherwise."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model
-    ddp_of = getattr(T, "ddp_of", None)
-    return ddp_of(model) if ddp_of is not None else None
+    return T.ddp_of(model)
 
 
 def parallelizer_for(cfg: JobConfig, mesh: Optional[DeviceMesh], device: torch.device,
