@@ -16,7 +16,8 @@ from trainer.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE_CHOOSERS = {ROOT / "trainer" / "device.py",  # the job's device
-                   ROOT / "parallel" / "_torch.py"}  # the fake world's (planning, dry runs)
+                   ROOT / "parallel" / "_torch.py",  # the fake world's (planning, dry runs)
+                   ROOT / "parallel" / "measure.py"}  # the allocator's peak (CUDA: max_memory_allocated)
 
 
 def _library() -> list[Path]:

@@ -5,6 +5,8 @@ The device check asserts that every placeholder, constant and factory output of 
 per-rank graph is on the job's device: the check that would have caught a host tensor in
 the H200's eager step graph. Its own unit test shows it finds such a value."""
 
+import re
+
 import pytest
 import torch
 from torch import fx
@@ -66,7 +68,10 @@ def test_gpu_job_dry_run_keeps_every_value_on_cuda(name, world, overrides, axes,
     assert set(r.graphs) == {"step graph", "local forward", "local backward", "forward phase", "backward phase"}
     assert all(n > 0 for n in r.graphs.values())
     assert r.objective_us > 0 and "predicted step" in r.predicted_step
-    assert ("per device in the backward" in r.memory) == (name == "llama3_debug_auto"), r.memory  # estimated there
+    # estimated there; the peak is in the backward or, now that gradient reductions are waited for one bucket
+    # behind, in the optimizer step
+    estimated = bool(re.search(r"per device in the (backward|optimizer)", r.memory))
+    assert estimated == (name == "llama3_debug_auto"), r.memory
     assert axes <= {axis for _, axis in r.collectives}, r.collectives  # collectives named by mesh axis
     assert r.regions == regions  # MoE dispatch / CP attention planned as local_map regions
 
