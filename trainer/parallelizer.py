@@ -31,6 +31,7 @@ from parallel.mesh import CP, axis_size
 from parallel.precision import dtype_of
 from parallel.recipes import RecipeError, apply_compile, apply_recipe
 from parallel.recipes.cp import cp_shard_batch
+from parallel.recipes.ddp import ddp_reducer
 from parallel.recipes.tp import loss_parallel_context, loss_value
 
 from .auto_mode import PlanSource, auto_parallelize_for_training
@@ -150,7 +151,7 @@ class Recipes(Parallelizer):
         micro-batch); DDP: its `no_sync()`, once its reducer exists (built at the first forward:
         before it, the first micro-batch reduces, which is correct)."""
         fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        ddp = None if fsdp else _ddp_of(model)
+        ddp = None if fsdp else ddp_reducer(model)
         for m in fsdp:
             m.set_requires_gradient_sync(False, recurse=False)
         try:
@@ -237,14 +238,6 @@ class Planner(Parallelizer):
         st = model.plan_runner.stats
         return (f"runtime: {st['step_graph_steps']} steps as one step graph per rank, "
                 f"{st['deviations']} deviations from the plan")
-
-
-def _ddp_of(model: torch.nn.Module) -> Any:
-    """The DistributedDataParallel that reduces the model's gradients, if any: the model itself
-    (a DDP wrapper) or torch's composable `replicate`'s (parallel/_torch.py), None otherwise."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return model
-    return T.ddp_of(model)
 
 
 def parallelizer_for(cfg: JobConfig, mesh: Optional[DeviceMesh], device: torch.device,

@@ -88,8 +88,10 @@ def compress_hook(dtype: torch.dtype) -> Callable[[dist.ProcessGroup, dist.GradB
 
 
 def ddp_reducer(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
-    """The DistributedDataParallel running a replicated model (None: not replicated, or
-    before its first forward)."""
+    """The DistributedDataParallel running the model: the model itself (a DDP wrapper) or
+    `replicate`'s (None: neither, or before its first forward)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model
     return T.ddp_of(model)
 
 
