@@ -61,6 +61,7 @@ def run_one(args: argparse.Namespace) -> dict:
     return {
         "mesh": args.one, "trace_s": plan.timings["trace"], "candidates_s": plan.timings["candidates"],
         "build_s": plan.timings["build"], "solve_s": plan.timings["solve"], "total_s": total,
+        "memory_s": plan.timings.get("memory", 0.0),
         "ilp_vars": plan.num_vars, "objective_us": plan.objective_us, "status": plan.status, "solver": plan.solver,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "global_batch": global_bs,
     }
