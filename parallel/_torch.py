@@ -419,3 +419,39 @@ def record_cuda_memory_history(enabled: bool, max_entries: int = 100_000) -> Non
 def dump_cuda_memory_snapshot(path: str) -> None:
     """The allocator's recorded history as a pickle (pytorch.org/memory_viz reads it)."""
     torch.cuda.memory._dump_snapshot(path)
+
+
+_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"  # torch's private module's logger
+_SEQUENTIAL_WARNING = "While redistributing from"  # its warning: N collectives, one per mesh axis
+
+
+class _SequentialRedistributeNote:
+    """Logger filter: drops DTensor's warning that a redistribution runs one collective per
+    mesh axis (torch warns once per mesh and axes: dozens of times on a planning run, as
+    every sweep point and memory estimate has its own meshes) and says it once per process."""
+
+    def __init__(self) -> None:
+        self.said = False
+
+    def filter(self, record: Any) -> bool:
+        if not (isinstance(record.msg, str) and record.msg.startswith(_SEQUENTIAL_WARNING)):
+            return True
+        if not self.said:
+            self.said = True
+            import logging
+
+            args = record.args if isinstance(record.args, tuple) and len(record.args) >= 4 else None
+            what = f"{args[2]} sequential {args[3]}s, e.g. {args[0]} -> {args[1]}" if args else "several collectives"
+            logging.getLogger("parallel.auto").info(
+                "a redistribution over several mesh axes runs one collective per axis (%s); DTensor would use one "
+                "collective on a flattened mesh (said once per process; torch's own warning is dropped)", what)
+        return False
+
+
+def quiet_sequential_redistribute_warnings() -> None:
+    """Install :class:`_SequentialRedistributeNote` on torch's redistribute logger (idempotent)."""
+    import logging
+
+    lg = logging.getLogger(_REDISTRIBUTE_LOGGER)
+    if not any(isinstance(f, _SequentialRedistributeNote) for f in lg.filters):
+        lg.addFilter(_SequentialRedistributeNote())

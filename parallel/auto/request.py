@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
 
+from parallel._torch import quiet_sequential_redistribute_warnings
 from parallel.auto.api import AutoParallel, lm_loss, lm_loss_positions
 from parallel.auto.config import PlannerConfig
 from parallel.auto.cost import HardwareProfile
@@ -132,6 +133,7 @@ def planning(model: nn.Module, mesh: DeviceMesh, request: PlanRequest, *, graph:
              ) -> Iterator[AutoParallel]:
     """The entered AutoParallel of `request`: inputs constrained, the parameter budget set.
     `graph`: a joint graph traced earlier for this model and these global inputs."""
+    quiet_sequential_redistribute_warnings()  # torch's per-mesh warning: once per process, in our words
     ins = planner_inputs(model, mesh, request)
     with AutoParallel(model, ins.inputs, mesh, loss_fn=ins.loss_fn, planner=request.planner, runtime=ins.runtime,
                       mp_policy=request.mp_policy, regions=ins.regions, graph=graph) as autop:
