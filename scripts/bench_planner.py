@@ -368,7 +368,7 @@ def summarize(runs: list[dict]) -> dict:
     out["stages"] = {s: median([r["stages"].get(s, 0.0) for r in ok]) for s in STAGES}
     out["walls"] = [round(r["wall_s"], 1) for r in ok]
     for key in ("objective_us", "status", "solver", "peak_gib", "redistribute_warnings", "meshes_total",
-                "meshes_timed"):
+                "meshes_timed", "rows"):
         if key in ok[-1]:
             out[key] = ok[-1][key]
     return out
@@ -418,11 +418,19 @@ def print_table(data: dict, title: str) -> None:
             continue
         print(f"{name:>13} {s['runs']:>2} {s['wall_s']:7.1f} " + " ".join(f"{_fmt(s['stages'][k]):>7}" for k in STAGES)
               + f" {_fmt(s['peak_rss_mib'], '{:,.0f}'):>8} {s.get('redistribute_warnings', 0):>4}")
+    for name, s in data["summary"].items():
+        if "meshes_total" in s:  # a mesh search sample: its meshes (the last run's)
+            print(f"{name}: {s['meshes_timed']} of the search's {s['meshes_total']} meshes planned in one process: "
+                  + ", ".join(f"{r['mesh']} lb {r['local_batch']} {r['status']} {_fmt(r['plan_s'])}s"
+                              for r in s.get("rows", [])))
 
 
 def print_layers(data: dict) -> None:
     """Planning time against the layer count (8B dims on 4x8), per stage and per layer."""
     rows = sorted(((int(n.rsplit("-L", 1)[1]), s) for n, s in data["summary"].items() if "-L" in n and "stages" in s))
+    full = data["summary"].get("8b-4x8", {})
+    if rows and "stages" in full and all(n != 32 for n, _ in rows):
+        rows = sorted(rows + [(32, full)])  # the 8b-4x8 job is the 32-layer row
     if not rows:
         return
     print("\nplanning time vs layers: LLaMA 3 8B dims on 4x8 (seq 8192, local batch 2); seconds, medians")
@@ -471,7 +479,8 @@ def jobs_main(args: argparse.Namespace) -> int:
     data = load_results(args.json) if args.json and os.path.exists(args.json) else {"runs": {}}
     if specs and data.get("code_commit") not in (None, _commit_of(code)):
         print(f"note: {args.json} holds runs of code {data['code_commit']}; adding runs of {_commit_of(code)}")
-    data["code"], data["code_commit"] = code, _commit_of(code)
+    if specs:
+        data["code"], data["code_commit"] = code, _commit_of(code)
     for rep in range(args.repeat):
         for name, spec in specs.items():
             print(f"== {name} (run {rep + 1}/{args.repeat}) on {data['code_commit']} ...", flush=True)
@@ -516,7 +525,8 @@ def main() -> int:
     ap.add_argument("--layers", default=None, help="8B dims on 4x8 at these layer counts, e.g. 8,16,32,64,128")
     ap.add_argument("--search", default=None, metavar="WORLD:K",
                     help="time K of the meshes the mesh search plans for WORLD devices (one process, one worker)")
-    ap.add_argument("--search-config", default="llama3_8b_h100", help="--search: the job config")
+    ap.add_argument("--search-config", default="llama3_8b",
+                    help="--search: the job config (as `plan.py --config llama3_8b --mesh auto --hardware h100`)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each job (medians reported)")
     ap.add_argument("--json", default=None, help="write the runs and medians here (runs of a job already there add up)")
     ap.add_argument("--compare", default=None, metavar="BEFORE.json",
