@@ -43,7 +43,9 @@ from parallel.auto.problem import Constraint, MemoryLimitError, PlanningError, P
 from parallel.auto.regions import CP_ATTENTION  # declares the causal-attention region
 from parallel.auto.replay import replay_plan
 from parallel.auto.runtime import RuntimeOptions, apply_plan
-from parallel.auto.runtime.memory import estimate_memory as step_memory
+from parallel.auto.runtime.memory import TracedStep, step_memory, trace_step
+from parallel.auto.runtime.runner import same_graph_options
+from parallel.auto.runtime.step_graph import fake_constants
 from parallel.auto.solve import Solution, solve
 from parallel.auto.solve.seed import plan_candidates, reseeded_candidates, seeded_candidates, use_seeding
 from parallel.auto.strategies import Candidates, build_candidates
@@ -136,6 +138,9 @@ class AutoParallel:
         self.timings: dict[str, float] = {}
         self._input_placements: list[tuple | None] = []
         self.problem: Problem | None = None  # the last problem built (solved, or for a replay)
+        # the runner and step graph the last memory estimate traced: apply_placement of that plan
+        # hands them to its ParallelModule (one trace per plan); replaced by each estimate
+        self.traced_step: TracedStep | None = None
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> "AutoParallel":
@@ -177,6 +182,7 @@ class AutoParallel:
         # the fake-tensor graph is kept on the plan's problem only while the user holds it
         self.candidates = None
         self.graph = None
+        self.traced_step = None
 
     def _need_graph(self) -> JointGraph:
         if self.graph is None:
@@ -344,9 +350,17 @@ class AutoParallel:
         if self.candidates is None:  # seeded mesh and nothing solved here: a replayed or received plan
             self.candidates = plan_candidates(jg, self.mesh, plan)
         t0 = time.perf_counter()
-        est = step_memory(jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy,
-                          options=options if options is not None else self.runtime, optimizer=self.planner.optimizer)
+        self.traced_step = None  # release the previous plan's graph before tracing this one
+        step = trace_step(jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy,
+                          options=options if options is not None else self.runtime)
+        est = step_memory(step, self.mesh, self.planner.optimizer)
         est.limit_bytes, est.limit_source = self.memory_limit()
+        consts = fake_constants(step.step_graph.gm)
+        if consts:
+            log.info("memory: the step graph holds fake-tensor constants (%s): apply_placement traces its own "
+                     "(a graph traced on fake tensors cannot run on real ones with them)", ", ".join(consts[:5]))
+        else:
+            self.traced_step = step
         self.timings["memory"] = self.timings.get("memory", 0.0) + time.perf_counter() - t0
         return est
 
@@ -427,8 +441,36 @@ class AutoParallel:
         jg = self._need_graph()
         if self.candidates is None:  # seeded mesh and nothing solved here: a replayed or received plan
             self.candidates = plan_candidates(jg, self.mesh, plan)
+        options = options if options is not None else self.runtime
+        step, self.traced_step = self._traced_step_of(plan, options), None  # handed over or released
         return apply_plan(self.model, jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy,
-                          options=options if options is not None else self.runtime, cost_model=self.cost_model())
+                          options=options, cost_model=self.cost_model(),
+                          runner=step.runner if step is not None else None,
+                          step_graph=step.step_graph if step is not None else None)
+
+    def _traced_step_of(self, plan: Plan, options: RuntimeOptions) -> TracedStep | None:
+        """The memory estimate's runner and step graph when they were built for this plan (the
+        same placements and strategies: a plan received as JSON matches the one solved), these
+        options (compilation aside) and this planner's graph, candidates and mixed precision."""
+        step = self.traced_step
+        if step is None:
+            return None
+        same = (step.runner.graph is self.graph and step.candidates is self.candidates
+                and step.runner.mesh is self.mesh
+                and same_graph_options(step.options, options)
+                and step.runner.param_dtype == getattr(self.mp_policy, "param_dtype", None)
+                and step.runner.reduce_dtype == getattr(self.mp_policy, "reduce_dtype", None)
+                and _strategies(step.plan) == _strategies(plan)
+                and step.plan.placement_digest() == plan.placement_digest())
+        if not same:
+            log.info("apply: the memory estimate's step graph is of another plan or other runtime options; the "
+                     "module traces its own")
+            return None
+        return step
+
+
+def _strategies(plan: Plan) -> dict[str, int]:
+    return {name: n.strategy for name, n in plan.nodes.items()}
 
 
 # ---------------------------------------------------------------------------

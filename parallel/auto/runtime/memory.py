@@ -5,12 +5,18 @@ this rank's local shapes, exactly as `ParallelModule.forward_backward` does on r
 (the same partition, activation-checkpointing tags, bucketed gathers and reductions,
 overlap schedule), and walks it (cost/memory.py). Nothing is allocated: a 32-layer model
 takes seconds. On gloo ranks the all-gathers' staging buffers are counted too.
+
+The runner and the graph are returned too (`TracedStep`, from `trace_step`): the graph is
+traced under `no_grad` as `forward_backward` traces it, so it is the very graph the first
+training step runs, and AutoParallel hands both to the ParallelModule of that plan
+(one trace per plan).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -58,28 +64,58 @@ def _on_gloo(mesh: DeviceMesh) -> bool:
         return False
 
 
-def estimate_memory(graph: JointGraph, candidates: Candidates, plan: Plan, mesh: DeviceMesh, *,
-                    mp_policy: MixedPrecisionPolicy | None = None, options: RuntimeOptions | None = None,
-                    optimizer: str = "foreach") -> MemoryEstimate:
-    """Peak bytes per device of one training step of `plan` run with `options` (eager; AC
-    mode, resharding, bucketing and overlap as the runtime applies them) and an AdamW
-    optimizer of this implementation ("foreach" or "for-loop"). Rank 0's shards."""
+@dataclass
+class TracedStep:
+    """A plan's runner and step graph on this rank's local shapes, as the estimate traced
+    them (analysis-only: `StepGraph.make_executable` before running it), with what the
+    walk needs besides the graph."""
+
+    plan: Plan
+    candidates: Candidates
+    options: RuntimeOptions  # compile off: the estimate is of the eager step
+    runner: PlanRunner
+    step_graph: StepGraph
+    param_bytes: list[int]  # local bytes of each parameter shard (runner.param_names order)
+    buffer_bytes: int
+    n_inputs: int
+
+
+def trace_step(graph: JointGraph, candidates: Candidates, plan: Plan, mesh: DeviceMesh, *,
+               mp_policy: MixedPrecisionPolicy | None = None, options: RuntimeOptions | None = None) -> TracedStep:
+    """Build `plan`'s runner and trace its step graph on fake tensors of rank 0's local shapes."""
     options = dataclasses.replace(options or RuntimeOptions(), compile=False)
     runner = PlanRunner(graph, candidates, plan, mesh, mp_policy, options)
     pvals = [graph.params[f].meta["val"] for f in runner.param_names]
     bvals = [graph.buffers[f].meta["val"] for f in runner.buffer_names]
-    with T.FakeTensorMode(allow_non_fake_inputs=True):
+    with T.FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():  # no_grad: as forward_backward traces
         params = [_fake_dtensor(v, runner.param_placements(f), mesh) for f, v in zip(runner.param_names, pvals)]
         buffers = [torch.empty(tuple(v.shape), dtype=v.dtype, device=runner.device) for v in bvals]
         inputs = [_fake_dtensor(n.meta["val"], runner.input_placements(i), mesh)
                   for i, n in enumerate(runner.input_nodes)]
         sg = StepGraph(runner, params, buffers, inputs, overlap=options.overlap, executable=False)
     local = [_nbytes(tuple(p.to_local().shape), p.dtype) for p in params]
-    trained = [b for b, has in zip(local, sg.has_grad) if has]  # AdamW keeps state for these only
     buffer_bytes = sum(_nbytes(tuple(v.shape), v.dtype) for v in bvals)
-    est = step_graph_memory(sg.gm, n_inputs=len(inputs), n_outputs=len(sg.out_specs),
-                            state_bytes=sum(local) + buffer_bytes, optimizer_bytes=2 * sum(trained),
+    return TracedStep(plan, candidates, options, runner, sg, local, buffer_bytes, len(inputs))
+
+
+def step_memory(step: TracedStep, mesh: DeviceMesh, optimizer: str = "foreach") -> MemoryEstimate:
+    """The liveness walk (cost/memory.py) over a traced step, with the parameters, buffers and
+    AdamW's states and step around it."""
+    sg, local = step.step_graph, step.param_bytes
+    trained = [b for b, has in zip(local, sg.has_grad) if has]  # AdamW keeps state for these only
+    est = step_graph_memory(sg.gm, n_inputs=step.n_inputs, n_outputs=len(sg.out_specs),
+                            state_bytes=sum(local) + step.buffer_bytes, optimizer_bytes=2 * sum(trained),
                             optimizer_temp=optimizer_temp_bytes(trained, optimizer),
                             gather_staging=_on_gloo(mesh))
     log.debug("memory: %s", est.summary())
     return est
+
+
+def estimate_memory(graph: JointGraph, candidates: Candidates, plan: Plan, mesh: DeviceMesh, *,
+                    mp_policy: MixedPrecisionPolicy | None = None, options: RuntimeOptions | None = None,
+                    optimizer: str = "foreach") -> MemoryEstimate:
+    """Peak bytes per device of one training step of `plan` run with `options` (eager; AC
+    mode, resharding, bucketing and overlap as the runtime applies them) and an AdamW
+    optimizer of this implementation ("foreach" or "for-loop"). Rank 0's shards."""
+    step = trace_step(graph, candidates, plan, mesh, mp_policy=mp_policy, options=options)
+    return step_memory(step, mesh, optimizer)

@@ -29,11 +29,11 @@ from parallel.auto.cost import CostModel
 from parallel.auto.cost.simulate import StepPrediction, simulate_step
 from parallel.auto.placements import local_shape, placement_str
 from parallel.auto.plan import Plan, PlanMismatchError
-from parallel.auto.runtime.local_graphs import PlanFunction, dspec
+from parallel.auto.runtime.local_graphs import PlanFunction
 from parallel.auto.runtime.options import RuntimeOptions
 from parallel.auto.runtime.redistribute import contiguous_stride, local_shard
 from parallel.auto.runtime.runner import PlanRunner
-from parallel.auto.runtime.step_graph import CompileError, StepGraph
+from parallel.auto.runtime.step_graph import CompileError, StepGraph, step_key
 from parallel.auto.strategies import Candidates
 from parallel.auto.trace import JointGraph
 
@@ -48,6 +48,7 @@ class ParallelModuleMixin:
     """Methods of the materialised module (mixed into a subclass of the user's class)."""
 
     computes_loss: bool = False  # True when the plan's forward returns the loss (traced with loss_fn)
+    pending_step_graph: StepGraph | None = None  # the planner's trace of this plan, until the first step
     handles_mixed_precision: bool = True
     is_auto_parallel: bool = True
 
@@ -117,16 +118,36 @@ class ParallelModuleMixin:
         return outs[0]
 
     def _step_graph(self, params: list[Any], buffers: list[Any], inputs: list[DTensor]) -> StepGraph:
-        key = tuple(dspec(x) if isinstance(x, DTensor) else (tuple(x.shape), x.dtype)
-                    for x in params + buffers + inputs)
+        key = step_key(params, buffers, inputs)
         sg = self.step_graphs.get(key)
         if sg is None:
             opts = self.plan_runner.options
-            sg = self.step_graphs[key] = StepGraph(self.plan_runner, params, buffers, inputs, overlap=opts.overlap,
-                                                   compile=opts.compile and not self.compile_failed,
-                                                   compile_mode=opts.compile_mode)
+            compile = opts.compile and not self.compile_failed
+            sg = self._planned_step_graph(key, compile, opts.compile_mode)
+            if sg is None:
+                sg = StepGraph(self.plan_runner, params, buffers, inputs, overlap=opts.overlap, compile=compile,
+                               compile_mode=opts.compile_mode)
+            self.step_graphs[key] = sg
         if sg.compiled and sg.first_call_seconds is None and self.plan_runner.options.compile_fallback:
             return _FallbackOnCompileError(sg, self, params, buffers, inputs)
+        return sg
+
+    def _planned_step_graph(self, key: tuple, compile: bool, compile_mode: str) -> StepGraph | None:
+        """The step graph the planner's memory estimate traced for this plan (handed over by
+        apply_plan, used once), when it was traced for this very input layout; else None."""
+        sg = self.pending_step_graph
+        if sg is None:
+            return None
+        object.__setattr__(self, "pending_step_graph", None)  # one chance: the first layout; then released
+        if sg.key != key:
+            diff = next((i for i, (a, b) in enumerate(zip(sg.key, key)) if a != b), min(len(sg.key), len(key)))
+            log.info("apply: the memory estimate's step graph was traced for another input layout (tensor %d: %s, "
+                     "here %s); tracing this one", diff, sg.key[diff][1:] if diff < len(sg.key) else "-",
+                     key[diff][1:] if diff < len(key) else "-")
+            return None
+        sg.make_executable(compile=compile, compile_mode=compile_mode)
+        log.info("apply: step graph of the memory estimate reused (traced once for this plan; its code regenerated "
+                 "in %.2fs)%s", sg.recompile_seconds, ", compiling with Inductor" if compile else "")
         return sg
 
     @torch.no_grad()
@@ -275,14 +296,21 @@ def _shard_parameters(pm: nn.Module, runner: PlanRunner, mesh: DeviceMesh, on_me
 
 def apply_plan(model: nn.Module, graph: JointGraph, candidates: Candidates, plan: Plan, mesh: DeviceMesh, *,
                mp_policy: MixedPrecisionPolicy | None = None, options: RuntimeOptions | None = None,
-               computes_loss: bool = True, cost_model: CostModel | None = None) -> nn.Module:
+               computes_loss: bool = True, cost_model: CostModel | None = None, runner: PlanRunner | None = None,
+               step_graph: StepGraph | None = None) -> nn.Module:
     """Materialise `plan` for `model`: a ParallelModule with DTensor parameters (see module doc).
 
     `model` may be on meta (then `to_empty` + `init_weights()` later) or materialised (then
-    every rank must hold the same full weights; each keeps its shards).
+    every rank must hold the same full weights; each keeps its shards). `runner`, `step_graph`:
+    the runner of this plan built with these options and graphs (the memory estimate's), and
+    the step graph it traced; the first `forward_backward` runs that graph when its input
+    layout is the one it was traced for (`step_graph.key`), instead of tracing again.
     """
     plan.check_compatible(model=model, mesh=mesh, source="the plan")
-    runner = PlanRunner(graph, candidates, plan, mesh, mp_policy, options)
+    if runner is None:
+        runner = PlanRunner(graph, candidates, plan, mesh, mp_policy, options)
+    else:  # built for this plan (same placements) by the estimate: run it with these options, as this plan
+        runner.options, runner.plan = options or RuntimeOptions(), plan
     on_meta = _all_meta(model)
     pm = copy.deepcopy(model)
     template = copy.deepcopy(model) if on_meta else copy.deepcopy(model).to("meta")
@@ -292,7 +320,7 @@ def apply_plan(model: nn.Module, graph: JointGraph, candidates: Candidates, plan
     # plain attributes, not submodules or parameters: state_dict and named_modules stay the user's
     for name, value in (("plan_runner", runner), ("meta_template", template), ("param_refs", param_refs),
                         ("buffer_refs", buffer_refs), ("computes_loss", computes_loss), ("step_graphs", {}),
-                        ("plan_cost_model", cost_model),
+                        ("plan_cost_model", cost_model), ("pending_step_graph", step_graph),
                         ("compile_failed", False)):
         object.__setattr__(pm, name, value)
     log.info("apply: materialised %s with %d DTensor parameters on mesh %s", type(pm).__name__, len(param_refs),

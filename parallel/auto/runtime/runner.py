@@ -23,6 +23,7 @@ recipe does around its model:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from collections import Counter
@@ -146,6 +147,16 @@ def _replicated_param_uses(graph: JointGraph, spec: dict[str, Any]) -> list[str]
             if a.name in param_nodes and a.name not in out and all(isinstance(p, Replicate) for p in s.placements):
                 out.append(a.name)
     return out
+
+
+COMPILE_FIELDS = ("compile", "compile_fallback", "compile_mode")
+"""RuntimeOptions fields that change only how the step graph is run, not the runner or the graph."""
+
+
+def same_graph_options(a: RuntimeOptions, b: RuntimeOptions) -> bool:
+    """Options that build the same runner and step graph (they may differ in compilation)."""
+    keep = {f: getattr(a, f) for f in COMPILE_FIELDS}
+    return dataclasses.replace(b, **keep) == a
 
 
 class PlanRunner:

@@ -12,6 +12,11 @@ gradient locals)` with the loss's tangent fixed to one. On that graph:
 
 Activation checkpointing is already in the graph: the runner's partition recomputes the
 tagged forward ops inside the backward part.
+
+One trace per plan: the memory estimate (runtime/memory.py) traces this graph on fake
+tensors of the same local layout the first training step has, so the planner hands it to
+the ParallelModule (`step_key` says whether a call's layout is the one it was traced for;
+`make_executable` regenerates its code, the one thing an analysis-only graph skips).
 """
 
 from __future__ import annotations
@@ -85,6 +90,29 @@ class _ParamMeta:
         self.dtype = dtype
 
 
+def step_key(params: list[Any], buffers: list[Any], inputs: list[Any]) -> tuple:
+    """The input layout a step graph is traced for: per tensor its DTensor spec (placements,
+    global shape and stride; None for a plain tensor) and its local shape, stride, dtype and
+    device. Two calls with the same key run the same graph."""
+    def one(x: Any) -> tuple:
+        loc = local_value(x)
+        return (dspec(x) if isinstance(x, DTensor) else None, tuple(loc.shape), tuple(loc.stride()), loc.dtype,
+                str(loc.device))
+
+    return tuple(one(x) for x in params + buffers + inputs)
+
+
+def fake_constants(gm: Any) -> list[str]:
+    """The graph's tensor constants (get_attr) that are fake tensors: a graph traced on fake
+    tensors that holds one cannot run on real tensors."""
+    out = []
+    for n in gm.graph.find_nodes(op="get_attr"):
+        vals = T.tree_flatten(getattr(gm, n.target, None))[0]
+        if any(isinstance(v, torch.Tensor) and T.is_fake(v) for v in vals):
+            out.append(str(n.target))
+    return out
+
+
 def _not_executable(*_: Any) -> Any:
     raise RuntimeError("this StepGraph was built with executable=False (for analysis: its code is stale after "
                        "scheduling); build it with executable=True to run it")
@@ -97,8 +125,10 @@ class StepGraph:
                  overlap: bool = True, compile: bool = False, compile_mode: str = "default",
                  executable: bool = True):
         """`executable=False`: the graph is only walked (runtime/memory.py), so its Python
-        code is not regenerated after scheduling and calling the StepGraph is an error."""
+        code is not regenerated after scheduling and calling the StepGraph is an error
+        until `make_executable`."""
         self.mesh = runner.mesh
+        self.key = step_key(params, buffers, inputs)
         self.pspecs = [dspec(p) for p in params]
         bspecs = [dspec(b) if isinstance(b, DTensor) else None for b in buffers]
         ispecs = [dspec(x) for x in inputs]
@@ -121,17 +151,35 @@ class StepGraph:
         self.gm = T.trace_fake(step)(*args)
         self.out_specs, self.has_grad = layout["outs"], layout["has_grad"]
         self.dropped = drop_no_op_nodes(self.gm)
-        if not overlap and executable:
-            self.gm.recompile()
-        self.overlap: OverlapReport | None = schedule_overlap(self.gm, recompile=executable) if overlap else None
+        self.overlap: OverlapReport | None = schedule_overlap(self.gm, recompile=False) if overlap else None
         self.collectives = count_collectives(self.gm)
         self.trace_seconds = time.perf_counter() - t0
-        self.compiled = compile
-        self.fn: Callable[..., Any] = (torch.compile(self.gm, fullgraph=True, dynamic=False, mode=compile_mode)
-                                       if compile else self.gm if executable else _not_executable)
+        self.compiled = False
+        self.fn: Callable[..., Any] = _not_executable
         self.first_call_seconds: float | None = None
+        self.recompile_seconds = 0.0
         log.info("apply: step graph traced in %.1fs (%d nodes, %d collectives)%s", self.trace_seconds,
                  len(self.gm.graph.nodes), self.collectives, ", compiling with Inductor" if compile else "")
+        if executable:
+            self.make_executable(compile=compile, compile_mode=compile_mode)
+
+    @property
+    def executable(self) -> bool:
+        return self.fn is not _not_executable
+
+    def make_executable(self, *, compile: bool = False, compile_mode: str = "default") -> "StepGraph":
+        """Regenerate the graph's Python code after the passes that reordered it (once), and
+        run it eagerly or, `compile`, through Inductor (torch.compile wraps this same graph)."""
+        if self.executable:
+            if compile != self.compiled:
+                raise RuntimeError(f"this StepGraph is already executable with compile={self.compiled}")
+            return self
+        t0 = time.perf_counter()
+        self.gm.recompile()
+        self.recompile_seconds = time.perf_counter() - t0
+        self.compiled = compile
+        self.fn = torch.compile(self.gm, fullgraph=True, dynamic=False, mode=compile_mode) if compile else self.gm
+        return self
 
     def __call__(self, plocs: list[torch.Tensor], blocs: list[Any], ilocs: list[torch.Tensor]) -> tuple[list, list]:
         if self.first_call_seconds is not None:
