@@ -223,9 +223,13 @@ REDISTRIBUTE_WARNING = "sequential all_gather operations will be performed"
 """Part of torch's per-redistribution warning (issue 25: printed dozens of times)."""
 
 
-def layer_job(n_layers: int) -> tuple[str, dict]:
-    """The 8B-on-4x8 job with `n_layers` layers (the flavor's other dimensions kept)."""
-    return f"8b-4x8-L{n_layers}", dict(JOBS["8b-4x8"], args={"n_layers": n_layers})
+def layer_job(n_layers: int, no_limit: bool = False) -> tuple[str, dict]:
+    """The 8B-on-4x8 job with `n_layers` layers (the flavor's other dimensions kept);
+    `no_limit`: no memory limit (the estimate still runs; a plan over 80 GiB is not re-solved)."""
+    spec = dict(JOBS["8b-4x8"], args={"n_layers": n_layers})
+    if no_limit:
+        spec["memory_limit_gib"] = math.inf
+    return f"8b-4x8-L{n_layers}" + ("-nolimit" if no_limit else ""), spec
 
 
 def run_job(spec: dict) -> dict:
@@ -247,7 +251,8 @@ def run_job(spec: dict) -> dict:
     params = sum(p.numel() for p in model.parameters())
     mp = mixed_precision_policy("bfloat16", "float32")
     request = PlanRequest(local_batch_size=spec["lbs"], seq_len=spec["seq"],
-                          planner=PlannerConfig(hardware=spec.get("hardware", "h100")), mp_policy=mp)
+                          planner=PlannerConfig(hardware=spec.get("hardware", "h100"),
+                                                memory_limit_gib=spec.get("memory_limit_gib")), mp_policy=mp)
     sizes = tuple(spec["mesh"])
     t_plan0, t0 = time.time(), time.perf_counter()
     with fake_world(math.prod(sizes)):
@@ -427,10 +432,17 @@ def print_table(data: dict, title: str) -> None:
 
 def print_layers(data: dict) -> None:
     """Planning time against the layer count (8B dims on 4x8), per stage and per layer."""
-    rows = sorted(((int(n.rsplit("-L", 1)[1]), s) for n, s in data["summary"].items() if "-L" in n and "stages" in s))
+    import re
+
+    rows = []
+    for name, s in data["summary"].items():
+        m = re.fullmatch(r"8b-4x8-L(\d+)(-nolimit)?", name)
+        if m and "stages" in s:
+            rows.append((int(m.group(1)), "*" if m.group(2) else "", s))
     full = data["summary"].get("8b-4x8", {})
-    if rows and "stages" in full and all(n != 32 for n, _ in rows):
-        rows = sorted(rows + [(32, full)])  # the 8b-4x8 job is the 32-layer row
+    if rows and "stages" in full and all(n != 32 or lab for n, lab, _ in rows):
+        rows.append((32, "", full))  # the 8b-4x8 job is the 32-layer row
+    rows.sort(key=lambda r: (r[0], r[1]))
     if not rows:
         return
     print("\nplanning time vs layers: LLaMA 3 8B dims on 4x8 (seq 8192, local batch 2); seconds, medians")
@@ -438,9 +450,11 @@ def print_layers(data: dict) -> None:
            + f" {'s/layer':>8} {'RSS MiB':>8}")
     print(hdr)
     print("-" * len(hdr))
-    for n, s in rows:
-        print(f"{n:>6} {s['wall_s']:7.1f} " + " ".join(f"{_fmt(s['stages'][k]):>7}" for k in STAGES)
+    for n, lab, s in rows:
+        print(f"{str(n) + lab:>6} {s['wall_s']:7.1f} " + " ".join(f"{_fmt(s['stages'][k]):>7}" for k in STAGES)
               + f" {s['wall_s'] / n:8.2f} {_fmt(s['peak_rss_mib'], '{:,.0f}'):>8}")
+    if any(lab for _, lab, _ in rows):
+        print("  *: planned without the memory limit (--no-memory-limit; the estimate still runs)")
 
 
 def print_compare(before: dict, after: dict) -> None:
@@ -470,7 +484,7 @@ def jobs_main(args: argparse.Namespace) -> int:
             raise SystemExit(f"unknown job {name!r}; known: {', '.join(JOBS)}")
         specs[name] = JOBS[name]
     for n in [int(x) for x in (args.layers or "").split(",") if x]:
-        name, spec = layer_job(n)
+        name, spec = layer_job(n, args.no_memory_limit)
         specs[name] = spec
     if args.search:
         world, k = (int(x) for x in args.search.split(":"))
@@ -527,6 +541,8 @@ def main() -> int:
                     help="time K of the meshes the mesh search plans for WORLD devices (one process, one worker)")
     ap.add_argument("--search-config", default="llama3_8b",
                     help="--search: the job config (as `plan.py --config llama3_8b --mesh auto --hardware h100`)")
+    ap.add_argument("--no-memory-limit", action="store_true",
+                    help="--layers: plan without the memory limit (estimate on): a plan that does not fit is timed")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each job (medians reported)")
     ap.add_argument("--json", default=None, help="write the runs and medians here (runs of a job already there add up)")
     ap.add_argument("--compare", default=None, metavar="BEFORE.json",
