@@ -36,8 +36,9 @@ def test_planning_two_meshes_says_the_sequential_redistribute_warning_once_in_ou
     seen_torch, seen_ours = _Records(), _Records()
     torch_log.addHandler(seen_torch)  # behind the logger's filters: sees what would be printed
     ours.addHandler(seen_ours)
-    old_level = ours.level
+    old_levels = ours.level, torch_log.level
     ours.setLevel(logging.INFO)
+    torch_log.setLevel(logging.WARNING)  # as in a fresh process (a test may have raised it)
     try:
         request = PlanRequest(local_batch_size=2, seq_len=64,
                               planner=PlannerConfig(hardware="h100", solver="mrf", time_limit=2.0))
@@ -51,7 +52,8 @@ def test_planning_two_meshes_says_the_sequential_redistribute_warning_once_in_ou
     finally:
         torch_log.removeHandler(seen_torch)
         ours.removeHandler(seen_ours)
-        ours.setLevel(old_level)
+        ours.setLevel(old_levels[0])
+        torch_log.setLevel(old_levels[1])
     torch_warnings = [r for r in seen_torch.records if r.getMessage().startswith(_torch._SEQUENTIAL_WARNING)]
     notes = [r.getMessage() for r in seen_ours.records if "one collective per axis" in r.getMessage()]
     assert torch_warnings == []
