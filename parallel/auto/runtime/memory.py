@@ -110,12 +110,3 @@ def step_memory(step: TracedStep, mesh: DeviceMesh, optimizer: str = "foreach") 
     log.debug("memory: %s", est.summary())
     return est
 
-
-def estimate_memory(graph: JointGraph, candidates: Candidates, plan: Plan, mesh: DeviceMesh, *,
-                    mp_policy: MixedPrecisionPolicy | None = None, options: RuntimeOptions | None = None,
-                    optimizer: str = "foreach") -> MemoryEstimate:
-    """Peak bytes per device of one training step of `plan` run with `options` (eager; AC
-    mode, resharding, bucketing and overlap as the runtime applies them) and an AdamW
-    optimizer of this implementation ("foreach" or "for-loop"). Rank 0's shards."""
-    step = trace_step(graph, candidates, plan, mesh, mp_policy=mp_policy, options=options)
-    return step_memory(step, mesh, optimizer)
