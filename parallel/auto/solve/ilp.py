@@ -1,4 +1,4 @@
-"""Exact solver: the placement Problem as an integer program (pulp; HiGHS or CBC).
+"""Exact solver: the placement Problem as an integer program (HiGHS via solve/highs_ilp.py, or CBC via pulp).
 
 Formulation (marginal/flow, which scales where linearised products do not):
   x[g, s]  binary, one per allowed strategy s of group g;  sum_s x[g, s] = 1
@@ -17,7 +17,6 @@ import logging
 import math
 import time
 import warnings
-from dataclasses import dataclass
 
 import numpy as np
 import pulp
@@ -29,6 +28,7 @@ except ImportError:  # pragma: no cover - CBC (bundled with pulp) then
 
 from parallel.auto.feasibility import check_feasible
 from parallel.auto.problem import PlanningError, Problem
+from parallel.auto.solve.presolve import BUDGET_SCALE, BUDGET_SLACK, Reduced, ReducedEdge, prune_to_budget
 from parallel.auto.solve.solution import Solution
 
 log = logging.getLogger(__name__)
@@ -46,10 +46,8 @@ def available_solver(name: str = "auto") -> str:
     return "cbc"
 
 
-def _solver(name: str, time_limit: float | None, verbose: bool) -> pulp.LpSolver:
-    """The backend, single-threaded and seeded so that a plan does not depend on the run."""
-    if name == "highs":
-        return pulp.HiGHS(msg=verbose, timeLimit=time_limit, threads=1, random_seed=0)
+def _cbc(time_limit: float | None, verbose: bool) -> pulp.LpSolver:
+    """CBC, single-threaded and seeded so that a plan does not depend on the run."""
     with warnings.catch_warnings():  # the bundled CBC binary works offline; pulp 3.3 warns about 4.0
         warnings.simplefilter("ignore", DeprecationWarning)
         return pulp.PULP_CBC_CMD(msg=verbose, timeLimit=time_limit, threads=1,
@@ -67,164 +65,7 @@ _XVars = dict[int, dict[int, pulp.LpVariable]]
 """x[g][s]: the binary strategy variables of each group that survived elimination."""
 
 
-@dataclass
-class _E:
-    """Working edge of the reduced problem: cost[cu[s_u], cv[s_v]]."""
-
-    u: int
-    v: int
-    cu: np.ndarray
-    cv: np.ndarray
-    cost: np.ndarray
-
-
-class _Reduced:
-    """Exact min-sum elimination of groups with at most two neighbours (MRF variable elimination).
-
-    A group joined to the rest by <= 2 edges (and not in the memory constraint) is
-    minimised out: a leaf folds into its neighbour's unary cost, a chain link becomes
-    one edge between its two neighbours whose cost is the min over the link's strategies.
-    Chains of views/transposes/pointwise ops collapse this way, which shrinks the ILP
-    without changing its optimum; labels are recovered in reverse order afterwards.
-    """
-
-    MAX_TENSOR = 4_000_000  # skip eliminations whose (strategies x classes x classes) table is larger
-
-    def __init__(self, prob: Problem, protect: set[int]):
-        self.unary = [np.where(a, u, np.inf) for u, a in zip(prob.unary, prob.allowed)]
-        self.edges: dict[int, _E] = {}
-        self.adj: list[set[int]] = [set() for _ in range(prob.num_groups)]
-        for i, e in enumerate(prob.edges):
-            self._add(_E(e.src, e.dst, e.src_cls, e.dst_cls, e.cost), i)
-        self.next_id = len(prob.edges)
-        self.alive = [True] * prob.num_groups
-        self.protect = protect
-        self.steps: list[tuple] = []  # recovery records, in elimination order
-        self._run()
-        self._prune_duplicates(prob)
-
-    def _add(self, e: _E, i: int | None = None) -> None:
-        if i is None:
-            i = self.next_id
-            self.next_id += 1
-        self.edges[i] = e
-        self.adj[e.u].add(i)
-        self.adj[e.v].add(i)
-
-    def _drop(self, i: int) -> _E:
-        e = self.edges.pop(i)
-        self.adj[e.u].discard(i)
-        self.adj[e.v].discard(i)
-        return e
-
-    def _oriented(self, i: int, g: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-        """(other group, g's class array, other's class array, cost[g class, other class])."""
-        e = self.edges[i]
-        if e.u == g:
-            return e.v, e.cu, e.cv, e.cost
-        return e.u, e.cv, e.cu, e.cost.T
-
-    def _run(self) -> None:
-        work = [g for g in range(len(self.adj)) if len(self.adj[g]) <= 2]
-        while work:
-            g = work.pop()
-            if not self.alive[g] or g in self.protect or len(self.adj[g]) > 2:
-                continue
-            ok = np.isfinite(self.unary[g])
-            if not ok.any():
-                continue  # infeasible: leave it to the solver (it reports infeasibility)
-            idx = np.flatnonzero(ok)
-            edges = sorted(self.adj[g])
-            if len(edges) == 0:
-                self.steps.append(("free", g, int(idx[np.argmin(self.unary[g][idx])])))
-            elif len(edges) == 1:
-                w, cg, cw, m = self._oriented(edges[0], g)
-                table = self.unary[g][idx][:, None] + m[cg[idx], :]  # [s, class of w]
-                best = table.min(axis=0)
-                arg = idx[table.argmin(axis=0)]
-                self._drop(edges[0])
-                self.unary[w] = self.unary[w] + best[cw]
-                self.steps.append(("leaf", g, w, cw, arg))
-                work.append(w)
-            else:
-                u, cg1, cu, m1 = self._oriented(edges[0], g)
-                w, cg2, cw, m2 = self._oriented(edges[1], g)
-                if u == w:  # two edges to the same neighbour: fold into its unary
-                    t_idx = np.arange(len(cu))
-                    table = (self.unary[g][idx][:, None] + m1[cg1[idx]][:, cu[t_idx]] + m2[cg2[idx]][:, cw[t_idx]])
-                    best = table.min(axis=0)
-                    arg = idx[table.argmin(axis=0)]
-                    self._drop(edges[0])
-                    self._drop(edges[1])
-                    self.unary[u] = self.unary[u] + best
-                    self.steps.append(("fold", g, u, arg))
-                    work.append(u)
-                else:
-                    if len(idx) * m1.shape[1] * m2.shape[1] > self.MAX_TENSOR:
-                        continue
-                    table = (self.unary[g][idx][:, None, None] + m1[cg1[idx]][:, :, None] + m2[cg2[idx]][:, None, :])
-                    best = table.min(axis=0)
-                    arg = idx[table.argmin(axis=0)]
-                    self._drop(edges[0])
-                    self._drop(edges[1])
-                    self._add(_E(u, w, cu, cw, best))
-                    self.steps.append(("link", g, u, w, cu, cw, arg))
-            self.alive[g] = False
-
-    def _prune_duplicates(self, prob: Problem) -> None:
-        """Keep one strategy per (classes on every remaining edge, parameter bytes) signature.
-
-        Two strategies of a group that look the same to every neighbour (and to the memory
-        constraint) differ only in their unary cost, so the dearer one can never be
-        needed: exact.
-        """
-        for g in range(len(self.adj)):
-            if not self.alive[g]:
-                continue
-            u = self.unary[g]
-            ok = np.flatnonzero(np.isfinite(u))
-            if len(ok) < 2:
-                continue
-            cols = []
-            for i in sorted(self.adj[g]):
-                e = self.edges[i]
-                cols.append(e.cu if e.u == g else e.cv)
-            pb = prob.param_bytes.get(g) if g in self.protect else None
-            best: dict[tuple, int] = {}
-            for s in ok:
-                sig = tuple(int(c[s]) for c in cols) + ((float(pb[s]),) if pb is not None else ())
-                b = best.get(sig)
-                if b is None or u[s] < u[b]:
-                    best[sig] = int(s)
-            keep = np.zeros(len(u), dtype=bool)
-            keep[list(best.values())] = True
-            self.unary[g] = np.where(keep, u, np.inf)
-
-    def recover(self, labels: list[int | None]) -> list[int]:
-        """Fill in the eliminated groups' labels from the survivors', in reverse elimination order."""
-        for step in reversed(self.steps):
-            kind, g = step[0], step[1]
-            if kind == "free":
-                labels[g] = step[2]
-            elif kind == "leaf":
-                _, _, w, cw, arg = step
-                labels[g] = int(arg[cw[labels[w]]])
-            elif kind == "fold":
-                _, _, u, arg = step
-                labels[g] = int(arg[labels[u]])
-            else:
-                _, _, u, w, cu, cw, arg = step
-                labels[g] = int(arg[cu[labels[u]], cw[labels[w]]])
-        return [int(x) for x in labels]  # type: ignore[arg-type]
-
-
-def _memory_constrained(prob: Problem) -> bool:
-    """Whether the parameter-memory budget is a constraint at all (parameters and a bound)."""
-    return bool(prob.param_groups) and prob.total_param_bytes > 0 and (
-        prob.memory_high is not None or prob.memory_low is not None)
-
-
-def _add_strategy_vars(lp: pulp.LpProblem, red: _Reduced, alive: list[int],
+def _add_strategy_vars(lp: pulp.LpProblem, red: Reduced, alive: list[int],
                        objective: dict[pulp.LpVariable, float]) -> _XVars:
     """x[g][s] for every finite strategy of every remaining group, exactly one per group."""
     x: _XVars = {}
@@ -240,7 +81,7 @@ def _add_strategy_vars(lp: pulp.LpProblem, red: _Reduced, alive: list[int],
     return x
 
 
-def _add_edge(lp: pulp.LpProblem, ei: int, e: _E, src_x: dict[int, pulp.LpVariable],
+def _add_edge(lp: pulp.LpProblem, ei: int, e: ReducedEdge, src_x: dict[int, pulp.LpVariable],
               dst_x: dict[int, pulp.LpVariable], objective: dict[pulp.LpVariable, float]) -> tuple[int, int]:
     """y[a, b] of one edge over its finite class pairs, tied to x by the two marginals: (#y, #constraints)."""
     src_classes = sorted({int(e.cu[s]) for s in src_x})
@@ -270,21 +111,22 @@ def _add_edge(lp: pulp.LpProblem, ei: int, e: _E, src_x: dict[int, pulp.LpVariab
 
 
 def _add_memory_budget(lp: pulp.LpProblem, prob: Problem, x: _XVars) -> int:
-    """low <= parameter bytes / total <= high (in units of the total so coefficients stay O(1)): #constraints."""
-    total = prob.total_param_bytes
-    terms = [(x[g][s], float(prob.param_bytes[g][s] / total)) for g in prob.param_groups for s in x[g]]
+    """low <= parameter bytes / total <= high, in millionths of the total (BUDGET_SCALE: the
+    solver's feasibility tolerance then stays below a byte): #constraints."""
+    scale = BUDGET_SCALE / prob.total_param_bytes
+    terms = [(x[g][s], float(prob.param_bytes[g][s] * scale)) for g in prob.param_groups for s in x[g]]
     mem = pulp.LpAffineExpression(terms)
     n_cons = 0
     if prob.memory_high is not None:
-        lp += mem <= prob.memory_high + 1e-9, "mem_high"
+        lp += mem <= (prob.memory_high + BUDGET_SLACK) * BUDGET_SCALE, "mem_high"
         n_cons += 1
     if prob.memory_low is not None:
-        lp += mem >= prob.memory_low - 1e-9, "mem_low"
+        lp += mem >= (prob.memory_low - BUDGET_SLACK) * BUDGET_SCALE, "mem_low"
         n_cons += 1
     return n_cons
 
 
-def _build_lp(prob: Problem, red: _Reduced, memory: bool) -> tuple[pulp.LpProblem, _XVars, int, int]:
+def _build_lp(prob: Problem, red: Reduced, memory: bool) -> tuple[pulp.LpProblem, _XVars, int, int]:
     """The integer program of the reduced problem: (lp, x, #edge variables, #constraints)."""
     alive = [g for g in range(prob.num_groups) if red.alive[g]]
     lp = pulp.LpProblem("placement", pulp.LpMinimize)
@@ -316,7 +158,7 @@ def _check_solved(lp: pulp.LpProblem, prob: Problem, name: str, time_limit: floa
                         f"time limit {time_limit}s): raise the time limit or relax the constraints")
 
 
-def _read_labels(x: _XVars, red: _Reduced, num_groups: int) -> list[int]:
+def _read_labels(x: _XVars, red: Reduced, num_groups: int) -> list[int]:
     """The chosen strategy of every group: the largest x of each remaining group, then the eliminated ones."""
     labels: list[int | None] = [None] * num_groups
     for g, xs in x.items():
@@ -329,19 +171,24 @@ def solve_ilp(
     prob: Problem, *, solver: str = "auto", time_limit: float | None = 600.0, verbose: bool = False,
     eliminate: bool = True,
 ) -> Solution:
-    """Solve `prob` exactly (up to the time limit, whose expiry is reported in `status`)."""
+    """Solve `prob` exactly (up to the time limit, whose expiry is reported in `status`):
+    HiGHS through its own arrays (solve/highs_ilp.py), CBC through pulp."""
     name = available_solver(solver)
+    if name == "highs":
+        from parallel.auto.solve.highs_ilp import solve_highs
+
+        return solve_highs(prob, time_limit=time_limit, verbose=verbose, eliminate=eliminate)
     t0 = time.perf_counter()
-    memory = _memory_constrained(prob)
+    prob, memory = prune_to_budget(prob)  # the same problem, fewer strategies
     protect = set(prob.param_groups) if memory else set()
-    red = _Reduced(prob, protect) if eliminate else _Reduced(prob, set(range(prob.num_groups)))
+    red = Reduced(prob, protect) if eliminate else Reduced(prob, set(range(prob.num_groups)))
     lp, x, n_y, n_cons = _build_lp(prob, red, memory)
     n_vars = sum(len(xs) for xs in x.values()) + n_y
     build_s = time.perf_counter() - t0
     log.info("ilp: %d vars (%d strategy, %d edge) over %d of %d groups after elimination, %d constraints, "
              "built in %.2fs, solving with %s", n_vars, n_vars - n_y, n_y, len(x), prob.num_groups, n_cons,
              build_s, name)
-    lp.solve(_solver(name, time_limit, verbose))
+    lp.solve(_cbc(time_limit, verbose))
     seconds = time.perf_counter() - t0
     _check_solved(lp, prob, name, time_limit)
     full = _read_labels(x, red, prob.num_groups)
