@@ -592,4 +592,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:  # the tree being timed (--code) decides how its job process exits
+        from parallel.process_exit import exit_with
+    except ImportError:  # an older tree: the plain exit
+        sys.exit(main())
+    exit_with(main)

@@ -187,4 +187,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from parallel.process_exit import exit_with
+
+    exit_with(main)

@@ -1,0 +1,23 @@
+"""Leaving a planner process quickly.
+
+A process that planned holds millions of small objects (joint and step graphs, fake
+tensors, candidates, caches). The garbage collection at interpreter shutdown walks every
+one of them: 2.2 s after planning a 3B-shaped LLaMA on 1x8, 0.24 s with them frozen
+(measured with scripts/bench_planner.py's job). Freezing moves them out of the
+collector's reach; reference counting still frees them and atexit handlers still run.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import Callable
+
+
+def exit_with(main: Callable[[], int | None]) -> None:
+    """Run `main`, then exit with its return code, skipping the collector's final walk."""
+    try:
+        rc = main()
+    finally:
+        gc.freeze()
+    sys.exit(rc)
