@@ -27,8 +27,8 @@ from parallel.auto.feasibility import check_feasible
 from parallel.auto.problem import PlanningError, Problem
 from parallel.auto.solve.highs_model import ArrayModel, build_array_model, read_labels, to_highs_lp
 from parallel.auto.solve.presolve import (
-    BUDGET_SLACK,
     Reduced,
+    budget_bytes,
     budget_holds,
     prune_by_reduced_cost,
     prune_to_budget,
@@ -59,11 +59,6 @@ class _Stage:
         edges = [e for _, e in sorted(red.edges.items())]
         return cls(prob, red, build_array_model(red.unary, edges, alive, budget))
 
-    def energy(self, labels: dict[int, int]) -> float:
-        """Objective of a plan of the remaining groups (the eliminated ones at their best)."""
-        total = sum(float(self.red.unary[g][s]) for g, s in labels.items())
-        return total + sum(float(e.cost[e.cu[labels[e.u]], e.cv[labels[e.v]]]) for e in self.red.edges.values())
-
     def full_labels(self, labels: dict[int, int]) -> list[int]:
         out: list[int | None] = [None] * self.prob.num_groups
         for g, s in labels.items():
@@ -79,19 +74,16 @@ def _highs(model: ArrayModel, *, integer: bool, time_limit: float | None, verbos
     h.setOptionValue("random_seed", 0)
     if time_limit is not None:
         h.setOptionValue("time_limit", max(0.01, float(time_limit)))
-    lp = to_highs_lp(model, highspy)
-    if not integer:
-        lp.integrality_ = []
-    else:
+    if integer:
         h.setOptionValue("presolve", "off")
         h.setOptionValue("mip_rel_gap", 0.0)
-    h.passModel(lp)
+    h.passModel(to_highs_lp(model, integer=integer))
     h.run()
     return h
 
 
 def _has_solution(h: highspy.Highs) -> bool:
-    return h.getInfo().primal_solution_status == 2  # kSolutionStatusFeasible
+    return h.getInfo().primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
 
 
 def _local_search(stage: _Stage, labels: dict[int, int], memory: bool, rounds: int = 50) -> dict[int, int]:
@@ -103,7 +95,7 @@ def _local_search(stage: _Stage, labels: dict[int, int], memory: bool, rounds: i
         adj[e.u].append(e)
         adj[e.v].append(e)
     params = set(prob.param_groups) if memory else set()
-    total, tol = prob.total_param_bytes, BUDGET_SLACK * prob.total_param_bytes
+    least, most = budget_bytes(prob)
     used = sum(float(prob.param_bytes[g][labels[g]]) for g in params)
     for _ in range(rounds):
         changed = False
@@ -113,12 +105,7 @@ def _local_search(stage: _Stage, labels: dict[int, int], memory: bool, rounds: i
                 cost += e.cost[e.cu[idx], e.cv[labels[e.v]]] if e.u == g else e.cost[e.cu[labels[e.u]], e.cv[idx]]
             if g in params:
                 after = used - float(prob.param_bytes[g][labels[g]]) + prob.param_bytes[g][idx]
-                ok = np.ones(len(idx), dtype=bool)
-                if prob.memory_high is not None:
-                    ok &= after <= prob.memory_high * total + tol
-                if prob.memory_low is not None:
-                    ok &= after >= prob.memory_low * total - tol
-                cost = np.where(ok, cost, np.inf)
+                cost = np.where((after >= least) & (after <= most), cost, np.inf)
             here = int(np.searchsorted(idx, labels[g]))
             best = int(np.argmin(cost))
             if np.isfinite(cost[best]) and (not np.isfinite(cost[here])
@@ -164,8 +151,9 @@ def solve_highs(prob: Problem, *, time_limit: float | None = 600.0, verbose: boo
         value, reduced_cost = np.asarray(sol.col_value), np.asarray(sol.col_dual)
         bound = relax.getInfo().objective_function_value
         labels = _local_search(first, read_labels(m, value), memory)
-        if budget_holds(budgeted, first.full_labels(labels)):
-            incumbent, inc_value = labels, first.energy(labels)
+        full = first.full_labels(labels)
+        if budget_holds(budgeted, full):
+            incumbent, inc_value = labels, prob.energy(full)
             log.info("ilp: LP bound %.1f µs, plan from it %.1f µs (gap %.3f%%), %.2fs", bound, inc_value,
                      100 * (inc_value - bound) / max(abs(inc_value), 1e-12), time.perf_counter() - t0)
             if inc_value - bound <= _OPTIMAL_GAP * max(1.0, abs(inc_value)):
@@ -181,7 +169,7 @@ def solve_highs(prob: Problem, *, time_limit: float | None = 600.0, verbose: boo
     if status == highspy.HighsModelStatus.kInfeasible and incumbent is None:
         raise _infeasible(prob)
     proven = status == highspy.HighsModelStatus.kOptimal
-    best = None if incumbent is None else (prob.energy(first.full_labels(incumbent)), first, incumbent)
+    best = None if incumbent is None else (inc_value, first, incumbent)
     if _has_solution(mip):
         labels = read_labels(stage.model, np.asarray(mip.getSolution().col_value))
         full = stage.full_labels(labels)

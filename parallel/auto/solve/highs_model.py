@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import highspy
 import numpy as np
 
 from parallel.auto.solve.presolve import BUDGET_SCALE, BUDGET_SLACK
@@ -24,7 +25,6 @@ class ArrayModel:
     """The ILP in HiGHS' terms plus what is needed to read a plan back."""
 
     cost: np.ndarray  # per column
-    upper: np.ndarray  # per column (lower is 0)
     integer: np.ndarray  # bool per column
     row_lower: np.ndarray
     row_upper: np.ndarray
@@ -115,22 +115,23 @@ def build_array_model(unary: list[np.ndarray], edges: list, alive: list[int],
             idx, first = x_cols[g]
             b.entries(np.full(len(idx), row), first + np.arange(len(idx)), pb[idx] * scale)
     cost = _cat(b.cost, np.float64)
-    return ArrayModel(cost=cost, upper=np.ones(len(cost)), integer=_cat(b.integer, bool),
+    return ArrayModel(cost=cost, integer=_cat(b.integer, bool),
                       row_lower=np.asarray(b.row_lower, dtype=np.float64),
                       row_upper=np.asarray(b.row_upper, dtype=np.float64),
                       rows=_cat(b.r, np.int64), cols=_cat(b.c, np.int64), vals=_cat(b.v, np.float64),
                       x_cols=x_cols, num_edge_vars=n_y)
 
 
-def to_highs_lp(m: ArrayModel, highspy) -> object:
-    """A highspy.HighsLp (column-wise matrix) of `m`."""
+def to_highs_lp(m: ArrayModel, *, integer: bool) -> highspy.HighsLp:
+    """A highspy.HighsLp (column-wise matrix, every column in [0, 1]) of `m`; `integer`
+    False: its LP relaxation."""
     order = np.lexsort((m.rows, m.cols))
     counts = np.bincount(m.cols, minlength=m.num_cols)
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = m.num_cols, m.num_rows
     lp.col_cost_ = m.cost
     lp.col_lower_ = np.zeros(m.num_cols)
-    lp.col_upper_ = m.upper
+    lp.col_upper_ = np.ones(m.num_cols)
     inf = highspy.kHighsInf
     lp.row_lower_ = np.where(np.isfinite(m.row_lower), m.row_lower, -inf)
     lp.row_upper_ = np.where(np.isfinite(m.row_upper), m.row_upper, inf)
@@ -139,7 +140,9 @@ def to_highs_lp(m: ArrayModel, highspy) -> object:
     lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     lp.a_matrix_.index_ = m.rows[order].astype(np.int32)
     lp.a_matrix_.value_ = m.vals[order]
-    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in m.integer]
+    if integer:
+        kinds = (highspy.HighsVarType.kContinuous, highspy.HighsVarType.kInteger)
+        lp.integrality_ = [kinds[i] for i in m.integer.tolist()]
     return lp
 
 

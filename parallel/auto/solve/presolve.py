@@ -220,15 +220,21 @@ def prune_to_budget(prob: Problem) -> tuple[Problem, bool]:
     return pruned, not (low_ok and high_ok)
 
 
+def budget_bytes(prob: Problem) -> tuple[float, float]:
+    """(least, most) parameter bytes a plan may hold: the budget with BUDGET_SLACK of the total."""
+    total = prob.total_param_bytes
+    tol = BUDGET_SLACK * total
+    return (-np.inf if prob.memory_low is None else prob.memory_low * total - tol,
+            np.inf if prob.memory_high is None else prob.memory_high * total + tol)
+
+
 def budget_holds(prob: Problem, labels: dict[int, int] | list[int]) -> bool:
-    """Whether the plan's parameter bytes meet the budget (to BUDGET_SLACK of the total)."""
+    """Whether the plan's parameter bytes meet the budget."""
     if not memory_constrained(prob):
         return True
-    total = prob.total_param_bytes
+    least, most = budget_bytes(prob)
     used = sum(float(prob.param_bytes[g][labels[g]]) for g in prob.param_groups)
-    tol = BUDGET_SLACK * total
-    return ((prob.memory_high is None or used <= prob.memory_high * total + tol)
-            and (prob.memory_low is None or used >= prob.memory_low * total - tol))
+    return least <= used <= most
 
 
 def prune_by_reduced_cost(prob: Problem, x_cols: dict[int, tuple[np.ndarray, int]], lp_value: np.ndarray,
