@@ -69,7 +69,8 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor._ops.single_dim_strategy import register_single_dim_strategy
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot, make_fx
+from torch.fx.experimental.proxy_tensor import track_tensor_tree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import (
@@ -92,7 +93,8 @@ __all__ = [
     "foreach_norm", "get_all_output_and_tangent_nodes", "get_named_buffer_nodes", "get_param_and_grad_nodes",
     "get_plain_input_and_grad_nodes", "is_fake", "op_name", "partition_joint", "partition_value",
     "autograd_enabled", "real_tensors", "register_planner_ops", "register_region_strategy", "trace_fake",
-    "sequence_nr", "sharding_propagator", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_mesh",
+    "sequence_nr", "sharding_propagator", "active_tracer", "traced_node", "bind_traced", "untraced",
+    "local_tensor", "no_modes", "meta_storage", "fake_view", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_mesh",
     "CPU_ATTENTION_BWD", "CPU_ATTENTION_FWD", "dump_cuda_memory_snapshot", "record_cuda_memory_history",
 ]
 
@@ -201,6 +203,54 @@ def partition_joint(gm: Any, num_fwd_outputs: int) -> tuple[Any, Any]:
     recomputed in the backward instead of saved.
     """
     return default_partition(gm, None, num_fwd_outputs=num_fwd_outputs)
+
+
+def active_tracer() -> Any | None:
+    """The tracer of the `make_fx` trace running now (its `.graph` is the graph being built),
+    or None outside a trace."""
+    mode = get_proxy_mode()
+    return mode.tracer if mode is not None else None
+
+
+def traced_node(t: torch.Tensor, tracer: Any) -> Any | None:
+    """The graph node `tracer` recorded for tensor `t` (None: `t` is not traced)."""
+    slot = get_proxy_slot(t, tracer, None)
+    return slot.proxy.node if slot is not None else None
+
+
+def bind_traced(t: torch.Tensor, node: Any, tracer: Any) -> None:
+    """Make `tracer` treat tensor `t` as the value of `node` (a node added to its graph by hand)."""
+    track_tensor_tree(t, torch.fx.Proxy(node, tracer), constant=None, tracer=tracer)
+
+
+def untraced() -> Any:
+    """A context in which tensor ops run (on fake tensors) without being recorded by make_fx."""
+    return disable_proxy_modes_tracing()
+
+
+def no_modes() -> Any:
+    """A context with no dispatch mode active (no trace, no fake mode): tensor ops on meta
+    tensors run as plain C++ calls."""
+    return _disable_current_modes()
+
+
+def meta_storage(nbytes: int) -> torch.Tensor:
+    """A meta tensor owning a new storage of `nbytes` (fake tensors' storages are meta)."""
+    return torch.empty((nbytes,), dtype=torch.uint8, device="meta")
+
+
+def fake_view(mode: Any, storage_of: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A fake tensor with `like`'s dtype, shape, stride, storage offset and device on the
+    storage of `storage_of` (a meta or fake tensor); made without dispatch (under `no_modes`),
+    ~10 µs instead of ~0.5 ms for the same through FakeTensorMode."""
+    elem = torch.empty(0, dtype=like.dtype, device="meta").set_(
+        storage_of.untyped_storage(), like.storage_offset(), tuple(like.shape), tuple(like.stride()))
+    return FakeTensor(mode, elem, like.device)
+
+
+def local_tensor(x: Any) -> torch.Tensor:
+    """A DTensor's local shard itself (`to_local()` under a trace records a view of it)."""
+    return x._local_tensor
 
 
 def storage_id(t: torch.Tensor) -> int:

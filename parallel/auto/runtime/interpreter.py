@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from parallel import _torch as T
 from parallel.auto.placements import bucket_key, placement_str
 from parallel.auto.regions import region_of, run_region
+from parallel.auto.runtime.block_replay import MISSING
 from parallel.auto.runtime.redistribute import bucketed_redistribute, redistribute
 
 log = logging.getLogger("parallel.auto.runtime")
@@ -201,11 +202,22 @@ class PlacementOps:
 class PlacementInterpreter(fx.Interpreter):
     """torch.fx.Interpreter over one phase's GraphModule, ops run through `PlacementOps`."""
 
-    def __init__(self, gm: fx.GraphModule, ops: PlacementOps):
+    def __init__(self, gm: fx.GraphModule, ops: PlacementOps, replay: Any = None):
+        """`replay`: a block_replay.BlockReplay that copies repeated blocks' traced nodes."""
         super().__init__(gm, garbage_collect_values=True)
         self.ops = ops
+        self.replay = replay
 
     def run_node(self, n: fx.Node) -> Any:
+        r = self.replay
+        if r is not None:
+            out = r.value(n, self.env)
+            if out is not MISSING:
+                return out
         if n.op != "call_function" or n.target is operator.getitem:
-            return super().run_node(n)
-        return self.ops.run(n, self.env)
+            out = super().run_node(n)
+        else:
+            out = self.ops.run(n, self.env)
+        if r is not None:
+            r.ran(n, out)
+        return out

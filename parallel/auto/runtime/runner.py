@@ -39,6 +39,7 @@ from parallel import _torch as T
 from parallel.activation_checkpoint import recompute_parameter_views, tag_recomputation
 from parallel.auto.placements import bucket_key, spec_placement_strs
 from parallel.auto.plan import Plan, PlanMismatchError
+from parallel.auto.runtime.block_replay import BlockLayout, BlockReplay, PhaseBlocks
 from parallel.auto.runtime.device import place_on_device, runtime_device
 from parallel.auto.runtime.interpreter import LAYOUT_OPS, PlacementInterpreter, PlacementOps, is_tensor_node
 from parallel.auto.runtime.options import RuntimeOptions
@@ -162,6 +163,10 @@ def same_graph_options(a: RuntimeOptions, b: RuntimeOptions) -> bool:
 class PlanRunner:
     """Executes the joint graph of `graph` with the placements of `plan` on `mesh`."""
 
+    replay_blocks = True
+    """Under a trace, a repeated block's nodes are copies of the first one's (block_replay.py);
+    False: every block is interpreted (the graph is the same, made slower)."""
+
     def __init__(self, graph: JointGraph, candidates: Candidates, plan: Plan, mesh: DeviceMesh,
                  mp_policy: MixedPrecisionPolicy | None = None, options: RuntimeOptions | None = None,
                  local_graphs: bool = True):
@@ -205,6 +210,32 @@ class PlanRunner:
         # per-device graphs (local_graphs.py), built on the first call; False: interpret eagerly
         self.use_local_graphs = local_graphs
         self.local_graphs_cache: dict[Any, Any] = {}
+        self._block_layout: BlockLayout | None = None
+        self._phase_blocks: dict[str, PhaseBlocks] = {}
+        self.replay_counts: Counter = Counter()  # segments copied / traced per phase, last trace
+
+    def _replay(self, phase: str) -> BlockReplay | None:
+        """The phase's block copier when a trace is running (None: interpret every node)."""
+        if not self.replay_blocks or T.active_tracer() is None:
+            return None
+        blocks = self._phase_blocks.get(phase)
+        if blocks is None:
+            if self._block_layout is None:
+                self._block_layout = BlockLayout(self.graph.gm, self.block_of,
+                                                 {n.name for n in self.graph.params.values()})
+            gm = self.fwd_gm if phase == "fwd" else self.bwd_gm
+            blocks = self._phase_blocks[phase] = PhaseBlocks(gm, self._block_layout, self.spec, self.ops.defer)
+        return BlockReplay(blocks, self.ops, self.mesh)
+
+    def _interpret(self, phase: str, args: list[Any]) -> Any:
+        gm = self.fwd_gm if phase == "fwd" else self.bwd_gm
+        replay = self._replay(phase)
+        with torch.no_grad():
+            results = PlacementInterpreter(gm, self.ops, replay).run(*args)
+        if replay is not None:
+            self.replay_counts[f"{phase}_copied"] = replay.copied
+            self.replay_counts[f"{phase}_refused"] = replay.refused
+        return results
 
     @property
     def stats(self) -> Counter:
@@ -241,8 +272,7 @@ class PlanRunner:
         self.ops.param_values = {name: env[name] for name in self.gather_params}
         self.ops.cache = {}
         args = [env[n.name] for n in self.fwd_gm.graph.find_nodes(op="placeholder")]
-        with torch.no_grad():
-            results = PlacementInterpreter(self.fwd_gm, self.ops).run(*args)
+        results = self._interpret("fwd", args)
         n_out = len(self.out_slots)
         outs = [self.to_placements(v, self.out_placements(f"output[{s.index}]"))
                 for v, s in zip(results[:n_out], self.out_slots)]
@@ -263,8 +293,7 @@ class PlanRunner:
                 val = torch.zeros(t.meta["val"].shape, dtype=t.meta["val"].dtype, device=self.device)
             env[t.name] = self.to_placements(val, self.out_placements(t.name))
         args = [env[n.name] for n in self.bwd_gm.graph.find_nodes(op="placeholder")]
-        with torch.no_grad():
-            results = PlacementInterpreter(self.bwd_gm, self.ops).run(*args)
+        results = self._interpret("bwd", args)
         self.ops.cache, self.ops.param_values = {}, {}
         by_slot = dict(zip([s.index for s in self.graph.slots if s.kind != "output"], results))
         return self._reduce_grads(by_slot, params)

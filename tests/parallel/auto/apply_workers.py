@@ -163,6 +163,7 @@ def run_job(mesh, job: dict) -> dict:
         losses.append(loss.item())
     return {"losses": losses, "grads": grads, "deviations": runner.stats["deviations"],
             "local_graphs": bool(runner.local_graphs_cache), "stats": dict(runner.stats),
+            "replayed": dict(runner.replay_counts),
             "placements": {n: tuple(p.placements) for n, p in pm.named_parameters()}}
 
 
@@ -191,3 +192,10 @@ def grads_close(out: dict, ref: dict, rtol: float = 1e-4, atol: float = 1e-6) ->
         if not torch.allclose(out["grads"][n], g, rtol=rtol, atol=atol):
             bad.append(n)
     return bad
+
+
+def worker_with_layers(rank: int, world_size: int, shape, names, jobs: list[dict], n_layers: int) -> list[dict]:
+    """`worker` for models of `n_layers` layers (the plans were made for that depth)."""
+    OVERRIDES["n_layers"] = n_layers
+    _GRAPHS.clear()
+    return worker(rank, world_size, shape, names, jobs)

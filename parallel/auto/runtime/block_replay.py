@@ -1,0 +1,427 @@
+"""Identical transformer blocks traced once: a repeated block's part of the step graph is a
+copy of the nodes its first instance produced, not a second run through DTensor's dispatch.
+
+The runner's phase graphs (forward, backward) run block by block: each transformer block is
+a contiguous run of nodes, a *segment* (`PhaseBlocks`). Two segments compute the same thing
+when their nodes have the same ops, literal arguments, planned strategies and shapes, and
+read the same values relative to their own block (layer i reads layer i-1's output and its
+own parameters). While `make_fx` traces a step (`BlockReplay`), the first segment of each
+kind is interpreted as usual and the graph nodes it added are kept as a *template*; each
+later segment of that kind gets a copy of those nodes with their inputs rebound to its own
+block's values, and fresh fake values that share storage exactly as the template's do (the
+memory walk groups views by storage). Whatever does not line up at that point (a value
+missing, a different shape, placement or gather state) runs the segment as usual, so the
+copy is the graph the interpreter would have traced, made in a fraction of the time.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.distributed.tensor import DTensor
+
+from parallel import _torch as T
+from parallel.auto.placements import spec_placement_strs
+
+log = logging.getLogger("parallel.auto.runtime")
+
+MISSING = object()
+"""`BlockReplay.value`'s answer for a node the interpreter must run itself."""
+
+REACH = 2
+"""A template may read values of blocks up to this many blocks away from its own."""
+
+
+def _val_sig(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return tuple(v.shape), tuple(v.stride()), v.dtype
+    if isinstance(v, (tuple, list)):
+        return tuple(_val_sig(x) for x in v)
+    return type(v).__name__
+
+
+def _literal(x: Any) -> Any:
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return repr(x)
+
+
+def _member_sig(n: fx.Node) -> tuple:
+    """What a block member is, without its name (a placeholder's target is its name)."""
+    return n.op, "" if n.op == "placeholder" else str(n.target), _val_sig(n.meta.get("val"))
+
+
+class BlockLayout:
+    """The joint graph's nodes of each transformer block in one order, so that the k-th node
+    of one block plays the part of the k-th node of an identical block."""
+
+    def __init__(self, joint: fx.GraphModule, block_of: dict[str, int], param_names: set[str]):
+        members: dict[int, list[fx.Node]] = {}
+        for n in joint.graph.nodes:
+            b = block_of.get(n.name)
+            if b is not None:
+                members.setdefault(b, []).append(n)
+        self.block_of = block_of
+        self.names = {b: [n.name for n in ns] for b, ns in members.items()}
+        self.pos = {n.name: (b, i) for b, ns in members.items() for i, n in enumerate(ns)}
+        kinds: dict[tuple, int] = {}
+        self.kind = {b: kinds.setdefault(tuple(_member_sig(n) for n in ns), len(kinds)) for b, ns in members.items()}
+        self.params = {b: [n.name for n in ns if n.name in param_names] for b, ns in members.items()}
+        self.loose_params = sorted(p for p in param_names if p not in self.pos)  # embedding, norm, head
+
+    def rebase(self, name: str, delta: int) -> str | None:
+        """The node that plays `name`'s part `delta` blocks on (`name` itself outside the
+        blocks; None where that block does not exist or is built differently)."""
+        p = self.pos.get(name)
+        if p is None:
+            return name
+        b, i = p
+        if self.kind.get(b + delta) != self.kind[b]:
+            return None
+        return self.names[b + delta][i]
+
+
+@dataclass
+class Segment:
+    """One block's contiguous run of nodes in a phase graph."""
+
+    block: int
+    nodes: list[fx.Node]
+    signature: tuple
+    needed: set[fx.Node]  # nodes whose values are read after the segment
+
+
+class PhaseBlocks:
+    """A phase graph's segments and which of them are the same computation."""
+
+    def __init__(self, gm: fx.GraphModule, layout: BlockLayout, spec: dict[str, Any], defer: set[str]):
+        self.layout = layout
+        self.nodes = {n.name: n for n in gm.graph.nodes}
+        runs: list[tuple[int, list[fx.Node]]] = []
+        prev: int | None = None
+        for n in gm.graph.nodes:
+            b = layout.block_of.get(n.name) if n.op == "call_function" else None
+            if b is None and n.op == "call_function" and n.target is operator.getitem \
+                    and isinstance(n.args[0], fx.Node):
+                b = layout.block_of.get(n.args[0].name)
+            if b is not None and b == prev:
+                runs[-1][1].append(n)
+            elif b is not None:
+                runs.append((b, [n]))
+            prev = b
+        self.starts: dict[fx.Node, Segment] = {}
+        for b, nodes in runs:
+            seg = Segment(b, nodes, self._signature(b, nodes, spec, defer), set())
+            inside = set(nodes)
+            seg.needed = {n for n in nodes if any(u not in inside for u in n.users)}
+            self.starts[nodes[0]] = seg
+        self.count = Counter(s.signature for s in self.starts.values())
+
+    def _signature(self, b: int, nodes: list[fx.Node], spec: dict[str, Any], defer: set[str]) -> tuple:
+        idx = {n: i for i, n in enumerate(nodes)}
+        layout = self.layout
+
+        def ref(a: fx.Node) -> tuple:
+            if a in idx:
+                return ("i", idx[a])
+            p = layout.pos.get(a.name)
+            if p is not None:
+                return ("b", p[0] - b, p[1], layout.kind[p[0]])
+            return ("a", a.name)
+
+        sig: list[tuple] = [("kind", layout.kind[b])]
+        for n in nodes:
+            leaves, tree = T.tree_flatten((n.args, dict(n.kwargs)))
+            s = spec.get(n.name)
+            strs = spec_placement_strs(s) if s is not None else None
+            sig.append((n.target, str(tree), tuple(ref(x) if isinstance(x, fx.Node) else _literal(x) for x in leaves),
+                        (tuple(strs[0]), tuple(strs[1])) if strs else None, n.name in defer,
+                        _val_sig(n.meta.get("val"))))
+        return tuple(sig)
+
+    def repeated(self) -> int:
+        """Segments that are copies of an earlier one's kind."""
+        return sum(c - 1 for c in self.count.values())
+
+
+def _leaf_sig(x: Any) -> tuple:
+    placements = tuple(x.placements) if isinstance(x, DTensor) else None
+    t = T.local_tensor(x) if isinstance(x, DTensor) else x
+    return placements, tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+def _local(x: Any) -> Any:
+    return T.local_tensor(x) if isinstance(x, DTensor) else x
+
+
+@dataclass
+class _Template:
+    block: int
+    nodes: list[fx.Node]  # the graph nodes the segment added, in order
+    externals: list[tuple[fx.Node, tuple, tuple]]  # (node read from before, its key, its value's signature)
+    outputs: list[tuple[int, Any, list[tuple]]]  # (segment index, pytree spec, leaves)
+    cache_added: list[tuple[str, fx.Node, tuple]]  # (parameter, gathered copy's node, its DTensor spec)
+    stats: Counter
+    deltas: tuple[int, ...]  # the blocks (relative to its own) it reads
+    state: tuple  # which of their parameters were gathered / had shards when it ran
+
+
+@dataclass
+class _Recording:
+    seg: Segment
+    marker: fx.Node  # the graph's last node before the segment ran
+    keys: dict[fx.Node, tuple[tuple, tuple]]  # graph node -> (where its value lives, that value's signature)
+    cache_before: set[str]
+    stats_before: Counter
+    state: tuple
+    values: dict[fx.Node, Any] = field(default_factory=dict)
+
+
+class BlockReplay:
+    """One trace's templates and copies for one phase graph (see the module docstring)."""
+
+    def __init__(self, blocks: PhaseBlocks, ops: Any, mesh: Any):
+        self.blocks = blocks
+        self.layout = blocks.layout
+        self.ops = ops
+        self.mesh = mesh
+        self.tracer = T.active_tracer()
+        self.templates: dict[tuple, _Template | None] = {}
+        self.pending: dict[fx.Node, Any] = {}
+        self.recording: _Recording | None = None
+        self.copied = 0
+        self.refused = 0
+
+    # -- the interpreter's hooks -------------------------------------------------
+    def value(self, n: fx.Node, env: dict[fx.Node, Any]) -> Any:
+        """`n`'s value when its segment was copied (MISSING: run it)."""
+        if n in self.pending:
+            return self.pending.pop(n)
+        seg = self.blocks.starts.get(n)
+        if seg is None or self.tracer is None or self.blocks.count[seg.signature] < 2:
+            return MISSING
+        t = self.templates.get(seg.signature, MISSING)
+        if t is MISSING:
+            self.recording = self._start(seg, env)
+        elif t is not None and self._copy(seg, t, env):
+            return self.pending.pop(n)
+        return MISSING
+
+    def ran(self, n: fx.Node, out: Any) -> None:
+        rec = self.recording
+        if rec is None:
+            return
+        if n in rec.seg.needed:
+            rec.values[n] = out
+        if n is rec.seg.nodes[-1]:
+            self.templates[rec.seg.signature] = self._finish(rec)
+            self.recording = None
+
+    # -- recording ---------------------------------------------------------------
+    def _state(self, block: int, deltas: tuple[int, ...]) -> tuple:
+        """What the interpreter's gathers depend on around `block`: for the parameters of the
+        blocks `deltas` away and the loose ones, whether each is gathered already and whether
+        it has a shard to gather from."""
+        cache, pv, lay = self.ops.cache, self.ops.param_values, self.layout
+        out: list[Any] = []
+        for d in deltas:
+            names = lay.params.get(block + d)
+            out.append(None if names is None else
+                       (d, lay.kind[block + d], tuple((m in cache, m in pv) for m in names)))
+        out.append(tuple((m in cache, m in pv) for m in lay.loose_params))
+        return tuple(out)
+
+    def _start(self, seg: Segment, env: dict[fx.Node, Any]) -> _Recording:
+        keys: dict[fx.Node, tuple[tuple, tuple]] = {}
+
+        def note(x: Any, key: tuple) -> None:
+            t = _local(x)
+            if isinstance(t, torch.Tensor):
+                tn = T.traced_node(t, self.tracer)
+                if tn is not None and tn not in keys:
+                    keys[tn] = (key, _leaf_sig(x))
+
+        for node, v in env.items():
+            for j, leaf in enumerate(T.tree_flatten(v)[0]):
+                note(leaf, ("env", node.name, j))
+        for name, v in self.ops.cache.items():
+            note(v, ("cache", name, 0))
+        for name, v in self.ops.param_values.items():
+            note(v, ("param", name, 0))
+        return _Recording(seg, next(reversed(self.tracer.graph.nodes)), keys, set(self.ops.cache),
+                          Counter(self.ops.stats), self._state(seg.block, tuple(range(-REACH, REACH + 1))))
+
+    def _finish(self, rec: _Recording) -> _Template | None:
+        nodes: list[fx.Node] = []
+        n = rec.marker.next
+        while n.op != "root":  # the graph's sentinel: the end of its node list
+            nodes.append(n)
+            n = n.next
+        inside = set(nodes)
+        externals: list[tuple[fx.Node, tuple, tuple]] = []
+        seen: set[fx.Node] = set()
+
+        def external(a: fx.Node) -> bool:
+            if a in inside or a in seen:
+                return True
+            seen.add(a)
+            if a.op == "get_attr":
+                externals.append((a, ("const",), ()))
+                return True
+            hit = rec.keys.get(a)
+            if hit is None or not self._near(hit[0], rec.seg.block):
+                return False
+            externals.append((a, hit[0], hit[1]))
+            return True
+
+        for node in nodes:
+            if not all(external(a) for a in node.all_input_nodes):
+                return self._uncopyable(rec.seg, "a node reads a value the block does not own")
+        index = {x: i for i, x in enumerate(rec.seg.nodes)}
+        outputs = []
+        for y in rec.seg.needed:
+            leaves, tree = T.tree_flatten(rec.values[y])
+            out = []
+            for leaf in leaves:
+                if isinstance(leaf, torch.Tensor):
+                    tn = T.traced_node(_local(leaf), self.tracer)
+                    if tn is None or not external(tn):
+                        return self._uncopyable(rec.seg, "an output is not traced")
+                    spec = (tuple(leaf.placements), tuple(leaf.shape), tuple(leaf.stride())) \
+                        if isinstance(leaf, DTensor) else None
+                    out.append(("t", tn, spec))
+                else:
+                    out.append(("c", leaf, None))
+            outputs.append((index[y], tree, out))
+        added = []
+        for name in self.ops.cache:
+            if name not in rec.cache_before:
+                v = self.ops.cache[name]
+                tn = T.traced_node(T.local_tensor(v), self.tracer)
+                if tn is None or tn not in inside:
+                    return self._uncopyable(rec.seg, "a gathered parameter is not traced")
+                added.append((name, tn, (tuple(v.placements), tuple(v.shape), tuple(v.stride()))))
+        stats = Counter(self.ops.stats)
+        stats.subtract(rec.stats_before)
+        deltas = sorted({0} | {self.layout.pos[k[1]][0] - rec.seg.block for _, k, _ in externals
+                               if k[0] != "const" and k[1] in self.layout.pos})
+        state = tuple(rec.state[d + REACH] for d in deltas) + rec.state[-1:]
+        return _Template(rec.seg.block, nodes, externals, outputs, added, +stats, tuple(deltas), state)
+
+    def _near(self, key: tuple, block: int) -> bool:
+        if key[0] == "const":
+            return True
+        p = self.layout.pos.get(key[1])
+        return p is None or abs(p[0] - block) <= REACH
+
+    def _uncopyable(self, seg: Segment, why: str) -> None:
+        log.debug("apply: block %d's graph is traced per block (%s)", seg.block, why)
+        return None
+
+    # -- copying -----------------------------------------------------------------
+    def _lookup(self, key: tuple, delta: int, env: dict[fx.Node, Any]) -> Any:
+        kind, name, j = key
+        name2 = self.layout.rebase(name, delta)
+        if name2 is None:
+            return None
+        if kind == "env":
+            node = self.blocks.nodes.get(name2)
+            v = env.get(node, MISSING) if node is not None else MISSING
+            if v is MISSING:
+                return None
+            leaves = T.tree_flatten(v)[0]
+            return leaves[j] if j < len(leaves) else None
+        return (self.ops.cache if kind == "cache" else self.ops.param_values).get(name2)
+
+    def _copy(self, seg: Segment, tmpl: _Template, env: dict[fx.Node, Any]) -> bool:
+        delta = seg.block - tmpl.block
+        if self._state(seg.block, tmpl.deltas) != tmpl.state or any(
+                self.layout.rebase(name, delta) is None for name, _, _ in tmpl.cache_added):
+            self.refused += 1
+            return False
+        mapping: dict[fx.Node, fx.Node] = {}
+        for tn, key, sig in tmpl.externals:
+            if key[0] == "const":
+                mapping[tn] = tn
+                continue
+            leaf = self._lookup(key, delta, env)
+            if not isinstance(leaf, torch.Tensor) or _leaf_sig(leaf) != sig:
+                self.refused += 1
+                return False
+            tn2 = T.traced_node(_local(leaf), self.tracer)
+            if tn2 is None:
+                self.refused += 1
+                return False
+            mapping[tn] = tn2
+        graph = self.tracer.graph
+        fresh = _FreshValues()
+        for tn, _, _ in tmpl.externals:
+            fresh.seed(tn.meta.get("val"), mapping[tn].meta.get("val"))
+        with T.no_modes():
+            for node in tmpl.nodes:
+                new = graph.node_copy(node, mapping.__getitem__)
+                if "val" in node.meta:
+                    new.meta["val"] = fresh.like(node.meta["val"])
+                mapping[node] = new
+        with T.untraced():
+            outs = {i: T.tree_unflatten([self._bind(mapping, leaf) for leaf in leaves], tree)
+                    for i, tree, leaves in tmpl.outputs}
+            for name, tn, spec in tmpl.cache_added:
+                name2 = self.layout.rebase(name, delta)
+                self.ops.cache[name2] = self._bind(mapping, ("t", tn, spec))
+        for i, n in enumerate(seg.nodes):
+            self.pending[n] = outs.get(i)
+        self.ops.stats.update(tmpl.stats)
+        self.copied += 1
+        return True
+
+    def _bind(self, mapping: dict[fx.Node, fx.Node], leaf: tuple) -> Any:
+        kind, x, spec = leaf
+        if kind == "c":
+            return x
+        node = mapping[x]
+        t = node.meta["val"]
+        if spec is None:
+            T.bind_traced(t, node, self.tracer)
+            return t
+        d = DTensor.from_local(t, self.mesh, spec[0], run_check=False, shape=spec[1], stride=spec[2])
+        T.bind_traced(T.local_tensor(d), node, self.tracer)
+        return d
+
+
+class _FreshValues:
+    """New fake tensors shaped like a template's, sharing storage among themselves exactly as
+    the template's do (a view of a storage stays a view of its copy), and with the storages
+    of the values read from outside the block mapped to this block's. Made under
+    `T.no_modes()`."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, torch.Tensor] = {}  # template storage -> a tensor on its copy
+
+    def like(self, v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and T.is_fake(v):
+            return self._tensor(v)
+        if isinstance(v, (tuple, list)):
+            return type(v)(self.like(x) for x in v)
+        return v
+
+    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
+        sid = T.storage_id(t)
+        base = self.storages.get(sid)
+        if base is None:
+            base = self.storages[sid] = T.meta_storage(t.untyped_storage().nbytes())
+        return T.fake_view(t.fake_mode, base, t)
+
+    def seed(self, template_val: Any, val: Any) -> None:
+        """Values read from outside: the template's storage is this block's."""
+        for a, b in zip(T.tree_flatten(template_val)[0], T.tree_flatten(val)[0]):
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+                self.storages.setdefault(T.storage_id(a), b)

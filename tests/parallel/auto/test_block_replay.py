@@ -1,0 +1,110 @@
+"""Repeated transformer blocks traced once (runtime/block_replay.py): the step graph made
+with copies of the first block's nodes is node for node the graph the interpreter traces
+block by block (ops, arguments, shapes, which values share storage), so the memory estimate
+is the same to the byte; and on gloo ranks a plan run through the copies trains like one rank."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from apply_workers import OVERRIDES, compare, grads_close, make_plans, reference, run_distributed, worker_with_layers
+from torch.distributed.device_mesh import init_device_mesh
+
+from models import build_model
+from parallel import _torch as T
+from parallel.auto.api import AutoParallel, fake_world, lm_loss
+from parallel.auto.config import PlannerConfig
+from parallel.auto.runtime import RuntimeOptions
+from parallel.auto.runtime.memory import step_memory, trace_step
+from parallel.auto.runtime.runner import PlanRunner
+
+LAYERS = 5
+
+
+def _form(gm: torch.fx.GraphModule) -> list[tuple]:
+    """The graph with node names replaced by positions and storages by first appearance."""
+    pos: dict[torch.fx.Node, int] = {}
+    storages: dict[int, int] = {}
+    out = []
+    for i, n in enumerate(gm.graph.nodes):
+        pos[n] = i
+        leaves, tree = T.tree_flatten((n.args, dict(n.kwargs)))
+        args = tuple(("node", pos[a]) if isinstance(a, torch.fx.Node) else a for a in leaves)
+        vals = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.storage_offset(), str(t.device),
+                      storages.setdefault(T.storage_id(t), len(storages)))
+                     for t in T.tree_flatten(n.meta.get("val"))[0] if isinstance(t, torch.Tensor))
+        out.append((n.op, n.target if n.op == "call_function" else n.op, str(tree), args, vals))
+    return out
+
+
+def _traced(shape: tuple, names: tuple, options: RuntimeOptions, replay: bool):
+    model = build_model("llama3", "debug", device="meta", n_layers=LAYERS)
+    tok = torch.zeros(8, 64, dtype=torch.long)
+    with fake_world(int(torch.tensor(shape).prod())):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        with AutoParallel(model, (tok, tok), mesh, loss_fn=lm_loss,
+                          planner=PlannerConfig(hardware="h100", memory_estimate=False)) as autop:
+            plan = autop.optimize_placement(verbose=False)
+            old = PlanRunner.replay_blocks
+            PlanRunner.replay_blocks = replay
+            try:
+                step = trace_step(autop.graph, autop.candidates, plan, mesh, options=options)
+            finally:
+                PlanRunner.replay_blocks = old
+            return step, step_memory(step, mesh)
+
+
+@pytest.mark.parametrize("shape,names,options", [
+    ((4,), ("dp",), RuntimeOptions()),
+    ((2, 2), ("dp", "tp"), RuntimeOptions()),
+    ((2, 2), ("dp", "tp"), dataclasses.replace(RuntimeOptions(), ac_mode="full", reshard_after_forward=False)),
+], ids=["dp4", "dp2xtp2", "dp2xtp2-ac-full-keep-gathers"])
+def test_copied_blocks_are_the_traced_graph(shape, names, options):
+    copied, estimate = _traced(shape, names, options, replay=True)
+    traced, reference_estimate = _traced(shape, names, options, replay=False)
+    counts = copied.runner.replay_counts
+    # the first layer reads the embedding, the last feeds the final norm, the second (forward)
+    # and the one before the last (backward) read those: the others are copies
+    assert counts["fwd_copied"] >= LAYERS - 3 and counts["bwd_copied"] >= LAYERS - 4, counts
+    assert counts["fwd_refused"] == counts["bwd_refused"] == 0, counts
+    assert traced.runner.replay_counts == {}
+    a, b = _form(copied.step_graph.gm), _form(traced.step_graph.gm)
+    assert len(a) == len(b)
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    assert first is None, (first, a[first], b[first])
+    assert copied.step_graph.collectives == traced.step_graph.collectives
+    assert estimate.peak_bytes == reference_estimate.peak_bytes
+    assert estimate.summary() == reference_estimate.summary()
+
+
+SHAPE, NAMES = (2,), ("dp",)
+TRAIN_LAYERS = 4
+KINDS = ["default", "fsdp", "tp"]
+
+
+@pytest.fixture(scope="module")
+def results():
+    old = OVERRIDES["n_layers"]
+    OVERRIDES["n_layers"] = TRAIN_LAYERS
+    try:
+        plans = make_plans([("llama3", k) for k in KINDS], SHAPE, NAMES)
+        ref = reference("llama3", 1)
+    finally:
+        OVERRIDES["n_layers"] = old
+    jobs = [{"model": "llama3", "kind": k, "steps": 1, "plan": p} for k, p in zip(KINDS, plans)]
+    outs = run_distributed(worker_with_layers, 2, SHAPE, NAMES, jobs, TRAIN_LAYERS, timeout=400)
+    return ref, {k: [o[i] for o in outs] for i, k in enumerate(KINDS)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_copied_blocks_train_like_one_rank(results, kind):
+    ref, by_kind = results
+    for out in by_kind[kind]:
+        assert out["replayed"].get("fwd_copied", 0) + out["replayed"].get("bwd_copied", 0) > 0, out["replayed"]
+        assert not grads_close(out, ref), grads_close(out, ref)
+        abs_d, rel_d, loss_d = compare(out, ref)
+        assert loss_d <= 1e-4 * max(ref["losses"]), (out["losses"], ref["losses"])
+        assert out["deviations"] == 0
