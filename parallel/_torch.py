@@ -69,8 +69,13 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor._ops.single_dim_strategy import register_single_dim_strategy
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot, make_fx
-from torch.fx.experimental.proxy_tensor import track_tensor_tree
+from torch.fx.experimental.proxy_tensor import (
+    disable_proxy_modes_tracing,
+    get_proxy_mode,
+    get_proxy_slot,
+    make_fx,
+    track_tensor_tree,
+)
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import (
@@ -94,7 +99,8 @@ __all__ = [
     "get_plain_input_and_grad_nodes", "is_fake", "op_name", "partition_joint", "partition_value",
     "autograd_enabled", "real_tensors", "register_planner_ops", "register_region_strategy", "trace_fake",
     "sequence_nr", "sharding_propagator", "active_tracer", "traced_node", "bind_traced", "untraced",
-    "local_tensor", "no_modes", "meta_storage", "fake_view", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_mesh",
+    "local_tensor", "no_modes", "meta_storage", "fake_view", "tree_flatten", "tree_map", "tree_unflatten",
+    "unflatten_mesh",
     "CPU_ATTENTION_BWD", "CPU_ATTENTION_FWD", "dump_cuda_memory_snapshot", "record_cuda_memory_history",
 ]
 
