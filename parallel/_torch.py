@@ -99,7 +99,7 @@ __all__ = [
     "get_plain_input_and_grad_nodes", "is_fake", "op_name", "partition_joint", "partition_value",
     "autograd_enabled", "real_tensors", "register_planner_ops", "register_region_strategy", "trace_fake",
     "sequence_nr", "sharding_propagator", "active_tracer", "traced_node", "bind_traced", "untraced",
-    "local_tensor", "no_modes", "meta_storage", "fake_view", "tree_flatten", "tree_map", "tree_unflatten",
+    "local_tensor", "dtensor_on", "no_modes", "meta_storage", "fake_view", "tree_flatten", "tree_map", "tree_unflatten",
     "unflatten_mesh",
     "CPU_ATTENTION_BWD", "CPU_ATTENTION_FWD", "dump_cuda_memory_snapshot", "record_cuda_memory_history",
 ]
@@ -252,6 +252,15 @@ def fake_view(mode: Any, storage_of: torch.Tensor, like: torch.Tensor) -> torch.
     elem = torch.empty(0, dtype=like.dtype, device="meta").set_(
         storage_of.untyped_storage(), like.storage_offset(), tuple(like.shape), tuple(like.stride()))
     return FakeTensor(mode, elem, like.device)
+
+
+def dtensor_on(local: torch.Tensor, mesh: Any, placements: tuple, shape: tuple, stride: tuple) -> Any:
+    """A DTensor whose local shard is `local` itself (`DTensor.from_local` wraps a view of it,
+    one dispatched op per call)."""
+    from torch.distributed.tensor import DTensor
+
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
 
 
 def local_tensor(x: Any) -> torch.Tensor:

@@ -389,12 +389,8 @@ class BlockReplay:
             return x
         node = mapping[x]
         t = node.meta["val"]
-        if spec is None:
-            T.bind_traced(t, node, self.tracer)
-            return t
-        d = DTensor.from_local(t, self.mesh, spec[0], run_check=False, shape=spec[1], stride=spec[2])
-        T.bind_traced(T.local_tensor(d), node, self.tracer)
-        return d
+        T.bind_traced(t, node, self.tracer)
+        return t if spec is None else T.dtensor_on(t, self.mesh, *spec)
 
 
 class _FreshValues:
