@@ -66,7 +66,7 @@ class BlockLayout:
     def __init__(self, joint: fx.GraphModule, block_of: dict[str, int], param_names: set[str]):
         members: dict[int, list[fx.Node]] = {}
         for n in joint.graph.nodes:
-            b = block_of.get(n.name)
+            b = block_of.get(n.name) if n.op != "output" else None  # the output may carry a layer's module path
             if b is not None:
                 members.setdefault(b, []).append(n)
         self.block_of = block_of
@@ -150,6 +150,19 @@ class PhaseBlocks:
     def repeated(self) -> int:
         """Segments that are copies of an earlier one's kind."""
         return sum(c - 1 for c in self.count.values())
+
+
+def _remap(a: Any, mapping: dict[fx.Node, fx.Node]) -> Any:
+    """A node's arguments with every node replaced by its copy."""
+    if isinstance(a, fx.Node):
+        return mapping[a]
+    if isinstance(a, (tuple, list)):
+        return tuple(_remap(x, mapping) for x in a) if isinstance(a, tuple) else [_remap(x, mapping) for x in a]
+    if isinstance(a, dict):
+        return {k: _remap(v, mapping) for k, v in a.items()}
+    if isinstance(a, slice):
+        return slice(_remap(a.start, mapping), _remap(a.stop, mapping), _remap(a.step, mapping))
+    return a
 
 
 def _leaf_sig(x: Any) -> tuple:
@@ -256,15 +269,11 @@ class BlockReplay:
             note(v, ("cache", name, 0))
         for name, v in self.ops.param_values.items():
             note(v, ("param", name, 0))
-        return _Recording(seg, next(reversed(self.tracer.graph.nodes)), keys, set(self.ops.cache),
+        return _Recording(seg, _graph_tail(self.tracer), keys, set(self.ops.cache),
                           Counter(self.ops.stats), self._state(seg.block, tuple(range(-REACH, REACH + 1))))
 
     def _finish(self, rec: _Recording) -> _Template | None:
-        nodes: list[fx.Node] = []
-        n = rec.marker.next
-        while n.op != "root":  # the graph's sentinel: the end of its node list
-            nodes.append(n)
-            n = n.next
+        nodes = _nodes_after(rec.marker)
         inside = set(nodes)
         externals: list[tuple[fx.Node, tuple, tuple]] = []
         seen: set[fx.Node] = set()
@@ -361,16 +370,7 @@ class BlockReplay:
                 self.refused += 1
                 return False
             mapping[tn] = tn2
-        graph = self.tracer.graph
-        fresh = _FreshValues()
-        for tn, _, _ in tmpl.externals:
-            fresh.seed(tn.meta.get("val"), mapping[tn].meta.get("val"))
-        with T.no_modes():
-            for node in tmpl.nodes:
-                new = graph.node_copy(node, mapping.__getitem__)
-                if "val" in node.meta:
-                    new.meta["val"] = fresh.like(node.meta["val"])
-                mapping[node] = new
+        copy_nodes(self.tracer.graph, tmpl.nodes, mapping)
         with T.untraced():
             outs = {i: T.tree_unflatten([self._bind(mapping, leaf) for leaf in leaves], tree)
                     for i, tree, leaves in tmpl.outputs}
@@ -384,13 +384,103 @@ class BlockReplay:
         return True
 
     def _bind(self, mapping: dict[fx.Node, fx.Node], leaf: tuple) -> Any:
-        kind, x, spec = leaf
-        if kind == "c":
-            return x
-        node = mapping[x]
-        t = node.meta["val"]
-        T.bind_traced(t, node, self.tracer)
-        return t if spec is None else T.dtensor_on(t, self.mesh, *spec)
+        return bind_copy(self.tracer, self.mesh, mapping, leaf)
+
+
+def copy_nodes(graph: fx.Graph, nodes: list[fx.Node], mapping: dict[fx.Node, fx.Node]) -> None:
+    """Append copies of `nodes` to `graph`, their reads of values from before them rebound by
+    `mapping` (which gains every copy), each with fresh fake values (`_FreshValues`)."""
+    fresh = _FreshValues()
+    inside = set(nodes)
+    for old, new in list(mapping.items()):
+        if old not in inside:
+            fresh.seed(old.meta.get("val"), new.meta.get("val"))
+    with T.no_modes():
+        for node in nodes:
+            # Graph.node_copy, without its generic argument walk (half of its time here)
+            new = graph.create_node(node.op, node.target, _remap(node.args, mapping), _remap(node.kwargs, mapping),
+                                    name=node.name, type_expr=node.type)
+            new.meta = dict(node.meta)
+            if "val" in node.meta:
+                new.meta["val"] = fresh.like(node.meta["val"])
+            mapping[node] = new
+
+
+def bind_copy(tracer: Any, mesh: Any, mapping: dict[fx.Node, fx.Node], leaf: tuple) -> Any:
+    """The value a copied output leaf stands for: ("t", template node, DTensor spec or None)
+    becomes the copy's fake value, known to the tracer as that node's (wrapped as a DTensor
+    of that spec); ("c", value, None) is a constant."""
+    kind, x, spec = leaf
+    if kind == "c":
+        return x
+    node = mapping[x]
+    t = node.meta["val"]
+    T.bind_traced(t, node, tracer)
+    return t if spec is None else T.dtensor_on(t, mesh, *spec)
+
+
+def _graph_tail(tracer: Any) -> fx.Node:
+    return next(reversed(tracer.graph.nodes))
+
+
+def _nodes_after(marker: fx.Node) -> list[fx.Node]:
+    out = []
+    n = marker.next
+    while n.op != "root":  # the graph's sentinel: the end of its node list
+        out.append(n)
+        n = n.next
+    return out
+
+
+class CallReplay:
+    """Copies of a traced call: the first call of a kind (key and input layouts) runs and the
+    nodes it adds are kept; a later call of that kind gets copies, its inputs rebound. For
+    work done once per block outside the phase graphs (the bucketed gradient reductions).
+    Outside a trace every call just runs."""
+
+    def __init__(self, mesh: Any):
+        self.mesh = mesh
+        self.tracer = T.active_tracer()
+        self.templates: dict[tuple, Any] = {}
+        self.copied = 0
+
+    def __call__(self, key: tuple, fn: Any, inputs: list[Any]) -> list[Any]:
+        """`fn()` (a list of tensors computed from `inputs` only), or a copy of an earlier one."""
+        if self.tracer is None:
+            return fn()
+        locs = [_local(x) for x in inputs]
+        kind = (key, tuple(_leaf_sig(x) for x in inputs))
+        in_nodes = [T.traced_node(t, self.tracer) for t in locs]
+        tmpl = self.templates.get(kind)
+        if tmpl is not None and None not in in_nodes:
+            nodes, template_inputs, consts, leaves = tmpl
+            mapping = dict(zip(template_inputs, in_nodes))
+            mapping.update((c, c) for c in consts)
+            copy_nodes(self.tracer.graph, nodes, mapping)
+            with T.untraced():
+                out = [bind_copy(self.tracer, self.mesh, mapping, leaf) for leaf in leaves]
+            self.copied += 1
+            return out
+        marker = _graph_tail(self.tracer)
+        out = fn()
+        if kind not in self.templates:
+            self.templates[kind] = self._record(_nodes_after(marker), in_nodes, out)
+        return out
+
+    def _record(self, nodes: list[fx.Node], in_nodes: list[Any], out: list[Any]) -> Any:
+        known = set(nodes) | set(in_nodes)
+        if None in in_nodes or len(set(in_nodes)) != len(in_nodes) or any(
+                a not in known and a.op != "get_attr" for n in nodes for a in n.all_input_nodes):
+            return None
+        leaves = []
+        for x in out:
+            tn = T.traced_node(_local(x), self.tracer)
+            if tn is None or tn not in known:
+                return None
+            spec = (tuple(x.placements), tuple(x.shape), tuple(x.stride())) if isinstance(x, DTensor) else None
+            leaves.append(("t", tn, spec))
+        consts = {a for n in nodes for a in n.all_input_nodes if a.op == "get_attr" and a not in known}
+        return nodes, in_nodes, sorted(consts, key=lambda a: a.name), leaves
 
 
 class _FreshValues:

@@ -39,7 +39,7 @@ from parallel import _torch as T
 from parallel.activation_checkpoint import recompute_parameter_views, tag_recomputation
 from parallel.auto.placements import bucket_key, spec_placement_strs
 from parallel.auto.plan import Plan, PlanMismatchError
-from parallel.auto.runtime.block_replay import BlockLayout, BlockReplay, PhaseBlocks
+from parallel.auto.runtime.block_replay import BlockLayout, BlockReplay, CallReplay, PhaseBlocks
 from parallel.auto.runtime.device import place_on_device, runtime_device
 from parallel.auto.runtime.interpreter import LAYOUT_OPS, PlacementInterpreter, PlacementOps, is_tensor_node
 from parallel.auto.runtime.options import RuntimeOptions
@@ -317,11 +317,18 @@ class PlanRunner:
             else:
                 v = self.to_placements(v, dst)
             grads.append(v)
-        for members in pending.values():  # one collective per bucket and mesh axis
+        calls = CallReplay(self.mesh) if self.replay_blocks else None  # each block's bucket traced once
+        for (_, key, dtype), members in pending.items():  # one collective per bucket and mesh axis
             self.stats["bucketed_grad_reductions"] += 1
             idx = [i for i, _ in members]
-            for i, r in zip(idx, bucketed_redistribute([grads[i] for i in idx], [d for _, d in members], self.mesh)):
+            items, dsts = [grads[i] for i in idx], [d for _, d in members]
+            reduced = calls(("grad bucket", key, dtype, tuple(dsts)),
+                            lambda items=items, dsts=dsts: bucketed_redistribute(items, dsts, self.mesh), items) \
+                if calls is not None else bucketed_redistribute(items, dsts, self.mesh)
+            for i, r in zip(idx, reduced):
                 grads[i] = r
+        if calls is not None:
+            self.replay_counts["grad_buckets_copied"] = calls.copied
         for i, (v, p) in enumerate(zip(grads, params)):
             if v is None:
                 continue
