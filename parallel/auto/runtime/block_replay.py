@@ -119,10 +119,11 @@ class PhaseBlocks:
             prev = b
         self.starts: dict[fx.Node, Segment] = {}
         for b, nodes in runs:
-            seg = Segment(b, nodes, self._signature(b, nodes, spec, defer), set())
             inside = set(nodes)
-            seg.needed = {n for n in nodes if any(u not in inside for u in n.users)}
-            self.starts[nodes[0]] = seg
+            needed = [i for i, n in enumerate(nodes) if any(u not in inside for u in n.users)]
+            # the same ops and the same values read afterwards (a copy hands on what its template did)
+            sig = (self._signature(b, nodes, spec, defer), tuple(needed))
+            self.starts[nodes[0]] = Segment(b, nodes, sig, {nodes[i] for i in needed})
         self.count = Counter(s.signature for s in self.starts.values())
 
     def _signature(self, b: int, nodes: list[fx.Node], spec: dict[str, Any], defer: set[str]) -> tuple:
