@@ -69,7 +69,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor._ops.single_dim_strategy import register_single_dim_strategy
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import (
     disable_proxy_modes_tracing,
     get_proxy_mode,
@@ -100,7 +100,8 @@ __all__ = [
     "get_plain_input_and_grad_nodes", "is_fake", "op_name", "partition_joint", "partition_value",
     "autograd_enabled", "real_tensors", "register_planner_ops", "register_region_strategy", "trace_fake",
     "sequence_nr", "sharding_propagator", "active_tracer", "traced_node", "bind_traced", "untraced",
-    "local_tensor", "dtensor_on", "no_modes", "meta_storage", "fake_view", "tree_flatten", "tree_map", "tree_unflatten",
+    "local_tensor", "dtensor_on", "generate_code", "no_modes", "meta_storage", "fake_view", "tree_flatten",
+    "tree_map", "tree_unflatten",
     "unflatten_mesh",
     "CPU_ATTENTION_BWD", "CPU_ATTENTION_FWD", "dump_cuda_memory_snapshot", "record_cuda_memory_history",
 ]
@@ -210,6 +211,14 @@ def trace_fake(fn: Any) -> Any:
             return traced(*args)
 
     return trace
+
+
+def generate_code(gm: Any) -> None:
+    """Regenerate a GraphModule's Python code now (a lazy one, as `trace_fake` and
+    `partition_joint` make, would otherwise do it at its first call, which torch.compile
+    refuses to trace through)."""
+    gm.recompile()
+    _LazyGraphModule.force_recompile(gm)
 
 
 def partition_joint(gm: Any, num_fwd_outputs: int) -> tuple[Any, Any]:

@@ -190,7 +190,7 @@ def schedule_overlap(gm: fx.GraphModule, recompile: bool = True) -> OverlapRepor
     _bound_reductions(graph, report)
     graph.lint()
     if recompile:
-        gm.recompile()
+        T.generate_code(gm)
     log.info("%s", report)
     return report
 

@@ -175,7 +175,7 @@ class StepGraph:
                 raise RuntimeError(f"this StepGraph is already executable with compile={self.compiled}")
             return self
         t0 = time.perf_counter()
-        self.gm.recompile()
+        T.generate_code(self.gm)
         self.recompile_seconds = time.perf_counter() - t0
         self.compiled = compile
         self.fn = torch.compile(self.gm, fullgraph=True, dynamic=False, mode=compile_mode) if compile else self.gm

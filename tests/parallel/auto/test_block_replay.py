@@ -9,7 +9,16 @@ import dataclasses
 
 import pytest
 import torch
-from apply_workers import OVERRIDES, compare, grads_close, make_plans, reference, run_distributed, worker_with_layers
+from apply_workers import (
+    _GRAPHS,
+    OVERRIDES,
+    compare,
+    grads_close,
+    make_plans,
+    reference,
+    run_distributed,
+    worker_with_layers,
+)
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
@@ -100,11 +109,13 @@ KINDS = ["default", "fsdp", "tp"]
 def results():
     old = OVERRIDES["n_layers"]
     OVERRIDES["n_layers"] = TRAIN_LAYERS
+    _GRAPHS.clear()  # this process's traces are of the shallower models of the other tests
     try:
         plans = make_plans([("llama3", k) for k in KINDS], SHAPE, NAMES)
         ref = reference("llama3", 1)
     finally:
         OVERRIDES["n_layers"] = old
+        _GRAPHS.clear()
     jobs = [{"model": "llama3", "kind": k, "steps": 1, "plan": p} for k, p in zip(KINDS, plans)]
     outs = run_distributed(worker_with_layers, 2, SHAPE, NAMES, jobs, TRAIN_LAYERS, timeout=400)
     return ref, {k: [o[i] for o in outs] for i, k in enumerate(KINDS)}
