@@ -47,7 +47,7 @@ from parallel.auto.api import MemoryLimitError, fake_world  # noqa: E402
 from parallel.auto.mesh_search import MeshSearchError  # noqa: E402
 from parallel.auto.plan import Plan, PlanMismatchError  # noqa: E402
 from parallel.auto.plan_html import save_diff_html, save_html  # noqa: E402
-from parallel.auto.request import planning  # noqa: E402
+from parallel.auto.request import data_degree, planning  # noqa: E402
 from parallel.auto.sweep.meshes import ranked_table, search_global_batch, search_meshes  # noqa: E402
 from parallel.auto.sweep.point import PlanCache  # noqa: E402
 from trainer.auto_mode import base_job, plan_request  # noqa: E402
@@ -91,7 +91,7 @@ def plan_job(args: argparse.Namespace) -> tuple:
     model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **cfg.model.arg_overrides())
     with fake_world(world):
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
-        request = plan_request(cfg)
+        request = plan_request(cfg, dp_degree=data_degree(mesh))  # no mesh: "auto" hardware is not measured here
         print(f"planning {cfg.model.name} {cfg.model.flavor} on mesh {sizes} {names} ({world} ranks, "
               f"{request.planner.hardware}); local batch {request.local_batch_size} x seq {request.seq_len}; "
               f"mixed precision {cfg.training.mixed_precision_param}", flush=True)

@@ -46,7 +46,7 @@ from parallel.auto.cost.calibrate import profile_for_group
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.plan_html import save_html
 from parallel.auto.problem import MemoryLimitError, PlanningError
-from parallel.auto.request import PlanRequest, planning
+from parallel.auto.request import PlanRequest, data_degree, planning
 from parallel.auto.runtime import RuntimeOptions
 from parallel.auto.sweep.spec import BaseJob
 from parallel.mesh import CP
@@ -79,14 +79,19 @@ def planner_config(job_config: JobConfig) -> PlannerConfig:
 
 
 def plan_request(job_config: JobConfig, mesh: DeviceMesh | None = None, *, local_batch_size: int | None = None,
-                 seq_len: int | None = None) -> PlanRequest:
-    """The planning request of this job (on `mesh`, whose profile "auto" hardware measures)."""
+                 seq_len: int | None = None, dp_degree: int | None = None) -> PlanRequest:
+    """The planning request of this job (on `mesh`, whose profile "auto" hardware measures;
+    its data degree, else `dp_degree`, sets the micro-batches of `[training] global_batch_size`)."""
     planner = planner_config(job_config)
     if planner.hardware == AUTO and mesh is not None:
         planner = dataclasses.replace(planner, hardware=planning_hardware(job_config.parallelism, mesh))
     t = job_config.training
+    runtime = runtime_options(job_config)
+    dp = data_degree(mesh) if mesh is not None else dp_degree
+    if dp is not None:  # gradient accumulation: the step graph runs without reductions, their sum is held
+        runtime = dataclasses.replace(runtime, micro_batches=t.micro_batches(dp))
     return PlanRequest(local_batch_size=local_batch_size or t.local_batch_size, seq_len=seq_len or t.seq_len,
-                       planner=planner, runtime=runtime_options(job_config), mp_policy=planner_mp_policy(t))
+                       planner=planner, runtime=runtime, mp_policy=planner_mp_policy(t))
 
 
 def runtime_options(job_config: JobConfig) -> RuntimeOptions:

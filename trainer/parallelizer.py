@@ -196,13 +196,21 @@ class Planner(Parallelizer):
     def forward_backward(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
                          positions: Optional[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
         """The plan's step graph once: with micro-batches (`accumulate`) once per micro-batch, its
-        gradients (reduced to their planned placements in the graph) scaled and summed."""
+        gradients scaled and summed unreduced, reduced to their planned placements once, by
+        the last micro-batch (`no_gradient_sync`)."""
         if not is_parallel_module(model):  # a single process: nothing was planned
             loss = cross_entropy_loss(model(inputs), labels)
             (loss if scale == 1.0 else loss * scale).backward()
             return loss
         args = (inputs, labels) if positions is None else (inputs, labels, positions)
         return model.forward_backward(*args, grad_scale=scale)
+
+    def no_gradient_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """The plan's step graph without its gradient reductions: the micro-batches' unreduced
+        gradients are summed and the last micro-batch reduces them once (ParallelModule)."""
+        if not is_parallel_module(model):
+            return contextlib.nullcontext()
+        return model.no_gradient_sync()
 
     def forward_loss(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
                      positions: Optional[torch.Tensor]) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """`[training] global_batch_size`: gradient accumulation over micro-batches.
 
-On 2 gloo ranks, 2 micro-batches, fp32: manual FSDP and auto mode train with the losses,
-gradient norms and weights of one process stepping the same global batch at once (rtol
-1e-5), and FSDP reduce-scatters once per step (the micro-batches before the last run
-without gradient sync). The loader's micro-batches make up exactly the 1-rank global batch;
+On 2 gloo ranks, 2 micro-batches, fp32: manual FSDP and auto mode (an FSDP-shaped plan)
+train with the losses, gradient norms and weights of one process stepping the same global
+batch at once (rtol 1e-5), and both reduce their gradients once per step (the micro-batches
+before the last run without gradient sync). The loader's micro-batches make up exactly the 1-rank global batch;
 a global batch that is no whole number of micro-batches is one config error naming both
 keys and the nearest valid values."""
 
@@ -30,7 +30,8 @@ TINY = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "-
         "--checkpoint.enable", "false", "--lr_scheduler.warmup_steps", "1", "--optimizer.lr", "2e-3",
         "--training.global_batch_size", "8"]
 # job -> (mode, local batch on 2 ranks): 8 = 2 ranks x 2 x 2 micro-batches, or 2 ranks x 4 x 1
-JOBS = {"manual_micro2": ("manual", 2), "manual_micro1": ("manual", 4), "auto_micro2": ("auto", 2)}
+JOBS = {"manual_micro2": ("manual", 2), "manual_micro1": ("manual", 4), "auto_micro2": ("auto", 2),
+        "auto_micro1": ("auto", 4)}
 RTOL = 1e-5
 
 
@@ -40,8 +41,29 @@ def _args(mode: str, local: int, tmp: str, job: str) -> list[str]:
             "--job.dump_folder", tmp, "--job.name", job]
 
 
+def _reduction_counter():
+    """A dispatch mode that records every reducing functional collective the step dispatches
+    (the auto runtime's step graph and DTensor's eager redistributions alike) as (op, numel)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reductions(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[tuple[str, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if getattr(func, "namespace", "") == "_c10d_functional" and ("reduce" in name):
+                self.seen.append((name, args[0].numel() if hasattr(args[0], "numel") else sum(
+                    t.numel() for t in args[0])))
+            return func(*args, **(kwargs or {}))
+
+    return Reductions()
+
+
 def _run(args: list[str], world: int) -> dict:
-    """Train; the logged losses and grad norms, the full weights, the reduce-scatters per step."""
+    """Train; the logged losses and grad norms, the full weights, the reduce-scatters per step
+    (torch.distributed's, manual mode) and the functional reductions (auto mode)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -58,9 +80,13 @@ def _run(args: list[str], world: int) -> dict:
 
     for n, fn in saved.items():
         setattr(dist, n, counted(fn))
+    from parallel.auto import presets
+
+    constraints = presets.fsdp if "auto" in args else None  # both batch sizes plan one shape: Partial gradients
     try:
-        tr = Trainer(load_config("llama3_debug", args, world_size=world))
-        losses = tr.train()
+        tr = Trainer(load_config("llama3_debug", args, world_size=world), plan_constraints=constraints)
+        with _reduction_counter() as reductions:
+            losses = tr.train()
     finally:
         for n, fn in saved.items():
             setattr(dist, n, fn)
@@ -69,7 +95,7 @@ def _run(args: list[str], world: int) -> dict:
     weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                for n, p in tr.model.named_parameters()}
     return {"losses": losses, "norms": norms, "weights": weights, "micro": tr.micro_batches,
-            "reduce_scatters": calls["reduce_scatter"], "steps": tr.step}
+            "reduce_scatters": calls["reduce_scatter"], "steps": tr.step, "reductions": reductions.seen}
 
 
 def _worker(rank: int, world: int, tmp: str) -> dict:
@@ -147,3 +173,17 @@ def test_global_batch_sets_the_micro_batches(tmp_path):
     assert cfg.training.micro_batches(2) == 4 and cfg.training.global_batch(2) == 16
     cfg = load_config("llama3_debug", ["--job.dump_folder", str(tmp_path)], world_size=2)
     assert cfg.training.micro_batches(2) == 1 and cfg.training.global_batch(2) == 2 * cfg.training.local_batch_size
+
+
+@pytest.mark.slow
+def test_auto_reduces_gradients_once_per_step():
+    """The FSDP-shaped plan's gradient reductions (bucketed reduce-scatters, one per block)
+    run once per optimizer step with 2 micro-batches, as with 1: the micro-batch before the
+    last runs the step graph without them (its Partial gradients summed unreduced).
+    Reductions of one element (the loss, the gradient norm, the step's finite check) are per
+    micro-batch or per step either way and are left out."""
+    res = runs()
+    once = sorted(r for r in res["auto_micro1"]["reductions"] if r[1] > 1)
+    twice = sorted(r for r in res["auto_micro2"]["reductions"] if r[1] > 1)
+    print(f"gradient reductions over 3 steps: 1 micro-batch {once}, 2 micro-batches {twice}")
+    assert any(name.startswith("reduce_scatter") for name, _ in once) and twice == once

@@ -64,7 +64,7 @@ class MemoryEstimate:
     activations_bytes: int  # forward values (from the batch) alive at the peak
     transient_bytes: int  # gathered parameters, collective buffers, temporaries at the peak
     peak_bytes: int  # the sum of the five above
-    phase: str  # where the peak is: "forward", "backward" or "optimizer"
+    phase: str  # where the peak is: "forward", "backward", "gradient reduction" or "optimizer"
     saved_bytes: int = 0  # activations alive when the forward ends (saved for the backward)
     all_grads_bytes: int = 0  # every gradient (held until the next zero_grad)
     limit_bytes: int = 0  # the memory limit the plan was checked against (0: none)
@@ -266,13 +266,17 @@ def _sweep(lv: _Liveness, labels: dict[int, str], boundary: int) -> tuple[_Peak,
 
 
 def step_graph_memory(gm: fx.GraphModule, *, n_inputs: int, n_outputs: int, state_bytes: int,
-                      optimizer_bytes: int, optimizer_temp: int, gather_staging: bool = False) -> MemoryEstimate:
+                      optimizer_bytes: int, optimizer_temp: int, gather_staging: bool = False,
+                      reduced_grad_bytes: int | None = None) -> MemoryEstimate:
     """The peak of one training step of `gm` (a rank's step graph: `(param locals, buffer
     locals, input locals) -> (outputs..., gradients...)`), see the module docstring.
 
     `state_bytes`: local parameter and buffer bytes; `optimizer_bytes`: the AdamW states;
     `optimizer_temp`: the optimizer step's temporaries (`optimizer_temp_bytes`);
     `gather_staging`: the collectives run on gloo (all-gathers stage their output).
+    `reduced_grad_bytes`: `gm` is a micro-batch's graph without gradient reductions
+    (gradient accumulation): the earlier micro-batches' summed unreduced gradients (as large
+    as this graph's) are held through it, then reduced once into gradients of this many bytes.
     """
     lv = _Liveness(gm, gather_staging)
     outs = [a for a in gm.graph.output_node().args[0] if isinstance(a, fx.Node)]
@@ -282,9 +286,15 @@ def step_graph_memory(gm: fx.GraphModule, *, n_inputs: int, n_outputs: int, stat
     labels = _labels(lv, grad_keys, boundary, n_inputs)
     peak, saved = _sweep(lv, labels, boundary)
     all_grads = sum(lv.size[k] for k in grad_keys if k in labels)
-    parts = peak.parts or {"grads": 0, "activations": 0, "transient": 0}
+    parts = dict(peak.parts or {"grads": 0, "activations": 0, "transient": 0})
     phase = "forward" if peak.at <= boundary else "backward"
-    if all_grads + optimizer_temp > peak.total:  # the optimizer step holds more than any op of the graph
+    if reduced_grad_bytes is not None:  # the sum so far, alive through the whole graph
+        parts["grads"] += all_grads
+        if all_grads + reduced_grad_bytes > sum(parts.values()):  # the whole sum and its reduced gradients
+            parts, phase = {"grads": all_grads + reduced_grad_bytes, "activations": 0, "transient": 0}, \
+                "gradient reduction"
+        all_grads = reduced_grad_bytes
+    if all_grads + optimizer_temp > sum(parts.values()):  # the optimizer step holds more than any op of the graph
         parts, phase = {"grads": all_grads, "activations": 0, "transient": optimizer_temp}, "optimizer"
     return MemoryEstimate(
         params_bytes=state_bytes, grads_bytes=parts["grads"], optimizer_bytes=optimizer_bytes,

@@ -92,7 +92,8 @@ def trace_step(graph: JointGraph, candidates: Candidates, plan: Plan, mesh: Devi
         buffers = [torch.empty(tuple(v.shape), dtype=v.dtype, device=runner.device) for v in bvals]
         inputs = [_fake_dtensor(n.meta["val"], runner.input_placements(i), mesh)
                   for i, n in enumerate(runner.input_nodes)]
-        sg = StepGraph(runner, params, buffers, inputs, overlap=options.overlap, executable=False)
+        sg = StepGraph(runner, params, buffers, inputs, overlap=options.overlap, executable=False,
+                       reduce=options.micro_batches == 1)  # the graph every micro-batch runs
     local = [_nbytes(tuple(p.to_local().shape), p.dtype) for p in params]
     buffer_bytes = sum(_nbytes(tuple(v.shape), v.dtype) for v in bvals)
     return TracedStep(plan, candidates, options, runner, sg, local, buffer_bytes, len(inputs))
@@ -106,7 +107,8 @@ def step_memory(step: TracedStep, mesh: DeviceMesh, optimizer: str = "foreach") 
     est = step_graph_memory(sg.gm, n_inputs=step.n_inputs, n_outputs=len(sg.out_specs),
                             state_bytes=sum(local) + step.buffer_bytes, optimizer_bytes=2 * sum(trained),
                             optimizer_temp=optimizer_temp_bytes(trained, optimizer),
-                            gather_staging=_on_gloo(mesh))
+                            gather_staging=_on_gloo(mesh),
+                            reduced_grad_bytes=None if sg.reduces else sum(trained))
     log.debug("memory: %s", est.summary())
     return est
 

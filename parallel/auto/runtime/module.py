@@ -13,9 +13,10 @@ plan's forward phase and autograd its backward phase (local_graphs.PlanFunction)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,6 +50,8 @@ class ParallelModuleMixin:
 
     computes_loss: bool = False  # True when the plan's forward returns the loss (traced with loss_fn)
     pending_step_graph: StepGraph | None = None  # the planner's trace of this plan, until the first step
+    grad_sync_deferred: bool = False  # inside no_gradient_sync
+    unreduced_grads: list | None = None  # the micro-batches' unreduced gradients summed, until the reduction
     handles_mixed_precision: bool = True
     is_auto_parallel: bool = True
 
@@ -99,44 +102,102 @@ class ParallelModuleMixin:
         """One training step's forward, loss and backward as ONE per-device graph (step_graph.py):
         accumulates every parameter's gradient (as `loss.backward()` would; `grad_scale` x it:
         gradient accumulation's 1 / micro-batches) and returns the local loss. The gradients
-        arrive reduced to their planned placements (the graph's collectives), so accumulating
-        micro-batches reduces once per micro-batch. Overlap and Inductor compilation follow the
-        plan's RuntimeOptions."""
+        arrive reduced to their planned placements (the graph's collectives); under
+        `no_gradient_sync` they stay unreduced, and the first call after it reduces their sum
+        once. Overlap and Inductor compilation follow the plan's RuntimeOptions."""
         runner: PlanRunner = self.plan_runner
+        unreduced = self.grad_sync_deferred or self.unreduced_grads is not None
         with torch.no_grad():  # the graph computes the gradients: no autograd work on the host per tensor
             params, buffers, dts = self.planned_arguments(*inputs)
-            sg = self._step_graph(params, buffers, dts)
+            sg = self._step_graph(params, buffers, dts, reduce=not unreduced)
             plocs = [p.to_local() for p in params]
             blocs = [b.to_local() if isinstance(b, DTensor) else b for b in buffers]
             outs, grads = sg(plocs, blocs, [x.to_local() for x in dts])
-            if grad_scale != 1.0:
-                grads = [g * grad_scale for g in grads]
-            for p, g in zip(params, sg.grads_as_dtensors(grads)):
+            if unreduced:
+                self._accumulate_unreduced(sg.grads_as_dtensors(grads), grad_scale)
+                grads.clear()  # added to the sum: freed before the reduction allocates its results
+                grad_values = None if self.grad_sync_deferred else self._reduce_accumulated(params)
+            else:
+                if grad_scale != 1.0:
+                    grads = [g * grad_scale for g in grads]
+                grad_values = sg.grads_as_dtensors(grads)
+            for p, g in zip(params, grad_values or ()):
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad + g
         runner.stats["step_graph_steps"] += 1
         return outs[0]
 
-    def _step_graph(self, params: list[Any], buffers: list[Any], inputs: list[DTensor]) -> StepGraph:
-        key = step_key(params, buffers, inputs)
+    @contextlib.contextmanager
+    def no_gradient_sync(self) -> Iterator[None]:
+        """Gradient accumulation without a reduction per micro-batch (DDP's `no_sync`, FSDP2's
+        `set_requires_gradient_sync(False)`): `forward_backward` inside it runs the plan's
+        step graph without its gradient reductions and sums the unreduced gradients (a
+        Partial weight gradient stays Partial: with FSDP-like placements that sum is a whole
+        gradient per rank until the step's reduction, as FSDP2's). The next `forward_backward`
+        outside it adds its own and reduces the sum once, bucketed as the plan's graph
+        reduces, into the parameters' `.grad`."""
+        object.__setattr__(self, "grad_sync_deferred", True)
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "grad_sync_deferred", False)
+
+    def discard_unreduced_grads(self) -> None:
+        """Drop the gradients summed under `no_gradient_sync` (a step abandoned mid-way)."""
+        object.__setattr__(self, "unreduced_grads", None)
+
+    def _accumulate_unreduced(self, grads: list[DTensor | None], scale: float) -> None:
+        """Add `scale` x a micro-batch's unreduced gradients to the sum, in place (the first
+        micro-batch's own graph outputs become the sum: no copy)."""
+        acc = self.unreduced_grads
+        if acc is None:
+            if scale != 1.0:
+                for g in grads:
+                    if g is not None:
+                        g.to_local().mul_(scale)
+            object.__setattr__(self, "unreduced_grads", grads)
+            return
+        for a, g in zip(acc, grads):
+            if a is not None:
+                if tuple(a.placements) != tuple(g.placements) or a.shape != g.shape:
+                    raise PlanMismatchError("gradient accumulation: a micro-batch's unreduced gradient has "
+                                            f"placements {placement_str(tuple(g.placements))}, the sum so far "
+                                            f"{placement_str(tuple(a.placements))} (micro-batches of one step "
+                                            "must run the same plan)")
+                a.to_local().add_(g.to_local(), alpha=scale)
+
+    def _reduce_accumulated(self, params: list[DTensor]) -> list[DTensor | None]:
+        """The summed unreduced gradients reduced to the parameters' placements, once."""
+        acc = self.unreduced_grads
+        object.__setattr__(self, "unreduced_grads", None)
+        reduced = self.plan_runner.reduce_grads(acc, params)
+        self.plan_runner.stats["deferred_grad_reductions"] += 1
+        return reduced
+
+    def _step_graph(self, params: list[Any], buffers: list[Any], inputs: list[DTensor],
+                    reduce: bool = True) -> StepGraph:
+        key = (reduce, step_key(params, buffers, inputs))
         sg = self.step_graphs.get(key)
         if sg is None:
             opts = self.plan_runner.options
             compile = opts.compile and not self.compile_failed
-            sg = self._planned_step_graph(key, compile, opts.compile_mode)
+            sg = self._planned_step_graph(key[1], reduce, compile, opts.compile_mode)
             if sg is None:
                 sg = StepGraph(self.plan_runner, params, buffers, inputs, overlap=opts.overlap, compile=compile,
-                               compile_mode=opts.compile_mode)
+                               compile_mode=opts.compile_mode, reduce=reduce)
             self.step_graphs[key] = sg
         if sg.compiled and sg.first_call_seconds is None and self.plan_runner.options.compile_fallback:
-            return _FallbackOnCompileError(sg, self, params, buffers, inputs)
+            return _FallbackOnCompileError(sg, self, params, buffers, inputs, reduce)
         return sg
 
-    def _planned_step_graph(self, key: tuple, compile: bool, compile_mode: str) -> StepGraph | None:
+    def _planned_step_graph(self, key: tuple, reduce: bool, compile: bool, compile_mode: str) -> StepGraph | None:
         """The step graph the planner's memory estimate traced for this plan (handed over by
-        apply_plan, used once), when it was traced for this very input layout; else None."""
+        apply_plan, used once), when it was traced for this very input layout and gradient
+        reduction; else None."""
         sg = self.pending_step_graph
         if sg is None:
+            return None
+        if sg.reduces != reduce:  # kept for the call that reduces as it was traced
             return None
         object.__setattr__(self, "pending_step_graph", None)  # one chance: the first layout; then released
         if sg.key != key:
@@ -230,8 +291,9 @@ class _FallbackOnCompileError:
     """The first call of a compiled step graph; on a compile error, the eager graph instead
     (logged as a warning), kept for the rest of the run."""
 
-    def __init__(self, sg: StepGraph, module: ParallelModuleMixin, params: list, buffers: list, inputs: list):
-        self.sg, self.module, self.args = sg, module, (params, buffers, inputs)
+    def __init__(self, sg: StepGraph, module: ParallelModuleMixin, params: list, buffers: list, inputs: list,
+                 reduce: bool):
+        self.sg, self.module, self.args = sg, module, (params, buffers, inputs, reduce)
 
     def __call__(self, *locals_: Any) -> Any:
         try:
@@ -321,7 +383,7 @@ def apply_plan(model: nn.Module, graph: JointGraph, candidates: Candidates, plan
     for name, value in (("plan_runner", runner), ("meta_template", template), ("param_refs", param_refs),
                         ("buffer_refs", buffer_refs), ("computes_loss", computes_loss), ("step_graphs", {}),
                         ("plan_cost_model", cost_model), ("pending_step_graph", step_graph),
-                        ("compile_failed", False)):
+                        ("compile_failed", False), ("grad_sync_deferred", False), ("unreduced_grads", None)):
         object.__setattr__(pm, name, value)
     log.info("apply: materialised %s with %d DTensor parameters on mesh %s", type(pm).__name__, len(param_refs),
              tuple(mesh.shape))

@@ -23,7 +23,11 @@ class RuntimeOptions:
         error run it eagerly (with a warning) instead of failing;
     load_balance: the inputs' sequence follows the load-balanced context-parallel order for
         this many ranks (parallel/recipes/cp.py; 1 = natural order): local_map regions that
-        depend on positions (causal attention) read it.
+        depend on positions (causal attention) read it;
+    micro_batches: forward/backward passes per optimizer step (gradient accumulation): more
+        than one runs the step graph without its gradient reductions and reduces the summed
+        gradients once per step, so the memory estimate counts that sum (held between
+        micro-batches: for Partial gradients, a whole unreduced gradient per rank).
     """
 
     ac_mode: str = "none"
@@ -35,8 +39,11 @@ class RuntimeOptions:
     compile_fallback: bool = False
     compile_mode: str = "default"
     load_balance: int = 1
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(f"micro_batches {self.micro_batches!r}: use a whole number >= 1")
         if self.ac_mode not in AC_MODES:
             raise ValueError(f"activation checkpointing mode {self.ac_mode!r}: use one of {', '.join(AC_MODES)}")
         opt = str(self.ac_option)

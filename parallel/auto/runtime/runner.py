@@ -281,8 +281,11 @@ class PlanRunner:
         return outs, saved
 
     # -- backward --------------------------------------------------------------
-    def run_backward(self, saved: dict, tangents: list[Any], params: list[Any]) -> list[Any]:
-        """Gradients of the parameters (None where none), at the parameters' placements."""
+    def run_backward(self, saved: dict, tangents: list[Any], params: list[Any], reduce: bool = True) -> list[Any]:
+        """Gradients of the parameters (None where none), at the parameters' placements;
+        `reduce=False`: as the backward leaves them (a weight gradient of a batch-sharded
+        matmul is Partial), in the dtype they are summed in (`accumulation_dtype`), for a
+        gradient accumulation that reduces once per step (`reduce_grads`)."""
         env = dict(saved)
         cache = env.pop("__cache__", {})
         self.ops.cache = {} if self.reshard_after_forward else cache
@@ -296,15 +299,27 @@ class PlanRunner:
         results = self._interpret("bwd", args)
         self.ops.cache, self.ops.param_values = {}, {}
         by_slot = dict(zip([s.index for s in self.graph.slots if s.kind != "output"], results))
-        return self._reduce_grads(by_slot, params)
+        values = [by_slot.get(s.index) if s is not None else None
+                  for s in (self.grad_slots.get(fqn) for fqn in self.param_names)]
+        if not reduce:
+            return [v if v is None or not v.dtype.is_floating_point else v.to(self.accumulation_dtype(p))
+                    for v, p in zip(values, params)]
+        return self.reduce_grads(values, params)
 
-    def _reduce_grads(self, by_slot: dict[int, Any], params: list[Any]) -> list[Any]:
+    def accumulation_dtype(self, param: Any) -> torch.dtype:
+        """The dtype unreduced gradients are summed in over micro-batches: the reduce dtype of
+        the mixed-precision policy, else the parameter's (its fp32 master weight's), not the
+        compute dtype (bf16 sums of many micro-batches lose bits)."""
+        return self.reduce_dtype or param.dtype
+
+    def reduce_grads(self, values: list[Any], params: list[Any]) -> list[Any]:
+        """Each parameter's gradient (`values`, in `param_names` order, None where none) reduced
+        to the parameter's placement: one bucketed collective per block and placement group."""
         grads: list[Any] = []
         pending: dict[tuple, list[tuple[int, tuple]]] = {}  # (bucket key, dtype) -> (index, target)
-        for fqn in self.param_names:
+        for fqn, v in zip(self.param_names, values):
             s = self.grad_slots.get(fqn)
-            v = by_slot.get(s.index) if s is not None else None
-            if v is None:
+            if v is None or s is None:
                 grads.append(None)
                 continue
             if self.reduce_dtype is not None and v.dtype != self.reduce_dtype and v.dtype.is_floating_point:

@@ -123,11 +123,14 @@ class StepGraph:
 
     def __init__(self, runner: Any, params: list[DTensor], buffers: list[Any], inputs: list[DTensor], *,
                  overlap: bool = True, compile: bool = False, compile_mode: str = "default",
-                 executable: bool = True):
+                 executable: bool = True, reduce: bool = True):
         """`executable=False`: the graph is only walked (runtime/memory.py), so its Python
         code is not regenerated after scheduling and calling the StepGraph is an error
-        until `make_executable`."""
+        until `make_executable`. `reduce=False`: the graph has no gradient reductions; its
+        gradients are the backward's unreduced values (`PlanRunner.run_backward`), for
+        micro-batches whose sum is reduced once (`ParallelModule.no_gradient_sync`)."""
         self.mesh = runner.mesh
+        self.reduces = reduce
         self.key = step_key(params, buffers, inputs)
         self.pspecs = [dspec(p) for p in params]
         bspecs = [dspec(b) if isinstance(b, DTensor) else None for b in buffers]
@@ -142,14 +145,17 @@ class StepGraph:
             layout["outs"] = [dspec(o) for o in outs]
             tangents = [DTensor.from_local(torch.ones_like(o.to_local()), m, o.placements, run_check=False,
                                            shape=o.shape, stride=o.stride()) for o in outs]
-            grads = runner.run_backward(saved, tangents, metas)
+            grads = runner.run_backward(saved, tangents, metas, reduce=reduce)
             layout["has_grad"] = [g is not None for g in grads]
+            layout["grads"] = [dspec(g) for g in grads if g is not None]
             return [o.to_local() for o in outs], [g.to_local() for g in grads if g is not None]
 
         t0 = time.perf_counter()
         args = ([p.to_local() for p in params], [local_value(b) for b in buffers], [x.to_local() for x in inputs])
         self.gm = T.trace_fake(step)(*args)
         self.out_specs, self.has_grad = layout["outs"], layout["has_grad"]
+        # the gradients' layout: the parameters' (reduced), else each as the backward left it
+        self.grad_specs = [sp for sp, has in zip(self.pspecs, self.has_grad) if has] if reduce else layout["grads"]
         self.dropped = drop_no_op_nodes(self.gm)
         self.overlap: OverlapReport | None = schedule_overlap(self.gm, recompile=False) if overlap else None
         self.collectives = count_collectives(self.gm)
@@ -199,6 +205,7 @@ class StepGraph:
         return out
 
     def grads_as_dtensors(self, grad_locals: list[torch.Tensor]) -> list[DTensor | None]:
-        it = iter(grad_locals)
-        return [DTensor.from_local(next(it), self.mesh, sp[0], run_check=False, shape=sp[1], stride=sp[2])
-                if has else None for has, sp in zip(self.has_grad, self.pspecs)]
+        """One per parameter (None: it has no gradient), at the graph's gradient layout."""
+        it, specs = iter(grad_locals), iter(self.grad_specs)
+        return [DTensor.from_local(next(it), self.mesh, (sp := next(specs))[0], run_check=False, shape=sp[1],
+                                   stride=sp[2]) if has else None for has in self.has_grad]

@@ -272,7 +272,9 @@ def with_global_batch(point: Point, global_batch: int, micro_batches: int = 1) -
                f"{micro_batches} micro-batches")
         return dataclasses.replace(point, global_batch_size=global_batch, micro_batches=micro_batches, reject=why)
     local = global_batch // (d * micro_batches)
-    return dataclasses.replace(point, request=dataclasses.replace(point.request, local_batch_size=local),
+    runtime = dataclasses.replace(point.request.runtime, micro_batches=micro_batches)  # the estimate holds the sum
+    return dataclasses.replace(point, request=dataclasses.replace(point.request, local_batch_size=local,
+                                                                  runtime=runtime),
                                global_batch_size=global_batch, micro_batches=micro_batches, reject="")
 
 

@@ -71,8 +71,12 @@ def plan_and_estimate(world: int, kind: str, ac_modes: list[str]) -> tuple[dict,
     return plan.to_json(), {ac: e.to_json() for ac, e in est.items()}
 
 
-def measure(mesh, plan_json: dict, ac: str) -> dict:
-    """Train two steps (AdamW foreach, clipping, as the trainer does); the second is measured."""
+def measure(mesh, plan_json: dict, ac: str, micro_batches: int = 1) -> dict:
+    """Train two steps (AdamW foreach, clipping, as the trainer does); the second is measured.
+    `micro_batches` > 1: each step accumulates that many batches of the plan's shape, all but
+    the last under `no_gradient_sync` (as the trainer does)."""
+    import contextlib
+
     from parallel.auto.api import AutoParallel, lm_loss
     from parallel.auto.config import PlannerConfig
     from parallel.auto.plan import Plan
@@ -83,8 +87,9 @@ def measure(mesh, plan_json: dict, ac: str) -> dict:
     model, inputs = _model_and_inputs()
     with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, planner=PlannerConfig(hardware="cpu")) as autop:
         plan = Plan.from_json(plan_json)
-        pm = autop.apply_placement(plan, RuntimeOptions(ac_mode=ac))
-        est = autop.estimate_memory(plan, RuntimeOptions(ac_mode=ac)).to_json()  # on gloo: as the trainer's
+        options = RuntimeOptions(ac_mode=ac, micro_batches=micro_batches)
+        pm = autop.apply_placement(plan, options)
+        est = autop.estimate_memory(plan, options).to_json()  # on gloo: as the trainer's
     pm.to_empty(device="cpu")
     torch.manual_seed(0)
     pm.init_weights()
@@ -92,13 +97,15 @@ def measure(mesh, plan_json: dict, ac: str) -> dict:
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
     out = {}
     for step in range(2):
-        tok, lab = batch(model.args.vocab_size, step)
-        lt, ll = (local_shard(x, mesh, runner.input_placements(i)) for i, x in enumerate((tok, lab)))
+        micro = [[local_shard(x, mesh, runner.input_placements(i)) for i, x in
+                  enumerate(batch(model.args.vocab_size, step * micro_batches + k))] for k in range(micro_batches)]
         opt.zero_grad(set_to_none=True)
         base = state_bytes(pm, opt)
         with AllocatorPeak() as mem:
             with phase("forward_backward"):
-                loss = pm.forward_backward(lt, ll)
+                for k, (lt, ll) in enumerate(micro):
+                    with pm.no_gradient_sync() if k < micro_batches - 1 else contextlib.nullcontext():
+                        loss = pm.forward_backward(lt, ll, grad_scale=1.0 / micro_batches)
             with phase("clip"):
                 clip_grad_norm_(pm.parameters(), 1.0)
             with phase("optimizer"):
@@ -109,8 +116,9 @@ def measure(mesh, plan_json: dict, ac: str) -> dict:
     return out
 
 
-def worker(rank: int, world_size: int, jobs: list[tuple[dict, str]]) -> list[dict]:
+def worker(rank: int, world_size: int, jobs: list[tuple]) -> list[dict]:
+    """`jobs`: (plan JSON, AC mode[, micro-batches])."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-    return [measure(mesh, plan, ac) for plan, ac in jobs]
+    return [measure(mesh, *job) for job in jobs]

@@ -140,10 +140,10 @@ def test_a_call_of_another_layout_traces_its_own(traces, caplog):
         other = list(pending.key)
         other[-1] = (other[-1][0], (1, SEQ), (SEQ, 1), torch.long, "cpu")  # a layout it was not traced for
         with caplog.at_level(logging.INFO, logger="parallel.auto.runtime"):
-            assert pm._planned_step_graph(tuple(other), False, "default") is None
+            assert pm._planned_step_graph(tuple(other), True, False, "default") is None
         assert "traced for another input layout" in caplog.text
         assert pm.pending_step_graph is None and not pending.executable  # released, never run
-        assert pm._planned_step_graph(pending.key, False, "default") is None  # one chance only
+        assert pm._planned_step_graph(pending.key, True, False, "default") is None  # one chance only
 
 
 def test_fake_constants_are_found():
