@@ -75,7 +75,8 @@ class _Job:
 
         n = self.args.nproc
         preset, extra = PLANS[name]
-        flags = [*JOB, *(f.format(n=n, half=max(n // 2, 1)) for f in extra), "--training.steps", "3",
+        flags = [*JOB, *self.args.job_flags, *(f.format(n=n, half=max(n // 2, 1)) for f in extra),
+                 "--training.steps", "3",
                  "--job.dump_folder", self.tmp, "--job.name", name]
         return Trainer(load_config(self.args.config, flags, world_size=n), plan_constraints=_constraints(preset))
 
@@ -97,7 +98,10 @@ class _Job:
             tr.train_step(inputs, labels)
         m = mem.result
         est = tr.model.plan.memory
-        row = {"plan": name, "rank": dist.get_rank(), "base": base, "step_peak": m.peak_bytes,
+        t_args = tr.cfg.training
+        dims = ", ".join(f"{k} {v}" for k, v in tr.cfg.model.arg_overrides().items())
+        job = f"{tr.cfg.model.flavor} ({dims}), seq {t_args.seq_len}, local batch {t_args.local_batch_size}"
+        row = {"plan": name, "rank": dist.get_rank(), "base": base, "step_peak": m.peak_bytes, "job": job,
                "measured": base + m.peak_bytes, "phase": m.phase, "op": m.op, "events": m.events,
                "rss_growth": (m.rss_peak - m.rss_start) if m.rss_peak else None, "rss_peak": m.rss_peak,
                "estimate": est.peak_bytes if est is not None else None,
@@ -143,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated, of {', '.join(PLANS)}")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--json", default="", help="also write the rows to this file")
+    p.add_argument("--job", default="", help="more job flags, after the default job's (e.g. '--model.dim 1024 "
+                   "--training.local_batch_size 1': a job whose peak falls in the backward)")
     args = p.parse_args(argv)
+    args.job_flags = args.job.split()
     args.plans = [x for x in args.plans.split(",") if x]
     bad = [x for x in args.plans if x not in PLANS]
     if bad:
@@ -155,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     rows = run_on_ranks(_Job(args), args.nproc, threads=args.threads)
-    print(f"\n{args.config}: 4 layers, seq 512, local batch 4, fp32, AdamW; {args.nproc} gloo ranks; measured "
-          f"step 2 of each plan ({time.perf_counter() - t0:.0f}s in all)")
+    print(f"\n{args.config} {' '.join(args.job_flags)}: {rows[0]['job']}, fp32, AdamW; {args.nproc} gloo ranks; "
+          f"measured step 2 of each plan ({time.perf_counter() - t0:.0f}s in all)")
     _print(rows, args)
     if args.json:
         with open(args.json, "w") as f:

@@ -46,6 +46,16 @@ def test_liveness_walk_counts_what_is_alive_at_each_op():
     assert est.transient_bytes == MB  # c
     big = step_graph_memory(gm, n_inputs=1, n_outputs=1, state_bytes=0, optimizer_bytes=0, optimizer_temp=4 * MB)
     assert (big.phase, big.grads_bytes, big.transient_bytes, big.peak_bytes) == ("optimizer", MB, 4 * MB, 5 * MB)
+    # gradient accumulation (the graph has no reductions): the earlier micro-batches' sum (as large as
+    # this graph's gradients, 1 MiB) is alive through the whole graph, then reduced into 0.25 MiB
+    acc = step_graph_memory(gm, n_inputs=1, n_outputs=1, state_bytes=4 * n, optimizer_bytes=8 * n,
+                            optimizer_temp=optimizer_temp_bytes([n]), reduced_grad_bytes=n)
+    assert acc.peak_bytes == est.peak_bytes + MB and (acc.grads_bytes, acc.phase) == (2 * MB, "backward")
+    assert acc.all_grads_bytes == n  # what the optimizer step sees: the reduced gradients
+    # a sum larger than the graph's own peak: the reduction (sum + reduced gradients) is the peak
+    red = step_graph_memory(gm, n_inputs=1, n_outputs=1, state_bytes=0, optimizer_bytes=0, optimizer_temp=0,
+                            reduced_grad_bytes=8 * MB)
+    assert (red.phase, red.grads_bytes, red.peak_bytes) == ("gradient reduction", 9 * MB, 9 * MB)
     assert optimizer_temp_bytes([4, 8], "for-loop") == 16
     with pytest.raises(ValueError, match="for-loop"):
         optimizer_temp_bytes([4], "sgd")
