@@ -92,8 +92,9 @@ class Parallelizer:
         into it, or None when it is the same model, how it was made)."""
         return model, None, "same model (manual mode: the recipes do not depend on the sequence length)"
 
-    def step_time_report(self, model: torch.nn.Module, measured_s: float) -> Optional[str]:
-        """A line comparing the measured step time with the mode's prediction (None: none)."""
+    def step_time_report(self, model: torch.nn.Module, measured_s: float, micro_batches: int = 1) -> Optional[str]:
+        """A line comparing the measured step time (of `micro_batches` forward/backward passes)
+        with the mode's prediction (None: none)."""
         return None
 
     def run_report(self, model: torch.nn.Module) -> Optional[str]:
@@ -233,12 +234,15 @@ class Planner(Parallelizer):
         new.train(model.training)
         return new, moved, self.origin
 
-    def step_time_report(self, model: torch.nn.Module, measured_s: float) -> Optional[str]:
+    def step_time_report(self, model: torch.nn.Module, measured_s: float, micro_batches: int = 1) -> Optional[str]:
         if not is_parallel_module(model):
             return None
         pred = model.predict_step()
-        return (f"predicted {pred.step_us / 1e3:,.1f} ms by the cost model ({model.plan_cost_model.hw.name}; "
-                f"{pred.summary()}); measured / predicted = {measured_s * 1e6 / pred.step_us:.2f}")
+        step_us = pred.step_us * micro_batches
+        per = (f"{micro_batches} micro-batches x {pred.step_us / 1e3:,.1f} ms of the step graph without gradient "
+               "reductions (the step's one reduction is not priced); " if micro_batches > 1 else "")
+        return (f"predicted {step_us / 1e3:,.1f} ms by the cost model ({model.plan_cost_model.hw.name}; {per}"
+                f"{pred.summary()}); measured / predicted = {measured_s * 1e6 / step_us:.2f}")
 
     def run_report(self, model: torch.nn.Module) -> Optional[str]:
         if not is_parallel_module(model):

@@ -369,7 +369,7 @@ class Trainer:
             return
         times = self._step_times[warmup:] or self._step_times[-1:]
         measured = self.reduce_mean(statistics.median(times))
-        report = self.parallelizer.step_time_report(self.model, measured)
+        report = self.parallelizer.step_time_report(self.model, measured, self.micro_batches)
         if report is not None and self.rank == 0:
             logger.info(f"step time: measured {measured * 1e3:,.1f} ms (median of {len(times)} steps after the "
                         f"warm-up), {report}")
