@@ -542,3 +542,35 @@ def quiet_sequential_redistribute_warnings() -> None:
     lg = logging.getLogger(_REDISTRIBUTE_LOGGER)
     if not any(isinstance(f, _SequentialRedistributeNote) for f in lg.filters):
         lg.addFilter(_SequentialRedistributeNote())
+
+
+def cpu_allocator_report_flag() -> Any | None:
+    """libc10's `FLAGS_caffe2_report_cpu_memory_usage` as a ctypes bool (None where this build
+    does not export it): on, the CPU allocator keeps its own running total over every thread's
+    allocations and frees and hands it to the profiler with each memory event."""
+    import ctypes
+    from pathlib import Path
+
+    try:
+        lib = next((Path(torch.__file__).parent / "lib").glob("libc10.*"))
+        return ctypes.c_bool.in_dll(ctypes.CDLL(str(lib)), "FLAGS_caffe2_report_cpu_memory_usage")
+    except (OSError, ValueError, StopIteration):
+        return None
+
+
+def profiler_allocations(prof: Any, device: str) -> list[tuple[int, int, int]]:
+    """(time ns, bytes (negative: a free), the allocator's total after it) of a finished
+    `torch.profiler.profile(profile_memory=True)`'s allocation events on `device`, in time
+    order (from the profiler's event tree, whose allocation records carry the total)."""
+    from torch._C._profiler import _EventType
+
+    out, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        if e.tag == _EventType.Allocation:
+            f = e.extra_fields
+            if f.device.type == device:
+                out.append((e.start_time_ns, f.alloc_size, f.total_allocated))
+        else:
+            todo.extend(e.children)
+    return sorted(out)

@@ -13,12 +13,21 @@ of the planner's memory estimate.
 FX graph a `MemoryTracker` sees, so the tracker shares its blind spots (kernel scratch,
 collective buffers, allocations outside dispatched ops); the allocator does not.
 On CPU torch 2.13 has no allocator statistic of its own (`torch.cpu` offers no
-`max_memory_allocated`; the C10 flag `caffe2_report_cpu_memory_usage` only logs), but the
+`max_memory_allocated`; the C10 flag `caffe2_report_cpu_memory_usage` alone only logs), but the
 CPU allocator reports every allocation and free to the profiler when `profile_memory=True`:
 the `[memory]` events (bytes, time, thread), from which the running total and its peak are
 rebuilt here. Frees of blocks allocated before the window are not reported (the allocator
 does not know their size), so the figure is the peak of bytes allocated inside the window
-above what was alive at its start. On CUDA the caching allocator's own
+above what was alive at its start. The reporting is per thread, though: a thread the
+profiler does not follow frees unseen, and gloo's worker threads often let go of a
+collective's buffers last (an all-gather's input, a reduce-scatter's copy of its input),
+after the part of their work the profiler follows: 3-5 of 40 all-gather + reduce-scatter
+pairs on 2 gloo ranks left a block counted alive to the window's end, and the events'
+running sum put the same HF GPT-2 step (scripts/bench_foreign_memory.py) at 195-219 MiB.
+So the window also turns on libc10's flag `caffe2_report_cpu_memory_usage` (ctypes):
+with it the CPU allocator keeps its own total over every thread's allocations and frees,
+each reported event carries it, and that total is the figure (195.0 MiB every step; where
+the flag cannot be found, the events' running sum is). On CUDA the caching allocator's own
 `max_memory_allocated` (after `reset_peak_memory_stats`) is the figure; the profiler still
 locates the peak. The phase of the peak is the innermost `phase(...)` range around it
 (the trainer marks its step: forward_backward, clip, optimizer); inside forward_backward,
@@ -123,6 +132,9 @@ class AllocatorPeak:
             torch.cuda.reset_peak_memory_stats()
             self._cuda_start = torch.cuda.memory_allocated()
             acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self._flag = T.cpu_allocator_report_flag() if self.device == "cpu" else None
+        if self._flag is not None:
+            self._flag_was, self._flag.value = self._flag.value, True
         self._prof = torch.profiler.profile(activities=acts, profile_memory=True)
         self._prof.__enter__()
         return self
@@ -131,11 +143,14 @@ class AllocatorPeak:
         if self.device == "cuda":
             torch.cuda.synchronize()
         self._prof.__exit__(*exc)
+        if self._flag is not None:
+            self._flag.value = self._flag_was
         rss_end = rss_bytes()
         events = self._prof.profiler.kineto_results.events()
-        peak, end, at, count = _running_peak(events, self.device)
+        allocs = T.profiler_allocations(self._prof, self.device)
+        peak, end, at, count = _running_peak(allocs, own_total=self._flag is not None)
         p_phase, op = _locate(events, at) if at is not None else ("", "")
-        source = "profiler [memory] events of the CPU allocator"
+        source = "profiler [memory] events of the CPU allocator" + (", its own total" if self._flag is not None else "")
         if self.device == "cuda":
             peak = torch.cuda.max_memory_allocated() - self._cuda_start
             end = torch.cuda.memory_allocated() - self._cuda_start
@@ -146,17 +161,17 @@ class AllocatorPeak:
             events=count)
 
 
-def _running_peak(events: list, device: str) -> tuple[int, int, int | None, int]:
-    """(peak of the running total, its end value, the time of the peak's allocation, count)
-    of the window's allocator events on `device`."""
-    mem = sorted((e for e in events if e.name() == "[memory]" and e.device_type().name == device.upper()),
-                 key=lambda e: e.start_ns())
+def _running_peak(allocs: list[tuple[int, int, int]], own_total: bool) -> tuple[int, int, int | None, int]:
+    """(peak of the bytes alive above the window's start, its end value, the time of the
+    peak's allocation, count) of `T.profiler_allocations`: by the allocator's own total (`own_total`:
+    every thread's frees in it) or by the events' running sum."""
+    base = allocs[0][2] - allocs[0][1] if allocs else 0
     total, peak, at = 0, 0, None
-    for e in mem:
-        total += e.nbytes()
+    for t, nbytes, after in allocs:
+        total = after - base if own_total else total + nbytes
         if total > peak:
-            peak, at = total, e.start_ns()
-    return peak, total, at, len(mem)
+            peak, at = total, t
+    return peak, total, at, len(allocs)
 
 
 def _locate(events: list, t: int) -> tuple[str, str]:

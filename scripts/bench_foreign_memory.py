@@ -5,9 +5,11 @@ T5: an encoder-decoder), planned through the API (`AutoParallel`) with the defau
 settings. Two tables:
 
   * `--table measured`: scaled-down models of the same structure on 2 gloo ranks; each
-    plan's estimate (parallel/auto/runtime/memory.py) next to the peak the CPU allocator
-    reports (torch.profiler memory events: every allocation and free of the step, summed
-    in time order, on top of the bytes alive before it), and the resident set;
+    plan's estimate (parallel/auto/runtime/memory.py), made on the gloo ranks as the
+    trainer's (the planner's own, in its fake world, beside it: that one plans for NCCL,
+    without gloo's all-gather staging), next to the peak the CPU allocator reports
+    (parallel.measure.AllocatorPeak: the allocator's total over the step, every thread's
+    allocations and frees, on top of the bytes alive before it), and the resident set;
   * `--table big`: GPT-2/GPT-NeoX/T5 shapes of 1.4-7B parameters at batch 16 x 1,024 on 8
     fake ranks (h100 profile, default limit): the estimate's parts, or the planner's
     MemoryLimitError.
@@ -142,45 +144,21 @@ def plan_and_estimate(name: str, world: int, global_batch: int, seq: int, hardwa
 
 
 # ---------------------------------------------------------------- allocator measurement
-def _state_bytes(pm: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Bytes of the storages alive between steps: parameter shards, buffers, optimizer states."""
-    from torch.distributed.tensor import DTensor
-
-    from parallel import _torch as T
-
-    seen: dict[int, int] = {}
-    tensors = [p.to_local() if isinstance(p, DTensor) else p for p in pm.parameters()] + list(pm.buffers())
-    for state in opt.state.values():
-        tensors += [v.to_local() if isinstance(v, DTensor) else v for v in state.values() if torch.is_tensor(v)]
-    for t in tensors:
-        seen[T.storage_id(t)] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
-def allocator_peak(fn: Any) -> tuple[int, Any]:
-    """(peak bytes allocated above the start, fn's result) while `fn()` runs, from the CPU
-    allocator's own events (torch.profiler, profile_memory): every allocation and free."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.nbytes())
-    cur = peak = 0
-    for _, b in events:
-        cur += b
-        peak = max(peak, cur)
-    return peak, out
-
-
 def _measure(mesh: Any, name: str, plan_json: dict) -> dict:
-    """Two training steps (AdamW foreach) of `plan_json`; the second's peak is measured."""
+    """Two training steps (AdamW foreach) of `plan_json`; the second's peak is measured
+    (AllocatorPeak: gloo's worker threads' frees counted too), next to the plan's estimate
+    made here, on the gloo ranks, as the trainer's rank 0 makes it: the parent's fake world
+    plans for NCCL, whose all-gathers stage nothing (GPT-2 12.0 and T5 15.7 MiB short)."""
     from parallel.auto.api import AutoParallel
     from parallel.auto.plan import Plan
     from parallel.auto.runtime import local_shard
+    from parallel.measure import AllocatorPeak, phase, state_bytes
 
     ins = batch(name, SMALL_BATCH, SMALL_SEQ)
     with AutoParallel(build(name), ins, mesh, loss_fn=loss_of(name)) as autop:
-        pm = autop.apply_placement(Plan.from_json(plan_json))
+        plan = Plan.from_json(plan_json)
+        pm = autop.apply_placement(plan)
+        est = autop.estimate_memory(plan).to_json()
     pm.to_empty(device="cpu")
     with torch.no_grad():
         for p in pm.parameters():
@@ -192,16 +170,15 @@ def _measure(mesh: Any, name: str, plan_json: dict) -> dict:
         xs = [local_shard(x, mesh, runner.input_placements(i)) for i, x in enumerate(batch(name, SMALL_BATCH,
                                                                                             SMALL_SEQ, step))]
         opt.zero_grad(set_to_none=True)
-        base = _state_bytes(pm, opt)
-
-        def step_fn() -> float:
-            loss = pm.forward_backward(*xs)
-            opt.step()
-            return loss.item()
-
-        peak, loss = allocator_peak(step_fn)
-        out = {"base": base, "step_peak": peak, "peak": base + peak, "loss": loss,
-               "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        base = state_bytes(pm, opt)
+        with AllocatorPeak() as mem:
+            with phase("forward_backward"):
+                loss = pm.forward_backward(*xs)
+            with phase("optimizer"):
+                opt.step()
+        m = mem.result
+        out = {"base": base, "step_peak": m.peak_bytes, "peak": base + m.peak_bytes, "phase": m.phase, "op": m.op,
+               "loss": loss.item(), "estimate": est, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     return out
 
 
@@ -263,15 +240,15 @@ def table_measured(names: list[str], kinds: list[str], world: int) -> None:
     meas = measure_on_ranks(jobs, world)
     print(f"\n{world} gloo ranks, global batch {SMALL_BATCH} x {SMALL_SEQ}, AdamW foreach; MiB per rank (rank 0)\n")
     print("| model | plan | estimate | est. phase | est. parts (params/grads/opt/act/transient) | allocator peak "
-          "| error | RSS |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| peak phase (op) | error | planned (fake world) | RSS |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (name, kind, r), m in zip(rows, meas):
-        e = r["estimate"]
+        e = m["estimate"]  # made on the gloo ranks; the planner's, in the fake world, beside it
         parts = "/".join(_mib(e[k]) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
                                                "transient_bytes"))
         err = e["peak_bytes"] / m["peak"] - 1
         print(f"| {name} | {kind} | {_mib(e['peak_bytes'])} | {e['phase']} | {parts} | {_mib(m['peak'])} | "
-              f"{err:+.1%} | {_mib(m['rss'])} |")
+              f"{m['phase']} ({m['op']}) | {err:+.1%} | {_mib(r['estimate']['peak_bytes'])} | {_mib(m['rss'])} |")
 
 
 def table_big(names: list[str], hardware: str | None, ac_mode: str) -> None:
