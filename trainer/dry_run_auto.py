@@ -19,6 +19,7 @@ job's device; and kernels (nothing runs: Inductor is not invoked).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from models import build_model
 from parallel import _torch as T
 from parallel.auto.cost.memory import format_bytes
 from parallel.auto.regions import load_balanced_batch
+from parallel.auto.request import data_degree
 from parallel.auto.runtime.device import off_device
 from parallel.auto.runtime.local_graphs import LocalGraphs
 from parallel.auto.runtime.schedule import COLLECTIVE_NAMESPACE
@@ -141,10 +143,16 @@ def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
         report.memory = (f"{format_bytes(plan.memory.peak_bytes)} per device in the {plan.memory.phase} "
                          f"({plan.memory.parts()}); limit {format_bytes(plan.memory.limit_bytes)} "
                          f"({plan.memory.limit_source})" if plan.memory is not None else "not estimated")
+        micro = cfg.training.micro_batches(data_degree(mesh))
+        if micro > 1:
+            report.notes.append(f"{micro} micro-batches a step: the step graph below runs once per micro-batch, "
+                                "without gradient reductions; their sum is reduced once per step")
         with fake_mode, torch.no_grad():
             inputs = [x.to(device) for x in host_inputs]  # the trainer's `.to(device)` of each batch
             report.tokens = (inputs[0].shape[0], inputs[0].shape[1])
-            pm.forward_backward(*inputs)
+            with pm.no_gradient_sync() if micro > 1 else contextlib.nullcontext():  # the graph the steps run
+                pm.forward_backward(*inputs)
+            pm.discard_unreduced_grads()
             runner = pm.plan_runner
             local = LocalGraphs(runner, *pm.planned_arguments(*inputs))  # what `model(...)` runs
         sg = next(iter(pm.step_graphs.values()))

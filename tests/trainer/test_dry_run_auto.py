@@ -95,3 +95,18 @@ def test_fake_cuda_without_a_compiler_is_one_config_error(monkeypatch):
     with pytest.raises(ConfigError, match=r"'job.device' = 'auto': a dry run on fake CUDA tensors needs a C\+\+ "
                                           r"compiler.*--job.device cpu"):
         dry_run_auto(_cfg("llama3_debug_auto", 2), 2)
+
+
+@pytest.mark.slow
+def test_dry_run_with_micro_batches_runs_the_graph_without_gradient_reductions():
+    """`global_batch_size` over 2 micro-batches: the dry run builds the step graph the steps run
+    (no gradient reductions: their sum is reduced once per step), says so, and its predicted
+    peak holds that sum on top of the one-micro-batch job's."""
+    one = dry_run_auto(_cfg("llama3_debug_auto", 2), 2)
+    two = dry_run_auto(_cfg("llama3_debug_auto", 2, "--training.global_batch_size", "8"), 2)
+    print(format_auto_report(two))
+    reductions = lambda r: {k for k in r.collectives if "reduce" in k[0]}  # noqa: E731
+    assert reductions(one) and not reductions(two), (one.collectives, two.collectives)
+    assert any("2 micro-batches a step" in n for n in two.notes)
+    peak = lambda r: float(re.search(r"^([\d.]+) (MiB|GiB)", r.memory).group(1))  # noqa: E731
+    assert peak(two) > peak(one), (one.memory, two.memory)
