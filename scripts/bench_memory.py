@@ -4,16 +4,19 @@
     python scripts/bench_memory.py --nproc 4 --plans ddp,fsdp,tp   # some plans on 4 ranks
     python scripts/bench_memory.py --nproc 2 --plans auto_compiled # the compiled step (reported apart)
 
-The job: debug LLaMA 3 (4 layers, dim 256, vocab 256), seq 512, local batch 4, fp32, AdamW
-(foreach), auto mode, one Trainer per plan: DDP-, FSDP- and TP-like (parallel/auto/presets.py),
-the planner's free choice, each of FSDP and free with full activation checkpointing, and a
-cp axis of 2. Each rank trains one warm-up step (the step graph is built, AdamW's states
-appear), then one measured step (`Trainer.train_step`: zero_grad, forward, loss, backward,
-clipping, AdamW) under `parallel.measure.AllocatorPeak`: the CPU allocator's every
-allocation and free as the profiler's memory events, their running total's peak, the
-phase (the trainer's step markers) and the op at the peak. Measured peak = the bytes alive
-when the step begins that the estimate counts as state (parameter shards, buffers, AdamW
-states: `parallel.measure.state_bytes`; the previous gradients are freed at the step's
+The job: debug LLaMA 3 (4 layers, dim 1024, vocab 256), seq 512, local batch 1, fp32, AdamW
+(foreach), auto mode: a job whose peak falls in the backward for the FSDP-like, free, AC and
+CP plans (the replicated states of DDP and TP put theirs in the optimizer step; at dim 256
+and local batch 4 every plan without AC peaked at the loss). One Trainer per plan: DDP-,
+FSDP- and TP-like (parallel/auto/presets.py), the planner's free choice, each of FSDP and
+free with full activation checkpointing, and a cp axis of 2. Each rank trains one warm-up
+step (the step graph is built, AdamW's states appear), then one measured step
+(`Trainer.train_step`: zero_grad, forward, loss, backward, clipping, AdamW) under
+`parallel.measure.AllocatorPeak`: the CPU allocator's own running total over every thread's
+allocations and frees (gloo's worker threads included), its peak, the phase (the trainer's
+step markers) and the op at the peak. Measured peak = the bytes alive when the step begins
+that the estimate counts as state (parameter shards, buffers, AdamW states:
+`parallel.measure.state_bytes`; the previous gradients are freed at the step's
 zero_grad) + the allocator's peak inside the step. The estimate is the plan's own
 (`plan.memory`, made by the planner for the job's runtime options; rank 0's shards).
 RSS: the kernel's peak resident set during the step (VmHWM, reset at the step's start)
@@ -30,7 +33,8 @@ import time
 
 from bench_common import run_on_ranks, temp_folder
 
-JOB = ["--model.n_layers", "4", "--training.seq_len", "512", "--training.local_batch_size", "4",
+JOB = ["--model.n_layers", "4", "--model.dim", "1024", "--training.seq_len", "512",
+       "--training.local_batch_size", "1",
        "--training.mixed_precision_param", "float32", "--parallelism.mode", "auto",
        "--parallelism.hardware", "cpu", "--parallelism.time_limit", "60", "--checkpoint.enable", "false",
        "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "100000", "--metrics.hardware", "cpu",
