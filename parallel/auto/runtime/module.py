@@ -114,6 +114,8 @@ class ParallelModuleMixin:
             blocs = [b.to_local() if isinstance(b, DTensor) else b for b in buffers]
             outs, grads = sg(plocs, blocs, [x.to_local() for x in dts])
             if unreduced:
+                if sg.compiled:  # a CUDA-graph replay (compile modes reduce-overhead, max-autotune) reuses its
+                    grads = [g.clone() for g in grads]  # output buffers: the sum must not be one of them
                 self._accumulate_unreduced(sg.grads_as_dtensors(grads), grad_scale)
                 grads.clear()  # added to the sum: freed before the reduction allocates its results
                 grad_values = None if self.grad_sync_deferred else self._reduce_accumulated(params)
@@ -305,6 +307,10 @@ class _FallbackOnCompileError:
             module.step_graphs.clear()
             self.sg = module._step_graph(*self.args)
             return self.sg(*locals_)
+
+    @property
+    def compiled(self) -> bool:
+        return self.sg.compiled
 
     def grads_as_dtensors(self, grad_locals: list) -> list:
         return self.sg.grads_as_dtensors(grad_locals)
