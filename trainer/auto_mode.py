@@ -100,7 +100,8 @@ def runtime_options(job_config: JobConfig) -> RuntimeOptions:
     ac, par, t = job_config.activation_checkpoint, job_config.parallelism, job_config.training
     return RuntimeOptions(ac_mode=ac.mode, ac_option=ac.selective_ac_option,
                           reshard_after_forward=par.reshard_after_forward,
-                          overlap=par.overlap, compile=t.compile, compile_fallback=t.compile_fallback,
+                          overlap=par.overlap, reduce_bucket_bytes=int(par.reduce_bucket_mb * 2**20),
+                          compile=t.compile, compile_fallback=t.compile_fallback,
                           compile_mode=t.compile_mode)
 
 

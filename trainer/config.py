@@ -167,6 +167,9 @@ class Parallelism:
     # both modes: gather parameters again in the backward (FSDP's default, less memory)
     reshard_after_forward: bool = True
     overlap: bool = True  # auto mode: collectives start early and are waited for at first use
+    # auto mode: gradient buckets of consecutive blocks are joined until one holds this many MiB
+    # (DDP's bucket_cap_mb rule and default); 0: one reduction bucket per block
+    reduce_bucket_mb: float = 25.0
     # auto mode, when the input shape changes (training.seq_len_schedule): "fresh" solves for the new shape
     # (or takes the plan solved for it earlier in the job); "replay" keeps the current plan's placements
     replan: str = "fresh"

@@ -97,6 +97,9 @@ def _validate_ranges(cfg: JobConfig) -> None:
         raise _err(cfg, "activation_checkpoint", e.key, e.fix) from None
     if t.skip_nonfinite_steps < 0:
         raise _err(cfg, "training", "skip_nonfinite_steps", "must be >= 0 (0: stop at the first non-finite step)")
+    if not cfg.parallelism.reduce_bucket_mb >= 0:
+        raise _err(cfg, "parallelism", "reduce_bucket_mb", "must be >= 0 MiB (0: one gradient bucket per block; "
+                   "DDP's default is 25)")
     if not cfg.comm.timeout_s > 0:
         raise _err(cfg, "comm", "timeout_s", "must be > 0 seconds")
     if cfg.data.num_workers < 0:

@@ -17,6 +17,9 @@ class RuntimeOptions:
         memory) instead of keeping the forward's gathered copies;
     bucket: one flat collective per block and placement group for parameter gathers and
         gradient reductions (instead of one per tensor);
+    reduce_bucket_bytes: gradient buckets of consecutive blocks are joined until one holds
+        this many bytes (DDP's `bucket_cap_mb` rule, the same 25 MiB default; 0: one bucket
+        per block): blocks smaller than that share a collective;
     overlap: start collectives early and wait for them at first use (step graph);
     compile / compile_fallback / compile_mode: Inductor-compile the step graph (mode as
         torch.compile's: "default", "max-autotune" benchmarks GEMM kernels); on a compile
@@ -34,6 +37,7 @@ class RuntimeOptions:
     ac_option: str = "op"
     reshard_after_forward: bool = True
     bucket: bool = True
+    reduce_bucket_bytes: int = 25 * 2**20
     overlap: bool = True
     compile: bool = False
     compile_fallback: bool = False
@@ -44,6 +48,8 @@ class RuntimeOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise ValueError(f"micro_batches {self.micro_batches!r}: use a whole number >= 1")
+        if not isinstance(self.reduce_bucket_bytes, int) or self.reduce_bucket_bytes < 0:
+            raise ValueError(f"reduce_bucket_bytes {self.reduce_bucket_bytes!r}: use a whole number of bytes >= 0")
         if self.ac_mode not in AC_MODES:
             raise ValueError(f"activation checkpointing mode {self.ac_mode!r}: use one of {', '.join(AC_MODES)}")
         opt = str(self.ac_option)

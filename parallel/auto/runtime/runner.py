@@ -120,6 +120,34 @@ def block_indices(graph: JointGraph) -> dict[str, int]:
     return out
 
 
+def merge_small_buckets(pending: dict[tuple, list[tuple[int, tuple]]], grads: list[Any],
+                        cap_bytes: int) -> list[tuple[tuple, list[tuple[int, tuple]]]]:
+    """Per-block gradient buckets ((block, key, dtype) -> members, in forward order) joined,
+    in the order the backward produces them (last block first), with the following blocks'
+    buckets of the same (key, dtype) until a bucket holds `cap_bytes` of gradients (local
+    bytes): DDP's rule (`bucket_cap_mb`). Large blocks keep a bucket each (a transformer
+    layer of a real model is far above the cap); small models pay the fixed cost of a
+    collective once per few blocks instead of once per block. 0: one bucket per block."""
+    merged: list[tuple[tuple, list[tuple[int, tuple]]]] = []
+    open_bucket: dict[tuple, tuple[list, int]] = {}  # (key, dtype) -> (members, bytes)
+    for (_, key, dtype), members in reversed(pending.items()):
+        group = (key, dtype)
+        held, size = open_bucket.pop(group, ([], 0))
+        held = members + held  # forward order inside a bucket, as one block's
+        size += sum(_local_bytes(grads[i]) for i, _ in members)
+        if size >= cap_bytes:
+            merged.append((group, held))
+        else:
+            open_bucket[group] = (held, size)
+    merged.extend((g, held) for g, (held, _) in open_bucket.items())
+    return merged
+
+
+def _local_bytes(v: Any) -> int:
+    local = v.to_local() if isinstance(v, DTensor) else v
+    return local.numel() * local.element_size()
+
+
 def _deferred_layout_ops(bwd: fx.GraphModule, grad_nodes: set[str]) -> set[str]:
     """Layout-only ops between a weight-gradient matmul and its gradient output: they run on
     the Partial value and the gradient is reduced once, bucketed (sum commutes with them)."""
@@ -198,6 +226,7 @@ class PlanRunner:
             place_on_device(gm, self.device, graph.traced_device)
         self.saved_names = [a.name for a in self.fwd_gm.graph.output_node().args[0][len(self.out_slots):]]
         bucket = self.bucket = options.bucket
+        self.reduce_bucket_bytes = options.reduce_bucket_bytes
         self.reshard_after_forward = options.reshard_after_forward
         grad_nodes = {s.node.name for s in self.grad_slots.values() if s.node is not None}
         self.gather_params = _replicated_param_uses(graph, self.spec) if bucket else []
@@ -333,7 +362,8 @@ class PlanRunner:
                 v = self.to_placements(v, dst)
             grads.append(v)
         calls = CallReplay(self.mesh) if self.replay_blocks else None  # each block's bucket traced once
-        for (_, key, dtype), members in pending.items():  # one collective per bucket and mesh axis
+        for (key, dtype), members in merge_small_buckets(pending, grads, self.reduce_bucket_bytes):
+            # one collective per bucket and mesh axis
             self.stats["bucketed_grad_reductions"] += 1
             idx = [i for i, _ in members]
             items, dsts = [grads[i] for i in idx], [d for _, d in members]

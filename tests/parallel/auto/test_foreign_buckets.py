@@ -1,7 +1,9 @@
 """A model nobody here wrote (a `transformers` T5: encoder and decoder stacks whose blocks
 share their indices) planned fully sharded on a fake world: every gradient reduction
 bucket holds ONE repeated block (encoder block i and decoder block i never share one),
-and each reduction is waited for once the next has started, not at the end of the step."""
+and each reduction is waited for once the next has started, not at the end of the step. With
+a bucket cap (DDP's rule) blocks smaller than the cap share a reduction: consecutive ones in
+the order the backward produces them, each closed bucket holding at least the cap."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from parallel import _torch as T
 tf = pytest.importorskip("transformers")
 
 _WORLD, _B, _S = 2, 4, 16
+_CAP = 60_000  # bytes: about two of this T5's blocks (encoder ~34 kB of fp32 gradients, decoder ~51 kB)
 _CHEAP = {"view", "_unsafe_view", "reshape", "slice", "split", "split_with_sizes", "_to_copy", "alias", "detach",
           "clone", "contiguous", "t", "permute", "unflatten", "flatten", "narrow", "select", "squeeze", "unsqueeze"}
 
@@ -60,6 +63,7 @@ def step_graph():
     from parallel.auto.api import AutoParallel, fake_world
     from parallel.auto.config import PlannerConfig
     from parallel.auto.runtime.memory import _fake_dtensor
+    from parallel.auto.runtime.options import RuntimeOptions
     from parallel.auto.runtime.runner import PlanRunner
     from parallel.auto.runtime.step_graph import StepGraph
 
@@ -71,7 +75,9 @@ def step_graph():
             autop.add_input_constraints([(Shard(0),)] * 3)
             presets.fsdp(autop)  # fully sharded, gathered for compute: every gradient is reduce-scattered
             plan = autop.optimize_placement(verbose=False)
-            jg, runner = autop.graph, PlanRunner(autop.graph, autop.candidates, plan, mesh)
+            # one bucket per block (the cap off); the default 25 MiB cap would join this tiny model's blocks
+            jg = autop.graph
+            runner = PlanRunner(jg, autop.candidates, plan, mesh, options=RuntimeOptions(reduce_bucket_bytes=0))
             with T.FakeTensorMode(allow_non_fake_inputs=True):
                 params = [_fake_dtensor(jg.params[f].meta["val"], runner.param_placements(f), mesh)
                           for f in runner.param_names]
@@ -79,14 +85,16 @@ def step_graph():
                 inputs = [_fake_dtensor(n.meta["val"], runner.input_placements(i), mesh)
                           for i, n in enumerate(runner.input_nodes)]
                 sg = StepGraph(runner, params, buffers, inputs, executable=False)
+                capped = PlanRunner(jg, autop.candidates, plan, mesh, options=RuntimeOptions(reduce_bucket_bytes=_CAP))
+                joined = StepGraph(capped, params, buffers, inputs, executable=False)
             names = [f for f, has in zip(runner.param_names, sg.has_grad) if has]
-    return sg, names
+    return sg, names, joined
 
 
 def test_t5_gradient_buckets_follow_repeated_blocks(step_graph):
     from parallel.auto.trace import layer_prefix
 
-    sg, names = step_graph
+    sg, names, _ = step_graph
     outs = sg.gm.graph.output_node().args[0][len(sg.out_specs):]
     assert len(outs) == len(names)
     bucket: dict[fx.Node, set[str]] = {}
@@ -103,7 +111,7 @@ def test_t5_gradient_buckets_follow_repeated_blocks(step_graph):
 
 
 def test_gradient_reductions_are_waited_for_one_bucket_behind(step_graph):
-    sg, _ = step_graph
+    sg, _, _ = step_graph
     nodes = list(sg.gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     outs = sg.gm.graph.output_node().args[0][len(sg.out_specs):]
@@ -113,3 +121,27 @@ def test_gradient_reductions_are_waited_for_one_bucket_behind(step_graph):
     for k in range(len(reductions) - 2):  # at most two reductions in flight
         assert pos[waits[k]] < pos[reductions[k + 2]], (reductions[k].name, waits[k].name)
     assert sg.overlap.reductions_bounded >= len(reductions) - 2
+
+
+def _buckets(sg, names: list[str]) -> dict[fx.Node, list[str]]:
+    outs = sg.gm.graph.output_node().args[0][len(sg.out_specs):]
+    bucket: dict[fx.Node, list[str]] = {}
+    for fqn, out in zip(names, outs):
+        c = _reduction_of(out)
+        if c is not None:
+            bucket.setdefault(c, []).append(fqn)
+    return bucket
+
+
+def test_a_bucket_cap_joins_consecutive_blocks_until_the_cap(step_graph):
+    sg, names, joined = step_graph
+    per_block, capped = _buckets(sg, names), _buckets(joined, names)
+    assert len(capped) < len(per_block)  # fewer collectives
+    block_of = {f: i for i, members in enumerate(per_block.values()) for f in members}  # in the graph's order
+    for members in capped.values():
+        blocks = sorted({block_of[f] for f in members})
+        # the per-block buckets it joins: whole ones (every member of each), next to each other
+        assert sum(len(list(per_block.values())[b]) for b in blocks) == len(members)
+        assert blocks == list(range(blocks[0], blocks[-1] + 1)), blocks
+    sizes = [c.args[0].meta["val"].numel() * c.args[0].meta["val"].element_size() for c in capped]  # the flat buffer
+    assert sum(s >= _CAP for s in sizes) >= len(sizes) - 2  # only the last bucket of each group may stay short

@@ -64,8 +64,9 @@ def _ops(gm: torch.fx.GraphModule, name: str) -> list[torch.fx.Node]:
 
 def test_overlap_prefetches_gathers_and_defers_waits(fsdp_plan):
     with fake_world(2):
-        plain, _ = _step_graph(fsdp_plan, RuntimeOptions(overlap=False))
-        sg, runner = _step_graph(fsdp_plan, RuntimeOptions(overlap=True))
+        # one reduction bucket per block (this tiny model's blocks all fit one 25 MiB bucket)
+        plain, _ = _step_graph(fsdp_plan, RuntimeOptions(overlap=False, reduce_bucket_bytes=0))
+        sg, runner = _step_graph(fsdp_plan, RuntimeOptions(overlap=True, reduce_bucket_bytes=0))
     rep = sg.overlap
     print(rep)
     assert rep.collectives == plain.collectives == sg.collectives > 0
