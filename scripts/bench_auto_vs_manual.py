@@ -10,6 +10,8 @@ Same model, global batch, optimizer and world size for every variant:
   hsdp     HSDP, 2 replicas x 2 shards               auto_4_ddp   the planner on that mesh, DDP-shaped preset
   fsdp_tp  FSDP (2) x Megatron TP + SP (2)           auto_2x2_dp  free on a 2 x 2 (replicate x shard) mesh
                                                      auto_2x2_tp  free on a 2 x 2 (shard x tp) mesh
+                                                     auto_4_per_block  auto_4 with one gradient
+                                                       bucket per block (reduce_bucket_mb 0)
 Every auto variant plans with `hardware = "auto"` (this machine, measured); the presets
 (parallel/auto/presets.py `fsdp`, `ddp`) are plan constraints given to the Trainer, as in
 scripts/fidelity.py. The table separates the two gains: planner = free auto / the best
@@ -40,6 +42,8 @@ VARIANTS = {
     "auto_4": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4"],
     "auto_4_fsdp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4"],
     "auto_4_ddp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4"],
+    "auto_4_per_block": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4",
+                         "--parallelism.reduce_bucket_mb", "0"],
     "auto_2x2_dp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_replicate_degree", "2",
                     "--parallelism.data_parallel_shard_degree", "2"],
     "auto_2x2_tp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "2",
@@ -103,7 +107,8 @@ def print_gains(tps: dict[str, float]) -> None:
             ("planner (same auto runtime)", best["free"], best["preset"], ">= 1.0"),
             ("planner, same mesh", "auto_4", best["preset"], ""),
             *[("runtime (same plan shape)", v, recipe, "") for v, (_, recipe) in PRESETS.items()],
-            ("runtime, best preset vs best recipe", best["preset"], best["recipe"], "")]
+            ("runtime, best preset vs best recipe", best["preset"], best["recipe"], ""),
+            ("runtime: buckets joined to 25 MiB vs one per block", "auto_4", "auto_4_per_block", "")]
     print("\n| gain | numerator | denominator | tokens/s ratio | goal |\n|---|---|---|---|---|")
     for what, num, den, goal in rows:
         if num in tps and den in tps:

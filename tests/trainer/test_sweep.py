@@ -213,6 +213,24 @@ def test_a_mesh_that_cannot_divide_the_global_batch_is_a_row(tmp_path):
     assert "not divisible by the data degree 4" in table and "| 3 x 32 |" in table
 
 
+def test_micro_batches_pay_the_gradient_reductions_once(tmp_path):
+    """A step of 2 micro-batches is predicted as the step graph twice less one set of gradient
+    reductions (the runtime reduces the summed gradients once); on a data-parallel mesh of a
+    dense model every reduction is a gradient's, the parameter gathers are not."""
+    cfg = load_config("llama3_debug_auto", [*TINY_JOB, "--training.global_batch_size", "4"], validate=False)
+    point = {p.mesh.label: p for p in search_points(base_job(cfg), 2, "h100")}["dp_shard=2"]
+    two = with_global_batch(point, 4, 2)
+    (row,) = run_points([two], workers=1, cache=PlanCache(tmp_path / "c"), progress=quiet())
+    assert (row["status"], row["micro_batches"], row["local_batch"]) == ("ok", 2, 1)
+    grads = row["grad_reduction_us"]
+    plan = PlanCache(tmp_path / "c").plan(row["key"])
+    # told apart by the kind of collective (not by what consumes it): every reduction here is a gradient's
+    reductions = sum(us for k, us in plan.comm_us.items() if k.split("@")[0] in ("reduce_scatter", "all_reduce"))
+    assert 0 < grads == pytest.approx(reductions) and grads < row["comm_us"]  # the gathers are paid per micro-batch
+    assert row["step_ms"] * 1e3 == pytest.approx(2 * row["objective_us"] - grads)
+    assert row["step_ms"] * 1e3 < 2 * row["objective_us"]
+
+
 def test_fixed_global_batch_sets_each_meshs_local_batch():
     cfg = load_config("llama3_debug_auto", [*TINY_JOB, "--training.global_batch_size", "16"], validate=False)
     points = {p.mesh.label: p for p in search_points(base_job(cfg), 8, "h100")}

@@ -16,7 +16,7 @@ from parallel.auto.plan.data import NodePlan, Plan
 from parallel.auto.pricing import StrategyPricer, comm_dtype
 from parallel.auto.problem import Problem
 from parallel.auto.strategies import PLACEHOLDER, SLOT
-from parallel.auto.trace import OTHER, OUTPUT
+from parallel.auto.trace import GRAD_PARAM, OTHER, OUTPUT
 
 
 def _node_plan(prob: Problem, name: str, s: int) -> NodePlan:
@@ -50,10 +50,21 @@ def _add_collectives(acc: tuple[dict, dict], cm: CostModel, src: tuple, dst: tup
         acc[1][key] += col.bytes * copies
 
 
-def comm_breakdown(prob: Problem, labels: list[int]) -> tuple[dict[str, float], dict[str, float]]:
+def _grad_slots(prob: Problem) -> set[str]:
+    """Names of the output slots that are parameter gradients."""
+    kinds = {sl.index: sl.kind for sl in prob.candidates.graph.slots}
+    return {name for name, c in prob.candidates.nodes.items()
+            if c.kind == SLOT and kinds.get(c.slot_index) == GRAD_PARAM}
+
+
+def comm_breakdown(prob: Problem, labels: list[int]) -> tuple[dict[str, float], dict[str, float], float]:
     """(µs, bytes) per "kind@axis": the edges between groups, and the redistributions inside
-    a group (a producer tied to its consumer, folded into the unary cost), at their prices."""
+    a group (a producer tied to its consumer, folded into the unary cost), at their prices;
+    and the µs of those that bring gradients to their parameters' placements (the gradient
+    reductions: done once per optimizer step however many micro-batches it has)."""
     acc: tuple[dict, dict] = (defaultdict(float), defaultdict(float))
+    grad_us = 0.0
+    grad_slots = _grad_slots(prob)
     cm = prob.cost_model
     for e in prob.edges:
         a, b = e.src_cls[labels[e.src]], e.dst_cls[labels[e.dst]]
@@ -61,6 +72,8 @@ def comm_breakdown(prob: Problem, labels: list[int]) -> tuple[dict[str, float], 
         if src != dst:
             meta = (e.tensor[0], comm_dtype(e.tensor[1], prob.mp_dtype))
             _add_collectives(acc, cm, src, dst, meta, len(e.members), float(e.cost[a, b]))
+            grads = sum(1 for _, consumer, _ in e.members if consumer in grad_slots)
+            grad_us += float(e.cost[a, b]) * grads / len(e.members)
     cands = prob.candidates
     pricer, roles = StrategyPricer(cands, cm, prob.mp_dtype), edge_roles(cands, cm)
     for name, c in cands.nodes.items():
@@ -81,7 +94,8 @@ def comm_breakdown(prob: Problem, labels: list[int]) -> tuple[dict[str, float], 
                 priced = pricer.redistribution(meta[0], val.dtype, [src_spec.placements], [dst_pl],
                                                roles(src_node.name, c))[0, 0]
                 _add_collectives(acc, cm, src_spec.placements, dst_pl, meta, 1, float(priced))
-    return dict(acc[0]), dict(acc[1])
+                grad_us += float(priced) if name in grad_slots else 0.0
+    return dict(acc[0]), dict(acc[1]), grad_us
 
 
 def build_plan(prob: Problem, labels: list[int], *, solver: str, status: str, timings: dict[str, float], num_vars: int,
@@ -90,11 +104,12 @@ def build_plan(prob: Problem, labels: list[int], *, solver: str, status: str, ti
     cands = prob.candidates
     jg, mesh = cands.graph, cands.mesh
     nodes = {name: _node_plan(prob, name, labels[prob.group_of[name]]) for name in cands.nodes}
-    comm_us, comm_bytes = comm_breakdown(prob, labels)
+    comm_us, comm_bytes, grad_us = comm_breakdown(prob, labels)
     mem = sum(float(prob.param_bytes[g][labels[g]]) for g in prob.param_groups)
     return Plan(
         nodes=nodes, objective_us=float(prob.energy(labels)), compute_us=sum(n.compute_us for n in nodes.values()),
-        comm_us=comm_us, comm_bytes=comm_bytes, solver=solver, status=status, timings=dict(timings),
+        comm_us=comm_us, comm_bytes=comm_bytes, grad_reduction_us=grad_us, solver=solver, status=status,
+        timings=dict(timings),
         num_vars=int(num_vars), fingerprint=jg.fingerprint, input_shapes=[[list(s), d] for s, d in jg.input_shapes],
         mesh_shape=list(mesh.shape),
         mesh_axis_names=list(mesh.mesh_dim_names or [f"axis{i}" for i in range(mesh.ndim)]),

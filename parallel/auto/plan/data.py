@@ -95,6 +95,9 @@ class Plan:
     constraints: list[str] = field(default_factory=list)
     regions: list[str] = field(default_factory=list)  # local_map regions of the traced graph (regions/)
     memory: MemoryEstimate | None = None  # peak bytes per device (cost/memory.py); None: not estimated
+    # the part of comm_us that brings gradients to their parameters' placements (reductions):
+    # paid once per optimizer step, however many micro-batches (0: not recorded, plans saved before)
+    grad_reduction_us: float = 0.0
     # in-memory only (not saved): the solved problem, for explain / costs_for_node / collectives
     costs: PlanCosts | None = field(default=None, repr=False, compare=False)
 
@@ -142,6 +145,11 @@ class Plan:
         return slot.output_placements[0]
 
     # ------------------------------------------------------------------ reports (report.py, costs.py)
+    def step_time_us(self, micro_batches: int = 1) -> float:
+        """Predicted optimizer step: the step graph once per micro-batch, the gradient
+        reductions once (micro-batches before the last run without them)."""
+        return self.objective_us * micro_batches - self.grad_reduction_us * (micro_batches - 1)
+
     def breakdown(self) -> str:
         return report.breakdown(self)
 

@@ -7,7 +7,8 @@ planner seeds) at the job's *global* batch, the same for every mesh (TorchTitan 
 it; a mesh with more data ranks must not win by training a larger one): each mesh's local
 batch is global / its data degree; a mesh whose data degree does not divide it is a row
 saying so; a plan that does not fit is planned again with more micro-batches (gradient
-accumulation; the step time counts every micro-batch's step graph). Meshes are ranked by
+accumulation; the step time counts every micro-batch's step graph and the gradient
+reductions once, as the runtime runs them). Meshes are ranked by
 the predicted time of that same step; those that do not fit are listed after. Used by
 ``scripts/plan.py --mesh auto`` and the trainer's ``[parallelism] mesh = "auto"``
 (trainer/mesh_auto.py).

@@ -138,7 +138,7 @@ def failure_row(point: Point, reason: str) -> dict:
 def _plan_and_row(point: Point) -> tuple[Plan, dict]:
     hw = load_hardware(point.hardware)
     plan, n_params, param_bytes, budget = _plan(point, hw)
-    step_s = plan.objective_us * 1e-6 * point.micro_batches  # the step graph once per micro-batch
+    step_s = plan.step_time_us(point.micro_batches) * 1e-6  # each micro-batch's graph, the reductions once
     tokens = point.global_batch * point.seq_len
     tps = tokens / step_s if step_s > 0 else float("inf")
     args = model_args(point.model, point.flavor, **dict(point.model_args))
@@ -153,7 +153,8 @@ def _plan_and_row(point: Point) -> tuple[Plan, dict]:
     row = {**base_row(point), "budget": budget, "step_ms": step_s * 1e3, "tokens_per_s": tps,
            "mfu": fpt * tps / peak, "mem_gib": mem / 2**30, "mem_kind": kind, "oom": mem > limit,
            "summary": one_line_summary(plan), "objective_us": plan.objective_us, "compute_us": plan.compute_us,
-           "comm_us": sum(plan.comm_us.values()), "solver": plan.solver, "plan_status": plan.status,
+           "comm_us": sum(plan.comm_us.values()), "grad_reduction_us": plan.grad_reduction_us,
+           "solver": plan.solver, "plan_status": plan.status,
            "timings": {k: round(v, 2) for k, v in plan.timings.items()},
            "trace_reused": plan.timings.get("trace", 0.0) == 0.0}
     row["status"] = "OOM" if row["oom"] else "ok"
