@@ -86,7 +86,14 @@ class _Job:
             flags = [*_flags(self.args, self.tmp, name, _data_degree(VARIANTS[name])), *VARIANTS[name]]
             preset = getattr(presets, PRESETS[name][0]) if name in PRESETS else None
             built[name] = Trainer(load_config(self.args.config, flags, world_size=4), plan_constraints=preset)
-        return time_round_robin(built, self.args.warmup, self.args.steps)
+        return time_round_robin(built, self.args.warmup, self.args.steps, measure=_plan_digest)
+
+
+def _plan_digest(name: str, trainer) -> dict:
+    """The placement digest of an auto variant's plan: two variants with the same digest run
+    the same plan, so their ratio is the measurement's noise, not a gain."""
+    runner = getattr(trainer.model, "plan_runner", None)
+    return {"digest": runner.plan.placement_digest()[:8] if runner is not None else ""}
 
 
 def reference_losses(args: argparse.Namespace, tmp: str) -> list[float]:
@@ -99,8 +106,10 @@ def reference_losses(args: argparse.Namespace, tmp: str) -> list[float]:
     return [logged[s] for s in sorted(logged)]
 
 
-def print_gains(tps: dict[str, float]) -> None:
-    """The headline (best free auto / best hand recipe) split into its two gains (Markdown)."""
+def print_gains(tps: dict[str, float], digests: dict[str, str] | None = None) -> None:
+    """The headline (best free auto / best hand recipe) split into its two gains (Markdown);
+    a ratio of two variants that ran the same plan (`digests`) is marked: it is noise."""
+    digests = digests or {}
     best = {k: max((n for n in names if n in tps), key=tps.get, default=None)
             for k, names in (("recipe", RECIPES), ("free", FREE), ("preset", tuple(PRESETS)))}
     rows = [("headline", best["free"], best["recipe"], ">= 1.05"),
@@ -112,7 +121,9 @@ def print_gains(tps: dict[str, float]) -> None:
     print("\n| gain | numerator | denominator | tokens/s ratio | goal |\n|---|---|---|---|---|")
     for what, num, den, goal in rows:
         if num in tps and den in tps:
-            print(f"| {what} | {num} | {den} | {tps[num] / tps[den]:.2f} | {goal} |")
+            same = digests.get(num) and digests.get(num) == digests.get(den)
+            print(f"| {what} | {num} | {den} | {tps[num] / tps[den]:.2f}{' (same plan: noise)' if same else ''} "
+                  f"| {goal} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,10 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print("losses do not track the 1-rank run; no speed is printed:\n  " + "\n  ".join(bad))
         return 1
-    print("| variant | step (median) | tokens/s | max rel loss vs 1 rank |\n|---|---|---|---|")
+    print("| variant | step (median) | tokens/s | max rel loss vs 1 rank | plan digest |\n|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:.0f} | {r['loss_rel']:.1e} |")
-    print_gains({n: r["tokens_per_s"] for n, r in rows.items()})
+        print(f"| {name} | {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:.0f} | {r['loss_rel']:.1e} "
+              f"| {r['digest']} |")
+    print_gains({n: r["tokens_per_s"] for n, r in rows.items()}, {n: r["digest"] for n, r in rows.items()})
     return 0
 
 
