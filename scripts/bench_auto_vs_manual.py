@@ -108,7 +108,8 @@ def reference_losses(args: argparse.Namespace, tmp: str) -> list[float]:
 
 def print_gains(tps: dict[str, float], digests: dict[str, str] | None = None) -> None:
     """The headline (best free auto / best hand recipe) split into its two gains (Markdown);
-    a ratio of two variants that ran the same plan (`digests`) is marked: it is noise."""
+    a ratio of two variants that ran the same plan (`digests`) with the same runtime settings
+    is marked: it is noise."""
     digests = digests or {}
     best = {k: max((n for n in names if n in tps), key=tps.get, default=None)
             for k, names in (("recipe", RECIPES), ("free", FREE), ("preset", tuple(PRESETS)))}
@@ -121,7 +122,7 @@ def print_gains(tps: dict[str, float], digests: dict[str, str] | None = None) ->
     print("\n| gain | numerator | denominator | tokens/s ratio | goal |\n|---|---|---|---|---|")
     for what, num, den, goal in rows:
         if num in tps and den in tps:
-            same = digests.get(num) and digests.get(num) == digests.get(den)
+            same = digests.get(num) and digests.get(num) == digests.get(den) and "buckets" not in what
             print(f"| {what} | {num} | {den} | {tps[num] / tps[den]:.2f}{' (same plan: noise)' if same else ''} "
                   f"| {goal} |")
 
