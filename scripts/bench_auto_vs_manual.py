@@ -122,7 +122,7 @@ def print_gains(tps: dict[str, float], digests: dict[str, str] | None = None) ->
     print("\n| gain | numerator | denominator | tokens/s ratio | goal |\n|---|---|---|---|---|")
     for what, num, den, goal in rows:
         if num in tps and den in tps:
-            same = digests.get(num) and digests.get(num) == digests.get(den) and "buckets" not in what
+            same = digests.get(num) and digests.get(num) == digests.get(den) and VARIANTS[num] == VARIANTS[den]
             print(f"| {what} | {num} | {den} | {tps[num] / tps[den]:.2f}{' (same plan: noise)' if same else ''} "
                   f"| {goal} |")
 

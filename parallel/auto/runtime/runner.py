@@ -226,7 +226,6 @@ class PlanRunner:
             place_on_device(gm, self.device, graph.traced_device)
         self.saved_names = [a.name for a in self.fwd_gm.graph.output_node().args[0][len(self.out_slots):]]
         bucket = self.bucket = options.bucket
-        self.reduce_bucket_bytes = options.reduce_bucket_bytes
         self.reshard_after_forward = options.reshard_after_forward
         grad_nodes = {s.node.name for s in self.grad_slots.values() if s.node is not None}
         self.gather_params = _replicated_param_uses(graph, self.spec) if bucket else []
@@ -362,7 +361,7 @@ class PlanRunner:
                 v = self.to_placements(v, dst)
             grads.append(v)
         calls = CallReplay(self.mesh) if self.replay_blocks else None  # each block's bucket traced once
-        for (key, dtype), members in merge_small_buckets(pending, grads, self.reduce_bucket_bytes):
+        for (key, dtype), members in merge_small_buckets(pending, grads, self.options.reduce_bucket_bytes):
             # one collective per bucket and mesh axis
             self.stats["bucketed_grad_reductions"] += 1
             idx = [i for i, _ in members]
