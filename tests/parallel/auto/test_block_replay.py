@@ -49,7 +49,9 @@ def _form(gm: torch.fx.GraphModule) -> list[tuple]:
     return out
 
 
-def _traced(model_name: str, shape: tuple, names: tuple, options: RuntimeOptions, replay: bool):
+def _traced_both(model_name: str, shape: tuple, names: tuple, options: RuntimeOptions):
+    """One plan's step graph traced twice, with block copies and with every block
+    interpreted: ((step, estimate) copied, (step, estimate) interpreted)."""
     model = build_model(model_name, "debug", device="meta", n_layers=LAYERS)
     tok = torch.zeros(8, 64, dtype=torch.long)
     with fake_world(int(torch.tensor(shape).prod())):
@@ -58,13 +60,16 @@ def _traced(model_name: str, shape: tuple, names: tuple, options: RuntimeOptions
         with AutoParallel(model, (tok, tok), mesh, loss_fn=lm_loss, regions=regions,
                           planner=PlannerConfig(hardware="h100", memory_estimate=False)) as autop:
             plan = autop.optimize_placement(verbose=False)
-            old = PlanRunner.replay_blocks
-            PlanRunner.replay_blocks = replay
-            try:
-                step = trace_step(autop.graph, autop.candidates, plan, mesh, options=options)
-            finally:
-                PlanRunner.replay_blocks = old
-            return step, step_memory(step, mesh)
+            out = []
+            for replay in (True, False):
+                old = PlanRunner.replay_blocks
+                PlanRunner.replay_blocks = replay
+                try:
+                    step = trace_step(autop.graph, autop.candidates, plan, mesh, options=options)
+                finally:
+                    PlanRunner.replay_blocks = old
+                out.append((step, step_memory(step, mesh)))
+            return out
 
 
 @pytest.mark.parametrize("model,shape,names,options", [
@@ -79,8 +84,7 @@ def _traced(model_name: str, shape: tuple, names: tuple, options: RuntimeOptions
     pytest.param("deepseek_v3", (4,), ("dp",), RuntimeOptions(), marks=pytest.mark.slow),
 ], ids=["llama-dp4", "llama-dp2xtp2", "llama-dp2xtp2-ac-full-keep-gathers", "qwen3-dp2xtp2-sac", "dsv3-dp4"])
 def test_copied_blocks_are_the_traced_graph(model, shape, names, options):
-    copied, estimate = _traced(model, shape, names, options, replay=True)
-    traced, reference_estimate = _traced(model, shape, names, options, replay=False)
+    (copied, estimate), (traced, reference_estimate) = _traced_both(model, shape, names, options)
     counts = copied.runner.replay_counts
     # the first layer reads the embedding, the last feeds the final norm, the second (forward)
     # and the one before the last (backward) read those: the others are copies (DeepSeek-V3:
