@@ -19,6 +19,9 @@ that the estimate counts as state (parameter shards, buffers, AdamW states:
 `parallel.measure.state_bytes`; the previous gradients are freed at the step's
 zero_grad) + the allocator's peak inside the step. The estimate is the plan's own
 (`plan.memory`, made by the planner for the job's runtime options; rank 0's shards).
+Two requested plans that come out as one (the same placement digest, mesh, activation
+checkpointing and compile setting: e.g. the free plan is the DDP-shaped one) are not
+measured twice: the run names them and exits 2 without a table.
 RSS: the kernel's peak resident set during the step (VmHWM, reset at the step's start)
 minus the RSS at its start: glibc keeps freed blocks and the step reuses them, so it is a
 lower bound of the step's growth, shown as an independent, coarse observer.
@@ -84,7 +87,7 @@ class _Job:
                  "--job.dump_folder", self.tmp, "--job.name", name]
         return Trainer(load_config(self.args.config, flags, world_size=n), plan_constraints=_constraints(preset))
 
-    def _measure(self, name: str) -> dict:
+    def _measure(self, name: str, seen: dict[tuple, str]) -> dict:
         import torch.distributed as dist
 
         from parallel.measure import AllocatorPeak, state_bytes
@@ -92,6 +95,10 @@ class _Job:
         t0 = time.perf_counter()
         tr = self._trainer(name)
         setup = time.perf_counter() - t0
+        key = plan_identity(tr)
+        if key in seen:  # every rank has the same plan, so every rank skips it: no collective waits
+            return {"plan": name, "rank": dist.get_rank(), "duplicate_of": seen[key], "identity": key}
+        seen[key] = name
         batches = iter(tr.dataloader)
         tr.train_step(*next(batches))  # warm-up: step graph built, AdamW states created
         inputs, labels = next(batches)
@@ -111,17 +118,35 @@ class _Job:
                "estimate": est.peak_bytes if est is not None else None,
                "est_phase": est.phase if est is not None else "", "est_parts": est.parts() if est is not None else "",
                "est_state": (est.params_bytes + est.optimizer_bytes) if est is not None else None,
-               "setup_s": setup, "summary": tr.model.plan.summary().splitlines()[0]}
+               "setup_s": setup, "summary": tr.model.plan.summary().splitlines()[0], "identity": key}
         del tr
         return row
 
     def __call__(self) -> list[dict]:
         import torch.distributed as dist
 
-        rows = [self._measure(name) for name in self.args.plans]
+        seen: dict[tuple, str] = {}
+        rows = [self._measure(name, seen) for name in self.args.plans]
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, rows)
         return [r for rank_rows in every for r in rank_rows]
+
+
+def plan_identity(trainer: object) -> tuple:
+    """What makes two measured plans the same run: the placement digest of the plan, the mesh,
+    and the runtime settings that change memory without changing placements (activation
+    checkpointing, compile). Two requested plans with one identity would be one row twice."""
+    cfg = trainer.cfg
+    mesh = trainer.mesh
+    return (trainer.model.plan.placement_digest(), tuple(mesh.mesh.shape), tuple(mesh.mesh_dim_names or ()),
+            cfg.activation_checkpoint.mode, bool(cfg.training.compile))
+
+
+def duplicates(rows: list[dict]) -> list[str]:
+    """'b is a' for every requested plan that came out as an earlier one (rank 0's rows)."""
+    return [f"{r['plan']} is {r['duplicate_of']} (placement digest {r['identity'][0]}, mesh {r['identity'][1]}, "
+            f"activation checkpointing {r['identity'][3]}, compile {r['identity'][4]})"
+            for r in rows if r["rank"] == 0 and r.get("duplicate_of")]
 
 
 def _print(rows: list[dict], args: argparse.Namespace) -> None:
@@ -166,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     rows = run_on_ranks(_Job(args), args.nproc, threads=args.threads)
+    same = duplicates(rows)
+    if same:
+        distinct = len(args.plans) - len(same)
+        print(f"bench_memory: {distinct} distinct plans of the {len(args.plans)} requested on {args.nproc} ranks "
+              f"({'; '.join(same)}); a table would show one measurement twice: drop the duplicates from "
+              f"--plans, or give the job a shape where they differ (--job, --nproc)", file=sys.stderr)
+        return 2
     print(f"\n{args.config} {' '.join(args.job_flags)}: {rows[0]['job']}, fp32, AdamW; {args.nproc} gloo ranks; "
           f"measured step 2 of each plan ({time.perf_counter() - t0:.0f}s in all)")
     _print(rows, args)
