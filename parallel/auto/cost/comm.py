@@ -31,6 +31,17 @@ innermost axis outwards), but is pure placement arithmetic: no mesh, no process 
 A DTensorSpec's non-default ``shard_order`` is ignored (placements decide); uneven shards
 are priced as the largest shard (collectives pad to it); ``_StridedShard`` counts as a
 shard of its dim (so _StridedShard(d) → Shard(d) is an all-to-all).
+
+Relayout: collectives work on dim 0 of a contiguous buffer, so gathering a shard of dim
+d > 0 or scattering onto one also moves the whole tensor once more in memory. An all-gather
+chunks the gathered buffer and concatenates the chunks on dim d (DTensor's
+`_maybe_view_chunk_cat`; our bucketed gathers move dim d back, runtime/redistribute.py),
+unless every dim before d has local size 1 (the chunks are then in place: a view). A
+reduce-scatter first concatenates the chunks of dim d on dim 0 (functional collectives'
+`reduce_scatter_single`; our buckets move dim d to the front). `transition_template`
+carries that tensor dim and `relayout_bytes` gives the bytes the copy moves; the cost model
+prices it at memory bandwidth, so plans that differ only in which dim a weight is sharded
+on no longer tie.
 """
 from __future__ import annotations
 
@@ -52,6 +63,7 @@ __all__ = [
     "RedistributionNotAllowed",
     "Step",
     "axis_links",
+    "relayout_bytes",
     "collective_time",
     "decompose_redistribution",
     "placement_ids",
@@ -111,6 +123,7 @@ class Step:
     dst: Placement
     kind: str | None  # a collective kind, "local", or None when not allowed
     bytes: int
+    relayout_bytes: int = 0  # the local copy a gather/scatter on a dim > 0 needs (module doc)
 
 
 # ------------------------------------------------------------------ mesh axis → link
@@ -185,9 +198,10 @@ def decompose_redistribution(src: Sequence[Placement], dst: Sequence[Placement],
     s_ids, d_ids = placement_ids(src, ndim), placement_ids(dst, ndim)
     cur = list(s_ids)
     out: list[Step] = []
-    for ax, kind, divisors, via_replicate in transition_template(s_ids, d_ids, ndim, tuple(mesh_shape)):
+    for ax, kind, divisors, via_replicate, dim in transition_template(s_ids, d_ids, ndim, tuple(mesh_shape)):
         t = _REPLICATE_ID if via_replicate else d_ids[ax]
-        out.append(Step(ax, _PLACEMENTS[cur[ax]], _PLACEMENTS[t], kind, step_bytes(shape, divisors, itemsize)))
+        out.append(Step(ax, _PLACEMENTS[cur[ax]], _PLACEMENTS[t], kind, step_bytes(shape, divisors, itemsize),
+                        relayout_bytes(kind, shape, divisors, itemsize, dim)))
         cur[ax] = t
     return out
 
@@ -197,6 +211,21 @@ def step_bytes(shape: Sequence[int], divisors: Sequence[tuple[int, int]], itemsi
     local = list(shape)
     for d, size in divisors:
         local[d] = -(-local[d] // size)
+    return math.prod(local) * itemsize
+
+
+def relayout_bytes(kind: str | None, shape: Sequence[int], divisors: Sequence[tuple[int, int]], itemsize: int,
+                   dim: int | None) -> int:
+    """Bytes of the local copy a template step needs (see the module doc): the step's
+    tensor when it scatters onto tensor dim `dim` > 0, or gathers it and some dim before it
+    has a local size above 1; else 0."""
+    if dim is None or dim <= 0:
+        return 0
+    local = list(shape)
+    for d, size in divisors:
+        local[d] = -(-local[d] // size)
+    if kind == "all_gather" and math.prod(local[:dim]) <= 1:
+        return 0
     return math.prod(local) * itemsize
 
 
@@ -263,10 +292,12 @@ def _greedy_moves(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int,
 @functools.lru_cache(maxsize=None)
 def transition_template(src: tuple[int, ...], dst: tuple[int, ...], ndim: int,
                         mesh_shape: tuple[int, ...]
-                        ) -> tuple[tuple[int, str | None, tuple[tuple[int, int], ...], bool], ...]:
+                        ) -> tuple[tuple[int, str | None, tuple[tuple[int, int], ...], bool, int | None], ...]:
     """The shape-independent part of a redistribution between placement ids: per step its
     axis, collective kind, the (tensor dim, mesh-axis size) divisions that give the bytes
-    it moves, and whether it goes to Replicate first (a nested shard, see below).
+    it moves, whether it goes to Replicate first (a nested shard, see below), and the
+    tensor dim an all-gather or reduce-scatter works on when it is not 0 (a relayout,
+    `relayout_bytes`; else None).
     Planning prices ~10^6 (src, dst, shape) triples over ~10^5 placement pairs, so this
     is computed once per pair."""
     info = _INFO
@@ -275,15 +306,15 @@ def transition_template(src: tuple[int, ...], dst: tuple[int, ...], ndim: int,
     for ax, c, t, via in _greedy_moves(src, dst):
         cd, cp, _ = info[c]
         td, tp, tr = info[t]
-        counted, skip = cur, None
+        counted, skip, dim = cur, None, None
         if cd is not None and tr:
-            kind, skip = "all_gather", ax
+            kind, skip, dim = "all_gather", ax, cd
         elif cd is not None and td is not None:
             kind = "all_to_all"
         elif cp and tr:
             kind = "all_reduce"
         elif cp and td is not None:
-            kind = "reduce_scatter"
+            kind, dim = "reduce_scatter", td
         elif cp and tp:
             # e.g. Partial(sum) → Partial(avg): priced as reducing it (an all-reduce)
             kind = "all_reduce"
@@ -293,7 +324,7 @@ def transition_template(src: tuple[int, ...], dst: tuple[int, ...], ndim: int,
             counted[ax] = t
         else:  # Replicate/Shard → Partial
             kind = None
-        out.append((ax, kind, _id_divisors(counted, ndim, mesh_shape, skip), via))
+        out.append((ax, kind, _id_divisors(counted, ndim, mesh_shape, skip), via, dim or None))
         cur[ax] = t
     return tuple(out)
 

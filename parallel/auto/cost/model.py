@@ -26,6 +26,7 @@ from .comm import (
     collective_time,
     decompose_redistribution,
     placement_ids,
+    relayout_bytes,
     step_bytes,
     summarize_collectives,
     transition_template,
@@ -289,7 +290,9 @@ class CostModel:
                                  tensor_meta: TensorMetaLike = None) -> list[Collective]:
         """The collectives (in order) that take a tensor of global shape/dtype
         ``tensor_meta`` from ``src`` to ``dst`` placements, each costed on its axis.
-        Raises RedistributionNotAllowed for Replicate/Shard → Partial."""
+        Raises RedistributionNotAllowed for Replicate/Shard → Partial. The local copy that
+        gathering or scattering a dim other than 0 needs is not a collective: it is in
+        ``redistribute_cost`` (comm.py, Relayout; `Step.relayout_bytes`)."""
         out = []
         for s in self._steps(self._key(src, dst, tensor_meta)):
             if s.kind is None:
@@ -319,11 +322,20 @@ class CostModel:
         hot path (~10^6 calls on a 4-D mesh), without hashing placement objects.
         `latency_scale`: see comm.collective_time (bucketed collectives)."""
         total = 0.0
-        for ax, kind, divisors, _ in transition_template(src, dst, len(shape), self.mesh_shape):
+        for ax, kind, divisors, _, dim in transition_template(src, dst, len(shape), self.mesh_shape):
             if kind is None:
                 return math.inf
             total += collective_time(kind, step_bytes(shape, divisors, itemsize), self.links[ax], latency_scale)[0]
+            if dim is not None:
+                total += self.relayout_cost(relayout_bytes(kind, shape, divisors, itemsize, dim))
         return total
+
+    def relayout_cost(self, nbytes: float) -> float:
+        """µs of the local copy that gathering or scattering a dim other than 0 needs
+        (cost/comm.py, Relayout): read and write `nbytes` at the memory roof."""
+        if nbytes <= 0:
+            return 0.0
+        return 2.0 * nbytes / (self.hw.memory_bandwidth * self.hw.memory_efficiency) * 1e6
 
     def optimizer_cost(self, local_param_bytes: float) -> float:
         """µs of the optimizer step and gradient clipping over this many local fp32 parameter
