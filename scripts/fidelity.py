@@ -63,6 +63,23 @@ def mesh_flags(dims: tuple[int, ...]) -> list[str]:
     return flags + (["--parallelism.tensor_parallel_degree", str(dims[1])] if len(dims) == 2 else [])
 
 
+def _fsdp_only(autop: Any, sharded: str, replicated: str) -> None:
+    """FSDP for the parameters whose FQN contains `sharded` (stored as shards of dim 0 on the
+    data axis, gathered for data-parallel compute), DDP for those containing `replicated`:
+    a recipe that shards only the big half. Left free, the other half would be sharded too
+    and the plan would be `fsdp`'s."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from parallel.auto import presets
+
+    presets.fsdp(autop, data_axes=(0,), fragments=[sharded])
+    presets.replicated(autop, [replicated])  # its budget (all may be replicated) replaces fsdp's
+    storage = (Shard(0),) + (Replicate(),) * (autop.mesh.ndim - 1)
+    for fqn in autop.graph.params:
+        if sharded in fqn:
+            autop.add_node_constraint(fqn, storage)
+
+
 def _variants(ndim: int) -> dict[str, object]:
     """name -> a function adding constraints to an open AutoParallel (None: the free plan;
     "h100": solved on the h100 profile). The free plan comes first: a duplicate is named
@@ -84,8 +101,8 @@ def _variants(ndim: int) -> dict[str, object]:
         "budget_1.0": lambda a: a.add_parameter_memory_constraint(high=1.0),
         "replicated_embeddings": lambda a: presets.replicated(a, ["tok_embeddings", "output"]),
         "budget_0.75": lambda a: a.add_parameter_memory_constraint(high=0.75),
-        "fsdp_attention_only": lambda a: presets.fsdp(a, data_axes=(0,), fragments=["attention"]),
-        "fsdp_mlp_only": lambda a: presets.fsdp(a, data_axes=(0,), fragments=["feed_forward"]),
+        "fsdp_attention_only": lambda a: _fsdp_only(a, "attention", "feed_forward"),
+        "fsdp_mlp_only": lambda a: _fsdp_only(a, "feed_forward", "attention"),
         "tp_attention_only": lambda a: presets.megatron(a, last, fragments=["attention"], data_axes=data,
                                                         fsdp_other_axes=ndim > 1),
         "planned_for_h100": "h100",
