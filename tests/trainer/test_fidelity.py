@@ -8,6 +8,7 @@ import importlib
 import io
 import math
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -128,3 +129,55 @@ def test_report_scores_both_predictors_and_the_planner():
     assert "Spearman rho  0.866" in sim_line and "selection regret  10.0%" in sim_line
     assert "median APE   10.0%" in sim_line  # 8.3 %, 10 %, 25 %
     assert "planner regret 20.0%" in text and "NOT met" in text
+
+
+def _table(stdout: str) -> dict[str, tuple[float, float, float]]:
+    """plan -> (objective ms, simulated ms, measured ms) from the script's printed table."""
+    rows, inside = {}, False
+    for line in stdout.splitlines():
+        if line.startswith("plan ") and "objective ms" in line:
+            inside = True
+            continue
+        if inside:
+            parts = line.split()
+            if len(parts) < 5:
+                break
+            rows[parts[0]] = tuple(float(x.rstrip("*").replace(",", "")) for x in parts[2:5])
+    return rows
+
+
+_STAT = re.compile(r"Spearman rho\s+(-?[\d.]+)\s+Kendall tau-b\s+(-?[\d.]+)\s+mean APE\s+([\d.]+)%.*"
+                   r"selection regret\s+([\d.]+)%")
+
+
+@pytest.mark.slow
+def test_the_script_on_a_tiny_job_prints_statistics_a_library_recomputes(tmp_path):
+    """2 gloo ranks, 3 plans, run as a user runs it: its statistics equal scipy's over its own
+    printed table (rounded to what it prints), and its regrets equal the table's arithmetic."""
+    import os
+    import subprocess
+
+    from scipy import stats
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    job = ["--model", "none", "--model.n_layers", "1", "--model.dim", "64", "--training.seq_len", "32",
+           "--training.local_batch_size", "2", "--steps", "3", "--warmup", "1", "--plan-dir", str(tmp_path)]
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "fidelity.py"), "--mesh", "2",
+                        "--plans", "auto,fsdp,tp", *job],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    table = _table(r.stdout)
+    assert sorted(table) == ["auto", "fsdp", "tp"], r.stdout[-3000:]
+    names = sorted(table)
+    obj, sim, meas = ([table[n][i] for n in names] for i in range(3))
+    best = min(meas)
+    for label, pred in (("ILP objective", obj), ("step simulation", sim)):
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith(label))
+        rho, tau, mape, regret = map(float, _STAT.search(line).groups())
+        assert rho == pytest.approx(stats.spearmanr(pred, meas)[0], abs=1.5e-3), line
+        assert tau == pytest.approx(stats.kendalltau(pred, meas)[0], abs=1.5e-3), line
+        assert mape == pytest.approx(100 * sum(abs(p - m) / m for p, m in zip(pred, meas)) / 3, abs=0.2), line
+        low = [m for p, m in zip(pred, meas) if p == min(pred)]  # every plan of a tie for the predicted best
+        assert regret == pytest.approx(100 * (sum(low) / len(low) / best - 1), abs=0.2), line
+    planner = float(re.search(r"planner regret ([\d.]+)%", r.stdout).group(1))
+    assert planner == pytest.approx(100 * (table["auto"][2] / best - 1), abs=0.2)
