@@ -63,10 +63,10 @@ __all__ = [
     "RedistributionNotAllowed",
     "Step",
     "axis_links",
-    "relayout_bytes",
     "collective_time",
     "decompose_redistribution",
     "placement_ids",
+    "relayout_bytes",
     "step_bytes",
     "transition_template",
     "summarize_collectives",
@@ -206,12 +206,18 @@ def decompose_redistribution(src: Sequence[Placement], dst: Sequence[Placement],
     return out
 
 
-def step_bytes(shape: Sequence[int], divisors: Sequence[tuple[int, int]], itemsize: int) -> int:
-    """Bytes a template step moves: the tensor's local size after its (dim, axis size) divisions."""
+def _local_shape(shape: Sequence[int], divisors: Sequence[tuple[int, int]]) -> list[int]:
+    """The tensor's local shape after a template step's (dim, axis size) divisions (the
+    largest shard of an uneven split)."""
     local = list(shape)
     for d, size in divisors:
         local[d] = -(-local[d] // size)
-    return math.prod(local) * itemsize
+    return local
+
+
+def step_bytes(shape: Sequence[int], divisors: Sequence[tuple[int, int]], itemsize: int) -> int:
+    """Bytes a template step moves: the tensor's local size after its (dim, axis size) divisions."""
+    return math.prod(_local_shape(shape, divisors)) * itemsize
 
 
 def relayout_bytes(kind: str | None, shape: Sequence[int], divisors: Sequence[tuple[int, int]], itemsize: int,
@@ -221,9 +227,7 @@ def relayout_bytes(kind: str | None, shape: Sequence[int], divisors: Sequence[tu
     has a local size above 1; else 0."""
     if dim is None or dim <= 0:
         return 0
-    local = list(shape)
-    for d, size in divisors:
-        local[d] = -(-local[d] // size)
+    local = _local_shape(shape, divisors)
     if kind == "all_gather" and math.prod(local[:dim]) <= 1:
         return 0
     return math.prod(local) * itemsize
