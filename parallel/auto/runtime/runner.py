@@ -340,27 +340,39 @@ class PlanRunner:
         compute dtype (bf16 sums of many micro-batches lose bits)."""
         return self.reduce_dtype or param.dtype
 
+    def _in_reduce_dtype(self, v: Any) -> Any:
+        """A gradient in the reduce dtype of the mixed-precision policy (reduced in it)."""
+        if self.reduce_dtype is not None and v.dtype != self.reduce_dtype and v.dtype.is_floating_point:
+            return v.to(self.reduce_dtype)
+        return v
+
     def reduce_grads(self, values: list[Any], params: list[Any]) -> list[Any]:
         """Each parameter's gradient (`values`, in `param_names` order, None where none) reduced
         to the parameter's placement: one bucketed collective per block and placement group."""
         grads: list[Any] = []
         pending: dict[tuple, list[tuple[int, tuple]]] = {}  # (bucket key, dtype) -> (index, target)
+        # under a trace, a call of a kind already traced (a later block's bucket, a later layer's
+        # gradient of the same shape and layout) is a copy of the first one's nodes
+        calls = CallReplay(self.mesh) if self.replay_blocks else None
         for fqn, v in zip(self.param_names, values):
             s = self.grad_slots.get(fqn)
             if v is None or s is None:
                 grads.append(None)
                 continue
-            if self.reduce_dtype is not None and v.dtype != self.reduce_dtype and v.dtype.is_floating_point:
-                v = v.to(self.reduce_dtype)  # reduce gradients in the reduce dtype
             dst = self.out_placements(f"output[{s.index}]")
             key = bucket_key(tuple(v.placements), dst) if self.bucket and tuple(v.placements) != dst else None
             if key is not None:  # one bucket per block, as the gathers
+                v = self._in_reduce_dtype(v)
                 block = self.block_of.get(self.graph.params[fqn].name, fqn)
                 pending.setdefault((block, key, v.dtype), []).append((len(grads), dst))
             else:
-                v = self.to_placements(v, dst)
+                if tuple(v.placements) != dst:
+                    self.stats["redistributions"] += 1
+                def reduce(v: Any = v, dst: tuple = dst) -> list[Any]:
+                    return [redistribute(self._in_reduce_dtype(v), self.mesh, dst)]
+
+                v = (calls(("grad", dst), reduce, [v]) if calls is not None else reduce())[0]
             grads.append(v)
-        calls = CallReplay(self.mesh) if self.replay_blocks else None  # each block's bucket traced once
         for (key, dtype), members in merge_small_buckets(pending, grads, self.options.reduce_bucket_bytes):
             # one collective per bucket and mesh axis
             self.stats["bucketed_grad_reductions"] += 1
@@ -372,7 +384,7 @@ class PlanRunner:
             for i, r in zip(idx, reduced):
                 grads[i] = r
         if calls is not None:
-            self.replay_counts["grad_buckets_copied"] = calls.copied
+            self.replay_counts["grad_reductions_copied"] = calls.copied
         for i, (v, p) in enumerate(zip(grads, params)):
             if v is None:
                 continue

@@ -74,6 +74,8 @@ def _traced_both(model_name: str, shape: tuple, names: tuple, options: RuntimeOp
 
 @pytest.mark.parametrize("model,shape,names,options", [
     ("llama3", (4,), ("dp",), RuntimeOptions()),
+    # unbucketed: each gradient reduced on its own (a later layer's: a copy of the first's)
+    ("llama3", (4,), ("dp",), dataclasses.replace(RuntimeOptions(), bucket=False)),
     pytest.param("llama3", (2, 2), ("dp", "tp"), RuntimeOptions(), marks=pytest.mark.slow),
     pytest.param("llama3", (2, 2), ("dp", "tp"), dataclasses.replace(RuntimeOptions(), ac_mode="full",
                                                                      reshard_after_forward=False),
@@ -82,7 +84,8 @@ def _traced_both(model_name: str, shape: tuple, names: tuple, options: RuntimeOp
                                                                     ac_option="op"), marks=pytest.mark.slow),
     # a dense layer, then MoE layers (a local_map region each)
     pytest.param("deepseek_v3", (4,), ("dp",), RuntimeOptions(), marks=pytest.mark.slow),
-], ids=["llama-dp4", "llama-dp2xtp2", "llama-dp2xtp2-ac-full-keep-gathers", "qwen3-dp2xtp2-sac", "dsv3-dp4"])
+], ids=["llama-dp4", "llama-dp4-unbucketed", "llama-dp2xtp2", "llama-dp2xtp2-ac-full-keep-gathers",
+        "qwen3-dp2xtp2-sac", "dsv3-dp4"])
 def test_copied_blocks_are_the_traced_graph(model, shape, names, options):
     (copied, estimate), (traced, reference_estimate) = _traced_both(model, shape, names, options)
     counts = copied.runner.replay_counts
@@ -93,7 +96,10 @@ def test_copied_blocks_are_the_traced_graph(model, shape, names, options):
     assert counts["fwd_copied"] >= LAYERS - 3 - own and counts["bwd_copied"] >= LAYERS - 4 - own, counts
     assert counts["fwd_refused"] == counts["bwd_refused"] == 0, counts
     if copied.runner.stats["bucketed_grad_reductions"] > LAYERS:  # a bucket per block and more
-        assert counts["grad_buckets_copied"] >= LAYERS - 2, counts
+        assert counts["grad_reductions_copied"] >= LAYERS - 2, counts
+    if not options.bucket:  # every parameter of a layer after the first: a copied reduction
+        per_layer = len(copied.runner.graph.params) // LAYERS
+        assert counts["grad_reductions_copied"] >= (LAYERS - 1) * per_layer, counts
     assert traced.runner.replay_counts == {}
     a, b = _form(copied.step_graph.gm), _form(traced.step_graph.gm)
     assert len(a) == len(b)
