@@ -136,6 +136,9 @@ class JointGraph:
     # the device type the joint graph's values and factory ops were traced on (T.autograd_device):
     # the runtime moves what it finds there to the job's device when the two differ
     traced_device: str = T.FAKE_DEVICE
+    # the runtime's forward and backward partitions of this graph, per activation-checkpointing
+    # policy and device (runtime/runner.py `phase_graphs`): they do not depend on the plan
+    phase_graphs: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def labels(self) -> dict[str, str]:

@@ -182,6 +182,49 @@ COMPILE_FIELDS = ("compile", "compile_fallback", "compile_mode")
 """RuntimeOptions fields that change only how the step graph is run, not the runner or the graph."""
 
 
+@dataclasses.dataclass(frozen=True)
+class PhaseGraphs:
+    """The joint graph partitioned into the forward and backward the runner interprets
+    (read only: runners of different plans share them), and how many forward nodes the
+    backward recomputes."""
+
+    fwd: fx.GraphModule
+    bwd: fx.GraphModule
+    recomputed: int
+
+
+PHASE_GRAPHS_KEPT = 4
+"""Partitions kept per joint graph (one per activation-checkpointing policy and device in use)."""
+
+
+def phase_graphs(graph: JointGraph, block_of: dict[str, int], options: RuntimeOptions, device: Any) -> PhaseGraphs:
+    """`graph`'s forward and backward for `options`' activation checkpointing on `device`.
+
+    The partition (a second or more on an 8B graph) does not depend on the plan, so it is made
+    once per graph and policy and kept on the graph: the memory estimate's rounds, the plans of
+    a sweep or mesh search on one trace, and `apply_placement` after an estimate reuse it."""
+    key = (options.ac_mode, str(options.ac_option), options.reshard_after_forward, str(device))
+    hit = graph.phase_graphs.get(key)
+    if hit is not None:
+        return hit
+    forward = [n for n in graph.gm.graph.nodes if graph.phase.get(n.name) == FWD and n.op == "call_function"]
+    recomputed = tag_recomputation(forward, block_of, options.ac_mode, options.ac_option)
+    if options.reshard_after_forward:  # the backward gathers its parameters again (FSDP)
+        params = {n.name for n in graph.params.values()}
+        recomputed += recompute_parameter_views(forward, params, block_of)
+    n_out = sum(1 for s in graph.slots if s.kind == "output")
+    with graph.fake_mode:  # the partitioner's RNG handling asks for the fake mode
+        fwd_gm, bwd_gm = T.partition_joint(graph.gm, num_fwd_outputs=n_out)
+    for gm in (fwd_gm, bwd_gm):  # the partitioner keeps unused random ops (attention): drop them
+        # (no recompile: these graphs are only interpreted, node by node, never called)
+        gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output"))
+        place_on_device(gm, device, graph.traced_device)
+    while len(graph.phase_graphs) >= PHASE_GRAPHS_KEPT:
+        graph.phase_graphs.pop(next(iter(graph.phase_graphs)))
+    out = graph.phase_graphs[key] = PhaseGraphs(fwd_gm, bwd_gm, recomputed)
+    return out
+
+
 def same_graph_options(a: RuntimeOptions, b: RuntimeOptions) -> bool:
     """Options that build the same runner and step graph (they may differ in compilation)."""
     keep = {f: getattr(a, f) for f in COMPILE_FIELDS}
@@ -213,17 +256,8 @@ class PlanRunner:
         self.buffer_names = list(graph.buffers)
         self.input_nodes = list(graph.inputs)
         self.block_of = block_indices(graph)
-        forward = [n for n in graph.gm.graph.nodes if graph.phase.get(n.name) == FWD and n.op == "call_function"]
-        self.recomputed = tag_recomputation(forward, self.block_of, options.ac_mode, options.ac_option)
-        if options.reshard_after_forward:  # the backward gathers its parameters again (FSDP)
-            params = {n.name for n in graph.params.values()}
-            self.recomputed += recompute_parameter_views(forward, params, self.block_of)
-        with graph.fake_mode:  # the partitioner's RNG handling asks for the fake mode
-            self.fwd_gm, self.bwd_gm = T.partition_joint(graph.gm, num_fwd_outputs=len(self.out_slots))
-        for gm in (self.fwd_gm, self.bwd_gm):  # the partitioner keeps unused random ops (attention): drop them
-            # (no recompile: these graphs are only interpreted, node by node, never called)
-            gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output"))
-            place_on_device(gm, self.device, graph.traced_device)
+        phases = phase_graphs(graph, self.block_of, options, self.device)
+        self.fwd_gm, self.bwd_gm, self.recomputed = phases.fwd, phases.bwd, phases.recomputed
         self.saved_names = [a.name for a in self.fwd_gm.graph.output_node().args[0][len(self.out_slots):]]
         bucket = self.bucket = options.bucket
         self.reshard_after_forward = options.reshard_after_forward

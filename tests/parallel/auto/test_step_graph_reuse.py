@@ -21,6 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from models import build_model
 from parallel import _torch as T
+from parallel.auto import presets
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.config import PlannerConfig
 from parallel.auto.cost.memory import step_graph_memory
@@ -207,3 +208,34 @@ def test_reused_graph_gives_the_fresh_graphs_loss_and_gradients():
         assert reused["grads"].keys() == fresh["grads"].keys()
         for f, g in reused["grads"].items():
             torch.testing.assert_close(g, fresh["grads"][f], rtol=1e-5, atol=1e-7, msg=f)
+
+
+def test_the_partition_is_made_once_per_graph_and_checkpointing_policy():
+    """Runners of different plans share the joint graph's forward/backward partition
+    (runner.phase_graphs): the same GraphModules for the same policy, their own for another,
+    and an estimate made from the shared partition equals one made from a fresh partition,
+    after another policy re-tagged the joint graph in between."""
+    with fake_world(WORLD):
+        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+        with _autop(mesh, _model()) as autop:
+            plan = autop.optimize_placement(verbose=False)
+            first = autop.estimate_memory(plan)
+            runner = autop.traced_step.runner
+            graph = autop.graph
+            assert len(graph.phase_graphs) == 1
+            presets.fsdp(autop)  # another plan, the same policy: the same partition
+            other = autop.optimize_placement(verbose=False)
+            assert other.placement_digest() != plan.placement_digest()
+            autop.estimate_memory(other)
+            assert autop.traced_step.runner.fwd_gm is runner.fwd_gm and len(graph.phase_graphs) == 1
+            full = RuntimeOptions(ac_mode="full")  # another policy: its own partition, recomputing more
+            autop.estimate_memory(plan, full)
+            assert autop.traced_step.runner.fwd_gm is not runner.fwd_gm and len(graph.phase_graphs) == 2
+            assert autop.traced_step.runner.recomputed > runner.recomputed
+            again = autop.estimate_memory(plan)  # the first policy again: the kept partition
+            assert autop.traced_step.runner.fwd_gm is runner.fwd_gm
+            graph.phase_graphs.clear()
+            fresh = autop.estimate_memory(plan)  # a new partition of the (re-tagged) joint graph
+            assert autop.traced_step.runner.fwd_gm is not runner.fwd_gm
+    assert again.peak_bytes == fresh.peak_bytes == first.peak_bytes
+    assert again.summary() == fresh.summary() == first.summary()
