@@ -31,6 +31,7 @@ The labels sum to the peak. Eager execution only: Inductor plans its own buffers
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -106,12 +107,32 @@ def _tensors(v: Any) -> list[torch.Tensor]:
     return []
 
 
+COPIED_STORAGES = "copied_storages"
+"""Node meta key of a step-graph node that is a copy of a repeated block's node
+(runtime/block_replay.py): such a node's value is its template's own fake tensor (a fresh
+one per copy costs more than the rest of the copy), and this mapping gives, for each
+storage of that value, the storage the copy stands for."""
+
+
 def _storage(t: torch.Tensor) -> tuple[int, int] | None:
     """(identity, bytes) of a tensor's storage; views share their base's."""
     try:
         return T.storage_id(t), t.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+def value_storages(n: fx.Node) -> list[tuple[Hashable, int]]:
+    """(identity, bytes) of the storage of each tensor of a node's value, in order: two
+    values on one storage (a view and its base) have one identity, and a copied block's
+    node has the identity its copy stands for (`COPIED_STORAGES`), not its template's."""
+    remap = n.meta.get(COPIED_STORAGES)
+    out = []
+    for t in _tensors(n.meta.get("val")):
+        k = _storage(t)
+        if k is not None:
+            out.append((k if remap is None else (remap[k[0]], k[1])))
+    return out
 
 
 def _is_wait(n: fx.Node) -> bool:
@@ -139,12 +160,12 @@ class _Liveness:
     def __init__(self, gm: fx.GraphModule, gather_staging: bool = False):
         self.nodes = list(gm.graph.nodes)
         pos = {n: i for i, n in enumerate(self.nodes)}
-        self.size: dict[int, int] = {}
-        self.start: dict[int, int] = {}
-        self.end: dict[int, int] = {}
-        self.external: set[int] = set()  # storages of the graph's inputs (exist before the step)
-        self.producer: dict[int, fx.Node] = {}
-        self.alias: dict[int, int] = {}  # a wait's result is its collective's output (traced as a new tensor)
+        self.size: dict[Hashable, int] = {}
+        self.start: dict[Hashable, int] = {}
+        self.end: dict[Hashable, int] = {}
+        self.external: set[Hashable] = set()  # storages of the graph's inputs (exist before the step)
+        self.producer: dict[Hashable, fx.Node] = {}
+        self.alias: dict[Hashable, Hashable] = {}  # a wait's result is its collective's output (traced as a new tensor)
         for i, n in enumerate(self.nodes):
             if _is_wait(n):
                 for (own, _), (base, _) in zip(self.keys(n), self.keys(n.args[0])):
@@ -158,18 +179,13 @@ class _Liveness:
                 self.size[key] = max(self.size.get(key, 0), nbytes)
                 self.end[key] = max(self.end.get(key, i), last)
         self._hold_collective_inputs(pos)
-        self.staging: set[int] = set()  # gloo's flat all-gather buffers (synthetic keys, negative)
+        self.staging: set[Hashable] = set()  # gloo's flat all-gather buffers (synthetic keys, negative)
         if gather_staging:
             self._stage_gathers(pos)
 
-    def keys(self, n: fx.Node) -> list[tuple[int, int]]:
+    def keys(self, n: fx.Node) -> list[tuple[Hashable, int]]:
         """(storage, bytes) of a node's tensors, a wait's result as its collective's output."""
-        out = []
-        for t in _tensors(n.meta.get("val")):
-            k = _storage(t)
-            if k is not None:
-                out.append((self.alias.get(k[0], k[0]), k[1]))
-        return out
+        return [(self.alias.get(k, k), nbytes) for k, nbytes in value_storages(n)]
 
     def _hold_collective_inputs(self, pos: dict[fx.Node, int]) -> None:
         """An issued collective keeps its input buffer until its wait (the work holds it and
@@ -194,7 +210,7 @@ class _Liveness:
             self.end[key] = max((pos[u] for u in n.users), default=pos[n] + 1) - 1
             self.staging.add(key)
 
-    def internal(self) -> list[int]:
+    def internal(self) -> list[Hashable]:
         return [k for k in self.start if k not in self.external]
 
 
@@ -228,7 +244,7 @@ class _Peak:
     parts: dict[str, int] | None = None
 
 
-def _labels(lv: _Liveness, grad_keys: set[int], boundary: int, n_inputs: int) -> dict[int, str]:
+def _labels(lv: _Liveness, grad_keys: set[Hashable], boundary: int, n_inputs: int) -> dict[Hashable, str]:
     state = _derived_from_state(lv.nodes, n_inputs)
     out = {}
     for k in lv.internal():
@@ -243,10 +259,10 @@ def _labels(lv: _Liveness, grad_keys: set[int], boundary: int, n_inputs: int) ->
     return out
 
 
-def _sweep(lv: _Liveness, labels: dict[int, str], boundary: int) -> tuple[_Peak, int]:
+def _sweep(lv: _Liveness, labels: dict[Hashable, str], boundary: int) -> tuple[_Peak, int]:
     """(the peak of live bytes with its parts, activations alive when the forward ends)."""
-    allocs: dict[int, list[int]] = {}
-    frees: dict[int, list[int]] = {}
+    allocs: dict[int, list[Hashable]] = {}
+    frees: dict[int, list[Hashable]] = {}
     for k in labels:
         allocs.setdefault(lv.start[k], []).append(k)
         frees.setdefault(lv.end[k], []).append(k)

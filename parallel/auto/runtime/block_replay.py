@@ -27,6 +27,7 @@ from torch import fx
 from torch.distributed.tensor import DTensor
 
 from parallel import _torch as T
+from parallel.auto.cost.memory import COPIED_STORAGES, value_storages
 from parallel.auto.placements import spec_placement_strs
 
 log = logging.getLogger("parallel.auto.runtime")
@@ -186,6 +187,12 @@ class _Template:
     stats: Counter
     deltas: tuple[int, ...]  # the blocks (relative to its own) it reads
     state: tuple  # which of their parameters were gathered / had shards when it ran
+
+    @property
+    def bound(self) -> list[fx.Node]:
+        """Its nodes whose values a copy hands on (outputs, gathered parameters)."""
+        return [tn for _, _, leaves in self.outputs for kind, tn, _ in leaves if kind == "t"] + \
+            [tn for _, tn, _ in self.cache_added]
 
 
 @dataclass
@@ -371,7 +378,7 @@ class BlockReplay:
                 self.refused += 1
                 return False
             mapping[tn] = tn2
-        copy_nodes(self.tracer.graph, tmpl.nodes, mapping)
+        copy_nodes(self.tracer.graph, tmpl.nodes, mapping, tmpl.bound)
         with T.untraced():
             outs = {i: T.tree_unflatten([self._bind(mapping, leaf) for leaf in leaves], tree)
                     for i, tree, leaves in tmpl.outputs}
@@ -388,23 +395,35 @@ class BlockReplay:
         return bind_copy(self.tracer, self.mesh, mapping, leaf)
 
 
-def copy_nodes(graph: fx.Graph, nodes: list[fx.Node], mapping: dict[fx.Node, fx.Node]) -> None:
+def copy_nodes(graph: fx.Graph, nodes: list[fx.Node], mapping: dict[fx.Node, fx.Node],
+               bound: list[fx.Node]) -> None:
     """Append copies of `nodes` to `graph`, their reads of values from before them rebound by
-    `mapping` (which gains every copy), each with fresh fake values (`_FreshValues`)."""
+    `mapping` (which gains every copy). The copies of `bound` (the nodes whose values the
+    trace goes on with) get fresh fake values (`_FreshValues`); every other copy keeps its
+    template's value and says which storage it stands for (`COPIED_STORAGES`), for the
+    memory walk: a fake tensor per node was most of a copy's time."""
     fresh = _FreshValues()
     inside = set(nodes)
     for old, new in list(mapping.items()):
         if old not in inside:
-            fresh.seed(old.meta.get("val"), new.meta.get("val"))
+            fresh.seed(old, new.meta.get("val"))
     with T.no_modes():
-        for node in nodes:
-            # Graph.node_copy, without its generic argument walk (half of its time here)
-            new = graph.create_node(node.op, node.target, _remap(node.args, mapping), _remap(node.kwargs, mapping),
-                                    name=node.name, type_expr=node.type)
-            new.meta = dict(node.meta)
-            if "val" in node.meta:
-                new.meta["val"] = fresh.like(node.meta["val"])
-            mapping[node] = new
+        vals = {n: fresh.like(n) for n in bound if "val" in n.meta}
+    storages = _CopyStorages(fresh)
+    for node in nodes:
+        # Graph.node_copy without its generic argument walks: the arguments are set after
+        # creation (create_node walks them once more for symbolic ints: none in a copy)
+        new = graph.create_node(node.op, node.target, name=node.name, type_expr=node.type)
+        new.args, new.kwargs = _remap(node.args, mapping), _remap(node.kwargs, mapping)
+        meta = dict(node.meta)
+        if node in vals:
+            meta["val"] = vals[node]
+            meta.pop(COPIED_STORAGES, None)
+        elif "val" in meta:
+            inner = meta.get(COPIED_STORAGES)
+            meta[COPIED_STORAGES] = storages if inner is None else _Chained(inner, storages)
+        new.meta = meta
+        mapping[node] = new
 
 
 def bind_copy(tracer: Any, mesh: Any, mapping: dict[fx.Node, fx.Node], leaf: tuple) -> Any:
@@ -457,7 +476,7 @@ class CallReplay:
             nodes, template_inputs, consts, leaves = tmpl
             mapping = dict(zip(template_inputs, in_nodes))
             mapping.update((c, c) for c in consts)
-            copy_nodes(self.tracer.graph, nodes, mapping)
+            copy_nodes(self.tracer.graph, nodes, mapping, [tn for _, tn, _ in leaves])
             with T.untraced():
                 out = [bind_copy(self.tracer, self.mesh, mapping, leaf) for leaf in leaves]
             self.copied += 1
@@ -487,28 +506,61 @@ class CallReplay:
 class _FreshValues:
     """New fake tensors shaped like a template's, sharing storage among themselves exactly as
     the template's do (a view of a storage stays a view of its copy), and with the storages
-    of the values read from outside the block mapped to this block's. Made under
-    `T.no_modes()`."""
+    of the values read from outside the block mapped to this block's. Storages are told
+    apart as the memory walk tells them (`value_storages`). Made under `T.no_modes()`."""
 
     def __init__(self) -> None:
-        self.storages: dict[int, torch.Tensor] = {}  # template storage -> a tensor on its copy
+        self.storages: dict[Any, torch.Tensor] = {}  # template storage -> a tensor on its copy
 
-    def like(self, v: Any) -> Any:
+    def like(self, n: fx.Node) -> Any:
+        """A fresh value like template node `n`'s."""
+        keys = iter(value_storages(n))
+        return self._like(n.meta["val"], keys)
+
+    def _like(self, v: Any, keys: Any) -> Any:
         if isinstance(v, torch.Tensor) and T.is_fake(v):
-            return self._tensor(v)
+            key, nbytes = next(keys)
+            base = self.storages.get(key)
+            if base is None:
+                base = self.storages[key] = T.meta_storage(nbytes)
+            return T.fake_view(v.fake_mode, base, v)
+        if isinstance(v, torch.Tensor):
+            next(keys, None)  # a real tensor's storage is listed too
+            return v
         if isinstance(v, (tuple, list)):
-            return type(v)(self.like(x) for x in v)
+            return type(v)(self._like(x, keys) for x in v)
         return v
 
-    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
-        sid = T.storage_id(t)
-        base = self.storages.get(sid)
-        if base is None:
-            base = self.storages[sid] = T.meta_storage(t.untyped_storage().nbytes())
-        return T.fake_view(t.fake_mode, base, t)
+    def seed(self, template: fx.Node, val: Any) -> None:
+        """A value read from outside: the template's storage is this block's."""
+        tensors = [t for t in T.tree_flatten(val)[0] if isinstance(t, torch.Tensor)]
+        for (key, _), b in zip(value_storages(template), tensors):
+            self.storages.setdefault(key, b)
 
-    def seed(self, template_val: Any, val: Any) -> None:
-        """Values read from outside: the template's storage is this block's."""
-        for a, b in zip(T.tree_flatten(template_val)[0], T.tree_flatten(val)[0]):
-            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-                self.storages.setdefault(T.storage_id(a), b)
+
+class _CopyStorages(dict):
+    """One copy's storage for each of its template's: the one `_FreshValues` made or
+    seeded for it, else an identity of the copy's own."""
+
+    _serial = 0
+
+    def __init__(self, fresh: _FreshValues):
+        super().__init__()
+        self.fresh = fresh
+        _CopyStorages._serial += 1
+        self.serial = _CopyStorages._serial
+
+    def __missing__(self, key: Any) -> Any:
+        base = self.fresh.storages.get(key)
+        out = self[key] = T.storage_id(base) if base is not None else (self.serial, key)
+        return out
+
+
+class _Chained:
+    """The storages of a copy of a copy: the inner copy's, then the outer's."""
+
+    def __init__(self, inner: Any, outer: _CopyStorages):
+        self.inner, self.outer = inner, outer
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.outer[self.inner[key]]

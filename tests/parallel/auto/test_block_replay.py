@@ -6,6 +6,7 @@ is the same to the byte; and on gloo ranks a plan run through the copies trains 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from models import build_model
 from parallel import _torch as T
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.config import PlannerConfig
+from parallel.auto.cost.memory import value_storages
 from parallel.auto.regions import moe_dispatch
 from parallel.auto.runtime import RuntimeOptions
 from parallel.auto.runtime.memory import step_memory, trace_step
@@ -36,15 +38,16 @@ LAYERS = 6
 def _form(gm: torch.fx.GraphModule) -> list[tuple]:
     """The graph with node names replaced by positions and storages by first appearance."""
     pos: dict[torch.fx.Node, int] = {}
-    storages: dict[int, int] = {}
+    storages: dict[Hashable, int] = {}  # as the memory walk tells them apart
     out = []
     for i, n in enumerate(gm.graph.nodes):
         pos[n] = i
         leaves, tree = T.tree_flatten((n.args, dict(n.kwargs)))
         args = tuple(("node", pos[a]) if isinstance(a, torch.fx.Node) else a for a in leaves)
+        tensors = [t for t in T.tree_flatten(n.meta.get("val"))[0] if isinstance(t, torch.Tensor)]
         vals = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.storage_offset(), str(t.device),
-                      storages.setdefault(T.storage_id(t), len(storages)))
-                     for t in T.tree_flatten(n.meta.get("val"))[0] if isinstance(t, torch.Tensor))
+                      storages.setdefault(key, len(storages)))
+                     for t, (key, _) in zip(tensors, value_storages(n), strict=True))
         out.append((n.op, n.target if n.op == "call_function" else n.op, str(tree), args, vals))
     return out
 
