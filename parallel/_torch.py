@@ -41,12 +41,10 @@ from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
-    FakeTensorDeviceMismatchError,
     FakeTensorMode,
     unset_fake_temporarily,
 )
 from torch.distributed._functional_collectives import (
-    all_gather_single_autograd,
     all_to_all_single_autograd,
     wait_tensor,
 )
@@ -85,6 +83,19 @@ from torch.utils.flop_counter import (
     sdpa_backward_flop_count,
     sdpa_flop_count,
 )
+
+# torch 2.13 names that older torches (the GPU image's 2.11) lack: the same behaviour under
+# their older names, so the trainer also runs on a GPU machine's own torch.
+try:
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+except ImportError:  # torch < 2.13: a device clash is a plain RuntimeError
+    FakeTensorDeviceMismatchError = RuntimeError  # type: ignore[misc,assignment]
+try:
+    from torch.distributed._functional_collectives import all_gather_single_autograd
+except ImportError:  # torch < 2.13: the autograd all-gather had its older name
+    from torch.distributed._functional_collectives import (  # type: ignore[no-redef]
+        all_gather_tensor_autograd as all_gather_single_autograd,
+    )
 
 __all__ = [
     "FAKE_BACKEND", "FAKE_DEVICE", "autograd_device", "enable_fake_cuda",

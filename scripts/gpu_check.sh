@@ -9,6 +9,7 @@
 #
 #   bash scripts/gpu_check.sh                  # writes $OUT (default outputs/gpu_check)
 #   BUDGET_S=420 LBS_1B=8 PROFILE_DEBUG=1 bash scripts/gpu_check.sh
+#   ONLY="cpu_ref auto_eager auto_compiled 1b_auto_compiled" bash scripts/gpu_check.sh   # these variants alone
 #
 # $OUT at the end: report.txt; 1b_{manual,auto}_compiled.json.gz (Chrome/Perfetto traces); kernels.txt
 # (each trace's top ops and kernels); logs.tar.gz (every <variant>.log, status.tsv, versions.txt, the
@@ -74,6 +75,9 @@ run() {
   local name=$1 cap=$2; shift 2
   local left=$((DEADLINE - SECONDS)) t0=$SECONDS rc
   local limit=$((cap < left ? cap : left))
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then  # ONLY="a b": run these variants alone
+    echo "skipped: not in ONLY" >"$OUT/$name.log"; printf '%s\t125\t0\t0\n' "$name" >>"$OUT/status.tsv"; return 0
+  fi
   if [ "$limit" -lt 20 ]; then
     echo "== $name: skipped (${left}s left of the budget)"; echo "skipped: out of time" >"$OUT/$name.log"
     printf '%s\t125\t0\t%s\n' "$name" "$limit" >>"$OUT/status.tsv"; return 0

@@ -440,7 +440,7 @@ def bind_copy(tracer: Any, mesh: Any, mapping: dict[fx.Node, fx.Node], leaf: tup
 
 
 def _graph_tail(tracer: Any) -> fx.Node:
-    return next(reversed(tracer.graph.nodes))
+    return next(iter(reversed(tracer.graph.nodes)))  # iter(): torch < 2.13 returns a list view
 
 
 def _nodes_after(marker: fx.Node) -> list[fx.Node]:

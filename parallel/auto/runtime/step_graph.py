@@ -22,6 +22,7 @@ the ParallelModule (`step_key` says whether a call's layout is the one it was tr
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable
 from typing import Any
@@ -79,6 +80,46 @@ def drop_no_op_nodes(gm: Any) -> int:
             removed += 1
     return removed
 
+
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor")
+
+
+def _fresh_and_only_read_by(v: Any, n: Any) -> bool:
+    """`v` is a new tensor made inside the graph (not an input, not a view of anything) that
+    nothing but `n` reads: mutating it is invisible once `n`'s result is unused."""
+    if not isinstance(v, torch.fx.Node) or v.op != "call_function" or set(v.users) != {n}:
+        return False
+    t = v.target
+    return isinstance(t, T.OpOverload) and not any(r.alias_info is not None for r in t._schema.returns)
+
+
+def _must_run(n: Any) -> bool:
+    """Whether a node stays although nothing reads its result: inputs, outputs, collectives
+    (every rank runs the same ones), random ops (they advance the generator), calls that are
+    not ATen ops, and writes into a tensor that something else can still see."""
+    if n.op != "call_function":
+        return True
+    t = n.target
+    if t is operator.getitem:
+        return False
+    if not isinstance(t, T.OpOverload) or t.namespace in _COLLECTIVE_NAMESPACES:
+        return True
+    if torch.Tag.nondeterministic_seeded in t.tags:
+        return True
+    written = [n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+               for i, arg in enumerate(t._schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write]
+    return not all(_fresh_and_only_read_by(v, n) for v in written)
+
+
+def drop_dead_nodes(gm: Any) -> int:
+    """Remove the ops whose results nothing reads. Some torch versions leave such chains in the
+    trace (torch 2.11 records DTensor's own shape propagation: an `embedding` of uninitialised
+    host tensors that fails on a GPU, IndexError), and eager mode would run them every step.
+    Returns how many nodes were removed; the caller regenerates the code."""
+    before = len(gm.graph.nodes)
+    gm.graph.eliminate_dead_code(is_impure_node=_must_run)
+    return before - len(gm.graph.nodes)
 
 class CompileError(RuntimeError):
     """Inductor could not compile the step graph (the message says why and what to set)."""
@@ -156,7 +197,7 @@ class StepGraph:
         self.out_specs, self.has_grad = layout["outs"], layout["has_grad"]
         # the gradients' layout: the parameters' (reduced), else each as the backward left it
         self.grad_specs = [sp for sp, has in zip(self.pspecs, self.has_grad) if has] if reduce else layout["grads"]
-        self.dropped = drop_no_op_nodes(self.gm)
+        self.dropped = drop_dead_nodes(self.gm) + drop_no_op_nodes(self.gm)
         self.overlap: OverlapReport | None = schedule_overlap(self.gm, recompile=False) if overlap else None
         self.collectives = count_collectives(self.gm)
         self.trace_seconds = time.perf_counter() - t0
