@@ -108,7 +108,8 @@ __all__ = [
     "clear_sharding_caches", "compile_errors_fall_back", "storage_id", "expand_to_full_mesh_op_strategy", "fake_world",
     "flatten_mesh", "foreach_mul_",
     "foreach_norm", "get_all_output_and_tangent_nodes", "get_named_buffer_nodes", "get_param_and_grad_nodes",
-    "get_plain_input_and_grad_nodes", "is_fake", "op_name", "partition_joint", "partition_value",
+    "get_plain_input_and_grad_nodes", "is_fake", "op_name", "returns_a_view", "written_arguments",
+    "partition_joint", "partition_value",
     "autograd_enabled", "real_tensors", "register_planner_ops", "register_region_strategy", "trace_fake",
     "sequence_nr", "sharding_propagator", "active_tracer", "traced_node", "bind_traced", "untraced",
     "local_tensor", "dtensor_on", "generate_code", "no_modes", "meta_storage", "fake_view", "tree_flatten",
@@ -188,6 +189,18 @@ def op_name(op: Any) -> str:
     if isinstance(op, OpOverloadPacket):
         return op._qualified_op_name.split("::")[-1]
     return getattr(op, "__name__", str(op))
+
+
+def written_arguments(node: Any) -> list[Any]:
+    """The arguments an ATen op node writes into (its schema's `(a!)` arguments)."""
+    schema = node.target._schema
+    return [node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            for i, arg in enumerate(schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write]
+
+
+def returns_a_view(op: OpOverload) -> bool:
+    """Whether an ATen op's result may alias one of its inputs (a view or an in-place write)."""
+    return any(r.alias_info is not None for r in op._schema.returns)
 
 
 def sequence_nr() -> int:

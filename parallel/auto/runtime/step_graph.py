@@ -90,8 +90,7 @@ def _fresh_and_only_read_by(v: Any, n: Any) -> bool:
     nothing but `n` reads: mutating it is invisible once `n`'s result is unused."""
     if not isinstance(v, torch.fx.Node) or v.op != "call_function" or set(v.users) != {n}:
         return False
-    t = v.target
-    return isinstance(t, T.OpOverload) and not any(r.alias_info is not None for r in t._schema.returns)
+    return isinstance(v.target, T.OpOverload) and not T.returns_a_view(v.target)
 
 
 def _must_run(n: Any) -> bool:
@@ -107,9 +106,7 @@ def _must_run(n: Any) -> bool:
         return True
     if torch.Tag.nondeterministic_seeded in t.tags:
         return True
-    written = [n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
-               for i, arg in enumerate(t._schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write]
-    return not all(_fresh_and_only_read_by(v, n) for v in written)
+    return not all(_fresh_and_only_read_by(v, n) for v in T.written_arguments(n))
 
 
 def drop_dead_nodes(gm: Any) -> int:
