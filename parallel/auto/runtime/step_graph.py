@@ -81,8 +81,7 @@ def drop_no_op_nodes(gm: Any) -> int:
     return removed
 
 
-
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor")
+_PURE_NAMESPACES = ("aten", "prims")  # ops whose schema says all they do; collectives, regions' ops stay
 
 
 def _fresh_and_only_read_by(v: Any, n: Any) -> bool:
@@ -94,15 +93,15 @@ def _fresh_and_only_read_by(v: Any, n: Any) -> bool:
 
 
 def _must_run(n: Any) -> bool:
-    """Whether a node stays although nothing reads its result: inputs, outputs, collectives
-    (every rank runs the same ones), random ops (they advance the generator), calls that are
-    not ATen ops, and writes into a tensor that something else can still see."""
+    """Whether a node stays although nothing reads its result: inputs, outputs, anything but
+    an ATen op (collectives, regions' ops, Python calls), random ops (they advance the
+    generator), and writes into a tensor that something else can still see."""
     if n.op != "call_function":
         return True
     t = n.target
     if t is operator.getitem:
         return False
-    if not isinstance(t, T.OpOverload) or t.namespace in _COLLECTIVE_NAMESPACES:
+    if not isinstance(t, T.OpOverload) or t.namespace not in _PURE_NAMESPACES:
         return True
     if torch.Tag.nondeterministic_seeded in t.tags:
         return True
@@ -117,6 +116,7 @@ def drop_dead_nodes(gm: Any) -> int:
     before = len(gm.graph.nodes)
     gm.graph.eliminate_dead_code(is_impure_node=_must_run)
     return before - len(gm.graph.nodes)
+
 
 class CompileError(RuntimeError):
     """Inductor could not compile the step graph (the message says why and what to set)."""

@@ -58,3 +58,15 @@ def test_only_unread_pure_ops_go_and_the_step_computes_the_same():
     emb = torch.nn.functional.embedding(tok, w)
     torch.testing.assert_close(total, (emb * 2 + 1).sum())  # the in-place bump still counted
     torch.testing.assert_close(acc, emb)  # the input was written
+
+
+def test_collectives_stay_though_nothing_reads_them():
+    """Every rank must run the same collectives: one whose result is unused is not dropped."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    reduced = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))
+    g.call_function(aten.mul.Tensor, (reduced, 2.0))  # unread: goes
+    g.output((x,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    assert drop_dead_nodes(gm) == 1
+    assert reduced in gm.graph.nodes
