@@ -70,13 +70,14 @@ fi
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc_per_node=1)  # = torchrun, with $PY
 
 # run NAME CAP_S CMD...: CMD under `timeout` (its cap, or less as the deadline nears), output to
-# $OUT/NAME.log, "NAME rc seconds" to status.tsv. rc 124/137: timed out; 125: skipped, no time left.
+# $OUT/NAME.log, "NAME rc seconds" to status.tsv. rc 124/137: timed out; 125: skipped, no time left;
+# 126: not asked for (ONLY), neither run nor judged.
 run() {
   local name=$1 cap=$2; shift 2
   local left=$((DEADLINE - SECONDS)) t0=$SECONDS rc
   local limit=$((cap < left ? cap : left))
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then  # ONLY="a b": run these variants alone
-    echo "skipped: not in ONLY" >"$OUT/$name.log"; printf '%s\t125\t0\t0\n' "$name" >>"$OUT/status.tsv"; return 0
+    echo "not run: not in ONLY" >"$OUT/$name.log"; printf '%s\t126\t0\t0\n' "$name" >>"$OUT/status.tsv"; return 0
   fi
   if [ "$limit" -lt 20 ]; then
     echo "== $name: skipped (${left}s left of the budget)"; echo "skipped: out of time" >"$OUT/$name.log"

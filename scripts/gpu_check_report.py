@@ -96,6 +96,9 @@ def max_rel_diff(got: dict[int, float], ref: dict[int, float]) -> tuple[float | 
     return max(abs(got[s] - ref[s]) / max(abs(ref[s]), 1e-12) for s in common), len(common)
 
 
+NOT_ASKED = 126  # gpu_check.sh's status for a variant that ONLY= left out
+
+
 def run_state(rc: int | None, n_steps: int) -> str:
     if rc is None:
         return "FAILED not run"
@@ -129,6 +132,9 @@ def _row(args: argparse.Namespace, name: str, st: dict, ref: list, profiles: lis
          notes: list[str], tps: dict[str, float | None]) -> str:
     """One variant's table line (its failures and notes appended to `failed`, `notes`)."""
     rc, secs = st.get(name, (None, 0))
+    if rc == NOT_ASKED:  # ONLY= named other variants: this one is neither run nor judged
+        tps[name] = None
+        return f"{name:<22} {'not run (ONLY)':<15}"
     logp = args.out / f"{name}.log"
     log = logp.read_text(errors="replace") if logp.exists() else ""
     t, mfu, mem, n_steps = step_figures(log)
