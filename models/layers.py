@@ -320,6 +320,9 @@ class DecoderBase(nn.Module):
     """
 
     args: object
+    repeated_blocks = "layers"
+    """The list of blocks whose forward depends only on its inputs and own parameters (not on
+    its index or on how many there are): the planner traces two and copies the rest."""
     tok_embeddings: nn.Embedding
     rope: RotaryEmbedding
     layers: nn.ModuleList

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import logging
 import re
@@ -25,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from parallel import _torch as T
 from parallel.auto.fold import ConstantReads, FoldedRead
+from parallel.auto.layer_copies import CopyRefused, LayerRun, copy_layers, layer_run, truncate
 from parallel.auto.regions import regions_in, traced_regions
 
 log = logging.getLogger(__name__)
@@ -178,13 +180,16 @@ def model_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def _fake_copy(model: nn.Module, fake_mode: Any, device: str) -> nn.Module:
-    """A copy of the model whose parameters/buffers are FakeTensors (the user's model is untouched).
+def _fake_copy(model: nn.Module, fake_mode: Any, device: str, run: LayerRun | None) -> nn.Module:
+    """A copy of the model whose parameters/buffers are FakeTensors (the user's model is
+    untouched), cut to the blocks `run` keeps.
 
     A raw meta module would trace forward only (every grad output None, silently), so
     meta parameters are materialised as fake CPU tensors with to_empty.
     """
     clone = copy.deepcopy(model)  # cheap for a meta model (the intended use)
+    if run is not None:
+        truncate(clone, run)
     with fake_mode:
         clone.to_empty(device=device)
     return clone
@@ -207,6 +212,7 @@ def trace_joint(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     device: str = T.FAKE_DEVICE,
     regions: tuple[str, ...] = (),
+    copy_blocks: bool = True,
 ) -> JointGraph:
     """Trace model (+ loss_fn(model, *inputs)) into a labelled joint fwd+bwd graph.
 
@@ -216,7 +222,9 @@ def trace_joint(
     the plan will run on (its ATen ops differ: CPU and CUDA attention kernels), the
     mesh's own; fake meshes for planning are on the CPU. `regions`: names of declared
     local_map regions whose marked modules are traced as one node each (regions/);
-    functions decorated with `regions.region` always are.
+    functions decorated with `regions.region` always are. `copy_blocks`: a model that
+    names its repeated blocks is traced with two of the last run and the rest are copied
+    (layer_copies.py); False traces every block.
     """
     T.register_planner_ops()
     t0 = time.perf_counter()
@@ -224,9 +232,46 @@ def trace_joint(
         sample_inputs = sample_inputs()
     if not isinstance(sample_inputs, tuple):
         sample_inputs = (sample_inputs,)
+    run = layer_run(model) if copy_blocks else None
+    traced = _trace(model, sample_inputs, loss_fn, device, regions, run)
+    if run is not None:
+        try:
+            added = copy_layers(traced.gm, traced.module_of, run, traced.fake_mode)
+            traced.folded += _folded_in_copies(traced.folded, run)
+            log.info("trace: %d of %d blocks traced, the other %d copied (%d nodes)",
+                     run.kept, run.total, run.total - run.kept, added)
+        except CopyRefused as e:
+            log.info("trace: blocks not copied (%s); tracing all %d", e, run.total)
+            traced = _trace(model, sample_inputs, loss_fn, device, regions, None)
+    jg = _label(traced.gm, traced.fake_mode)
+    jg.module_of = traced.module_of
+    jg.folded = traced.folded
+    jg.regions = regions_in(traced.gm)
+    jg.traced_device = traced.device
+    jg.fingerprint = model_fingerprint(model)
+    flat = T.tree_flatten(sample_inputs)[0]
+    jg.input_shapes = [(list(x.shape), str(x.dtype)) for x in flat if isinstance(x, torch.Tensor)]
+    jg.trace_seconds = time.perf_counter() - t0
+    _check_loss_and_grads(jg)
+    log.info("trace: %s", jg.summary())
+    return jg
+
+
+@dataclass
+class _Traced:
+    gm: fx.GraphModule
+    fake_mode: Any
+    module_of: dict[str, str]
+    folded: list[FoldedRead]
+    device: str
+
+
+def _trace(model: nn.Module, sample_inputs: tuple, loss_fn: Callable[..., torch.Tensor] | None, device: str,
+           regions: tuple[str, ...], run: LayerRun | None) -> _Traced:
+    """AOTAutograd's joint export of a fake copy of the model (cut to `run`'s blocks)."""
     fake_mode = T.FakeTensorMode(allow_non_fake_inputs=True)
     lowering, device = device, T.autograd_device(device)  # lowering: which kernels the job's device runs
-    fake_model = _fake_copy(model, fake_mode, device)
+    fake_model = _fake_copy(model, fake_mode, device, run)
     wrapper = _LossModule(fake_model, loss_fn)
     flat, spec = T.tree_flatten(sample_inputs)
     fake_inputs = T.tree_unflatten([_to_fake(x, fake_mode, device) for x in flat], spec)
@@ -242,21 +287,22 @@ def trace_joint(
                 stack.enter_context(sdpa_kernel(SDPBackend.MATH))
             stack.enter_context(traced_regions(fake_model, regions))
             joint = _export(stack, wrapper, tuple(fake_inputs))
-            gm = joint.graph_module
-            jg = _label(gm, joint.fake_mode)
     finally:
         for h in handles:
             h.remove()
-    jg.module_of = _assign_modules(gm, ranges)
-    jg.folded = list(dict.fromkeys(reads.folded))  # AOTAutograd runs forward twice (metadata, then the graph)
-    jg.regions = regions_in(gm)
-    jg.traced_device = device
-    jg.fingerprint = model_fingerprint(model)
-    jg.input_shapes = [(list(x.shape), str(x.dtype)) for x in flat if isinstance(x, torch.Tensor)]
-    jg.trace_seconds = time.perf_counter() - t0
-    _check_loss_and_grads(jg)
-    log.info("trace: %s", jg.summary())
-    return jg
+    gm = joint.graph_module
+    # AOTAutograd runs forward twice (metadata, then the graph): distinct reads only
+    return _Traced(gm, joint.fake_mode, _assign_modules(gm, ranges), list(dict.fromkeys(reads.folded)), device)
+
+
+def _folded_in_copies(folded: list[FoldedRead], run: LayerRun) -> list[FoldedRead]:
+    """The template block's folded reads, as every copied block would have made them."""
+    out = []
+    for m in range(run.kept, run.total):
+        for r in folded:
+            if r.module == run.template or r.module.startswith(run.template + "."):
+                out.append(dataclasses.replace(r, module=run.name(m) + r.module[len(run.template):]))
+    return out
 
 
 def _check_loss_and_grads(jg: JointGraph) -> None:
