@@ -62,6 +62,10 @@ class PlacementOps:
     wants the parameter replicated, forward and backward.
     """
 
+    planned_strategies = True
+    """An op whose inputs are at the plan's placements gets DTensor's propagation with the
+    plan's strategy alone (`T.planned_strategy`); False: DTensor weighs all of them."""
+
     def __init__(self, mesh: Any, spec: dict[str, Any], param_dtype: torch.dtype | None, defer: set[str],
                  gather_buckets: dict[str, tuple] | None = None, load_balance: int = 1):
         self.mesh = mesh
@@ -133,9 +137,13 @@ class PlacementOps:
         # a torch.tensor literal) runs on them as they are; its output is wrapped Replicate below
         plain = not any(isinstance(env[a], DTensor) for a in leaves if is_tensor_node(a))
         vals, k = [], 0
+        as_planned = not plain and n.name not in self.defer and bool(in_specs)  # inputs at the plan's placements
         for a in leaves:
             if is_tensor_node(a) and not plain:
-                vals.append(self._input(n, a, env[a], in_specs[k] if k < len(in_specs) else None))
+                target = in_specs[k] if k < len(in_specs) else None
+                vals.append(self._input(n, a, env[a], target))
+                as_planned = as_planned and target is not None and isinstance(vals[-1], DTensor) and tuple(
+                    vals[-1].placements) == tuple(target.placements)
                 k += 1
             else:
                 vals.append(env[a] if isinstance(a, fx.Node) else a)
@@ -150,7 +158,11 @@ class PlacementOps:
         if region_of(n.target) is not None:  # a local_map region: its local function on shards
             return run_region(n, args, self.spec[n.name], self.mesh, self.load_balance)
         try:
-            out = n.target(*args, **kwargs)
+            if self.planned_strategies and as_planned and k == len(in_specs) and isinstance(n.target, T.OpOverload):
+                with T.planned_strategy(n.target, self.spec[n.name]):
+                    out = n.target(*args, **kwargs)
+            else:
+                out = n.target(*args, **kwargs)
         except Exception as e:
             ins = [f"{tuple(v.shape)}@{placement_str(tuple(v.placements))} local {tuple(v.to_local().shape)}"
                    for v in vals if isinstance(v, DTensor)]
