@@ -97,6 +97,13 @@ except ImportError:  # torch < 2.13: the autograd all-gather had its older name
         all_gather_tensor_autograd as all_gather_single_autograd,
     )
 
+from parallel._torch_memory import (  # the memory half of the adapter, re-exported
+    cpu_allocator_report_flag,
+    dump_cuda_memory_snapshot,
+    profiler_allocations,
+    record_cuda_memory_history,
+)
+
 __all__ = [
     "FAKE_BACKEND", "FAKE_DEVICE", "autograd_device", "enable_fake_cuda",
     "all_gather_single_autograd", "all_to_all_single_autograd", "wait_tensor",
@@ -116,6 +123,7 @@ __all__ = [
     "tree_map", "tree_unflatten",
     "unflatten_mesh",
     "CPU_ATTENTION_BWD", "CPU_ATTENTION_FWD", "dump_cuda_memory_snapshot", "record_cuda_memory_history",
+    "cpu_allocator_report_flag", "profiler_allocations",
 ]
 
 aten = torch.ops.aten
@@ -551,17 +559,6 @@ def autograd_enabled() -> Iterator[None]:
         yield
 
 
-def record_cuda_memory_history(enabled: bool, max_entries: int = 100_000) -> None:
-    """Start (or stop) CUDA's caching allocator recording every alloc/free with its stack, for
-    `dump_cuda_memory_snapshot` (trainer/profiling.py; torch's API for it is private)."""
-    torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=max_entries)
-
-
-def dump_cuda_memory_snapshot(path: str) -> None:
-    """The allocator's recorded history as a pickle (pytorch.org/memory_viz reads it)."""
-    torch.cuda.memory._dump_snapshot(path)
-
-
 _REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"  # torch's private module's logger
 _SEQUENTIAL_WARNING = "While redistributing from"  # its warning: N collectives, one per mesh axis
 
@@ -596,35 +593,3 @@ def quiet_sequential_redistribute_warnings() -> None:
     lg = logging.getLogger(_REDISTRIBUTE_LOGGER)
     if not any(isinstance(f, _SequentialRedistributeNote) for f in lg.filters):
         lg.addFilter(_SequentialRedistributeNote())
-
-
-def cpu_allocator_report_flag() -> Any | None:
-    """libc10's `FLAGS_caffe2_report_cpu_memory_usage` as a ctypes bool (None where this build
-    does not export it): on, the CPU allocator keeps its own running total over every thread's
-    allocations and frees and hands it to the profiler with each memory event."""
-    import ctypes
-    from pathlib import Path
-
-    try:
-        lib = next((Path(torch.__file__).parent / "lib").glob("libc10.*"))
-        return ctypes.c_bool.in_dll(ctypes.CDLL(str(lib)), "FLAGS_caffe2_report_cpu_memory_usage")
-    except (OSError, ValueError, StopIteration):
-        return None
-
-
-def profiler_allocations(prof: Any, device: str) -> list[tuple[int, int, int]]:
-    """(time ns, bytes (negative: a free), the allocator's total after it) of a finished
-    `torch.profiler.profile(profile_memory=True)`'s allocation events on `device`, in time
-    order (from the profiler's event tree, whose allocation records carry the total)."""
-    from torch._C._profiler import _EventType
-
-    out, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        e = todo.pop()
-        if e.tag == _EventType.Allocation:
-            f = e.extra_fields
-            if f.device.type == device:
-                out.append((e.start_time_ns, f.alloc_size, f.total_allocated))
-        else:
-            todo.extend(e.children)
-    return sorted(out)
