@@ -17,6 +17,7 @@ from trainer.trainer import Trainer
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE_CHOOSERS = {ROOT / "trainer" / "device.py",  # the job's device
                    ROOT / "parallel" / "_torch.py",  # the fake world's (planning, dry runs)
+                   ROOT / "parallel" / "_torch_memory.py",  # the CUDA allocator's history (profiling)
                    ROOT / "parallel" / "measure.py"}  # the allocator's peak (CUDA: max_memory_allocated)
 
 
