@@ -37,6 +37,7 @@ class EdgeRole:
 
 
 ACTIVATION = EdgeRole()
+MATRIX_PAIRS = 64  # from this many placement pairs an edge is priced in arrays (comm_matrix)
 
 
 def comm_dtype(dtype: torch.dtype, mp_dtype: torch.dtype | None) -> torch.dtype:
@@ -138,15 +139,20 @@ class StrategyPricer:
             return hit
         cdt, bucket_scale, bucket_mult, plain_mult = self._role_terms(dtype, role)
         meta = (shape, cdt)
-        m = np.empty((len(src), len(dst)))
         sid = [self._intern(p) for p in src]
         did = [self._intern(p) for p in dst]
-        pairs = self.pair_cache
         by_ids = self.fast_pricing  # interned placement ids: no placement hashing in the hot loop
         if by_ids:
             ndim = len(shape)
             s_ids = [self._ids(i, p, ndim) for i, p in zip(sid, src)]
             d_ids = [self._ids(i, p, ndim) for i, p in zip(did, dst)]
+            if len(src) * len(dst) >= MATRIX_PAIRS:
+                m = self._matrix(shape, cdt, s_ids, d_ids, sid, did, src, dst, role,
+                                 (bucket_scale, bucket_mult, plain_mult))
+                self.redist_cache[key] = m
+                return m
+        m = np.empty((len(src), len(dst)))
+        pairs = self.pair_cache
         for a, sp in enumerate(src):
             for b, dp in enumerate(dst):
                 if sid[a] == did[b]:
@@ -169,6 +175,32 @@ class StrategyPricer:
                     pairs[k] = c
                 m[a, b] = c * mult
         self.redist_cache[key] = m
+        return m
+
+    def _matrix(self, shape: tuple, cdt: torch.dtype, s_ids: list, d_ids: list, sid: list[int], did: list[int],
+                src: list[tuple], dst: list[tuple], role: EdgeRole, terms: tuple[float, float, float]) -> np.ndarray:
+        """The loop above for a whole matrix at once (cost/comm_matrix.py); same numbers."""
+        bucket_scale, bucket_mult, plain_mult = terms
+        s_arr, d_arr = np.array(s_ids, dtype=np.int64), np.array(d_ids, dtype=np.int64)
+        m = self.cm.redistribute_cost_matrix(s_arr, d_arr, shape, cdt.itemsize) * plain_mult
+        if role.kind == "act":
+            return m
+        cache = self.bucketed_cache
+        bucketed = np.zeros(m.shape, dtype=bool)
+        for a, sp in enumerate(src):
+            for b, dp in enumerate(dst):
+                bk = (sid[a], did[b], role.kind)
+                hit = cache.get(bk)
+                if hit is None:
+                    hit = cache[bk] = sid[a] != did[b] and self._bucketed(role, sp, dp)
+                bucketed[a, b] = hit
+        if bucketed.any():
+            rows, cols = np.nonzero(bucketed)
+            ra, ca = np.unique(rows), np.unique(cols)
+            sub = self.cm.redistribute_cost_matrix(s_arr[ra], d_arr[ca], shape, cdt.itemsize, bucket_scale)
+            full = np.zeros(m.shape)
+            full[np.ix_(ra, ca)] = sub * bucket_mult
+            m = np.where(bucketed, full, m)
         return m
 
     def _ids(self, sid: int, placements: tuple, ndim: int) -> tuple[int, ...]:

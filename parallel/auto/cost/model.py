@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
@@ -31,6 +32,7 @@ from .comm import (
     summarize_collectives,
     transition_template,
 )
+from .comm_matrix import redistribution_costs
 from .compute import FlopCache, _as_shape_dtype, _freeze, _nbytes, _tensor_list, is_zero_cost, roofline_us
 from .hardware import HardwareProfile, load_hardware
 
@@ -329,6 +331,13 @@ class CostModel:
             if dim is not None:
                 total += self.relayout_cost(relayout_bytes(kind, shape, divisors, itemsize, dim))
         return total
+
+    def redistribute_cost_matrix(self, src: np.ndarray, dst: np.ndarray, shape: tuple[int, ...],
+                                 itemsize: int, latency_scale: float = 1.0) -> np.ndarray:
+        """`redistribute_cost_ids` of every (row of `src`, row of `dst`) pair of interned
+        placement ids, as an array (cost/comm_matrix.py): the planner's edge pricing."""
+        return redistribution_costs(src, dst, shape, itemsize, self.links,
+                                    self.hw.memory_bandwidth * self.hw.memory_efficiency, latency_scale)
 
     def relayout_cost(self, nbytes: float) -> float:
         """µs of the local copy that gathering or scattering a dim other than 0 needs
