@@ -14,6 +14,7 @@ solve/seed.py), so the (1 + n)^D product of placements is never expanded.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +32,26 @@ def tensor_meta(val: torch.Tensor) -> Any:
     return T.TensorMeta(shape=val.shape, stride=val.stride(), dtype=val.dtype)
 
 
+_SPEC_TEMPLATES: dict[tuple, Any] = {}  # (mesh id, placements, meta) -> a spec to copy
+_SPEC_TEMPLATES_MAX = 200_000
+
+
 def make_spec(mesh: DeviceMesh, placements: Placements, meta: Any) -> Any:
-    return T.DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+    """A new DTensorSpec: a shallow copy of the first one made for these arguments. Seeding a
+    4-D mesh makes ~2*10^5 specs; DTensorSpec's __post_init__ (shard order, checks) costs
+    ~14 µs each, a copy ~2 µs. Copies, not one shared spec: DTensor sets fields of the
+    specs it is handed (`tensor_meta` of a strategy's outputs)."""
+    placements = tuple(placements)
+    key = (id(mesh), placements, meta)
+    try:
+        tpl = _SPEC_TEMPLATES.get(key)
+    except TypeError:  # an unhashable meta: no template
+        return T.DTensorSpec(mesh, placements, tensor_meta=meta)
+    if tpl is None or tpl.mesh is not mesh:
+        if len(_SPEC_TEMPLATES) >= _SPEC_TEMPLATES_MAX:
+            _SPEC_TEMPLATES.clear()
+        tpl = _SPEC_TEMPLATES[key] = T.DTensorSpec(mesh, placements, tensor_meta=meta)
+    return copy.copy(tpl)
 
 
 def out_meta_of(val: Any) -> Any:

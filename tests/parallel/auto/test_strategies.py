@@ -93,3 +93,19 @@ def test_cpu_attention_flops_registered():
     with FlopCounterMode(display=False) as fc:
         F.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert fc.get_total_flops() == 2 * (2 * 2 * 4 * 16 * 16 * 8)  # QK^T and AV
+
+
+def test_make_spec_returns_independent_copies(mesh2d):
+    """Specs are copied from a template (a DTensorSpec costs ~14 µs to build): equal to a new
+    one, shard order included, and setting a field of one leaves the others alone."""
+    from parallel import _torch as T
+    from parallel.auto.enumeration import make_spec, tensor_meta
+
+    meta = tensor_meta(torch.empty(8, 6, device="meta"))
+    a, b = make_spec(mesh2d, (S(0), S(1)), meta), make_spec(mesh2d, [S(0), S(1)], meta)
+    fresh = T.DTensorSpec(mesh2d, (S(0), S(1)), tensor_meta=meta)
+    assert a is not b and a == b == fresh and hash(a) == hash(fresh)
+    assert a.shard_order == fresh.shard_order and a.placements == (S(0), S(1))
+    b.tensor_meta = tensor_meta(torch.empty(4, 6, device="meta"))
+    assert a.tensor_meta.shape == (8, 6) and make_spec(mesh2d, (S(0), S(1)), meta).tensor_meta.shape == (8, 6)
+    assert b != a and hash(b) != hash(a)
