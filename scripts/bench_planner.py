@@ -58,7 +58,7 @@ def run_one(args: argparse.Namespace) -> dict:
 
     logging.basicConfig(level=logging.INFO, format="  %(name)s: %(message)s", stream=sys.stderr)
     sizes = tuple(int(x) for x in args.one.split("x"))
-    names = ("dp", "tp")[: len(sizes)] if len(sizes) > 1 else ("dp",)
+    names = _TABLE3_NAMES[len(sizes)]
     world = math.prod(sizes)
     global_bs = args.local_batch_size * sizes[0]  # batch over the dp axis
     model = build_model("llama3", args.flavor, device="meta")
@@ -204,6 +204,7 @@ JOBS: dict[str, dict] = {
     "3b-1x8": dict(model="llama3", flavor="8B", args=LLAMA_3B, mesh=(8,), names=("tp",), seq=8192, lbs=2),
     "3b-2x4": dict(model="llama3", flavor="8B", args=LLAMA_3B, mesh=(2, 4), names=("dp", "tp"), seq=8192, lbs=2),
     "dsv3-8x8": dict(model="deepseek_v3", flavor="16B", mesh=(8, 8), names=("dp", "tp"), seq=4096, lbs=1),
+    "8b-4x2x4": dict(model="llama3", flavor="8B", mesh=(4, 2, 4), names=("dp", "cp", "tp"), seq=8192, lbs=2),
     "70b-8x4x2": dict(model="llama3", flavor="70B", mesh=(8, 4, 2), names=("dp", "cp", "tp"), seq=8192, lbs=1),
     "8b-2x2x2x4": dict(model="llama3", flavor="8B", mesh=(2, 2, 2, 4), names=("dp_replicate", "dp_shard", "cp", "tp"),
                        seq=8192, lbs=2),
