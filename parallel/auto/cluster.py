@@ -96,9 +96,16 @@ class _MenuHash:
         k = id(c.specs)
         h = self.hashes.get(k)
         if h is None:
-            self.menus[k] = menu_of(c)
-            h = self.hashes[k] = hash(self.menus[k])
+            h = self.hashes[k] = hash(self.menu(c))
         return h
+
+    def menu(self, c: NodeCandidates) -> tuple:
+        """The node's menu (`menu_of`), once per shared specs list."""
+        k = id(c.specs)
+        m = self.menus.get(k)
+        if m is None:
+            m = self.menus[k] = menu_of(c)
+        return m
 
 
 @dataclass
@@ -164,9 +171,9 @@ def _flow_coupled(cands: Candidates, clusters: list[list[str]], menu_h: _MenuHas
     return coupled
 
 
-def find_clusters(cands: Candidates, *, flow_coupling: bool = True) -> Clustering:
+def find_clusters(cands: Candidates, *, flow_coupling: bool = True, menu_h: _MenuHash | None = None) -> Clustering:
     """Content-hash the nodes and group identical copies across layer instances."""
-    menu_h = _MenuHash()
+    menu_h = menu_h if menu_h is not None else _MenuHash()
     hashed = _hash_nodes(cands, menu_h)
     clusters = [m for m in hashed.buckets.values() if len(m) > 1 and len({hashed.instance[n] for n in m}) == len(m)]
     coupled = _flow_coupled(cands, clusters, menu_h) if flow_coupling else []
@@ -194,18 +201,6 @@ class _UnionFind:
             self.parent[rb] = ra
 
 
-def _menu(c: NodeCandidates, cache: dict[int, tuple[list, tuple]] | None = None) -> tuple:
-    """(output placements, input placements) per strategy; cached per shared specs list."""
-    if cache is None:
-        return menu_of(c)
-    hit = cache.get(id(c.specs))
-    if hit is not None and hit[0] is c.specs:
-        return hit[1]
-    menu = menu_of(c)
-    cache[id(c.specs)] = (c.specs, menu)
-    return menu
-
-
 def decision_groups(cands: Candidates, cluster_layers: bool) -> tuple[list[list[str]], dict[str, int]]:
     """Union-find groups: fwd/bwd pairs always; copies of repeated layers if asked."""
     jg = cands.graph
@@ -213,14 +208,10 @@ def decision_groups(cands: Candidates, cluster_layers: bool) -> tuple[list[list[
     names = list(cands.nodes)
     for n in names:
         uf.find(n)
-    menus: dict[str, tuple] = {}
-
-    by_specs: dict[int, tuple[list, tuple]] = {}
+    menu_h = _MenuHash()  # menus once per shared specs list, for the ties and the clustering
 
     def menu(n: str) -> tuple:
-        if n not in menus:
-            menus[n] = _menu(cands.nodes[n], by_specs)
-        return menus[n]
+        return menu_h.menu(cands.nodes[n])
 
     def tie(a: str, b: str, why: str) -> None:
         # a placeholder and its output slot: same placements, strategy for strategy
@@ -243,7 +234,7 @@ def decision_groups(cands: Candidates, cluster_layers: bool) -> tuple[list[list[
 
     clustering = None
     if cluster_layers:  # content-hash clustering of repeated layers
-        clustering = find_clusters(cands)
+        clustering = find_clusters(cands, menu_h=menu_h)
         for members in clustering.clusters + clustering.flow_coupled:
             first = members[0]
             for other in members[1:]:

@@ -89,6 +89,14 @@ def _price_edges(cands: Candidates, group_of: dict[str, int], unary: list[np.nda
     nodes = cands.nodes
     merged: dict[tuple, Edge] = {}
     edge_cache: dict[tuple, tuple] = {}  # holds the specs lists so their ids stay unique
+    class_cache: dict[tuple, tuple] = {}  # (id(specs), "out"/"in", index) -> (classes, placements, specs)
+
+    def classes(specs: list, side: str, i: int | None, placements: Any) -> tuple[np.ndarray, list[tuple]]:
+        ck = (id(specs), side, i)
+        hit = class_cache.get(ck)
+        if hit is None:
+            hit = class_cache[ck] = (*_classes(placements()), specs)
+        return hit[0], hit[1]
     for name, c in nodes.items():
         if c.kind == PLACEHOLDER:
             continue
@@ -102,8 +110,8 @@ def _price_edges(cands: Candidates, group_of: dict[str, int], unary: list[np.nda
             ek = (id(src_c.specs), idx, id(c.specs), k, shape, dtype, role)
             hit = edge_cache.get(ek)
             if hit is None:
-                src_cls, src_uniq = _classes(_output_placements(src_c, idx))
-                dst_cls, dst_uniq = _classes([s.input_specs[k].placements for s in c.specs])
+                src_cls, src_uniq = classes(src_c.specs, "out", idx, lambda: _output_placements(src_c, idx))
+                dst_cls, dst_uniq = classes(c.specs, "in", k, lambda: [s.input_specs[k].placements for s in c.specs])
                 m = pricer.redistribution(shape, dtype, src_uniq, dst_uniq, role)
                 hit = edge_cache[ek] = (src_cls, src_uniq, dst_cls, dst_uniq, m, src_c.specs, c.specs)
             src_cls, src_uniq, dst_cls, dst_uniq, m = hit[:5]
