@@ -2,8 +2,9 @@
 
 Compute: each OP strategy runs on the local shapes its placements give (cached per op key
 and menu: copies of a layer share them). Redistribution: one matrix per (tensor, producer
-placement classes, consumer placement classes), priced on interned placement ids (see
-`cost/comm.transition_template`) because a 4-D mesh asks ~10^6 times.
+placement classes, consumer placement classes), priced in arrays from `MATRIX_PAIRS` pairs
+on (`cost/comm_matrix.py`: a 4-D mesh has ~10^6 pairs), pair by pair on interned placement
+ids below that (`cost/comm.transition_template`); both give the same numbers.
 """
 
 from __future__ import annotations
