@@ -75,6 +75,10 @@ class StrategyPricer:
         # overrides redistribute_cost is asked through it
         self.fast_pricing = (hasattr(cm, "redistribute_cost_ids") and
                              getattr(type(cm), "redistribute_cost", None) is CostModel.redistribute_cost)
+        # the arrays replay CostModel's own per-pair pricing: only for a model that keeps it
+        self.matrix_pricing = self.fast_pricing and all(
+            getattr(type(cm), f, None) is getattr(CostModel, f)
+            for f in ("redistribute_cost_ids", "relayout_cost", "redistribute_cost_matrix"))
 
     def compute(self, c: NodeCandidates) -> np.ndarray:
         if c.kind != OP:
@@ -157,7 +161,7 @@ class StrategyPricer:
             ndim = len(shape)
             s_ids = [self._ids(i, p, ndim) for i, p in zip(sid, src)]
             d_ids = [self._ids(i, p, ndim) for i, p in zip(did, dst)]
-            if len(src) * len(dst) >= MATRIX_PAIRS:
+            if self.matrix_pricing and len(src) * len(dst) >= MATRIX_PAIRS:
                 m = self._matrix(shape, cdt, s_ids, d_ids, sid, did, src, dst, role,
                                  (bucket_scale, bucket_mult, plain_mult))
                 self.redist_cache[key] = m

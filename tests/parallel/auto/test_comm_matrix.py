@@ -66,3 +66,22 @@ def test_pricer_matrix_path_equals_loop(role, monkeypatch):
     if role.kind != "act":  # the bucketed terms were taken on some pairs, not others
         plain = StrategyPricer(_Cands, cm, torch.bfloat16).redistribution(shape, torch.float32, src, dst, ACTIVATION)
         assert not np.array_equal(arrays, plain)
+
+
+def test_pricer_keeps_a_model_that_prices_pairs_its_own_way():
+    """A cost model overriding the per-pair price is asked pair by pair, never replayed in arrays."""
+
+    class _Cands:
+        class mesh:
+            shape = (2, 4)
+
+    class Doubled(CostModel):
+        def redistribute_cost_ids(self, src, dst, shape, itemsize, latency_scale=1.0):
+            return 2 * super().redistribute_cost_ids(src, dst, shape, itemsize, latency_scale)
+
+    src, dst = _sample(2, 20, 5), _sample(2, 20, 6)
+    shape = (4096, 1024)
+    plain = StrategyPricer(_Cands, CostModel("h100", (2, 4)), None).redistribution(shape, torch.float32, src, dst)
+    doubled = StrategyPricer(_Cands, Doubled("h100", (2, 4)), None).redistribution(shape, torch.float32, src, dst)
+    assert len(src) * len(dst) >= 64 and (plain > 0).any()
+    assert np.array_equal(doubled, 2 * plain)
