@@ -66,6 +66,7 @@ class StrategyPricer:
         self.mp_dtype = mp_dtype
         self.mesh_shape = tuple(cands.mesh.shape)
         self.compute_cache: dict[Any, np.ndarray] = {}
+        self.strategy_cache: dict[tuple, float] = {}  # (op key, local inputs, local outputs) -> µs
         self.redist_cache: dict[Any, np.ndarray] = {}
         self.pair_cache: dict[tuple, float] = {}  # (shape, dtype, src id, dst id) -> µs
         self.placement_ids: dict[tuple, int] = {}
@@ -94,9 +95,24 @@ class StrategyPricer:
             self.compute_cache[key] = arr
             return arr
         for j, s in enumerate(c.specs):
-            local = {a.name: (local_shape(tuple(a.meta["val"].shape), spec.placements, self.mesh_shape),
-                              a.meta["val"].dtype)
-                     for a, spec in zip(c.inputs, s.input_specs)}
+            ins = tuple((local_shape(tuple(a.meta["val"].shape), spec.placements, self.mesh_shape), a.meta["val"].dtype)
+                        for a, spec in zip(c.inputs, s.input_specs))
+            outs = s.output_specs
+            if isinstance(outs, tuple):
+                out_meta = [(local_shape(tuple(o.tensor_meta.shape), o.placements, self.mesh_shape),
+                             o.tensor_meta.dtype)
+                            for o in outs if o is not None]
+            else:
+                out_meta = [(local_shape(tuple(outs.tensor_meta.shape), outs.placements, self.mesh_shape),
+                             outs.tensor_meta.dtype)]
+            # strategies of one op (its key: target, global shapes, literals) on the same local
+            # shapes cost the same: most of a 3-D menu repeats a few local shapes
+            sk = (c.key, ins, tuple(out_meta)) if c.key is not None else None
+            cost = self.strategy_cache.get(sk) if sk is not None else None
+            if cost is not None:
+                arr[j] = cost
+                continue
+            local = {a.name: v for a, v in zip(c.inputs, ins)}
 
             def conv(a: Any) -> Any:
                 if isinstance(a, torch.fx.Node):
@@ -107,18 +123,12 @@ class StrategyPricer:
 
             args = _map_args(conv, node.args)
             kwargs = _map_args(conv, dict(node.kwargs))
-            outs = s.output_specs
-            if isinstance(outs, tuple):
-                out_meta = [(local_shape(tuple(o.tensor_meta.shape), o.placements, self.mesh_shape),
-                             o.tensor_meta.dtype)
-                            for o in outs if o is not None]
-            else:
-                out_meta = [(local_shape(tuple(outs.tensor_meta.shape), outs.placements, self.mesh_shape),
-                             outs.tensor_meta.dtype)]
             try:
                 arr[j] = self.cm.compute_cost(node.target, args, local_kwargs_meta=kwargs, out_meta=out_meta)
             except Exception:  # noqa: BLE001 - cost model could not run the op: charge bytes only
                 arr[j] = self.cm.compute_cost(node.target, args, flops=0.0, local_kwargs_meta=kwargs, out_meta=out_meta)
+            if sk is not None:
+                self.strategy_cache[sk] = arr[j]
         self.compute_cache[key] = arr
         return arr
 
