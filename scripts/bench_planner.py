@@ -21,8 +21,9 @@ inputs batch-sharded over the dp* axes (global batch = local batch x their produ
     python scripts/bench_planner.py --search 32:3 --json search.json   # 3 of the 32-device mesh search's meshes
     python scripts/bench_planner.py --code /tmp/base --jobs 8b-4x8 --json before.json   # an older tree's planner
 
-issue 25's jobs (JOBS: 8B 4x8, 3B-shaped LLaMA 3 on 1x8 and 2x4, DeepSeek-V3 16B 8x8, 70B
-8x4x2, 8B 2x2x2x4; the default planner settings on the h100 profile, memory estimate on),
+issue 25's jobs (JOBS: 8B 4x8, 3B-shaped LLaMA 3 on 1x8 and 2x4, DeepSeek-V3 16B 8x8, 8B
+4x2x4 (the 3-D seeded build), 70B 8x4x2, 8B 2x2x2x4; the default planner settings on the h100
+profile, memory estimate on),
 each in a fresh process timed from the parent: the whole process's wall clock and peak RSS,
 and its stages (STAGES: start-up, trace, candidates, seeding, build, solve, memory estimate,
 apply-ready = apply_placement on the fake world, the rest, exit), the median of --repeat
