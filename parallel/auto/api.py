@@ -37,6 +37,7 @@ from parallel.auto.cost.memory import GIB, MemoryEstimate, format_bytes
 from parallel.auto.coverage import GraphCoverage, coverage_of, coverage_report
 from parallel.auto.feasibility import memory_advice
 from parallel.auto.formulation import build_problem
+from parallel.auto.gc_pause import pauses_collector
 from parallel.auto.placements import placement_str
 from parallel.auto.plan import Plan, build_plan
 from parallel.auto.problem import Constraint, MemoryLimitError, PlanningError, Problem, min_parameter_fraction
@@ -143,6 +144,7 @@ class AutoParallel:
         self.traced_step: TracedStep | None = None
 
     # ------------------------------------------------------------------ context
+    @pauses_collector
     def __enter__(self) -> "AutoParallel":
         t0 = time.perf_counter()
         inputs = self.input_fn() if callable(self.input_fn) else self.input_fn
@@ -292,6 +294,7 @@ class AutoParallel:
             log.info("memory: parameters cannot all be sharded %d ways; default high raised to %.4g", ws, high)
         return self.memory_low, high
 
+    @pauses_collector
     def optimize_placement(self, verbose: bool = True) -> Plan:
         """Build the problem, solve it and return the Plan (seeded from 3-D meshes on)."""
         jg = self._need_graph()
@@ -343,6 +346,7 @@ class AutoParallel:
         hw = self.cost_model().hw
         return hw.memory_limit, f"memory_limit_gib of the hardware profile {hw.source}"
 
+    @pauses_collector
     def estimate_memory(self, plan: Plan, options: RuntimeOptions | None = None) -> MemoryEstimate:
         """Peak bytes per device of a training step of `plan` run with `options` (default:
         this planner's runtime options), checked against `memory_limit()` (cost/memory.py)."""
@@ -401,6 +405,7 @@ class AutoParallel:
                                getattr(self.mp_policy, "param_dtype", None), self.planner.optimizer)
         return f"{advice}; {_memory_fix(self.runtime.ac_mode)}"
 
+    @pauses_collector
     def replay_placement(self, plan: Plan) -> Plan:
         """`plan` (made for another input shape, e.g. a shorter sequence) priced on this
         graph: the same placements per node, the objective and breakdown of this shape.
@@ -435,6 +440,7 @@ class AutoParallel:
         return use_seeding(self.mesh.ndim, self.planner.split_seeding)
 
     # ---- materialisation (parallel/auto/runtime) ----
+    @pauses_collector
     def apply_placement(self, plan: Plan, options: RuntimeOptions | None = None) -> nn.Module:
         """Materialise `plan` (in-memory or loaded/replayed) as a ParallelModule (runtime/);
         `options`: activation checkpointing, resharding, bucketing, overlap, compilation."""

@@ -37,6 +37,7 @@ from parallel._torch import quiet_sequential_redistribute_warnings
 from parallel.auto.api import AutoParallel, lm_loss, lm_loss_positions
 from parallel.auto.config import PlannerConfig
 from parallel.auto.cost import HardwareProfile
+from parallel.auto.gc_pause import collector_paused
 from parallel.auto.regions import CP_ATTENTION, marked_regions
 from parallel.auto.runtime import RuntimeOptions
 from parallel.mesh import CP, DATA_AXES
@@ -132,11 +133,13 @@ def default_memory_high(num_params: int, hw: HardwareProfile) -> float | None:
 def planning(model: nn.Module, mesh: DeviceMesh, request: PlanRequest, *, graph: Any = None
              ) -> Iterator[AutoParallel]:
     """The entered AutoParallel of `request`: inputs constrained, the parameter budget set.
-    `graph`: a joint graph traced earlier for this model and these global inputs."""
+    `graph`: a joint graph traced earlier for this model and these global inputs. Python's
+    garbage collector is paused inside (gc_pause.py: its walks of the planner's heap)."""
     quiet_sequential_redistribute_warnings()  # torch's per-mesh warning: once per process, in our words
     ins = planner_inputs(model, mesh, request)
-    with AutoParallel(model, ins.inputs, mesh, loss_fn=ins.loss_fn, planner=request.planner, runtime=ins.runtime,
-                      mp_policy=request.mp_policy, regions=ins.regions, graph=graph) as autop:
+    with collector_paused(), AutoParallel(model, ins.inputs, mesh, loss_fn=ins.loss_fn, planner=request.planner,
+                                          runtime=ins.runtime, mp_policy=request.mp_policy, regions=ins.regions,
+                                          graph=graph) as autop:
         autop.add_input_constraints(ins.placements)
         pl = request.planner
         if pl.memory_budget_low is None and pl.memory_budget_high is None:
