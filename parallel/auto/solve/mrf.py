@@ -18,7 +18,6 @@ they are clamped to ``FORBIDDEN`` so that message arithmetic stays finite.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Iterable
@@ -137,17 +136,6 @@ def greedy(mrf: PairwiseMRF) -> np.ndarray:
     return labels
 
 
-def brute_force(mrf: PairwiseMRF) -> tuple[np.ndarray, float]:
-    """Exact minimum by enumeration; only for tiny instances (tests)."""
-    best, best_e = None, float("inf")
-    for combo in itertools.product(*(range(mrf.num_labels(i)) for i in range(mrf.num_nodes))):
-        e = mrf.energy(combo)
-        if e < best_e:
-            best, best_e = np.array(combo, dtype=np.int64), e
-    assert best is not None
-    return best, best_e
-
-
 @dataclass
 class _Chains:
     """TRW-S state. Pair k = (i, j), i < j, owns message slots 2k (i -> j) and 2k + 1 (j -> i)."""
@@ -155,6 +143,7 @@ class _Chains:
     msgs: list[np.ndarray]
     nbrs: list[list[tuple[int, np.ndarray, int, int]]]  # (other, cost [mine, other's], slot in, slot out)
     fac: list  # per slot: class reduction (`_factor`), or None for a dense message
+    low: list  # per slot: the cost matrix a dense message reads, in float32 (None: factored)
     gamma: list[float]  # per node: the share of its unary on each monotonic chain through it
 
 
@@ -163,7 +152,8 @@ def _build_chains(mrf: PairwiseMRF) -> _Chains:
     n = mrf.num_nodes
     msgs: list[np.ndarray] = []
     nbrs: list[list[tuple[int, np.ndarray, int, int]]] = [[] for _ in range(n)]
-    fac: list = []
+    fac: list = []  # per slot, as `_Chains.fac` and `_Chains.low`
+    low: list = []
     for k, ((i, j), cost) in enumerate(mrf.pairwise.items()):
         msgs.append(np.zeros(mrf.num_labels(j)))
         msgs.append(np.zeros(mrf.num_labels(i)))
@@ -172,20 +162,22 @@ def _build_chains(mrf: PairwiseMRF) -> _Chains:
         f = mrf.factors.get((i, j))
         if f is not None and f[0].size * 4 < cost.size:
             C, ci, cj = f
-            fac.append(_factor(C, ci, cj))
-            fac.append(_factor(C.T, cj, ci))
+            fac.extend((_factor(C, ci, cj), _factor(C.T, cj, ci)))
+            low.extend((None, None))
         else:
             fac.extend((None, None))
+            low.extend(((c32 := cost.astype(np.float32)), c32.T))
     earlier = [sum(1 for j, *_ in nbrs[i] if j < i) for i in range(n)]
     later = [sum(1 for j, *_ in nbrs[i] if j > i) for i in range(n)]
     gamma = [1.0 / max(earlier[i], later[i], 1) for i in range(n)]
-    return _Chains(msgs, nbrs, fac, gamma)
+    return _Chains(msgs, nbrs, fac, low, gamma)
 
 
-def _message(outgoing: np.ndarray, cost: np.ndarray, f: tuple | None) -> np.ndarray:
-    """m(b) = min_a outgoing(a) + cost[a, b], normalised to min 0 (on classes when factored)."""
+def _message(outgoing: np.ndarray, cost: np.ndarray | None, f: tuple | None) -> np.ndarray:
+    """m(b) = min_a outgoing(a) + cost[a, b], normalised to min 0 (on classes when factored);
+    dense: summed in float32 (57 vs 97 µs on 387 x 387; decoding reads the float64 costs)."""
     if f is None:
-        msg = np.minimum((outgoing[:, None] + cost).min(axis=0), FORBIDDEN)
+        msg = np.minimum((outgoing.astype(np.float32)[:, None] + cost).min(axis=0), FORBIDDEN).astype(np.float64)
     else:  # min over source classes first, then the small class matrix
         C, order, starts, dst_cls = f
         per_cls = np.minimum.reduceat(outgoing[order], starts)
@@ -210,7 +202,7 @@ def _visit(mrf: PairwiseMRF, ch: _Chains, i: int, forward: bool, labels: np.ndar
     g = ch.gamma[i]
     for j, cost, s_in, s_out in nb:
         if (j > i) == forward:
-            msg = _message(g * belief - ch.msgs[s_in], cost, ch.fac[s_out])
+            msg = _message(g * belief - ch.msgs[s_in], ch.low[s_out], ch.fac[s_out])
             old = ch.msgs[s_out]
             ch.msgs[s_out] = msg
             fin = (msg < cut) & (old < cut)  # forbidden entries carry no signal

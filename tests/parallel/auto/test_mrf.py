@@ -2,8 +2,9 @@
 
 import numpy as np
 import pytest
+from mrf_oracle import brute_force
 
-from parallel.auto.solve.mrf import FORBIDDEN, PairwiseMRF, brute_force, greedy, solve_mrf, trws
+from parallel.auto.solve.mrf import FORBIDDEN, PairwiseMRF, greedy, solve_mrf, trws
 
 
 def random_mrf(rng: np.random.Generator, n: int, k: int, edge_prob: float, forbid: float = 0.0) -> PairwiseMRF:

@@ -10,6 +10,7 @@ parameter budget (a three-weight MLP) the MRF must find the ILP's optimum.
 import numpy as np
 import pytest
 import torch
+from mrf_oracle import brute_force
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -20,7 +21,7 @@ from parallel.auto.cost.hardware import load_hardware
 from parallel.auto.formulation import build_problem
 from parallel.auto.problem import min_parameter_fraction
 from parallel.auto.solve import solve
-from parallel.auto.solve.mrf import PairwiseMRF, brute_force, greedy, solve_mrf
+from parallel.auto.solve.mrf import PairwiseMRF, greedy, solve_mrf
 from parallel.auto.solve.problem_mrf import ReducedMRF
 from parallel.auto.solve.seed import seeded_candidates
 from parallel.auto.strategies import build_candidates
