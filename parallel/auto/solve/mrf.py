@@ -140,7 +140,8 @@ def greedy(mrf: PairwiseMRF) -> np.ndarray:
 class _Chains:
     """TRW-S state. Pair k = (i, j), i < j, owns message slots 2k (i -> j) and 2k + 1 (j -> i)."""
 
-    msgs: list[np.ndarray]
+    flat: np.ndarray  # every message, one after the other (a sweep's change is read off it at once)
+    msgs: list[np.ndarray]  # per slot: its view of `flat`
     nbrs: list[list[tuple[int, np.ndarray, int, int]]]  # (other, cost [mine, other's], slot in, slot out)
     fac: list  # per slot: class reduction (`_factor`), or None for a dense message
     low: list  # per slot: the cost matrix a dense message reads, in float32 (None: factored)
@@ -150,13 +151,12 @@ class _Chains:
 def _build_chains(mrf: PairwiseMRF) -> _Chains:
     """Zero messages, incident edges and chain weights ``1 / max(#earlier, #later edges)``."""
     n = mrf.num_nodes
-    msgs: list[np.ndarray] = []
+    sizes: list[int] = []
     nbrs: list[list[tuple[int, np.ndarray, int, int]]] = [[] for _ in range(n)]
     fac: list = []  # per slot, as `_Chains.fac` and `_Chains.low`
     low: list = []
     for k, ((i, j), cost) in enumerate(mrf.pairwise.items()):
-        msgs.append(np.zeros(mrf.num_labels(j)))
-        msgs.append(np.zeros(mrf.num_labels(i)))
+        sizes.extend((mrf.num_labels(j), mrf.num_labels(i)))
         nbrs[i].append((j, cost, 2 * k + 1, 2 * k))
         nbrs[j].append((i, cost.T, 2 * k, 2 * k + 1))
         f = mrf.factors.get((i, j))
@@ -170,7 +170,9 @@ def _build_chains(mrf: PairwiseMRF) -> _Chains:
     earlier = [sum(1 for j, *_ in nbrs[i] if j < i) for i in range(n)]
     later = [sum(1 for j, *_ in nbrs[i] if j > i) for i in range(n)]
     gamma = [1.0 / max(earlier[i], later[i], 1) for i in range(n)]
-    return _Chains(msgs, nbrs, fac, low, gamma)
+    flat = np.zeros(sum(sizes))
+    ends = np.cumsum(sizes)
+    return _Chains(flat, [flat[e - m:e] for e, m in zip(ends, sizes)], nbrs, fac, low, gamma)
 
 
 def _message(outgoing: np.ndarray, cost: np.ndarray | None, f: tuple | None) -> np.ndarray:
@@ -186,8 +188,8 @@ def _message(outgoing: np.ndarray, cost: np.ndarray | None, f: tuple | None) -> 
     return msg
 
 
-def _visit(mrf: PairwiseMRF, ch: _Chains, i: int, forward: bool, labels: np.ndarray) -> float:
-    """Decode node i (forward pass only), send its messages along the pass: how much they moved."""
+def _visit(mrf: PairwiseMRF, ch: _Chains, i: int, forward: bool, labels: np.ndarray) -> None:
+    """Decode node i (forward pass only) and send its messages along the pass."""
     nb = ch.nbrs[i]
     belief = mrf.unary[i].copy()
     for _, _, s_in, _ in nb:
@@ -197,30 +199,24 @@ def _visit(mrf: PairwiseMRF, ch: _Chains, i: int, forward: bool, labels: np.ndar
         for j, cost, s_in, _ in nb:
             decode += cost[:, labels[j]] if j < i else ch.msgs[s_in]
         labels[i] = int(np.argmin(decode))
-    change = 0.0
-    cut = FORBIDDEN / 16
-    g = ch.gamma[i]
-    for j, cost, s_in, s_out in nb:
+    belief *= ch.gamma[i]
+    for j, _, s_in, s_out in nb:
         if (j > i) == forward:
-            msg = _message(g * belief - ch.msgs[s_in], ch.low[s_out], ch.fac[s_out])
-            old = ch.msgs[s_out]
-            ch.msgs[s_out] = msg
-            fin = (msg < cut) & (old < cut)  # forbidden entries carry no signal
-            if fin.any():
-                change = max(change, float(np.abs(msg[fin] - old[fin]).max()))
-    return change
+            ch.msgs[s_out][:] = _message(belief - ch.msgs[s_in], ch.low[s_out], ch.fac[s_out])
 
 
 def _sweep(mrf: PairwiseMRF, ch: _Chains) -> tuple[np.ndarray, float]:
     """One forward and one backward pass: (labels decoded on the forward pass, max message change)."""
     n = mrf.num_nodes
-    change = 0.0
+    old = ch.flat.copy()
     labels = np.zeros(n, dtype=np.int64)
     for forward in (True, False):
         order = range(n) if forward else range(n - 1, -1, -1)
         for i in order:
-            change = max(change, _visit(mrf, ch, i, forward, labels))
-    return labels, change
+            _visit(mrf, ch, i, forward, labels)  # each message is sent once a sweep
+    cut = FORBIDDEN / 16
+    fin = (ch.flat < cut) & (old < cut)  # forbidden entries carry no signal
+    return labels, float(np.abs(ch.flat[fin] - old[fin]).max()) if fin.any() else 0.0
 
 
 def trws(
