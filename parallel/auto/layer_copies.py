@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from parallel import _torch as T
+
 log = logging.getLogger(__name__)
 
 _OWN, _PARAM, _PREV, _SHARED, _NEXT = "own", "param", "prev", "shared", "next"
@@ -178,6 +180,44 @@ def _in(module: str, layer: str) -> bool:
     return module == layer or module.startswith(layer + ".")
 
 
+RUN = object()
+"""`mirrored_value`'s answer for a value it cannot mirror: the copy runs the op on fake tensors."""
+
+
+def _tensors(v: Any) -> list[Any]:
+    return [x for x in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(x, torch.Tensor)]
+
+
+def mirrored_value(y: fx.Node, new: fx.Node, storages: dict[int, torch.Tensor]) -> Any:
+    """The value of `new`, the copy of `y`, made like `y`'s without running the op: fresh fake
+    tensors of its shapes on storages that mirror `y`'s (a view of an input stays a view of the
+    copy's input; `storages` maps the template's storages to the copy's, per layer). Running the
+    op through FakeTensorMode was most of a copy's time. `RUN` for a value with anything but
+    fake tensors and literals in it."""
+    val = y.meta.get("val")
+    leaves = val if isinstance(val, (tuple, list)) else (val,)
+    if not all((isinstance(x, torch.Tensor) and T.is_fake(x) and not x.requires_grad)
+               or x is None or isinstance(x, (bool, int, float)) for x in leaves):
+        return RUN
+    reads: tuple[list[fx.Node], list[fx.Node]] = ([], [])
+    fx.node.map_arg((y.args, y.kwargs), reads[0].append)
+    fx.node.map_arg((new.args, new.kwargs), reads[1].append)
+    for a, b in zip(*reads):  # argument by argument: the template's input storages are the copy's inputs'
+        for ta, tb in zip(_tensors(a.meta.get("val")), _tensors(b.meta.get("val"))):
+            storages.setdefault(T.storage_id(ta), tb)
+    out = []
+    with T.no_modes():
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                key = T.storage_id(x)
+                base = storages.get(key)
+                if base is None:
+                    base = storages[key] = T.meta_storage(x.untyped_storage().nbytes())
+                x = T.fake_view(x.fake_mode, base, x)
+            out.append(x)
+    return type(val)(out) if isinstance(val, (tuple, list)) else out[0]
+
+
 def copy_layers(gm: fx.GraphModule, module_of: dict[str, str], run: LayerRun, fake_mode: Any,
                 prefix: str = "model.") -> int:
     """Add blocks `run.kept` .. `run.total - 1` to a graph traced with the first `run.kept`:
@@ -239,13 +279,18 @@ def copy_layers(gm: fx.GraphModule, module_of: dict[str, str], run: LayerRun, fa
             return a
         return a if m == run.total - 1 else version[m + 1][ref]  # _NEXT: the next layer's, past the last: as traced
 
+    storages: dict[int, dict[int, torch.Tensor]] = {}  # per layer: template storage -> the copy's
+
     def copy(m: int, y: fx.Node) -> None:
         nonlocal added
         new = graph.node_copy(y, lambda a: resolve(m, y, a))
         new.meta = dict(y.meta)
-        args, kwargs = fx.node.map_arg((new.args, new.kwargs), lambda n: n.meta.get("val"))
-        with fake_mode:
-            new.meta["val"] = new.target(*args, **kwargs)
+        mirrored = mirrored_value(y, new, storages.setdefault(m, {}))
+        if mirrored is RUN:
+            args, kwargs = fx.node.map_arg((new.args, new.kwargs), lambda n: n.meta.get("val"))
+            with fake_mode:
+                mirrored = new.target(*args, **kwargs)
+        new.meta["val"] = mirrored
         module_of[new.name] = run.name(m) + module_of[y.name][len(run.template):]
         version[m][y] = new
         added += 1

@@ -14,6 +14,7 @@ from torch import fx, nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
+from parallel.auto import layer_copies
 from parallel.auto.api import fake_world
 from parallel.auto.layer_copies import layer_run
 from parallel.auto.request import PlanRequest, planner_inputs, planning
@@ -72,6 +73,40 @@ def test_copied_blocks_form_the_full_trace(family, layers, mesh_shape, names, de
     # the copies are new values, not the template's: one storage per parameter
     storages = {p.meta["val"].untyped_storage()._cdata for p in copied.params.values()}
     assert len(storages) == len(copied.params)
+
+
+def _values(jg) -> list[tuple]:
+    """Each node's values as (shape, stride, dtype, storage offset, the arguments it is a view
+    of, the earlier values of the node on the same storage)."""
+    out = []
+    for n in jg.gm.graph.nodes:
+        v = n.meta.get("val")
+        vals = [t for t in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(t, torch.Tensor)]
+        reads: list = []
+        fx.node.map_arg((n.args, n.kwargs), reads.append)
+        read = [{t.untyped_storage()._cdata for t in (r.meta.get("val") if isinstance(r.meta.get("val"), (tuple, list))
+                                                     else [r.meta.get("val")]) if isinstance(t, torch.Tensor)}
+                for r in reads]
+        own = [t.untyped_storage()._cdata for t in vals]
+        out.append(tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.storage_offset(),
+                          [i for i, st in enumerate(read) if own[k] in st], own.index(own[k]))
+                         for k, t in enumerate(vals)))
+    return out
+
+
+@pytest.mark.parametrize("family,layers", [("llama3", 5), ("deepseek_v3", 5)])
+def test_copied_values_are_what_running_the_ops_gives(family, layers, monkeypatch, caplog):
+    """A copy's fake values are made like its template's (`mirrored_value`), not by running the
+    op: the same shapes, strides, offsets and views of the same arguments as running it gives."""
+    _, mirrored, _ = _traces(family, layers, (4,), ("dp",), "cpu", caplog)
+    calls = []
+    monkeypatch.setattr(layer_copies, "mirrored_value", lambda *a: calls.append(1) or layer_copies.RUN)
+    _, ran, _ = _traces(family, layers, (4,), ("dp",), "cpu", caplog)
+    assert calls  # the reference ran every copied op
+    a, b = _values(mirrored), _values(ran)
+    assert len(a) == len(b) and any(any(x[4] for x in node) for node in a)  # views of arguments are there
+    diffs = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    assert not diffs, f"first difference at node {diffs[0]}: {a[diffs[0]]} != {b[diffs[0]]}"
 
 
 def test_a_plan_on_the_copied_graph_is_the_full_traces_plan(caplog):
