@@ -183,8 +183,9 @@ class OpEnumerator:
         return [a for a in leaves if is_tensor_node(a)]
 
     # -- enumeration ------------------------------------------------------
-    def enumerate(self, node: fx.Node) -> tuple[list[Any], str]:
-        key = self.key(node)
+    def enumerate(self, node: fx.Node, key: Any = None) -> tuple[list[Any], str]:
+        """`key`: `self.key(node)` when the caller has it (a node's key is most of a cached call)."""
+        key = self.key(node) if key is None else key
         hit = self.cache.get(key)
         if hit is None:
             hit = self._enumerate_shared(key, node)
@@ -377,7 +378,7 @@ class OpEnumerator:
             out.append(T.OpSpec(new_outs, new_ins))
         return out
 
-    def restricted(self, node: fx.Node, keys: list[tuple]) -> tuple[list[Any], str]:
+    def restricted(self, node: fx.Node, keys: list[tuple], key: Any = None) -> tuple[list[Any], str]:
         """The strategies of `node` whose (output, inputs) placements are among `keys`.
 
         Single-dim rules expand over the mesh as a per-axis product (what
@@ -387,7 +388,7 @@ class OpEnumerator:
         left -> replicate-only (counted in the coverage report).
         """
         # by identity: seeding hands identical balls out as one shared list, alive for the whole build
-        ck = ("restricted", self.key(node), id(keys), len(keys))
+        ck = ("restricted", self.key(node) if key is None else key, id(keys), len(keys))
         hit = self.cache.get(ck)
         if hit is None:
             hit = self._restricted_uncached(node, keys)

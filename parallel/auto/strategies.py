@@ -181,16 +181,17 @@ class _CandidateBuilder:
             return
         en = self.en
         ins = en.tensor_inputs(n)
+        key = en.key(n)
         if all(a.name in self.constants for a in ins):
             self.constants.add(n.name)
             en.coverage.explained[str(n.target)] = CONSTANT_REASON
             specs, source = (en.replicate_only(n, [tensor_meta(a.meta["val"]) for a in ins], out_meta_of(val)),
                              "constant")
         elif n.name in self.restrict:
-            specs, source = en.restricted(n, self.restrict[n.name])
+            specs, source = en.restricted(n, self.restrict[n.name], key)
         else:
-            specs, source = en.enumerate(n)
-        self.nodes[n.name] = NodeCandidates(n.name, OP, n, ins, specs, key=en.key(n), source=source)
+            specs, source = en.enumerate(n, key)
+        self.nodes[n.name] = NodeCandidates(n.name, OP, n, ins, specs, key=key, source=source)
 
     def skip(self, n: fx.Node, reason: str) -> None:
         self.unhandled.append(Unhandled(n.name, str(n.target), self.module_of.get(n.name, ""), reason))
