@@ -5,9 +5,10 @@ candidate specs). Every few thousand allocations the collector runs, and every t
 those runs walks the older generation; its full walks grow with the heap, so on LLaMA 3 8B
 on 4x8 they took ~1.6 s of a 10.4 s plan (measured with the collector off for the whole
 job, scripts/bench_planner.py's 8b-4x8: 10.4 -> 8.8 s, the memory estimate 5.8 -> 4.8 s).
-The planner's entry points pause it; reference counting still frees almost everything, and
-the few cycles made meanwhile (fx nodes, fake tensors) are left to the collector's next
-run once planning returns.
+The planner's entry points pause it. Reference counting still frees what is not in a cycle;
+the cycles made meanwhile (every dropped fx graph is one) wait for the collector's first run
+after planning returns, which frees them in one go: 0.5-2.2 s on the bench's jobs, and peak
+RSS 40-170 MiB higher than with the collector on.
 """
 
 from __future__ import annotations
