@@ -61,11 +61,13 @@ def choose_solver(prob: Problem, solver: str = "auto", *,
 
 
 def solve(prob: Problem, solver: str = "auto", *, time_limit: float | None = 600.0, verbose: bool = False,
-          max_ilp_edge_vars: int | None = None) -> Solution:
-    """Solve `prob` with the chosen solver; the returned Solution names the one used."""
+          max_ilp_edge_vars: int | None = None, start: list[int] | None = None) -> Solution:
+    """Solve `prob` with the chosen solver; the returned Solution names the one used.
+    `start`: one strategy per group from a neighbouring problem's plan (a warm start: an
+    incumbent for the exact ILP, a second starting point for the MRF's local search)."""
     kind, why = choose_solver(prob, solver, max_ilp_edge_vars=max_ilp_edge_vars)
     log.info("solver: %s", why)
     if kind == "ilp":
         backend = solver if solver in ("highs", "cbc") else "auto"
-        return solve_ilp(prob, solver=backend, time_limit=time_limit, verbose=verbose)
-    return solve_problem_mrf(prob, time_budget=time_limit)
+        return solve_ilp(prob, solver=backend, time_limit=time_limit, verbose=verbose, start=start)
+    return solve_problem_mrf(prob, time_budget=time_limit, start=start)

@@ -125,9 +125,32 @@ def _infeasible(prob: Problem) -> PlanningError:
                          + ("; ".join(c.description for c in prob.constraints) or "(no user constraints)"))
 
 
+def _from_start(stage: _Stage, budgeted: Problem, start: list[int], rounded: dict[int, int],
+                memory: bool) -> tuple[dict[int, int], float] | None:
+    """A warm start as a stage incumbent: its strategies on the surviving groups (the LP's
+    rounding where a strategy was eliminated as dominated), improved by the same local search,
+    with its objective; None when it breaks the parameter budget."""
+    labels = {}
+    for g, (idx, _first) in stage.model.x_cols.items():
+        s = int(start[g])
+        pos = int(np.searchsorted(idx, s))
+        labels[g] = s if pos < len(idx) and int(idx[pos]) == s else rounded[g]
+    labels = _local_search(stage, labels, memory)
+    full = stage.full_labels(labels)
+    value = budgeted.energy(full)
+    if not budget_holds(budgeted, full) or not np.isfinite(value):
+        return None
+    return labels, value
+
+
 def solve_highs(prob: Problem, *, time_limit: float | None = 600.0, verbose: bool = False,
-                eliminate: bool = True) -> Solution:
-    """Solve `prob` exactly with HiGHS (up to the time limit, whose expiry is reported in `status`)."""
+                eliminate: bool = True, start: list[int] | None = None) -> Solution:
+    """Solve `prob` exactly with HiGHS (up to the time limit, whose expiry is reported in `status`).
+
+    `start`: a strategy per group from a neighbouring problem's plan (a sweep's previous
+    point): a second incumbent beside the LP's rounding. The better one decides whether the
+    bound is already met and how many strategies the reduced costs prune; the optimum is the
+    same with or without it."""
     t0 = time.perf_counter()
 
     def left() -> float | None:
@@ -150,10 +173,18 @@ def solve_highs(prob: Problem, *, time_limit: float | None = 600.0, verbose: boo
         sol = relax.getSolution()
         value, reduced_cost = np.asarray(sol.col_value), np.asarray(sol.col_dual)
         bound = relax.getInfo().objective_function_value
-        labels = _local_search(first, read_labels(m, value), memory)
+        rounded = read_labels(m, value)
+        labels = _local_search(first, dict(rounded), memory)
         full = first.full_labels(labels)
-        if budget_holds(budgeted, full):
-            incumbent, inc_value = labels, prob.energy(full)
+        value_of = prob.energy(full)
+        if budget_holds(budgeted, full) and np.isfinite(value_of):  # a rounding may use a forbidden pair
+            incumbent, inc_value = labels, value_of
+        warm = _from_start(first, budgeted, start, rounded, memory) if start is not None else None
+        if warm is not None:
+            log.info("ilp: warm start %.1f µs against the LP's rounding %.1f µs", warm[1], inc_value)
+            if incumbent is None or warm[1] < inc_value - 1e-9 * max(1.0, abs(inc_value)):
+                incumbent, inc_value = warm
+        if incumbent is not None:
             log.info("ilp: LP bound %.1f µs, plan from it %.1f µs (gap %.3f%%), %.2fs", bound, inc_value,
                      100 * (inc_value - bound) / max(abs(inc_value), 1e-12), time.perf_counter() - t0)
             if inc_value - bound <= _OPTIMAL_GAP * max(1.0, abs(inc_value)):

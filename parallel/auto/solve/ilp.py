@@ -169,15 +169,16 @@ def _read_labels(x: _XVars, red: Reduced, num_groups: int) -> list[int]:
 
 def solve_ilp(
     prob: Problem, *, solver: str = "auto", time_limit: float | None = 600.0, verbose: bool = False,
-    eliminate: bool = True,
+    eliminate: bool = True, start: list[int] | None = None,
 ) -> Solution:
     """Solve `prob` exactly (up to the time limit, whose expiry is reported in `status`):
-    HiGHS through its own arrays (solve/highs_ilp.py), CBC through pulp."""
+    HiGHS through its own arrays (solve/highs_ilp.py), CBC through pulp. `start` (a
+    neighbouring plan's strategies) is a warm start on HiGHS; CBC solves without it."""
     name = available_solver(solver)
     if name == "highs":
         from parallel.auto.solve.highs_ilp import solve_highs
 
-        return solve_highs(prob, time_limit=time_limit, verbose=verbose, eliminate=eliminate)
+        return solve_highs(prob, time_limit=time_limit, verbose=verbose, eliminate=eliminate, start=start)
     t0 = time.perf_counter()
     prob, memory = prune_to_budget(prob)  # the same problem, fewer strategies
     protect = set(prob.param_groups) if memory else set()

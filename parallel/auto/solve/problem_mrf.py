@@ -293,9 +293,26 @@ def _lagrangian(prob: Problem, run: _Runner, base: list[np.ndarray], masks: dict
     return best
 
 
+def _from_start(prob: Problem, allowed: list[np.ndarray], start: list[int]) -> tuple[list[int], float] | None:
+    """A neighbouring plan's strategies improved by local search, kept within the budget
+    (None: the start breaks the budget or uses a strategy `allowed` forbids)."""
+    if not _within(prob, _memory_fraction(prob, start)):
+        return None
+    red = ReducedMRF(prob, allowed)
+    lab = red.strategies_to_labels(start)
+    if lab is None:
+        return None
+    polished = red.labels_to_strategies(local_search(red.mrf, lab))
+    if _within(prob, _memory_fraction(prob, polished)):
+        return polished, prob.energy(polished)
+    return _repair_within_budget(prob, allowed, list(start))
+
+
 def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 1000, bisection_steps: int = 12,
-                      time_budget: float | None = 60.0) -> Solution:
-    """Solve `prob` as a pairwise MRF (paper §4.3), honouring the parameter-memory budget."""
+                      time_budget: float | None = 60.0, start: list[int] | None = None) -> Solution:
+    """Solve `prob` as a pairwise MRF (paper §4.3), honouring the parameter-memory budget.
+    `start` (a neighbouring plan's strategies, a warm start) is improved by local search
+    too; the better of the two plans is returned."""
     t0 = time.perf_counter()
     run = _Runner(prob, repeated_layer_groups(prob), max_sweeps, time_budget)
     base = [a.copy() for a in prob.allowed]
@@ -305,9 +322,10 @@ def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 1000, bisection_steps:
     if prob.memory_high is not None and min_frac > prob.memory_high * (1 + 1e-9):
         raise PlanningError(f"parameters need at least {min_frac:.4g} of their bytes per device, "
                             f"above high={prob.memory_high:.4g}")
+    allowed = _sharded_only(prob, base, masks) if tight or not prob.param_groups else base
     if tight or not prob.param_groups:
         # fully sharded parameters (paper §4.3): storage is fixed, the rest is a pure MRF
-        labels, obj = run(_sharded_only(prob, base, masks), polish=True)
+        labels, obj = run(allowed, polish=True)
         how = "parameters fully sharded"
     else:
         labels, obj = run(base, polish=True)
@@ -318,6 +336,11 @@ def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 1000, bisection_steps:
             best = _lagrangian(prob, run, base, masks, over, obj, bisection_steps)
             labels, obj = _repair_within_budget(prob, base, best[0])
             how = "memory budget by Lagrangian bisection + budgeted local search"
+    warm = _from_start(prob, allowed, start) if start is not None else None
+    if warm is not None:
+        log.info("mrf: warm start %.1f µs against %.1f µs", warm[1], obj)
+        if _improves(warm[1], obj):
+            labels, obj = warm
     seconds = time.perf_counter() - t0
     n_labels = int(sum(a.sum() for a in prob.allowed))
     log.info("mrf: objective %.1f µs (%s), %d groups, %.2fs", obj, how, prob.num_groups, seconds)
