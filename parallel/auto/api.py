@@ -39,17 +39,17 @@ from parallel.auto.feasibility import memory_advice
 from parallel.auto.formulation import build_problem
 from parallel.auto.gc_pause import pauses_collector
 from parallel.auto.placements import placement_str
-from parallel.auto.plan import Plan, build_plan
+from parallel.auto.plan import Plan, PlanMismatchError, build_plan
 from parallel.auto.problem import Constraint, MemoryLimitError, PlanningError, Problem, min_parameter_fraction
 from parallel.auto.regions import CP_ATTENTION  # declares the causal-attention region
-from parallel.auto.replay import replay_plan
+from parallel.auto.replay import replay_labels, replay_plan
 from parallel.auto.runtime import RuntimeOptions, apply_plan
 from parallel.auto.runtime.memory import TracedStep, step_memory, trace_step
 from parallel.auto.runtime.runner import same_graph_options
 from parallel.auto.runtime.step_graph import fake_constants
 from parallel.auto.solve import Solution, solve
 from parallel.auto.solve.seed import plan_candidates, reseeded_candidates, seeded_candidates, use_seeding
-from parallel.auto.strategies import Candidates, build_candidates
+from parallel.auto.strategies import Candidates, mesh_candidates
 from parallel.auto.trace import JointGraph, trace_joint
 
 log = logging.getLogger("parallel.auto")
@@ -142,6 +142,7 @@ class AutoParallel:
         # the runner and step graph the last memory estimate traced: apply_placement of that plan
         # hands them to its ParallelModule (one trace per plan); replaced by each estimate
         self.traced_step: TracedStep | None = None
+        self._warm_start: Plan | None = None  # optimize_placement's, for every solve of that call
 
     # ------------------------------------------------------------------ context
     @pauses_collector
@@ -172,7 +173,7 @@ class AutoParallel:
         self.timings["trace"] = time.perf_counter() - t0 if self._given_graph is None else 0.0  # 0: not traced here
         t1 = time.perf_counter()
         if not self._seeded():  # seeded candidates are enumerated in optimize_placement
-            self.candidates = build_candidates(self.graph, self.mesh)
+            self.candidates = mesh_candidates(self.graph, self.mesh)
         self.timings["candidates"] = time.perf_counter() - t1
         for i, p in enumerate(self._input_placements):
             if p is not None:
@@ -295,9 +296,15 @@ class AutoParallel:
         return self.memory_low, high
 
     @pauses_collector
-    def optimize_placement(self, verbose: bool = True) -> Plan:
-        """Build the problem, solve it and return the Plan (seeded from 3-D meshes on)."""
+    def optimize_placement(self, verbose: bool = True, warm_start: Plan | None = None) -> Plan:
+        """Build the problem, solve it and return the Plan (seeded from 3-D meshes on).
+
+        `warm_start`: a neighbouring job's plan (a sweep's previous point on this mesh: another
+        budget, sequence or batch) whose placements, where this graph's strategies hold them,
+        start the solver (an incumbent for the exact ILP: the optimum does not change; a second
+        starting point for the MRF's local search: the better plan wins)."""
         jg = self._need_graph()
+        self._warm_start = warm_start
         level = logging.INFO if verbose else logging.DEBUG
         cm = self.cost_model()
         if self._seeded():
@@ -432,9 +439,20 @@ class AutoParallel:
         prob = build_problem(cands, self.cost_model(), constraints=self.constraints, memory_low=low, memory_high=high,
                              cluster_layers=self.planner.cluster_layers, mp_dtype=self.mp_dtype)
         self.timings["build"] = self.timings.get("build", 0.0) + time.perf_counter() - t0
-        sol = solve(prob, self.planner.solver, time_limit=self.planner.time_limit)
+        sol = solve(prob, self.planner.solver, time_limit=self.planner.time_limit, start=self._start_labels(prob))
         self.timings["solve"] = self.timings.get("solve", 0.0) + sol.seconds
         return prob, sol
+
+    def _start_labels(self, prob: Problem) -> list[int] | None:
+        """The warm-start plan's strategies on `prob`; None without one, or when a placement of
+        it is not a strategy here (another model, a dimension that no longer divides, seeding)."""
+        if self._warm_start is None:
+            return None
+        try:
+            return replay_labels(prob, self._warm_start)
+        except PlanMismatchError as e:
+            log.info("warm start: not used (%s)", str(e)[:200])
+            return None
 
     def _seeded(self) -> bool:
         return use_seeding(self.mesh.ndim, self.planner.split_seeding)
@@ -449,6 +467,7 @@ class AutoParallel:
             self.candidates = plan_candidates(jg, self.mesh, plan)
         options = options if options is not None else self.runtime
         step, self.traced_step = self._traced_step_of(plan, options), None  # handed over or released
+        jg.kept_candidates = None  # the module keeps the graph, not the candidates (strategies.mesh_candidates)
         return apply_plan(self.model, jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy,
                           options=options, cost_model=self.cost_model(),
                           runner=step.runner if step is not None else None,

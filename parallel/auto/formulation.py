@@ -2,11 +2,14 @@
 
 Groups tied nodes (`cluster.decision_groups`), prices every strategy and edge
 (`pricing.StrategyPricer`), merges the edges of repeated-layer copies, applies the user
-constraints and checks feasibility before any solver runs.
+constraints and checks feasibility before any solver runs. The priced part is kept on the
+candidates (`priced_problem`): a re-solve under another parameter budget only re-applies
+the budget and the constraints.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -162,12 +165,24 @@ def _price_optimizer(cands: Candidates, group_of: dict[str, int], cost_model: Co
         unary[group_of[pnode.name]] += us
 
 
-def build_problem(cands: Candidates, cost_model: CostModel, *, constraints: list[Constraint] | None = None,
-                  memory_low: float | None = None, memory_high: float | None = None, cluster_layers: bool = True,
-                  mp_dtype: torch.dtype | None = None) -> Problem:
-    """Price every strategy and edge, group tied nodes, apply constraints, check feasibility."""
+PRICED_KEPT = 2
+"""Priced problems kept per Candidates (formulation of one plan's budget rounds, a sweep's budget points)."""
+
+
+def priced_problem(cands: Candidates, cost_model: CostModel, *, cluster_layers: bool = True,
+                   mp_dtype: torch.dtype | None = None) -> Problem:
+    """Every strategy and edge of `cands` priced and grouped, without constraints or budget.
+
+    Kept on `cands` by the cost model's pricing key: the prices do not depend on the
+    parameter budget or the user constraints, so the budget rounds of one plan and the
+    budget points of a sweep price once. The result is read-only: `build_problem` copies
+    what it changes (`allowed`)."""
+    key = (cost_model.pricing_key() if hasattr(cost_model, "pricing_key") else id(cost_model), cluster_layers,
+           str(mp_dtype))
+    hit = cands.priced.get(key)
+    if hit is not None:
+        return hit
     t0 = time.perf_counter()
-    constraints = list(constraints or [])
     groups, group_of = decision_groups(cands, cluster_layers)
     pricer = StrategyPricer(cands, cost_model, mp_dtype)
     n_strat = [len(cands.nodes[g[0]].specs) for g in groups]
@@ -182,7 +197,24 @@ def build_problem(cands: Candidates, cost_model: CostModel, *, constraints: list
     prob = Problem(candidates=cands, cost_model=cost_model, groups=groups, group_of=group_of, n_strategies=n_strat,
                    unary=unary, compute=compute, edges=edges, allowed=[np.isfinite(u) for u in unary],
                    param_groups=param_groups, param_bytes=param_bytes, total_param_bytes=total,
-                   memory_low=memory_low, memory_high=memory_high, constraints=constraints, mp_dtype=mp_dtype)
+                   memory_low=None, memory_high=None, constraints=[], mp_dtype=mp_dtype,
+                   build_seconds=time.perf_counter() - t0)
+    while len(cands.priced) >= PRICED_KEPT:
+        cands.priced.pop(next(iter(cands.priced)))
+    cands.priced[key] = prob
+    return prob
+
+
+def build_problem(cands: Candidates, cost_model: CostModel, *, constraints: list[Constraint] | None = None,
+                  memory_low: float | None = None, memory_high: float | None = None, cluster_layers: bool = True,
+                  mp_dtype: torch.dtype | None = None) -> Problem:
+    """The priced problem (`priced_problem`, kept) with the constraints and budget applied,
+    checked for feasibility."""
+    t0 = time.perf_counter()
+    priced = priced_problem(cands, cost_model, cluster_layers=cluster_layers, mp_dtype=mp_dtype)
+    constraints = list(constraints or [])
+    prob = dataclasses.replace(priced, cost_model=cost_model, allowed=[a.copy() for a in priced.allowed],
+                               memory_low=memory_low, memory_high=memory_high, constraints=constraints)
     for con in constraints:
         if con.kind != "memory":
             apply_constraint(prob, con)

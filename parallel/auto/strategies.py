@@ -87,6 +87,9 @@ class Candidates:
     unique_keys: int
     seconds: float
     unhandled: list[Unhandled] = field(default_factory=list)  # only when built with strict=False
+    # problems priced on these candidates, by cost model and clustering (formulation.py): the
+    # parameter-budget rounds of one plan and the budget points of a sweep price them once
+    priced: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __getitem__(self, name: str) -> NodeCandidates:
         return self.nodes[name]
@@ -206,6 +209,21 @@ class _CandidateBuilder:
         self.nodes[name] = NodeCandidates(name, SLOT, None, [slot.node],
                                           [T.OpSpec(s.output_specs, [s.output_specs]) for s in specs], source=SLOT,
                                           slot_index=slot.index)
+
+
+def mesh_candidates(graph: JointGraph, mesh: DeviceMesh) -> Candidates:
+    """The candidates of `graph` on `mesh`, enumerated once per mesh object and kept on the
+    graph (the last mesh's only): plans on one trace and one mesh -- a sweep's budget or
+    hardware points, a plan and its replay -- share one enumeration and, through it, their
+    priced problems (formulation.py). The candidates are read-only once built."""
+    kept = graph.kept_candidates
+    if kept is not None and kept.mesh is mesh:
+        log.info("candidates: reused (%d nodes, enumerated earlier on this mesh)", len(kept.nodes))
+        return kept
+    graph.kept_candidates = None  # release the previous mesh's before enumerating
+    cands = build_candidates(graph, mesh)
+    graph.kept_candidates = cands
+    return cands
 
 
 def build_candidates(graph: JointGraph, mesh: DeviceMesh, restrict: dict[str, list[tuple]] | None = None, *,

@@ -141,6 +141,9 @@ class JointGraph:
     # the runtime's forward and backward partitions of this graph, per activation-checkpointing
     # policy and device (runtime/runner.py `phase_graphs`): they do not depend on the plan
     phase_graphs: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
+    # the candidates last enumerated on this graph, with the mesh they were made for
+    # (strategies.py `mesh_candidates`): the next plan on that same mesh reuses them
+    kept_candidates: Any = field(default=None, repr=False, compare=False)
 
     @property
     def labels(self) -> dict[str, str]:

@@ -55,7 +55,7 @@ class Recorder:
     def cost_model(self):
         return SimpleNamespace(hw=load_hardware("h100"))
 
-    def optimize_placement(self, verbose=True):
+    def optimize_placement(self, verbose=True, warm_start=None):
         raise PlanningError("recorded")
 
 

@@ -113,6 +113,47 @@ def test_cache_hit_replans_nothing_and_trace_is_reused(tmp_path, monkeypatch):
     assert [r["step_ms"] for r in again] == [r["step_ms"] for r in rows]
 
 
+@pytest.mark.slow  # plans three points, then each again alone
+def test_points_on_one_mesh_share_candidates_pricing_and_warm_starts(tmp_path, monkeypatch):
+    """Three budgets on one 2x2 mesh: one enumeration, one pricing, the later solves warm-started
+    from the point before, and each point's plan the one it gets planned alone."""
+    from parallel.auto import api, formulation, strategies
+
+    budgets = "mesh = 'dp_shard=2,tp=2'\nmemory_budget_high = ['1/4', '1/2', 1.0]\n"
+    spec = load_sweep(spec_file(tmp_path, TINY + budgets))
+    calls = {"enumerated": 0, "priced": 0, "starts": []}
+
+    def counted(name, real):
+        def wrapper(*a, **kw):
+            calls[name] += 1
+            return real(*a, **kw)
+        return wrapper
+
+    monkeypatch.setattr(strategies, "build_candidates", counted("enumerated", strategies.build_candidates))
+    monkeypatch.setattr(formulation, "decision_groups", counted("priced", formulation.decision_groups))
+    real_solve = api.solve
+
+    def solve(prob, *a, start=None, **kw):
+        calls["starts"].append(start is not None)
+        return real_solve(prob, *a, start=start, **kw)
+
+    monkeypatch.setattr(api, "solve", solve)
+    shared_cache = PlanCache(tmp_path / "shared")
+    shared = run_points(spec.points, workers=1, cache=shared_cache, progress=quiet())
+    assert [r["status"] for r in shared] == ["ok"] * 3
+    assert calls["enumerated"] == 1 and calls["priced"] == 1
+    assert calls["starts"][0] is False and all(calls["starts"][1:]) and len(calls["starts"]) >= 3
+
+    alone_cache = PlanCache(tmp_path / "alone")
+    for p, row in zip(spec.points, shared):
+        sweep_point._TRACES.clear()
+        sweep_point._NEIGHBOURS.clear()
+        mine = sweep_point.plan_point(p, alone_cache)
+        assert mine["objective_us"] == pytest.approx(row["objective_us"], rel=1e-9)
+        assert alone_cache.plan(mine["key"]).placement_digest() == shared_cache.plan(row["key"]).placement_digest()
+    assert calls["enumerated"] == 4  # planned alone: one enumeration each
+
+
 def test_failing_point_is_a_row_and_the_sweep_goes_on(tmp_path, monkeypatch):
     spec = load_sweep(spec_file(tmp_path, TINY + "mesh = ['2', 'tp=2']\n"))
     real = sweep_point._plan_and_row

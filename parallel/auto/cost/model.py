@@ -142,6 +142,12 @@ class CostModel:
         return (f"CostModel({self.hw.name!r}, mesh_shape={self.mesh_shape}, "
                 f"mesh_axis_names={self.mesh_axis_names}, compute_dtype={self.compute_dtype})")
 
+    def pricing_key(self) -> tuple:
+        """What this model's prices depend on: two models with equal keys price every
+        strategy and edge alike (a priced problem is kept and reused under it)."""
+        return (repr(self.hw), self.mesh_shape, self.mesh_axis_names, str(self.compute_dtype), repr(tuple(self.links)),
+                repr(self.schedule), self.routing_imbalance)
+
     def describe(self) -> str:
         """Profile and per-axis links, for logs and plan reports."""
         return "\n".join([self.hw.summary(), *(link.describe() for link in self.links)])

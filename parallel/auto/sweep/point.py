@@ -10,12 +10,15 @@ re-run plans only new points.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gzip
 import json
 import os
 import time
 import traceback
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,8 @@ DEFAULT_CACHE = Path(os.environ.get("AUTOTITAN_CACHE", Path.home() / ".cache" / 
 
 _TRACES: dict[tuple, Any] = {}  # this process's last joint graph, by trace key
 _STATS = {"traced": 0, "reused": 0}
+_NEIGHBOURS: dict[tuple, Plan] = {}  # this process's last plan per model and mesh: the next one's warm start
+NEIGHBOURS_KEPT = 16
 
 
 def point_key(point: Point) -> str:
@@ -53,6 +58,22 @@ def trace_key(point: Point) -> tuple:
     whether the mesh has a cp axis: then the graph takes positions and attention is a region)."""
     return (point.model, point.flavor, point.model_args, point.vocab_size, point.micro_global_batch, point.seq_len,
             uses_context_parallel(point.mesh))
+
+
+def neighbour_key(point: Point) -> tuple:
+    """Points whose plans warm-start each other: one model on one mesh (any budget, hardware,
+    sequence or batch: placements are by node name, and the solver checks each start)."""
+    return (point.model, point.flavor, point.model_args, point.vocab_size, tuple(point.mesh.shape),
+            tuple(point.mesh.names), uses_context_parallel(point.mesh))
+
+
+def _keep_neighbour(key: tuple, plan: Plan) -> None:
+    """Keep `plan` (without its solved problem, which holds the graph) as the key's warm start."""
+    plan = dataclasses.replace(plan, costs=None, memory=None)
+    _NEIGHBOURS.pop(key, None)
+    while len(_NEIGHBOURS) >= NEIGHBOURS_KEPT:
+        _NEIGHBOURS.pop(next(iter(_NEIGHBOURS)))
+    _NEIGHBOURS[key] = plan
 
 
 class PlanCache:
@@ -172,8 +193,7 @@ def _plan(point: Point, hw: Any) -> tuple[Plan, int, int, float | None]:
     n_params = sum(p.numel() for p in model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     spec = point.mesh
-    with fake_world(spec.world):
-        mesh = init_device_mesh("cpu", spec.shape, mesh_dim_names=spec.names)
+    with _open_mesh(spec.world, tuple(spec.shape), tuple(spec.names)) as mesh:
         with planning(model, mesh, point.request, graph=cached[1] if cached else None) as autop:
             _STATS["reused" if cached else "traced"] += 1
             _TRACES.clear()
@@ -181,9 +201,61 @@ def _plan(point: Point, hw: Any) -> tuple[Plan, int, int, float | None]:
             if point.memory_high is None:  # "sharded": fully sharded, whatever the rule would free
                 autop.add_parameter_memory_constraint(low=point.request.planner.memory_budget_low, high=None)
             high = autop.memory_high
-            plan = autop.optimize_placement(verbose=False)
+            nkey = neighbour_key(point)
+            plan = autop.optimize_placement(verbose=False, warm_start=_NEIGHBOURS.get(nkey))
+            _keep_neighbour(nkey, plan)
     used = high if high is not None else max(1.0 / spec.world, 0.0)
     return plan, n_params, param_bytes, used
+
+
+class _OpenMeshes:
+    """A fake world and mesh left open between points that share them (`points_share_meshes`):
+    a mesh object that outlives a point lets the next point on that trace and mesh reuse its
+    candidates and priced problem (strategies.mesh_candidates)."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.key: tuple | None = None
+        self.mesh: Any = None
+        self.stack: contextlib.ExitStack | None = None
+
+    def close(self) -> None:
+        if self.stack is not None:
+            self.stack.close()
+        self.key, self.mesh, self.stack = None, None, None
+
+
+_MESHES = _OpenMeshes()
+
+
+@contextlib.contextmanager
+def points_share_meshes() -> Iterator[None]:
+    """Inside, consecutive points on one mesh plan in one fake world and on one mesh object;
+    the world is closed on exit (or when a point needs another mesh)."""
+    _MESHES.active = True
+    try:
+        yield
+    finally:
+        _MESHES.active = False
+        _MESHES.close()
+
+
+@contextlib.contextmanager
+def _open_mesh(world: int, shape: tuple[int, ...], names: tuple[str, ...]) -> Iterator[Any]:
+    """The point's mesh in a fake world: the open one when the same mesh is open
+    (`points_share_meshes`), else a new one (closed after the point unless shared)."""
+    key = (world, shape, names)
+    if not _MESHES.active:
+        with fake_world(world):
+            yield init_device_mesh("cpu", shape, mesh_dim_names=names)
+        return
+    if _MESHES.key != key:
+        _MESHES.close()
+        stack = contextlib.ExitStack()
+        stack.enter_context(fake_world(world))
+        _MESHES.key, _MESHES.stack = key, stack
+        _MESHES.mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    yield _MESHES.mesh
 
 
 def memory_limit(hw: Any) -> float:

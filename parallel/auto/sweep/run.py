@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .point import PlanCache, failure_row, plan_point, point_key, trace_key
+from .point import PlanCache, failure_row, plan_point, point_key, points_share_meshes, trace_key
 from .spec import Point, more_micro_batches
 
 
@@ -76,11 +76,13 @@ def run_points(points: Sequence[Point], *, workers: int = 2, cache: PlanCache | 
             progress.update(rows[p.index])
         else:
             todo.append(p)
-    todo.sort(key=lambda p: (str(trace_key(p)), p.index))  # same trace -> same worker, one after another
+    # same trace -> same worker, one after another; one mesh's points together (they share candidates)
+    todo.sort(key=lambda p: (str(trace_key(p)), p.mesh.label, p.index))
     if todo and workers <= 1 and not dist.is_initialized():
-        for p in todo:
-            rows[p.index] = plan_point(p, cache)
-            progress.update(rows[p.index])
+        with points_share_meshes():
+            for p in todo:
+                rows[p.index] = plan_point(p, cache)
+                progress.update(rows[p.index])
     elif todo:
         rows.update(_run_pool(todo, workers, cache, progress))
     retries = [q for p in points if rows[p.index].get("status") == "OOM" and (q := more_micro_batches(p)) is not None]
@@ -153,6 +155,7 @@ def _worker_loop(tasks: Any, results: Any, folder: str | None) -> None:
     """A worker: one thread of torch, then groups of points until the None sentinel."""
     torch.set_num_threads(1)
     cache = PlanCache(Path(folder)) if folder is not None else None
-    for group in iter(tasks.get, None):
-        for p in group:
-            results.put((p.index, plan_point(p, cache)))
+    with points_share_meshes():
+        for group in iter(tasks.get, None):
+            for p in group:
+                results.put((p.index, plan_point(p, cache)))
