@@ -15,6 +15,7 @@ scalar loss: pass `loss_fn(model, *inputs)` around a model that returns logits.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -58,6 +59,7 @@ __all__ = ["AutoParallel", "CP_ATTENTION", "MemoryLimitError", "PlanningError", 
            "lm_loss_positions"]
 
 MEMORY_ROUNDS = 3  # re-solves with a tighter parameter budget when a plan is over the memory limit
+ESTIMATES_KEPT = 4  # peak-memory estimates kept per joint graph (JointGraph.kept_estimates)
 _AC_FIX = {"none": "use activation checkpointing ([activation_checkpoint] mode = \"selective\" or \"full\", "
                    "RuntimeOptions(ac_mode=...)), ",
            "selective": "use full activation checkpointing ([activation_checkpoint] mode = \"full\"), ", "full": ""}
@@ -362,9 +364,24 @@ class AutoParallel:
             self.candidates = plan_candidates(jg, self.mesh, plan)
         t0 = time.perf_counter()
         self.traced_step = None  # release the previous plan's graph before tracing this one
-        step = trace_step(jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy,
-                          options=options if options is not None else self.runtime)
+        options = options if options is not None else self.runtime
+        key = (id(self.mesh), plan.placement_digest(), tuple(sorted(_strategies(plan).items())),
+               dataclasses.replace(options, compile=False), str(self.mp_dtype),
+               str(getattr(self.mp_policy, "reduce_dtype", None)), self.planner.optimizer)
+        kept = jg.kept_estimates.get(key)
+        # this plan, estimated on this graph and mesh by another planner (a sweep's earlier point);
+        # this planner's own estimates are traced again: apply_placement takes their step graph
+        if kept is not None and kept[0] is self.mesh and kept[2] != id(self):
+            est = dataclasses.replace(kept[1])
+            est.limit_bytes, est.limit_source = self.memory_limit()
+            self.timings["memory"] = self.timings.get("memory", 0.0) + time.perf_counter() - t0
+            log.info("memory: the estimate of this plan on this mesh, made earlier, reused")
+            return est
+        step = trace_step(jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy, options=options)
         est = step_memory(step, self.mesh, self.planner.optimizer)
+        while len(jg.kept_estimates) >= ESTIMATES_KEPT:
+            jg.kept_estimates.pop(next(iter(jg.kept_estimates)))
+        jg.kept_estimates[key] = (self.mesh, dataclasses.replace(est), id(self))
         est.limit_bytes, est.limit_source = self.memory_limit()
         consts = fake_constants(step.step_graph.gm)
         if consts:

@@ -144,6 +144,9 @@ class JointGraph:
     # the candidates last enumerated on this graph, with the mesh they were made for
     # (strategies.py `mesh_candidates`): the next plan on that same mesh reuses them
     kept_candidates: Any = field(default=None, repr=False, compare=False)
+    # peak-memory estimates of plans on this graph, by mesh object, placements and runtime
+    # (AutoParallel.estimate_memory): a sweep's budget points that solve to one plan estimate once
+    kept_estimates: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def labels(self) -> dict[str, str]:

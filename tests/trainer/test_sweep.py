@@ -151,6 +151,7 @@ def test_points_on_one_mesh_share_candidates_pricing_and_warm_starts(tmp_path, m
         mine = sweep_point.plan_point(p, alone_cache)
         assert mine["objective_us"] == pytest.approx(row["objective_us"], rel=1e-9)
         assert alone_cache.plan(mine["key"]).placement_digest() == shared_cache.plan(row["key"]).placement_digest()
+        assert mine["mem_gib"] == row["mem_gib"]
     assert calls["enumerated"] == 4  # planned alone: one enumeration each
 
 

@@ -239,3 +239,25 @@ def test_the_partition_is_made_once_per_graph_and_checkpointing_policy():
             assert autop.traced_step.runner.fwd_gm is not runner.fwd_gm
     assert again.peak_bytes == fresh.peak_bytes == first.peak_bytes
     assert again.summary() == fresh.summary() == first.summary()
+
+
+def test_another_planner_on_the_same_graph_and_mesh_reuses_the_estimate(traces):
+    """A sweep's points on one trace and one mesh: a plan one planner estimated is not traced
+    again by the next (the same bytes); another runtime option is; the planner that made an
+    estimate traces again when asked (apply_placement takes that step graph)."""
+    with fake_world(WORLD):
+        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+        model = _model()
+        with _autop(mesh, model) as autop:
+            plan = autop.optimize_placement(verbose=False)
+            graph = autop.graph
+            autop.estimate_memory(plan)
+            assert len(traces) == 2 and autop.traced_step is not None
+        tok = torch.zeros(GLOBAL_B, SEQ, dtype=torch.long, device="meta")
+        with AutoParallel(model, (tok, tok), mesh, loss_fn=lm_loss, graph=graph,
+                          planner=PlannerConfig(hardware="h100", time_limit=30)) as again:
+            est = again.estimate_memory(plan)
+            assert len(traces) == 2 and again.traced_step is None
+            assert est == plan.memory
+            full = again.estimate_memory(plan, RuntimeOptions(ac_mode="full"))
+            assert len(traces) == 3 and full.peak_bytes != est.peak_bytes
