@@ -155,6 +155,17 @@ def test_points_on_one_mesh_share_candidates_pricing_and_warm_starts(tmp_path, m
     assert calls["enumerated"] == 4  # planned alone: one enumeration each
 
 
+def test_the_longest_points_are_handed_out_first(tmp_path):
+    """A worker handed the 3-D mesh last would finish long after the other: heaviest first."""
+    from parallel.auto.sweep import run
+
+    meshes = "mesh = ['2', 'dp_shard=2,tp=2', 'dp_replicate=2,dp_shard=2,tp=2', 'tp=2']\n"
+    spec = load_sweep(spec_file(tmp_path, TINY + meshes))
+    groups = run._groups(spec.points, workers=2)
+    assert sorted(p.index for g in groups for p in g) == [0, 1, 2, 3]
+    assert [len(g[0].mesh.shape) for g in groups] == [3, 2, 1, 1]
+
+
 def test_failing_point_is_a_row_and_the_sweep_goes_on(tmp_path, monkeypatch):
     spec = load_sweep(spec_file(tmp_path, TINY + "mesh = ['2', 'tp=2']\n"))
     real = sweep_point._plan_and_row

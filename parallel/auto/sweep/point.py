@@ -202,8 +202,10 @@ def _plan(point: Point, hw: Any) -> tuple[Plan, int, int, float | None]:
                 autop.add_parameter_memory_constraint(low=point.request.planner.memory_budget_low, high=None)
             high = autop.memory_high
             nkey = neighbour_key(point)
-            plan = autop.optimize_placement(verbose=False, warm_start=_NEIGHBOURS.get(nkey))
-            _keep_neighbour(nkey, plan)
+            warm = _NEIGHBOURS.get(nkey) if _MESHES.active else None  # within one run of points only
+            plan = autop.optimize_placement(verbose=False, warm_start=warm)
+            if _MESHES.active:
+                _keep_neighbour(nkey, plan)
     used = high if high is not None else max(1.0 / spec.world, 0.0)
     return plan, n_params, param_bytes, used
 
@@ -230,14 +232,17 @@ _MESHES = _OpenMeshes()
 
 @contextlib.contextmanager
 def points_share_meshes() -> Iterator[None]:
-    """Inside, consecutive points on one mesh plan in one fake world and on one mesh object;
+    """Inside, consecutive points on one mesh plan in one fake world and on one mesh object,
+    and each solve is warm-started from the last plan on that mesh shape (`neighbour_key`);
     the world is closed on exit (or when a point needs another mesh)."""
     _MESHES.active = True
+    _NEIGHBOURS.clear()  # warm starts come from this run's points only
     try:
         yield
     finally:
         _MESHES.active = False
         _MESHES.close()
+        _NEIGHBOURS.clear()
 
 
 @contextlib.contextmanager
