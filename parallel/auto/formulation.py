@@ -181,7 +181,7 @@ def priced_problem(cands: Candidates, cost_model: CostModel, *, cluster_layers: 
            str(mp_dtype))
     hit = cands.priced.get(key)
     if hit is not None:
-        return hit
+        return dataclasses.replace(hit, candidates=cands)
     t0 = time.perf_counter()
     groups, group_of = decision_groups(cands, cluster_layers)
     pricer = StrategyPricer(cands, cost_model, mp_dtype)
@@ -201,7 +201,9 @@ def priced_problem(cands: Candidates, cost_model: CostModel, *, cluster_layers: 
                    build_seconds=time.perf_counter() - t0)
     while len(cands.priced) >= PRICED_KEPT:
         cands.priced.pop(next(iter(cands.priced)))
-    cands.priced[key] = prob
+    # kept without its candidates: no reference cycle, so candidates a re-seeding round drops
+    # are freed at once (the collector is paused while planning)
+    cands.priced[key] = dataclasses.replace(prob, candidates=None)
     return prob
 
 
