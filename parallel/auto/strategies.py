@@ -134,6 +134,9 @@ class _CandidateBuilder:
         self.en = OpEnumerator(mesh)
         self.nodes: dict[str, NodeCandidates] = {}
         self.placeholder_cache: dict[Any, list[Any]] = {}
+        # (id of the producer's specs, output index) -> (those specs, the getitem's): copies of a
+        # layer share their producers' spec lists, so their getitems share one list too
+        self.getitem_cache: dict[tuple[int, int], tuple[list[Any], list[Any]]] = {}
         self.constants: set[str] = set()  # nodes computed from no data input at all
         self.unhandled: list[Unhandled] = []
 
@@ -168,14 +171,17 @@ class _CandidateBuilder:
 
     def add_getitem(self, n: fx.Node) -> None:
         src, idx = n.args[0], n.args[1]
-        seen: dict[Any, Any] = {}
-        for s in self.nodes[src.name].specs:
-            o = s.output_specs[idx] if isinstance(s.output_specs, tuple) else s.output_specs
-            if o is not None and o.placements not in seen:
-                spec = make_spec(self.mesh, o.placements, o.tensor_meta)
-                seen[o.placements] = T.OpSpec(spec, [make_spec(self.mesh, o.placements, o.tensor_meta)])
-        self.nodes[n.name] = NodeCandidates(n.name, GETITEM, n, [src], list(seen.values()), source=GETITEM,
-                                            getitem_index=idx)
+        src_specs = self.nodes[src.name].specs
+        hit = self.getitem_cache.get((id(src_specs), idx))
+        if hit is None:
+            seen: dict[Any, Any] = {}
+            for s in src_specs:
+                o = s.output_specs[idx] if isinstance(s.output_specs, tuple) else s.output_specs
+                if o is not None and o.placements not in seen:
+                    spec = make_spec(self.mesh, o.placements, o.tensor_meta)
+                    seen[o.placements] = T.OpSpec(spec, [make_spec(self.mesh, o.placements, o.tensor_meta)])
+            hit = self.getitem_cache[(id(src_specs), idx)] = (src_specs, list(seen.values()))
+        self.nodes[n.name] = NodeCandidates(n.name, GETITEM, n, [src], hit[1], source=GETITEM, getitem_index=idx)
 
     def add_op(self, n: fx.Node) -> None:
         val = n.meta.get("val")
