@@ -234,7 +234,10 @@ _MESHES = _OpenMeshes()
 def points_share_meshes() -> Iterator[None]:
     """Inside, consecutive points on one mesh plan in one fake world and on one mesh object,
     and each solve is warm-started from the last plan on that mesh shape (`neighbour_key`);
-    the world is closed on exit (or when a point needs another mesh)."""
+    the world is closed on exit (or when a point needs another mesh). Nested: the outer one rules."""
+    if _MESHES.active:
+        yield
+        return
     _MESHES.active = True
     _NEIGHBOURS.clear()  # warm starts come from this run's points only
     try:
