@@ -177,9 +177,9 @@ def priced_problem(cands: Candidates, cost_model: CostModel, *, cluster_layers: 
     parameter budget or the user constraints, so the budget rounds of one plan and the
     budget points of a sweep price once. The result is read-only: `build_problem` copies
     what it changes (`allowed`)."""
-    key = (cost_model.pricing_key() if hasattr(cost_model, "pricing_key") else id(cost_model), cluster_layers,
-           str(mp_dtype))
-    hit = cands.priced.get(key)
+    # a duck-typed cost model without a pricing key is priced every time (an id could be reused)
+    key = (cost_model.pricing_key(), cluster_layers, str(mp_dtype)) if hasattr(cost_model, "pricing_key") else None
+    hit = cands.priced.get(key) if key is not None else None
     if hit is not None:
         return dataclasses.replace(hit, candidates=cands)
     t0 = time.perf_counter()
@@ -199,6 +199,8 @@ def priced_problem(cands: Candidates, cost_model: CostModel, *, cluster_layers: 
                    param_groups=param_groups, param_bytes=param_bytes, total_param_bytes=total,
                    memory_low=None, memory_high=None, constraints=[], mp_dtype=mp_dtype,
                    build_seconds=time.perf_counter() - t0)
+    if key is None:
+        return prob
     while len(cands.priced) >= PRICED_KEPT:
         cands.priced.pop(next(iter(cands.priced)))
     # kept without its candidates: no reference cycle, so candidates a re-seeding round drops
