@@ -4,7 +4,9 @@ A named profile (h100, ...) holds published figures; a CPU job's figures are thi
 and depend on how many ranks share its cores, so they are measured, once, and cached under
 the user's cache folder keyed by host, world size and torch version:
 
-    ~/.cache/autotitan/hardware/<host>-w<world>-torch<version>.toml   ($XDG_CACHE_HOME honoured)
+    <cache root>/hardware/<host>-w<world>-torch<version>-m<method>.toml
+
+(the cache root: parallel/cache_dir.py, ~/.cache/autotitan by default)
 
 `measure_in_group()` runs on every rank of a process group (all ranks compute and
 communicate at once, as in training) and returns the profile; `calibrated_profile()` reads
@@ -36,6 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from parallel import _torch as T
+from parallel.cache_dir import cache_root
 
 from .hardware import (
     COLLECTIVE_KINDS,
@@ -58,7 +61,7 @@ SIZES = (16 * 1024, 1024 * 1024, 16 * 1024 * 1024)  # bytes (nccl-tests size), f
 
 def cache_path(world_size: int) -> Path:
     """Where the profile measured on this host for `world_size` ranks is kept."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autotitan" / "hardware"
+    root = cache_root() / "hardware"
     version = torch.__version__.split("+")[0]
     return root / f"{socket.gethostname()}-w{world_size}-torch{version}-m{METHOD_VERSION}.toml"
 
@@ -255,15 +258,54 @@ def host_memory_per_rank(world: int) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, ranks)
 
 
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all of this host's cores so far (Linux /proc/stat; else None)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+BUSY_SHARE = 0.25
+"""Share of the host's cores that other work may take while it is measured before the
+profile is called busy (the measuring ranks themselves wait in a barrier then)."""
+
+
+def busy_before_measuring(window_s: float = 0.5) -> float:
+    """The share of this host's cores busy over `window_s` just before measuring (call on
+    every rank: the others wait in a barrier meanwhile), with a warning when other work
+    holds more than `BUSY_SHARE` of them: every figure would come out slow (a profile
+    measured while the test suite ran on 2 cores rated matmul at 23 GFLOP/s a rank against
+    55-60 quiet), and the profile is cached and planned with until it is measured again."""
+    share = 0.0
+    if dist.get_rank() == 0:
+        before = _cpu_times()
+        time.sleep(window_s)
+        after = _cpu_times()
+        if before is not None and after is not None and after[1] > before[1]:
+            share = (after[0] - before[0]) / (after[1] - before[1])
+        if share > BUSY_SHARE:
+            log.warning("this machine is busy (%.0f %% of its cores taken by other work) while hardware = \"auto\" "
+                        "measures it: the profile will under-rate it; measure it again when it is quiet: "
+                        "python scripts/calibrate.py --world-size %d --recalibrate", share * 100, dist.get_world_size())
+    shared = [share]
+    dist.broadcast_object_list(shared, src=0)  # every rank describes the profile alike
+    return shared[0]
+
+
 def measure_in_group(base: str | HardwareProfile = "cpu", device: torch.device | None = None) -> HardwareProfile:
     """The profile of this host as a job of this process group sees it (call on every rank);
     `device`: where the job's tensors live (None: torch's default device)."""
     t0 = time.perf_counter()
     world = dist.get_world_size()
-    dist.barrier()
+    busy = busy_before_measuring()
     comp = _mean_over_ranks(measure_compute(device=device), device)
     measured = load_hardware(base).replace(
-        name="auto", description=f"measured on {socket.gethostname()}: {world} ranks, torch {torch.__version__}",
+        name="auto", description=f"measured on {socket.gethostname()}: {world} ranks, torch {torch.__version__}, "
+                                 f"{busy:.0%} of the host's cores busy before measuring",
         peak_tflops={"fp32": comp["fp32"], "bf16": comp["bf16"]}, memory_bandwidth_gbps=comp["copy_gbps"],
         kernel_floor_us=comp["floor_us"], matmul_efficiency=1.0, memory_efficiency=1.0,
         memory_bytes=host_memory_per_rank(world), memory_limit_bytes=0)

@@ -32,10 +32,11 @@ from parallel.auto.mesh_search import uses_context_parallel
 from parallel.auto.plan import Plan, linear_roles
 from parallel.auto.problem import MemoryLimitError, PlanningError
 from parallel.auto.request import planning, request_key
+from parallel.cache_dir import cache_root
 
 from .spec import Point
 
-DEFAULT_CACHE = Path(os.environ.get("AUTOTITAN_CACHE", Path.home() / ".cache" / "autotitan")) / "plans"
+DEFAULT_CACHE = cache_root() / "plans"
 
 _TRACES: dict[tuple, Any] = {}  # this process's last joint graph, by trace key
 _STATS = {"traced": 0, "reused": 0}

@@ -16,7 +16,7 @@ _SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "calibrate.py"
 
 @pytest.mark.slow
 def test_calibration_measures_caches_and_reuses(tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("AUTOTITAN_CACHE", str(tmp_path / "cache"))
     monkeypatch.syspath_prepend(str(_SCRIPT.parent))
     cal = importlib.import_module("calibrate")
     out = tmp_path / "measured.toml"

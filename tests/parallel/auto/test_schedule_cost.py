@@ -104,6 +104,7 @@ def test_calibration_fits_and_caches_by_host_world_and_torch(tmp_path, monkeypat
     bws, latency = fit_link(res, n)
     assert latency == pytest.approx(lat * 1e6, rel=1e-6)
     assert all(v == pytest.approx(bw / 1e9, rel=1e-6) for v in bws.values())
+    monkeypatch.delenv("AUTOTITAN_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = cache_path(4)
     assert path.parent == tmp_path / "autotitan" / "hardware"
