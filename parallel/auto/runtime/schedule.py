@@ -16,7 +16,13 @@ graph itself (eager and compiled runs alike):
     ops (views, casts, concatenations) that build its buffer;
   * except parameter gathers (collectives fed by graph inputs only): those start when the
     previous gather's result is first used, i.e. one bucket (one block) ahead, FSDP's
-    prefetch, so gathered parameters do not all live at once.
+    prefetch, so gathered parameters do not all live at once;
+  * on gloo (`one_gather_per_group`), an all-gather waits for the previous all-gather of its
+    process group before it starts. torch 2.13's functional all-gathers corrupt the heap
+    on gloo when several are in flight on one group ("malloc(): unaligned tcache chunk
+    detected"): 4 ranks issuing 6 of them a step and waiting in any order aborted 3 runs
+    in 3 (2,000 steps each), waited one at a time 0 in 3; reduce-scatters and all-reduces
+    in flight together did not (0 in 2 each). A 2 x 2 auto run aborted that way.
 """
 
 from __future__ import annotations
@@ -60,11 +66,14 @@ class OverlapReport:
     waits_moved: int = 0
     prefetched_gathers: int = 0
     reductions_bounded: int = 0  # gradient reductions waited for when the next one starts
+    gathers_serialised: int = 0  # all-gathers waited for before the next one on their group starts (gloo)
 
     def __str__(self) -> str:
+        serial = (f"; {self.gathers_serialised} all-gathers waited for before the next on their group"
+                  if self.gathers_serialised else "")
         return (f"overlap: {self.collectives} collectives, {self.starts_moved} started earlier "
                 f"({self.prefetched_gathers} parameter gathers one bucket ahead), {self.waits_moved} waits deferred "
-                f"to first use ({self.reductions_bounded} gradient reductions waited for when the next starts)")
+                f"to first use ({self.reductions_bounded} gradient reductions waited for when the next starts{serial})")
 
 
 def _after(n: fx.Node, k: int) -> fx.Node:
@@ -155,6 +164,33 @@ def _bound_reductions(graph: fx.Graph, report: OverlapReport, in_flight: int = 1
             report.reductions_bounded += 1
 
 
+def _group_of(c: fx.Node) -> object:
+    """The process group a functional collective runs on (its `group_name` argument)."""
+    return c.kwargs.get("group_name", c.args[-1] if c.args else None)
+
+
+def _one_gather_per_group(graph: fx.Graph, report: OverlapReport) -> None:
+    """Each all-gather's wait moved, when needed, to just before the next all-gather of its
+    process group starts: at most one all-gather in flight per group (the gloo fault in the
+    module doc). Moving a wait earlier keeps the graph valid: it reads only its collective,
+    which started before."""
+    in_flight: dict[object, fx.Node] = {}  # group -> the wait of its all-gather in flight
+    for n in list(graph.nodes):
+        if _is_wait(n):
+            c = n.args[0]
+            if isinstance(c, fx.Node) and in_flight.get(_group_of(c)) is n:
+                del in_flight[_group_of(c)]
+        elif _is_collective(n) and T.op_name(n.target) == "all_gather_into_tensor":
+            group = _group_of(n)
+            w = in_flight.pop(group, None)
+            if w is not None and w > n:
+                n.prepend(w)
+                report.gathers_serialised += 1
+            wait = next((u for u in n.users if _is_wait(u)), None)
+            if wait is not None:
+                in_flight[group] = wait
+
+
 def _input_derived(graph: fx.Graph) -> set[fx.Node]:
     """Graph inputs and what cheap ops make of them alone (parameter shards, their casts)."""
     out: set[fx.Node] = set()
@@ -164,10 +200,11 @@ def _input_derived(graph: fx.Graph) -> set[fx.Node]:
     return out
 
 
-def schedule_overlap(gm: fx.GraphModule, recompile: bool = True) -> OverlapReport:
+def schedule_overlap(gm: fx.GraphModule, recompile: bool = True, one_gather_per_group: bool = False) -> OverlapReport:
     """Reorder `gm` in place for overlap (see the module docstring); returns what moved.
     `recompile=False`: only the graph is reordered (for analyses that walk it, not run it;
-    regenerating a 32-layer step graph's Python code takes about a second)."""
+    regenerating a 32-layer step graph's Python code takes about a second).
+    `one_gather_per_group`: at most one all-gather in flight per process group (gloo)."""
     graph = gm.graph
     report = OverlapReport()
     _defer_waits(graph, report)
@@ -188,6 +225,8 @@ def schedule_overlap(gm: fx.GraphModule, recompile: bool = True) -> OverlapRepor
         if _move_up(chain, _anchor(chain, None)):
             report.starts_moved += 1
     _bound_reductions(graph, report)
+    if one_gather_per_group:
+        _one_gather_per_group(graph, report)
     graph.lint()
     if recompile:
         T.generate_code(gm)

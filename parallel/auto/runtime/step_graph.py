@@ -195,7 +195,9 @@ class StepGraph:
         # the gradients' layout: the parameters' (reduced), else each as the backward left it
         self.grad_specs = [sp for sp, has in zip(self.pspecs, self.has_grad) if has] if reduce else layout["grads"]
         self.dropped = drop_dead_nodes(self.gm) + drop_no_op_nodes(self.gm)
-        self.overlap: OverlapReport | None = schedule_overlap(self.gm, recompile=False) if overlap else None
+        # gloo (a CPU mesh) must not have two all-gathers of one group in flight (schedule.py)
+        self.overlap: OverlapReport | None = schedule_overlap(
+            self.gm, recompile=False, one_gather_per_group=self.mesh.device_type == "cpu") if overlap else None
         self.collectives = count_collectives(self.gm)
         self.trace_seconds = time.perf_counter() - t0
         self.compiled = False

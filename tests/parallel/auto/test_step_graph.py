@@ -91,6 +91,60 @@ def test_overlap_prefetches_gathers_and_defers_waits(fsdp_plan):
     assert len(rs) >= 3 and rep.reductions_bounded >= len(rs) - 1
     for k in range(len(rs) - 2):
         assert pos[rs[k]] < pos[rs_waits[k]] < pos[rs[k + 2]], (rs[k], rs_waits[k], rs[k + 2])
+    # a CPU (gloo) mesh: never two all-gathers of one group in flight (schedule.py: they corrupt the heap)
+    assert gathers_in_flight(plain.gm) == 1 and gathers_in_flight(sg.gm) == 1
+
+
+def gathers_in_flight(gm: torch.fx.GraphModule) -> int:
+    """The most all-gathers of one process group started and not yet waited for, in graph order."""
+    open_: dict[object, set] = {}
+    most = 0
+    for n in gm.graph.nodes:
+        if _is_collective(n) and T.op_name(n.target) == "all_gather_into_tensor":
+            group = n.args[-1]
+            open_.setdefault(group, set()).add(n)
+            most = max(most, len(open_[group]))
+        elif _is_wait(n):
+            for members in open_.values():
+                members.discard(n.args[0])
+    return most
+
+
+def test_one_gather_per_group_on_gloo_keeps_the_other_groups_overlapped():
+    """Three all-gathers on one group and one on another, each read after a matmul: the
+    overlap pass starts them all at once; with `one_gather_per_group` (what a CPU mesh's
+    step graph gets) each waits for its group's previous one, while the other group's
+    gather stays in flight across them."""
+    from torch.distributed import _functional_collectives as funcol
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from parallel.auto.runtime.schedule import schedule_overlap
+
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+        def step(x, a, b, c, d):
+            ga, gb, gc = (funcol.all_gather_single(w, 0, (mesh, 0)) for w in (a, b, c))
+            gd = funcol.all_gather_single(d, 0, (mesh, 1))
+            y = x @ x
+            y = y @ y + ga.sum()
+            y = y @ y + gb.sum()
+            return y @ y + gc.sum() + gd.sum()
+
+        args = (torch.randn(64, 64), *[torch.randn(1024) for _ in range(4)])
+        graphs = {}
+        for serial in (False, True):
+            with T.FakeTensorMode():
+                gm = make_fx(step, tracing_mode="fake")(*args)
+            graphs[serial] = (gm, schedule_overlap(gm, one_gather_per_group=serial))
+    assert gathers_in_flight(graphs[False][0]) == 3  # precondition: the plain pass overlaps them all
+    gm, rep = graphs[True]
+    assert gathers_in_flight(gm) == 1 and rep.gathers_serialised == 2
+    nodes = list(gm.graph.nodes)
+    starts = [n for n in nodes if _is_collective(n)]
+    tp_gather = next(n for n in starts if n.args[-1] != starts[0].args[-1])
+    tp_wait = next(u for u in tp_gather.users if _is_wait(u))
+    assert nodes.index(tp_wait) > max(nodes.index(n) for n in starts)  # still in flight across the others
 
 
 def test_analysis_step_graph_has_the_same_schedule_and_refuses_to_run(fsdp_plan):
