@@ -45,6 +45,7 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 from torch.distributed._functional_collectives import (
+    all_gather_single,
     all_to_all_single_autograd,
     wait_tensor,
 )
@@ -106,7 +107,7 @@ from parallel._torch_memory import (  # the memory half of the adapter, re-expor
 
 __all__ = [
     "FAKE_BACKEND", "FAKE_DEVICE", "autograd_device", "enable_fake_cuda",
-    "all_gather_single_autograd", "all_to_all_single_autograd", "wait_tensor",
+    "all_gather_single", "all_gather_single_autograd", "all_to_all_single_autograd", "wait_tensor",
     "BufferAOTInput", "DTensorSpec", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor",
     "FakeTensorDeviceMismatchError", "FakeTensorMode", "GradAOTOutput", "MaskPartial",
     "OpOverload", "OpOverloadPacket", "OpSchema", "OpSpec", "OpStrategy", "ParamAOTInput", "PlainAOTInput",

@@ -27,7 +27,8 @@ class _Steps:
     def __call__(self) -> int:
         import torch
         import torch.distributed as dist
-        import torch.distributed._functional_collectives as funcol
+
+        from parallel import _torch as T  # torch's functional collectives (private API: the adapter)
 
         rank, world = dist.get_rank(), dist.get_world_size()
         gen = torch.Generator().manual_seed(0)  # the same sizes on every rank
@@ -35,11 +36,11 @@ class _Steps:
             started = []
             for _ in range(self.in_flight):
                 n = int(torch.randint(1, 20000, (1,), generator=gen)) * 4
-                started.append((funcol.all_gather_single(torch.full((n,), float(rank + 1)), 0, dist.group.WORLD), n))
+                started.append((T.all_gather_single(torch.full((n,), float(rank + 1)), 0, dist.group.WORLD), n))
             scratch = [torch.randn(int(torch.randint(1, 50000, (1,), generator=gen))) for _ in range(20)]
             for i in torch.randperm(len(started), generator=gen).tolist():
                 out, n = started[i]
-                got = funcol.wait_tensor(out).view(world, n)[:, 0]
+                got = T.wait_tensor(out).view(world, n)[:, 0]
                 if not torch.equal(got, torch.arange(1, world + 1, dtype=got.dtype)):
                     raise RuntimeError(f"wrong all-gather result {got.tolist()}")
             del scratch
