@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from parallel.auto.cost import ProfileError
 from parallel.auto.plan import PlanMismatchError
-from parallel.auto.problem import PlanningError
+from parallel.auto.problem.placement_problem import PlanningError
 from parallel.recipes import RecipeError
 from trainer.config import ConfigError, JobConfig, load_config
 from trainer.config_checks import validate_config

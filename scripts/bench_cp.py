@@ -63,8 +63,8 @@ def _measure(rank: int, world: int, seq: int, out_q) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from models import build_model
-    from parallel.auto import presets
     from parallel.auto.config import PlannerConfig
+    from parallel.auto.problem import presets
     from parallel.auto.regions import load_balanced_batch
     from parallel.auto.request import PlanRequest, planning
 

@@ -288,9 +288,9 @@ def run_search_sample(spec: dict) -> dict:
     import logging
     import tempfile
 
-    from parallel.auto.sweep.meshes import search_points
-    from parallel.auto.sweep.point import PlanCache
-    from parallel.auto.sweep.run import run_points
+    from parallel.auto.search.mesh_search import search_points
+    from parallel.auto.search.point import PlanCache
+    from parallel.auto.search.run import run_points
     from trainer.auto_mode import load_base_job
 
     logging.basicConfig(level=logging.INFO, format="  %(name)s: %(message)s", stream=sys.stderr)

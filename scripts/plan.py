@@ -4,7 +4,7 @@
         [--html plan.html] [--diff other_plan.json] [--coverage]
     python scripts/plan.py --config llama3_8b.toml --mesh auto --world-size 32 --hardware h100 [--workers 2]
 
---mesh auto plans every mesh of --world-size devices (parallel/auto/sweep/meshes.py; cached) at one
+--mesh auto plans every mesh of --world-size devices (parallel/auto/search/mesh_search.py; cached) at one
 global batch ([training] global_batch_size, else local_batch_size x world size; each mesh's local
 batch = global / its data degree, more micro-batches where a plan does not fit), prints them
 ranked by the predicted time of that step (meshes that cannot divide the batch or do not fit
@@ -44,12 +44,12 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from models import build_model  # noqa: E402
 from parallel.auto.api import MemoryLimitError, fake_world  # noqa: E402
-from parallel.auto.mesh_search import MeshSearchError  # noqa: E402
 from parallel.auto.plan import Plan, PlanMismatchError  # noqa: E402
-from parallel.auto.plan_html import save_diff_html, save_html  # noqa: E402
+from parallel.auto.plan.html import save_diff_html, save_html  # noqa: E402
 from parallel.auto.request import data_degree, planning  # noqa: E402
-from parallel.auto.sweep.meshes import ranked_table, search_global_batch, search_meshes  # noqa: E402
-from parallel.auto.sweep.point import PlanCache  # noqa: E402
+from parallel.auto.search.mesh_search import ranked_table, search_global_batch, search_meshes  # noqa: E402
+from parallel.auto.search.mesh_space import MeshSearchError  # noqa: E402
+from parallel.auto.search.point import PlanCache  # noqa: E402
 from trainer.auto_mode import base_job, plan_request  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 

@@ -22,10 +22,10 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from parallel.auto.cost import load_hardware  # noqa: E402
-from parallel.auto.sweep.point import PlanCache, memory_limit  # noqa: E402
-from parallel.auto.sweep.report import markdown_table, memory_note, write_csv, write_markdown, write_svg  # noqa: E402
-from parallel.auto.sweep.run import Progress, run_points  # noqa: E402
-from parallel.auto.sweep.spec import SweepSpecError, load_sweep  # noqa: E402
+from parallel.auto.search.point import PlanCache, memory_limit  # noqa: E402
+from parallel.auto.search.report import markdown_table, memory_note, write_csv, write_markdown, write_svg  # noqa: E402
+from parallel.auto.search.run import Progress, run_points  # noqa: E402
+from parallel.auto.search.spec import SweepSpecError, load_sweep  # noqa: E402
 from trainer.auto_mode import load_base_job  # noqa: E402
 
 

@@ -44,11 +44,11 @@ from parallel.auto.config import PlannerConfig
 from parallel.auto.cost import AUTO, HardwareProfile, ProfileError
 from parallel.auto.cost.calibrate import profile_for_group
 from parallel.auto.plan import Plan, PlanMismatchError
-from parallel.auto.plan_html import save_html
-from parallel.auto.problem import MemoryLimitError, PlanningError
+from parallel.auto.plan.html import save_html
+from parallel.auto.problem.placement_problem import MemoryLimitError, PlanningError
 from parallel.auto.request import PlanRequest, data_degree, planning
 from parallel.auto.runtime import RuntimeOptions
-from parallel.auto.sweep.spec import BaseJob
+from parallel.auto.search.spec import BaseJob
 from parallel.mesh import CP
 from parallel.precision import is_mixed, mixed_precision_policy
 

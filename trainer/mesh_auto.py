@@ -1,6 +1,6 @@
 """The trainer's ``[parallelism] mesh = "auto"``: search the meshes, build the best.
 
-The search itself is parallel/auto/sweep/meshes.py (every mesh of the world size planned
+The search itself is parallel/auto/search/mesh_search.py (every mesh of the world size planned
 with the job's whole planning request at the job's global batch, ranked by the predicted
 time of that step); the chosen mesh's local batch (global / its data degree / its
 micro-batches) becomes the job's `local_batch_size`, the global batch its
@@ -19,8 +19,8 @@ from typing import Any
 import torch.distributed as dist
 
 from parallel.auto.cost import ProfileError
-from parallel.auto.mesh_search import MeshSearchError
-from parallel.auto.sweep.meshes import degrees_of, ranked_table, search_global_batch, search_meshes
+from parallel.auto.search.mesh_search import degrees_of, ranked_table, search_global_batch, search_meshes
+from parallel.auto.search.mesh_space import MeshSearchError
 
 from .auto_mode import base_job, planning_hardware
 from .config import JobConfig

@@ -31,27 +31,33 @@ from torch.distributed.tensor import DTensor, Placement, Replicate
 from models import cross_entropy_loss
 from parallel import _torch as T
 from parallel._torch import fake_world
+from parallel.auto.candidates.coverage import GraphCoverage, coverage_of, coverage_report
+from parallel.auto.candidates.placements import placement_str
+from parallel.auto.candidates.seed import plan_candidates, reseeded_candidates, seeded_candidates, use_seeding
+from parallel.auto.candidates.strategies import Candidates, mesh_candidates
 from parallel.auto.config import PlannerConfig
 from parallel.auto.cost import AUTO, CostModel, RuntimeSchedule
 from parallel.auto.cost.calibrate import resolve_auto
 from parallel.auto.cost.memory import GIB, MemoryEstimate, format_bytes
-from parallel.auto.coverage import GraphCoverage, coverage_of, coverage_report
-from parallel.auto.feasibility import memory_advice
-from parallel.auto.formulation import build_problem
-from parallel.auto.gc_pause import pauses_collector
-from parallel.auto.placements import placement_str
 from parallel.auto.plan import Plan, PlanMismatchError, build_plan
-from parallel.auto.problem import Constraint, MemoryLimitError, PlanningError, Problem, min_parameter_fraction
+from parallel.auto.plan.replay import replay_labels, replay_plan
+from parallel.auto.problem.feasibility import memory_advice
+from parallel.auto.problem.formulation import build_problem
+from parallel.auto.problem.placement_problem import (
+    Constraint,
+    MemoryLimitError,
+    PlanningError,
+    Problem,
+    min_parameter_fraction,
+)
 from parallel.auto.regions import CP_ATTENTION  # declares the causal-attention region
-from parallel.auto.replay import replay_labels, replay_plan
 from parallel.auto.runtime import RuntimeOptions, apply_plan
 from parallel.auto.runtime.memory import TracedStep, step_memory, trace_step
 from parallel.auto.runtime.runner import same_graph_options
 from parallel.auto.runtime.step_graph import fake_constants
 from parallel.auto.solve import Solution, solve
-from parallel.auto.solve.seed import plan_candidates, reseeded_candidates, seeded_candidates, use_seeding
-from parallel.auto.strategies import Candidates, mesh_candidates
-from parallel.auto.trace import JointGraph, trace_joint
+from parallel.auto.trace.gc_pause import pauses_collector
+from parallel.auto.trace.joint import JointGraph, trace_joint
 
 log = logging.getLogger("parallel.auto")
 

@@ -37,9 +37,9 @@ from parallel._torch import quiet_sequential_redistribute_warnings
 from parallel.auto.api import AutoParallel, lm_loss, lm_loss_positions
 from parallel.auto.config import PlannerConfig
 from parallel.auto.cost import HardwareProfile
-from parallel.auto.gc_pause import collector_paused
 from parallel.auto.regions import CP_ATTENTION, marked_regions
 from parallel.auto.runtime import RuntimeOptions
+from parallel.auto.trace.gc_pause import collector_paused
 from parallel.mesh import CP, DATA_AXES
 
 DATA_AXIS_NAMES = (*DATA_AXES, "dp")

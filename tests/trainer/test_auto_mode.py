@@ -8,7 +8,7 @@ import torch
 
 import parallel.auto.request as request
 import trainer.auto_mode as auto
-from parallel.auto.problem import MemoryLimitError, PlanningError
+from parallel.auto.problem.placement_problem import MemoryLimitError, PlanningError
 from trainer.config import ConfigError, load_config
 
 MESH = SimpleNamespace(mesh_dim_names=("dp_shard",), shape=(2,), ndim=1)

@@ -14,11 +14,11 @@ import torch
 import parallel.auto.request as request
 from parallel.auto.config import PlannerConfig, planner_fields
 from parallel.auto.cost import load_hardware
-from parallel.auto.problem import PlanningError
-from parallel.auto.sweep import point as sweep_point
-from parallel.auto.sweep.meshes import search_meshes
-from parallel.auto.sweep.point import PlanCache
-from parallel.auto.sweep.spec import expand_points
+from parallel.auto.problem.placement_problem import PlanningError
+from parallel.auto.search import point as sweep_point
+from parallel.auto.search.mesh_search import search_meshes
+from parallel.auto.search.point import PlanCache
+from parallel.auto.search.spec import expand_points
 from trainer import auto_mode as auto
 from trainer.config import ConfigError, load_config
 

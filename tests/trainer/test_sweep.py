@@ -7,13 +7,13 @@ in-process (workers=1): a few seconds each.
 import pytest
 
 from parallel.auto.cost import load_hardware
-from parallel.auto.sweep import point as sweep_point
-from parallel.auto.sweep import spec as sweep_spec
-from parallel.auto.sweep.meshes import degrees_of, rank_rows, ranked_table, search_meshes, search_points
-from parallel.auto.sweep.point import PlanCache, point_key
-from parallel.auto.sweep.report import markdown_table, svg_picture, write_csv
-from parallel.auto.sweep.run import Progress, run_points
-from parallel.auto.sweep.spec import SweepSpecError, more_micro_batches, with_global_batch
+from parallel.auto.search import point as sweep_point
+from parallel.auto.search import spec as sweep_spec
+from parallel.auto.search.mesh_search import degrees_of, rank_rows, ranked_table, search_meshes, search_points
+from parallel.auto.search.point import PlanCache, point_key
+from parallel.auto.search.report import markdown_table, svg_picture, write_csv
+from parallel.auto.search.run import Progress, run_points
+from parallel.auto.search.spec import SweepSpecError, more_micro_batches, with_global_batch
 from trainer.auto_mode import base_job, load_base_job
 from trainer.config import ConfigError, load_config
 
@@ -117,7 +117,9 @@ def test_cache_hit_replans_nothing_and_trace_is_reused(tmp_path, monkeypatch):
 def test_points_on_one_mesh_share_candidates_pricing_and_warm_starts(tmp_path, monkeypatch):
     """Three budgets on one 2x2 mesh: one enumeration, one pricing, the later solves warm-started
     from the point before, and each point's plan the one it gets planned alone."""
-    from parallel.auto import api, formulation, strategies
+    from parallel.auto import api
+    from parallel.auto.candidates import strategies
+    from parallel.auto.problem import formulation
 
     budgets = "mesh = 'dp_shard=2,tp=2'\nmemory_budget_high = ['1/4', '1/2', 1.0]\n"
     spec = load_sweep(spec_file(tmp_path, TINY + budgets))
@@ -157,7 +159,7 @@ def test_points_on_one_mesh_share_candidates_pricing_and_warm_starts(tmp_path, m
 
 def test_the_longest_points_are_handed_out_first(tmp_path):
     """A worker handed the 3-D mesh last would finish long after the other: heaviest first."""
-    from parallel.auto.sweep import run
+    from parallel.auto.search import run
 
     meshes = "mesh = ['2', 'dp_shard=2,tp=2', 'dp_replicate=2,dp_shard=2,tp=2', 'tp=2']\n"
     spec = load_sweep(spec_file(tmp_path, TINY + meshes))

@@ -53,7 +53,7 @@ from typing import Iterable, Mapping, Sequence
 
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
-from parallel.auto.placements import classify, normalize
+from parallel.auto.candidates.placements import classify, normalize
 
 from .hardware import COLLECTIVE_KINDS, HardwareProfile
 

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
-from parallel.auto.placements import local_shape
+from parallel.auto.candidates.placements import local_shape
 
 from .comm import (
     AxisLink,

@@ -5,8 +5,10 @@
 * report.py -- its reports from the data alone: breakdown, summary (`linear_roles`), diff;
 * costs.py  -- what needs the solved problem (in-memory plans): explain, costs_for_node,
                the collectives one by one;
-* build.py  -- `build_plan`: the Plan of a solved Problem, its breakdown priced once.
-The HTML picture is plan_html.py.
+* build.py  -- `build_plan`: the Plan of a solved Problem, its breakdown priced once;
+* html.py   -- `save_html`, `plan_diff_html`: the plan as one self-contained page (this
+               package's __init__ does not import it: it reads the modules above);
+* replay.py -- a saved plan's placements re-priced at another input shape.
 """
 
 from parallel.auto.plan.build import build_plan, comm_breakdown

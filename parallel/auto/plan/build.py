@@ -8,15 +8,15 @@ from collections import defaultdict
 
 import torch
 
+from parallel.auto.candidates.placements import spec_placement_strs
+from parallel.auto.candidates.strategies import PLACEHOLDER, SLOT
 from parallel.auto.cost import CostModel
-from parallel.auto.formulation import edge_roles
-from parallel.auto.placements import spec_placement_strs
 from parallel.auto.plan.costs import PlanCosts
 from parallel.auto.plan.data import NodePlan, Plan
-from parallel.auto.pricing import StrategyPricer, comm_dtype
-from parallel.auto.problem import Problem
-from parallel.auto.strategies import PLACEHOLDER, SLOT
-from parallel.auto.trace import GRAD_PARAM, OTHER, OUTPUT
+from parallel.auto.problem.formulation import edge_roles
+from parallel.auto.problem.placement_problem import Problem
+from parallel.auto.problem.pricing import StrategyPricer, comm_dtype
+from parallel.auto.trace.joint import GRAD_PARAM, OTHER, OUTPUT
 
 
 def _node_plan(prob: Problem, name: str, s: int) -> NodePlan:

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from parallel.auto.placements import placement_str
-from parallel.auto.pricing import comm_dtype
-from parallel.auto.problem import Problem
+from parallel.auto.candidates.placements import placement_str
+from parallel.auto.problem.placement_problem import Problem
+from parallel.auto.problem.pricing import comm_dtype
 
 
 @dataclass

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from parallel.auto.cost.memory import MemoryEstimate
 from parallel.auto.plan import report
 from parallel.auto.plan.costs import PlanCosts
-from parallel.auto.trace import BUFFER, GRAD_PARAM, INPUT, PARAM, NodeRole
+from parallel.auto.trace.joint import BUFFER, GRAD_PARAM, INPUT, PARAM, NodeRole
 
 FORMAT_VERSION = 1
 
@@ -230,7 +230,7 @@ class Plan:
     def check_compatible(self, *, model: nn.Module | None = None, mesh: DeviceMesh | None = None,
                          input_shapes: list | None = None, source: str = "plan") -> None:
         if model is not None:
-            from parallel.auto.trace import model_fingerprint
+            from parallel.auto.trace.joint import model_fingerprint
 
             fp = model_fingerprint(model)
             if fp != self.fingerprint:

@@ -9,9 +9,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from parallel.auto.placements import placement_words
+from parallel.auto.candidates.placements import placement_words
 from parallel.auto.regions import option_names
-from parallel.auto.trace import layer_prefix
+from parallel.auto.trace.joint import layer_prefix
 
 
 def breakdown(plan: Any) -> str:

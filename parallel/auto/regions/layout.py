@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from parallel.auto.placements import local_shape, parse_placements, placement_str
+from parallel.auto.candidates.placements import local_shape, parse_placements, placement_str
 from parallel.auto.regions.declaration import NAMESPACE, Option, Region, RegionError, declared
 
 

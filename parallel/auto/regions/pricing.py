@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import Replicate
 from torch.utils.flop_counter import FlopCounterMode
 
-from parallel.auto.placements import local_shape
+from parallel.auto.candidates.placements import local_shape
 from parallel.auto.regions.declaration import Region, lookup, region_of
 from parallel.auto.regions.layout import axis_options
 from parallel.auto.regions.ops import as_tuple

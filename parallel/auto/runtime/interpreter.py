@@ -20,10 +20,10 @@ from torch import fx
 from torch.distributed.tensor import DTensor, Replicate
 
 from parallel import _torch as T
-from parallel.auto.placements import bucket_key, placement_str
+from parallel.auto.candidates.placements import bucket_key, placement_str
 from parallel.auto.regions import region_of, run_region
-from parallel.auto.runtime.block_replay import MISSING
 from parallel.auto.runtime.redistribute import bucketed_redistribute, redistribute
+from parallel.auto.runtime.repeated_blocks import MISSING
 
 log = logging.getLogger("parallel.auto.runtime")
 

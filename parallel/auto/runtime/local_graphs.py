@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from parallel import _torch as T
-from parallel.auto.placements import local_shape
+from parallel.auto.candidates.placements import local_shape
 
 log = logging.getLogger("parallel.auto.runtime")
 

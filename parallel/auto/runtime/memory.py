@@ -24,16 +24,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from parallel import _torch as T
+from parallel.auto.candidates.placements import local_shape
+from parallel.auto.candidates.strategies import Candidates
 from parallel.auto.cost.memory import MemoryEstimate, optimizer_temp_bytes, step_graph_memory
-from parallel.auto.placements import local_shape
 from parallel.auto.plan import Plan
 from parallel.auto.runtime.device import runtime_device
 from parallel.auto.runtime.options import RuntimeOptions
 from parallel.auto.runtime.redistribute import contiguous_stride
 from parallel.auto.runtime.runner import PlanRunner
 from parallel.auto.runtime.step_graph import StepGraph
-from parallel.auto.strategies import Candidates
-from parallel.auto.trace import JointGraph
+from parallel.auto.trace.joint import JointGraph
 
 log = logging.getLogger("parallel.auto.runtime")
 

@@ -26,17 +26,17 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from parallel import _torch as T
+from parallel.auto.candidates.placements import local_shape, placement_str
+from parallel.auto.candidates.strategies import Candidates
 from parallel.auto.cost import CostModel
 from parallel.auto.cost.simulate import StepPrediction, simulate_step
-from parallel.auto.placements import local_shape, placement_str
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.runtime.local_graphs import PlanFunction
 from parallel.auto.runtime.options import RuntimeOptions
 from parallel.auto.runtime.redistribute import contiguous_stride, local_shard
 from parallel.auto.runtime.runner import PlanRunner
 from parallel.auto.runtime.step_graph import CompileError, StepGraph, step_key
-from parallel.auto.strategies import Candidates
-from parallel.auto.trace import JointGraph
+from parallel.auto.trace.joint import JointGraph
 
 log = logging.getLogger("parallel.auto.runtime")
 

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from parallel import _torch as T
-from parallel.auto.placements import bucket_key, bucket_shard_dim
+from parallel.auto.candidates.placements import bucket_key, bucket_shard_dim
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -37,15 +37,15 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from parallel import _torch as T
 from parallel.activation_checkpoint import recompute_parameter_views, tag_recomputation
-from parallel.auto.placements import bucket_key, spec_placement_strs
+from parallel.auto.candidates.placements import bucket_key, spec_placement_strs
+from parallel.auto.candidates.strategies import PLACEHOLDER, Candidates
 from parallel.auto.plan import Plan, PlanMismatchError
-from parallel.auto.runtime.block_replay import BlockLayout, BlockReplay, CallReplay, PhaseBlocks
 from parallel.auto.runtime.device import place_on_device, runtime_device
 from parallel.auto.runtime.interpreter import LAYOUT_OPS, PlacementInterpreter, PlacementOps, is_tensor_node
 from parallel.auto.runtime.options import RuntimeOptions
 from parallel.auto.runtime.redistribute import bucketed_redistribute, redistribute
-from parallel.auto.strategies import PLACEHOLDER, Candidates
-from parallel.auto.trace import FWD, JointGraph, layer_prefix
+from parallel.auto.runtime.repeated_blocks import BlockLayout, BlockReplay, CallReplay, PhaseBlocks
+from parallel.auto.trace.joint import FWD, JointGraph, layer_prefix
 
 log = logging.getLogger("parallel.auto.runtime")
 

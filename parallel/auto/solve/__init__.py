@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from parallel.auto.problem import Problem
+from parallel.auto.problem.placement_problem import Problem
 from parallel.auto.solve.ilp import available_solver, solve_ilp
 from parallel.auto.solve.problem_mrf import solve_problem_mrf
 from parallel.auto.solve.solution import Solution

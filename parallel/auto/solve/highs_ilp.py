@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
-from parallel.auto.feasibility import check_feasible
-from parallel.auto.problem import PlanningError, Problem
+from parallel.auto.problem.feasibility import check_feasible
+from parallel.auto.problem.placement_problem import PlanningError, Problem
 from parallel.auto.solve.highs_model import ArrayModel, build_array_model, read_labels, to_highs_lp
 from parallel.auto.solve.presolve import (
     Reduced,

@@ -26,8 +26,8 @@ try:  # optional, the faster backend: pip install .[highs]
 except ImportError:  # pragma: no cover - CBC (bundled with pulp) then
     highspy = None
 
-from parallel.auto.feasibility import check_feasible
-from parallel.auto.problem import PlanningError, Problem
+from parallel.auto.problem.feasibility import check_feasible
+from parallel.auto.problem.placement_problem import PlanningError, Problem
 from parallel.auto.solve.presolve import BUDGET_SCALE, BUDGET_SLACK, Reduced, ReducedEdge, prune_to_budget
 from parallel.auto.solve.solution import Solution
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parallel.auto.problem import Problem
+from parallel.auto.problem.placement_problem import Problem
 
 
 @dataclass

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parallel.auto.placements import strategy_key
-from parallel.auto.problem import PlanningError, Problem
+from parallel.auto.candidates.placements import strategy_key
+from parallel.auto.problem.placement_problem import PlanningError, Problem
 from parallel.auto.solve.mrf import (
     FORBIDDEN,
     MRFSolution,
@@ -31,7 +31,7 @@ from parallel.auto.solve.mrf import (
     solve_mrf,
 )
 from parallel.auto.solve.solution import Solution
-from parallel.auto.trace import layer_prefix
+from parallel.auto.trace.joint import layer_prefix
 
 log = logging.getLogger("parallel.auto.solve")
 

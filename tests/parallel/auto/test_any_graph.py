@@ -12,11 +12,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 
 from parallel.auto.api import AutoParallel, fake_world
+from parallel.auto.candidates.coverage import coverage_report
+from parallel.auto.candidates.placements import placement_str
 from parallel.auto.config import PlannerConfig
-from parallel.auto.coverage import coverage_report
-from parallel.auto.fold import DataDependentError
-from parallel.auto.placements import placement_str
-from parallel.auto.trace import trace_joint
+from parallel.auto.trace.fold import DataDependentError
+from parallel.auto.trace.joint import trace_joint
 
 PLANNED = ("seq2seq", "padded_encoder", "attention_stack", "relative_bias")
 
@@ -177,7 +177,7 @@ class _AssertsAsync(nn.Module):
 
 
 def test_unplaceable_node_is_listed_then_refused():
-    from parallel.auto.strategies import UnsupportedGraphError, build_candidates
+    from parallel.auto.candidates.strategies import UnsupportedGraphError, build_candidates
 
     jg = trace_joint(_AssertsAsync(), (torch.randn(8, 8),))
     with fake_world(8):

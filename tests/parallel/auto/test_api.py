@@ -7,9 +7,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from models import build_model
 from parallel.auto.api import AutoParallel, PlanningError, fake_world, lm_loss
+from parallel.auto.candidates.placements import parse_placements
 from parallel.auto.config import PlannerConfig
 from parallel.auto.cost.hardware import load_hardware
-from parallel.auto.placements import parse_placements
 
 WQ = "layers.0.attention.wq.weight"
 

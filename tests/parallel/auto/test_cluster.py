@@ -7,11 +7,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
 from parallel.auto.api import fake_world, lm_loss
-from parallel.auto.cluster import find_clusters, layer_instance, menu_of
+from parallel.auto.candidates.strategies import build_candidates
 from parallel.auto.cost import CostModel
-from parallel.auto.formulation import build_problem
-from parallel.auto.strategies import build_candidates
-from parallel.auto.trace import trace_joint
+from parallel.auto.problem.formulation import build_problem
+from parallel.auto.problem.repeated_blocks import find_clusters, layer_instance, menu_of
+from parallel.auto.trace.joint import trace_joint
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_copies_share_content_phase_and_menu(cands):
 
 def test_decisions_remaining_are_reported(cands, caplog):
     cm = CostModel("h100", (2,), ("dp",))
-    caplog.set_level("INFO", logger="parallel.auto.problem")
+    caplog.set_level("INFO", logger="parallel.auto.problem.placement_problem")
     prob = build_problem(cands, cm, memory_high=0.5)
     flat = build_problem(cands, cm, memory_high=0.5, cluster_layers=False)
     assert prob.num_groups < flat.num_groups

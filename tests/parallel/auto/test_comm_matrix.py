@@ -10,7 +10,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from parallel.auto.cost import CostModel
 from parallel.auto.cost.comm import placement_ids
-from parallel.auto.pricing import ACTIVATION, EdgeRole, StrategyPricer
+from parallel.auto.problem.pricing import ACTIVATION, EdgeRole, StrategyPricer
 
 PLACEMENTS = [Replicate(), Partial(), Partial("avg"), Shard(0), Shard(1), Shard(2)]
 
@@ -48,7 +48,7 @@ def test_matrix_equals_pairs(mesh, shape, scale):
 @pytest.mark.parametrize("role", [ACTIVATION, EdgeRole("param", 4, 2), EdgeRole("grad", 3)])
 def test_pricer_matrix_path_equals_loop(role, monkeypatch):
     """StrategyPricer.redistribution: arrays from 64 pairs on, the per-pair loop below."""
-    from parallel.auto import pricing
+    from parallel.auto.problem import pricing
     from parallel.auto.cost.model import RuntimeSchedule
 
     class _Cands:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
+from parallel.auto.candidates.placements import shard_dim
 from parallel.auto.cost import (
     Collective,
     CostModel,
@@ -23,7 +24,6 @@ from parallel.auto.cost import (
     profile_to_toml,
     summarize_collectives,
 )
-from parallel.auto.placements import shard_dim
 
 R = Replicate()
 BF16_4K = ((4096, 4096), torch.bfloat16)  # 32 MiB

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel.auto.placements import placement_words
+from parallel.auto.candidates.placements import placement_words
 from parallel.auto.regions import AxisLayout, RegionContext
 from parallel.auto.regions.cp_attention import _runs, load_balanced_batch, local_causal_attention, sequence_order
 
@@ -55,7 +55,7 @@ def test_local_attention_without_gathers_equals_causal_sdpa(lb, rows, monkeypatc
 
 
 def _worker(rank, world_size, tmp, name, args, batch_axes):
-    from parallel.auto import presets
+    from parallel.auto.problem import presets
     from trainer.config import load_config
     from trainer.trainer import Trainer
 
@@ -106,7 +106,7 @@ def test_each_family_traces_attention_as_the_region(name):
 
     from models import build_model
     from parallel.auto.api import CP_ATTENTION, fake_world, lm_loss_positions
-    from parallel.auto.trace import trace_joint
+    from parallel.auto.trace.joint import trace_joint
 
     extra = {"n_dense_layers": 1} if name == "deepseek_v3" else {}
     model = build_model(name, "debug", device="meta", n_layers=1, **extra)

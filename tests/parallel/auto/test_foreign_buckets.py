@@ -59,9 +59,9 @@ def step_graph():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
-    from parallel.auto import presets
     from parallel.auto.api import AutoParallel, fake_world
     from parallel.auto.config import PlannerConfig
+    from parallel.auto.problem import presets
     from parallel.auto.runtime.memory import _fake_dtensor
     from parallel.auto.runtime.options import RuntimeOptions
     from parallel.auto.runtime.runner import PlanRunner
@@ -92,7 +92,7 @@ def step_graph():
 
 
 def test_t5_gradient_buckets_follow_repeated_blocks(step_graph):
-    from parallel.auto.trace import layer_prefix
+    from parallel.auto.trace.joint import layer_prefix
 
     sg, names, _ = step_graph
     outs = sg.gm.graph.output_node().args[0][len(sg.out_specs):]

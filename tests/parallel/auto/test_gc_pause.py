@@ -11,8 +11,8 @@ from models import build_model
 from parallel.auto import api
 from parallel.auto.api import fake_world
 from parallel.auto.config import PlannerConfig
-from parallel.auto.gc_pause import collector_paused
 from parallel.auto.request import PlanRequest, planning
+from parallel.auto.trace.gc_pause import collector_paused
 
 
 @pytest.fixture

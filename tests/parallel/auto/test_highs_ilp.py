@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 import pytest
 
-from parallel.auto.problem import Edge, Problem
+from parallel.auto.problem.placement_problem import Edge, Problem
 from parallel.auto.solve.ilp import solve_ilp
 from parallel.auto.solve.presolve import budget_holds, prune_to_budget
 

@@ -11,12 +11,12 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from parallel.auto.api import fake_world
+from parallel.auto.candidates.strategies import build_candidates
 from parallel.auto.cost import CostModel
-from parallel.auto.formulation import build_problem
-from parallel.auto.problem import Edge, Problem
+from parallel.auto.problem.formulation import build_problem
+from parallel.auto.problem.placement_problem import Edge, Problem
 from parallel.auto.solve.ilp import available_solver, solve_ilp
-from parallel.auto.strategies import build_candidates
-from parallel.auto.trace import trace_joint
+from parallel.auto.trace.joint import trace_joint
 
 
 class _MLP(nn.Module):

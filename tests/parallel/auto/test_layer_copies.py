@@ -1,4 +1,4 @@
-"""Identical layers traced once (parallel/auto/layer_copies.py): a joint graph traced with two
+"""Identical layers traced once (parallel/auto/trace/repeated_blocks.py): a joint graph traced with two
 blocks of the last run and the rest copied is node for node the graph a full trace gives
 (ops, argument wiring, shapes and strides, phases, modules, descriptors), for the three
 model families, with MoE and CP-attention regions and on a fake CUDA mesh; a plan made on it
@@ -14,11 +14,11 @@ from torch import fx, nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
-from parallel.auto import layer_copies
+from parallel.auto.trace import repeated_blocks as layer_copies
 from parallel.auto.api import fake_world
-from parallel.auto.layer_copies import layer_run
 from parallel.auto.request import PlanRequest, planner_inputs, planning
-from parallel.auto.trace import trace_joint
+from parallel.auto.trace.joint import trace_joint
+from parallel.auto.trace.repeated_blocks import layer_run
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def _traces(family: str, layers: int, mesh_shape: tuple, names: tuple, device: s
     with fake_world(int(torch.tensor(mesh_shape).prod())):
         mesh = init_device_mesh(device, mesh_shape, mesh_dim_names=names)
         ins = planner_inputs(model, mesh, PlanRequest(local_batch_size=2, seq_len=64))
-        with caplog.at_level(logging.INFO, logger="parallel.auto.trace"):
+        with caplog.at_level(logging.INFO, logger="parallel.auto.trace.joint"):
             copied = trace_joint(model, ins.inputs, ins.loss_fn, device=device, regions=ins.regions)
         full = trace_joint(model, ins.inputs, ins.loss_fn, device=device, regions=ins.regions, copy_blocks=False)
     return model, copied, full
@@ -155,7 +155,7 @@ def test_blocks_that_differ_by_index_are_traced_in_full(caplog):
     with torch.device("meta"):
         model = _Stack(5)
     x = torch.empty(4, 16, device="meta")
-    with caplog.at_level(logging.INFO, logger="parallel.auto.trace"):
+    with caplog.at_level(logging.INFO, logger="parallel.auto.trace.joint"):
         copied = trace_joint(model, (x,))
     assert "blocks not copied" in caplog.text and "differs from the predecessor's" in caplog.text
     full = trace_joint(model, (x,), copy_blocks=False)

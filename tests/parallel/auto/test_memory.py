@@ -14,12 +14,12 @@ from torch.distributed.tensor import Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from models import build_model
-from parallel.auto import presets
 from parallel.auto.api import AutoParallel, MemoryLimitError, fake_world, lm_loss
 from parallel.auto.config import PlannerConfig
 from parallel.auto.cost import ProfileError, load_hardware, profile_from_dict
 from parallel.auto.cost.memory import GIB, MemoryEstimate, optimizer_temp_bytes, step_graph_memory
 from parallel.auto.plan import Plan
+from parallel.auto.problem import presets
 from parallel.auto.runtime import RuntimeOptions
 
 MB = 2**20

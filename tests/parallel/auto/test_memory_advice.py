@@ -4,7 +4,7 @@ TOML key and value, and the API's) that lowers that part."""
 import pytest
 
 from parallel.auto.cost.memory import GIB, MemoryEstimate
-from parallel.auto.feasibility import dominant_part, memory_advice
+from parallel.auto.problem.feasibility import dominant_part, memory_advice
 
 
 def _est(phase: str = "backward", **parts: float) -> MemoryEstimate:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from parallel.auto.mesh_search import (
+from parallel.auto.search.mesh_space import (
     Candidate,
     MeshSearchError,
     MeshSpec,

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from parallel.auto.plan import NodePlan
-from parallel.auto.trace import (
+from parallel.auto.trace.joint import (
     BUFFER,
     CONSTANT,
     GRAD_INPUT,

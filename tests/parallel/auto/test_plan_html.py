@@ -16,7 +16,7 @@ from models import build_model
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.config import PlannerConfig
 from parallel.auto.plan import Plan
-from parallel.auto.plan_html import TOP, fmt_bytes, params_table, plan_diff_html, plan_html, save_html
+from parallel.auto.plan.html import TOP, fmt_bytes, params_table, plan_diff_html, plan_html, save_html
 
 pytestmark = pytest.mark.slow  # plans the debug LLaMA on a fake 2x2 (~15-20 s setup)
 

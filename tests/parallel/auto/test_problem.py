@@ -7,12 +7,12 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
 from parallel.auto.api import fake_world, lm_loss
+from parallel.auto.candidates.strategies import build_candidates
 from parallel.auto.cost import CostModel
-from parallel.auto.formulation import build_problem
-from parallel.auto.problem import Constraint, PlanningError
+from parallel.auto.problem.formulation import build_problem
+from parallel.auto.problem.placement_problem import Constraint, PlanningError
 from parallel.auto.solve.ilp import solve_ilp
-from parallel.auto.strategies import build_candidates
-from parallel.auto.trace import trace_joint
+from parallel.auto.trace.joint import trace_joint
 
 
 @pytest.fixture(scope="module")

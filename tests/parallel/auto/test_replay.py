@@ -10,7 +10,7 @@ from models import build_model
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.config import PlannerConfig
 from parallel.auto.plan import Plan, PlanMismatchError
-from parallel.auto.replay import replay_labels
+from parallel.auto.plan.replay import replay_labels
 
 pytestmark = pytest.mark.slow  # plans the debug LLaMA on a fake 2x2 (~20-35 s setup)
 

@@ -21,7 +21,7 @@ from parallel.auto.cost import CostModel, RuntimeSchedule
 from parallel.auto.cost.calibrate import cache_path, fit_link
 from parallel.auto.cost.comm import collective_time
 from parallel.auto.cost.simulate import simulate_step
-from parallel.auto.pricing import EdgeRole, StrategyPricer
+from parallel.auto.problem.pricing import EdgeRole, StrategyPricer
 from parallel.auto.runtime.schedule import schedule_overlap
 
 

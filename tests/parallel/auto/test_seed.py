@@ -9,16 +9,16 @@ from torch.distributed.tensor import Replicate, Shard
 
 from models import build_model
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
+from parallel.auto.candidates.enumeration import OpEnumerator
+from parallel.auto.candidates.placements import strategy_key as _key
+from parallel.auto.candidates.seed import FULL_MENU_MAX, hamming_ball, project_constraint, seeded_candidates, solve_axes
+from parallel.auto.candidates.strategies import build_candidates
 from parallel.auto.config import PlannerConfig
 from parallel.auto.cost import CostModel
-from parallel.auto.enumeration import OpEnumerator
-from parallel.auto.formulation import build_problem
-from parallel.auto.placements import strategy_key as _key
-from parallel.auto.problem import Constraint, min_parameter_fraction
+from parallel.auto.problem.formulation import build_problem
+from parallel.auto.problem.placement_problem import Constraint, min_parameter_fraction
 from parallel.auto.solve import choose_solver, solve
-from parallel.auto.solve.seed import FULL_MENU_MAX, hamming_ball, project_constraint, seeded_candidates, solve_axes
-from parallel.auto.strategies import build_candidates
-from parallel.auto.trace import trace_joint
+from parallel.auto.trace.joint import trace_joint
 
 TINY = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=128, ffn_hidden_dim=128)
 
@@ -179,7 +179,7 @@ def test_config_rejects_unknown_solver():
 def test_saved_plan_applies_on_a_seeded_mesh_without_solving(tmp_path, seeded_3d):
     """A 3-D plan loaded from a file (or received from rank 0) is materialised without
     enumerating the full 3-D menus: each node gets exactly the saved strategy."""
-    from parallel.auto.placements import placement_str
+    from parallel.auto.candidates.placements import placement_str
     from parallel.auto.plan import Plan
 
     shape, names = (2, 2, 2), ("dp", "cp", "tp")
@@ -212,8 +212,8 @@ def test_saved_plan_applies_on_a_seeded_mesh_without_solving(tmp_path, seeded_3d
 
 @pytest.mark.slow  # plans on a fake 2x2/3-D world: 12-43 s here
 def test_saved_placements_no_axis_menu_has_are_refused_on_a_seeded_mesh(seeded_3d):
+    from parallel.auto.candidates.seed import plan_candidates
     from parallel.auto.plan import PlanMismatchError
-    from parallel.auto.solve.seed import plan_candidates
 
     shape, names = (2, 2, 2), ("dp", "cp", "tp")
     plan = _seeded_plan(seeded_3d)  # any seeded plan serves here

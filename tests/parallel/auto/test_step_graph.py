@@ -13,10 +13,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from models import build_model
 from parallel import _torch as T
-from parallel.auto import presets
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.config import PlannerConfig
 from parallel.auto.plan import Plan
+from parallel.auto.problem import presets
 from parallel.auto.runtime import RuntimeOptions
 from parallel.auto.runtime.schedule import _buffer_chain, _input_derived, _is_collective, _is_wait
 from parallel.auto.runtime.step_graph import StepGraph

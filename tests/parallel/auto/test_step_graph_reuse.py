@@ -21,11 +21,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from models import build_model
 from parallel import _torch as T
-from parallel.auto import presets
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.config import PlannerConfig
 from parallel.auto.cost.memory import step_graph_memory
 from parallel.auto.plan import Plan
+from parallel.auto.problem import presets
 from parallel.auto.runtime import RuntimeOptions
 from parallel.auto.runtime.step_graph import StepGraph, fake_constants
 

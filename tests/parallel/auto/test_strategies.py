@@ -8,9 +8,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from models import build_model, cross_entropy_loss
 from parallel._torch import fake_world
-from parallel.auto.placements import tensor_placements
-from parallel.auto.strategies import build_candidates
-from parallel.auto.trace import trace_joint
+from parallel.auto.candidates.placements import tensor_placements
+from parallel.auto.candidates.strategies import build_candidates
+from parallel.auto.trace.joint import trace_joint
 
 R, P = Replicate(), Partial()
 
@@ -99,7 +99,7 @@ def test_make_spec_returns_independent_copies(mesh2d):
     """Specs are copied from a template (a DTensorSpec costs ~14 µs to build): equal to a new
     one, shard order included, and setting a field of one leaves the others alone."""
     from parallel import _torch as T
-    from parallel.auto.enumeration import make_spec, tensor_meta
+    from parallel.auto.candidates.enumeration import make_spec, tensor_meta
 
     meta = tensor_meta(torch.empty(8, 6, device="meta"))
     a, b = make_spec(mesh2d, (S(0), S(1)), meta), make_spec(mesh2d, [S(0), S(1)], meta)

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from models import build_model, cross_entropy_loss
-from parallel.auto.trace import BWD, FWD, trace_joint
+from parallel.auto.trace.joint import BWD, FWD, trace_joint
 
 
 def lm_loss(model, tokens, labels):

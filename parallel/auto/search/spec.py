@@ -30,8 +30,8 @@ from typing import Any
 
 from models import ARG_KEYS, get_model_spec, model_args
 from parallel.auto.cost import ProfileError, load_hardware
-from parallel.auto.mesh_search import MeshSearchError, MeshSpec, check_world, enumerate_meshes, parse_mesh
 from parallel.auto.request import PlanRequest
+from parallel.auto.search.mesh_space import MeshSearchError, MeshSpec, check_world, enumerate_meshes, parse_mesh
 from parallel.mesh import DATA_AXES
 
 if sys.version_info >= (3, 11):

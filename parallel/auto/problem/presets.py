@@ -26,7 +26,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from parallel.auto.api import AutoParallel
 from parallel.auto.regions import CP_ATTENTION, forward_op
-from parallel.auto.trace import FWD
+from parallel.auto.trace.joint import FWD
 
 COLUMN = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
 ROW = ("attention.wo", "feed_forward.w2")

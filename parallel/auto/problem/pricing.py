@@ -16,11 +16,11 @@ import numpy as np
 import torch
 from torch.distributed.tensor import Replicate
 
+from parallel.auto.candidates.placements import bucket_key, local_shape
+from parallel.auto.candidates.strategies import OP, Candidates, NodeCandidates
 from parallel.auto.cost.comm import placement_ids
 from parallel.auto.cost.model import CostModel
-from parallel.auto.placements import bucket_key, local_shape
 from parallel.auto.regions import region_cost, region_of
-from parallel.auto.strategies import OP, Candidates, NodeCandidates
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from torch import fx
 from torch.distributed.tensor import DTensor
 
 from parallel import _torch as T
+from parallel.auto.candidates.placements import spec_placement_strs
 from parallel.auto.cost.memory import COPIED_STORAGES, value_storages
-from parallel.auto.placements import spec_placement_strs
 
 log = logging.getLogger("parallel.auto.runtime")
 

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from parallel.auto.placements import shard_factor
-from parallel.auto.strategies import Candidates
+from parallel.auto.candidates.placements import shard_factor
+from parallel.auto.candidates.strategies import Candidates
 
 
 class PlanningError(ValueError):

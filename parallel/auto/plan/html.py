@@ -19,10 +19,10 @@ import os
 from collections import defaultdict
 from typing import Any
 
-from parallel.auto.placements import placement_words
+from parallel.auto.candidates.placements import placement_words
+from parallel.auto.candidates.strategies import GETITEM, SLOT
 from parallel.auto.plan import NodePlan, Plan, PlanDiff, collapse_layers, linear_roles
-from parallel.auto.strategies import GETITEM, SLOT
-from parallel.auto.trace import layer_prefix
+from parallel.auto.trace.joint import layer_prefix
 
 TOP = "(top level)"
 MAX_CHANGED = 500  # changed nodes listed on a diff page (the count is always given)

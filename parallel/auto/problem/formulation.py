@@ -18,16 +18,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from parallel.auto.cluster import decision_groups
+from parallel.auto.candidates.placements import shard_factor
+from parallel.auto.candidates.strategies import GETITEM, PLACEHOLDER, Candidates, NodeCandidates
 from parallel.auto.cost import CostModel
-from parallel.auto.feasibility import apply_constraint, check_feasible
-from parallel.auto.placements import shard_factor
-from parallel.auto.pricing import ACTIVATION, EdgeRole, StrategyPricer
-from parallel.auto.problem import Constraint, Edge, Problem
-from parallel.auto.strategies import GETITEM, PLACEHOLDER, Candidates, NodeCandidates
-from parallel.auto.trace import BWD, FWD, layer_prefix
+from parallel.auto.problem.feasibility import apply_constraint, check_feasible
+from parallel.auto.problem.placement_problem import Constraint, Edge, Problem
+from parallel.auto.problem.pricing import ACTIVATION, EdgeRole, StrategyPricer
+from parallel.auto.problem.repeated_blocks import decision_groups
+from parallel.auto.trace.joint import BWD, FWD, layer_prefix
 
-log = logging.getLogger("parallel.auto.problem")
+log = logging.getLogger("parallel.auto.problem.placement_problem")
 
 
 def _classes(placements: list[tuple]) -> tuple[np.ndarray, list[tuple]]:

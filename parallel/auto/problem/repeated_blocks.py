@@ -34,12 +34,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from parallel.auto.placements import menu_of
-from parallel.auto.problem import PlanningError
-from parallel.auto.strategies import PLACEHOLDER, SLOT, Candidates, NodeCandidates
-from parallel.auto.trace import layer_prefix
+from parallel.auto.candidates.placements import menu_of
+from parallel.auto.candidates.strategies import PLACEHOLDER, SLOT, Candidates, NodeCandidates
+from parallel.auto.problem.placement_problem import PlanningError
+from parallel.auto.trace.joint import layer_prefix
 
-log = logging.getLogger("parallel.auto.problem")
+log = logging.getLogger("parallel.auto.problem.placement_problem")
 
 
 @dataclass

@@ -28,10 +28,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from models import build_model, model_args
 from parallel.auto.api import fake_world
 from parallel.auto.cost import load_hardware
-from parallel.auto.mesh_search import uses_context_parallel
 from parallel.auto.plan import Plan, linear_roles
-from parallel.auto.problem import MemoryLimitError, PlanningError
+from parallel.auto.problem.placement_problem import MemoryLimitError, PlanningError
 from parallel.auto.request import planning, request_key
+from parallel.auto.search.mesh_space import uses_context_parallel
 from parallel.cache_dir import cache_root
 
 from .spec import Point

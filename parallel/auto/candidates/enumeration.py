@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from parallel import _torch as T
-from parallel.auto.placements import Placements, evenly_divisible, strategy_key, tensor_placements
+from parallel.auto.candidates.placements import Placements, evenly_divisible, strategy_key, tensor_placements
 
 
 def tensor_meta(val: torch.Tensor) -> Any:

@@ -33,15 +33,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial
 
 from parallel import _torch as T
+from parallel.auto.candidates.enumeration import make_spec
+from parallel.auto.candidates.placements import placement_words, spec_placement_strs, strategy_key
+from parallel.auto.candidates.strategies import GETITEM, PLACEHOLDER, Candidates, NodeCandidates, build_candidates
 from parallel.auto.cost import CostModel
-from parallel.auto.enumeration import make_spec
-from parallel.auto.formulation import build_problem
-from parallel.auto.placements import placement_words, spec_placement_strs, strategy_key
 from parallel.auto.plan import Plan, PlanMismatchError
-from parallel.auto.problem import Constraint, min_parameter_fraction
+from parallel.auto.problem.formulation import build_problem
+from parallel.auto.problem.placement_problem import Constraint, min_parameter_fraction
 from parallel.auto.solve import solve
-from parallel.auto.strategies import GETITEM, PLACEHOLDER, Candidates, NodeCandidates, build_candidates
-from parallel.auto.trace import JointGraph
+from parallel.auto.trace.joint import JointGraph
 
 log = logging.getLogger("parallel.auto.seed")
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallel.auto.fold import FoldedRead
-from parallel.auto.strategies import GETITEM, OP, PLACEHOLDER, Candidates, Unhandled, build_candidates
-from parallel.auto.trace import JointGraph
+from parallel.auto.candidates.strategies import GETITEM, OP, PLACEHOLDER, Candidates, Unhandled, build_candidates
+from parallel.auto.trace.fold import FoldedRead
+from parallel.auto.trace.joint import JointGraph
 
 _HOW = {"single_dim": "DTensor rule (single-dim)", "strategy_func": "DTensor rule (strategy function)",
         "decomp": "DTensor rule (decomposition)", "constant": "constant (no data input): replicated",

@@ -12,10 +12,10 @@ Figure 4, against a fresh plan at the new shape).
 
 from __future__ import annotations
 
-from parallel.auto.placements import spec_placement_strs
+from parallel.auto.candidates.placements import spec_placement_strs
+from parallel.auto.candidates.strategies import PLACEHOLDER
 from parallel.auto.plan import Plan, PlanMismatchError, build_plan
-from parallel.auto.problem import Problem
-from parallel.auto.strategies import PLACEHOLDER
+from parallel.auto.problem.placement_problem import Problem
 
 
 def _strategy_index(prob: Problem, name: str, plan: Plan) -> int:

@@ -25,9 +25,9 @@ from torch import fx, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from parallel import _torch as T
-from parallel.auto.fold import ConstantReads, FoldedRead
-from parallel.auto.layer_copies import CopyRefused, LayerRun, copy_layers, layer_run, truncate
 from parallel.auto.regions import regions_in, traced_regions
+from parallel.auto.trace.fold import ConstantReads, FoldedRead
+from parallel.auto.trace.repeated_blocks import CopyRefused, LayerRun, copy_layers, layer_run, truncate
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Mesh search: plan every mesh of a world size that the layout rules allow and rank them.
 
-The meshes (parallel/auto/mesh_search.py: dp_replicate, dp_shard, cp, tp; a cp degree only
+The meshes (parallel/auto/search/mesh_space.py: dp_replicate, dp_shard, cp, tp; a cp degree only
 where the sequence splits load-balanced) are each planned as a sweep point with the job's
 whole planning request (model, shapes, planner settings, runtime; cached, seeded as the
 planner seeds) at the job's *global* batch, the same for every mesh (TorchTitan users fix
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from parallel.auto.cost import HardwareProfile, load_hardware
-from parallel.auto.mesh_search import Candidate, MeshSpec, enumerate_meshes, rank_candidates
+from parallel.auto.search.mesh_space import Candidate, MeshSpec, enumerate_meshes, rank_candidates
 from parallel.mesh import CP, DP_REPLICATE, DP_SHARD, TP
 
 from .point import PlanCache

@@ -27,11 +27,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
 from parallel import _torch as T
-from parallel.auto.enumeration import CoverageReport, OpEnumerator, make_spec, out_meta_of, tensor_meta
-from parallel.auto.placements import Placements, evenly_divisible, tensor_placements
-from parallel.auto.trace import JointGraph
+from parallel.auto.candidates.enumeration import CoverageReport, OpEnumerator, make_spec, out_meta_of, tensor_meta
+from parallel.auto.candidates.placements import Placements, evenly_divisible, tensor_placements
+from parallel.auto.trace.joint import JointGraph
 
-log = logging.getLogger("parallel.auto.strategies")
+log = logging.getLogger("parallel.auto.candidates.strategies")
 
 PLACEHOLDER = "placeholder"
 OP = "op"
@@ -260,7 +260,7 @@ def build_candidates(graph: JointGraph, mesh: DeviceMesh, restrict: dict[str, li
         raise UnsupportedGraphError(
             f"{len(b.unhandled)} node(s) of the joint graph cannot be planned:\n  "
             + "\n  ".join(map(str, b.unhandled[:20]))
-            + "\nsee parallel.auto.coverage.coverage_report(graph, mesh) for every op and how it is handled")
+            + "\nsee parallel.auto.candidates.coverage.coverage_report(graph, mesh) for every op and how it is handled")
     for slot in graph.slots:
         if slot.node is not None:
             b.add_slot(slot)

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from parallel.auto.candidates.placements import placement_str
 from parallel.auto.cost.memory import format_bytes
-from parallel.auto.placements import placement_str
-from parallel.auto.problem import Constraint, PlanningError, Problem
+from parallel.auto.problem.placement_problem import Constraint, PlanningError, Problem
 
 
 def constraint_mask(prob: Problem, con: Constraint) -> np.ndarray:
