@@ -24,7 +24,7 @@ from .auto_mode import PlanSource
 from .config import JobConfig
 from .device import sharded_init_is_exact
 from .hf_checkpoint import initial_arg_overrides
-from .parallelizer import Parallelizer
+from .parallelizer import ParallelismMode
 
 
 def init_weights(model: torch.nn.Module, device: torch.device, seed: int, sharded: bool = False) -> None:
@@ -36,7 +36,7 @@ def init_weights(model: torch.nn.Module, device: torch.device, seed: int, sharde
         model.init_weights(sharded=True) if sharded and is_parallel_module(model) else model.init_weights()
 
 
-def build_parallel_model(cfg: JobConfig, parallelizer: Parallelizer, device: torch.device, vocab_size: int,
+def build_parallel_model(cfg: JobConfig, parallelizer: ParallelismMode, device: torch.device, vocab_size: int,
                          sample_batch: Any, plan_source: Optional[PlanSource] = None,
                          storage: Callable[[], ContextManager] = contextlib.nullcontext) -> torch.nn.Module:
     """The job's model on `device`, initialised from the job's seed and parallelized by the

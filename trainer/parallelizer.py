@@ -1,13 +1,13 @@
 """What the trainer needs from a parallelism mode, and the two modes that provide it.
 
-    parallelizer = parallelizer_for(cfg, mesh, device, plan_constraints)   # the mode, chosen once
+    parallelizer = parallelism_mode(cfg, mesh, device, plan_constraints)   # the mode, chosen once
     model = parallelizer.parallelize(model, sample_batch)
     inputs, labels, positions = parallelizer.shard_batch(inputs, labels)
     loss = parallelizer.forward_backward(model, inputs, labels, positions)
     loss = parallelizer.accumulate(model, [(inputs, labels, positions), ...])   # gradient accumulation
 
-`Recipes` is `[parallelism] mode = "manual"`: the hand-written recipes (FSDP, HSDP, TP,
-CP, EP), autograd's backward, autocast without FSDP. `Planner` is `mode = "auto"`: the plan
+`ManualMode` is `[parallelism] mode = "manual"`: the hand-written recipes (FSDP, HSDP, TP,
+CP, EP), autograd's backward, autocast without FSDP. `AutoMode` is `mode = "auto"`: the plan
 of parallel/auto (trainer/auto_mode.py), one step graph per step, re-planned when the sequence
 length changes, its prediction reported next to the measured step time. The trainer asks
 the mode, never the model, what to do.
@@ -40,7 +40,7 @@ from .config import ConfigError, JobConfig
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-class Parallelizer:
+class ParallelismMode:
     """One parallelism mode of a job on a mesh (None: a single process)."""
 
     def __init__(self, cfg: JobConfig, mesh: Optional[DeviceMesh]) -> None:
@@ -102,7 +102,7 @@ class Parallelizer:
         return None
 
 
-class Recipes(Parallelizer):
+class ManualMode(ParallelismMode):
     """`mode = "manual"`: the hand-written recipes of parallel/recipes."""
 
     def __init__(self, cfg: JobConfig, mesh: Optional[DeviceMesh], device: torch.device) -> None:
@@ -171,7 +171,7 @@ class Recipes(Parallelizer):
             return loss_value(cross_entropy_loss(logits, labels))
 
 
-class Planner(Parallelizer):
+class AutoMode(ParallelismMode):
     """`mode = "auto"`: the planner's plan, run as one step graph per step."""
 
     def __init__(self, cfg: JobConfig, mesh: Optional[DeviceMesh],
@@ -252,12 +252,12 @@ class Planner(Parallelizer):
                 f"{st['deviations']} deviations from the plan")
 
 
-def parallelizer_for(cfg: JobConfig, mesh: Optional[DeviceMesh], device: torch.device,
-                     plan_constraints: Optional[Callable[[Any], None]] = None) -> Parallelizer:
+def parallelism_mode(cfg: JobConfig, mesh: Optional[DeviceMesh], device: torch.device,
+                     plan_constraints: Optional[Callable[[Any], None]] = None) -> ParallelismMode:
     """The job's parallelism mode (`[parallelism] mode`): the one place it is asked."""
     if cfg.parallelism.mode == "auto":
-        return Planner(cfg, mesh, plan_constraints)
-    return Recipes(cfg, mesh, device)
+        return AutoMode(cfg, mesh, plan_constraints)
+    return ManualMode(cfg, mesh, device)
 
 
-__all__ = ["Parallelizer", "Planner", "Recipes", "parallelizer_for"]
+__all__ = ["ParallelismMode", "AutoMode", "ManualMode", "parallelism_mode"]

@@ -37,7 +37,7 @@ from .errors import TrainingFault
 from .hf_checkpoint import export_hf_config, load_initial, save_hf
 from .metrics import MetricsLogger, setup_logging
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, follow_parameters
-from .parallelizer import parallelizer_for
+from .parallelizer import parallelism_mode
 from .profiling import StepProfiler, check_profiling
 from .step_guard import StepGuard
 from .validation import Validator, held_tokens, holdout, validation_tokens
@@ -74,7 +74,7 @@ class Trainer:
         self.global_batch = cfg.training.global_batch(self.dp_degree)
         self.micro_batches = cfg.training.micro_batches(self.dp_degree)
         # the parallelism mode, chosen once: recipes or the planner (plan_constraints: the planner's presets)
-        self.parallelizer = parallelizer_for(cfg, self.mesh, self.device, plan_constraints)
+        self.parallelizer = parallelism_mode(cfg, self.mesh, self.device, plan_constraints)
         # the step a resumed job starts from fixes the first sequence length (and its plan)
         self.resume_step = resume_step(cfg.checkpoint, self.run_dir / cfg.checkpoint.folder)
         self.seq_len = cfg.training.seq_len_at(self.resume_step)

@@ -8,7 +8,7 @@ The data is `validation.data` (read like `[data] path`), or else the tail of the
 stream: `steps` global batches of windows of the longest scheduled length, cut off before
 the training loader is built, so training never sees them. Each validation step takes one
 global batch in order, data-parallel rank r its r-th slice (as training does), and runs the
-mode's forward-only step (`Parallelizer.forward_loss`: the recipes' model or the plan's
+mode's forward-only step (`ParallelismMode.forward_loss`: the recipes' model or the plan's
 forward phase, no backward, no optimizer) under no_grad with the RNG forked, the model in
 eval mode and put back as it was. The loss is averaged over every token of every rank
 (all-reduce of loss x tokens and tokens), so it equals a 1-rank evaluation of the same

@@ -46,14 +46,14 @@ def test_knobs_reach_the_planner_and_no_plan_names_the_budget(monkeypatch):
         "--parallelism.hardware", "h100", "--parallelism.solver", "mrf", "--parallelism.split_seeding", "true",
         "--parallelism.split_seeding_radius", "1", "--parallelism.split_seeding_rounds", "2",
         "--parallelism.time_limit", "12.5",
-        "--parallelism.cluster_layers", "false", "--parallelism.memory_budget_high", "0.1",
+        "--parallelism.repeated_blocks", "false", "--parallelism.memory_budget_high", "0.1",
         "--training.mixed_precision_param", "bfloat16"], world_size=2)
     with pytest.raises(ConfigError) as e:
         auto.auto_parallelize_for_training(torch.nn.Linear(2, 2), MESH, cfg, BATCH)
     s = NoPlan.seen
     p = s["planner"]
     assert (p.hardware, p.solver, p.split_seeding, p.split_seeding_radius, p.split_seeding_rounds, p.time_limit,
-            p.cluster_layers) == ("h100", "mrf", True, 1, 2, 12.5, False)
+            p.repeated_blocks) == ("h100", "mrf", True, 1, 2, 12.5, False)
     assert s["mp_policy"].param_dtype == torch.bfloat16 and s["mp_policy"].reduce_dtype == torch.float32
     assert (p.memory_budget_low, p.memory_budget_high) == (None, 0.1)
     assert [tuple(x.shape) for x in s["inputs"]] == [(4, 8), (4, 8)]  # global batch: 2 data ranks

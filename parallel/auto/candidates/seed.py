@@ -191,7 +191,7 @@ def _axis_submesh(mesh: DeviceMesh, axis: int) -> DeviceMesh:
 
 def solve_axes(graph: JointGraph, mesh: DeviceMesh, cost_model: CostModel,
                constraints: list[Constraint] | None = None, *,
-               mp_dtype: Any = None, cluster_layers: bool = True, solver: str = "auto",
+               mp_dtype: Any = None, repeated_blocks: bool = True, solver: str = "auto",
                time_limit: float | None = 120.0) -> tuple[list[tuple[Candidates, list[int], Any]], list[dict]]:
     """One 1-D plan per mesh axis: [(1-D candidates, strategy index per node name... as labels, problem)]."""
     shape = tuple(mesh.shape)
@@ -212,7 +212,7 @@ def solve_axes(graph: JointGraph, mesh: DeviceMesh, cost_model: CostModel,
         cands = axis_cands[a]
         cons = [project_constraint(c, a) for c in (constraints or []) if c.kind != "memory"]
         high = max(1.0 / size, min_parameter_fraction(cands))
-        prob = build_problem(cands, cm_a, constraints=cons, memory_high=high, cluster_layers=cluster_layers,
+        prob = build_problem(cands, cm_a, constraints=cons, memory_high=high, repeated_blocks=repeated_blocks,
                              mp_dtype=mp_dtype)
         sol = solve(prob, solver, time_limit=time_limit)
         solved[ident] = a
@@ -226,12 +226,12 @@ def solve_axes(graph: JointGraph, mesh: DeviceMesh, cost_model: CostModel,
 
 def seeded_candidates(graph: JointGraph, mesh: DeviceMesh, cost_model: CostModel,
                       constraints: list[Constraint] | None = None, *,
-                      radius: int = DEFAULT_RADIUS, mp_dtype: Any = None, cluster_layers: bool = True,
+                      radius: int = DEFAULT_RADIUS, mp_dtype: Any = None, repeated_blocks: bool = True,
                       solver: str = "auto", time_limit: float | None = 120.0) -> tuple[Candidates, SeedInfo]:
     """D-dim candidates restricted to the Hamming ball of `radius` around the 1-D seeds."""
     t0 = time.perf_counter()
     axes, info = solve_axes(graph, mesh, cost_model, constraints, mp_dtype=mp_dtype,
-                            cluster_layers=cluster_layers, solver=solver, time_limit=time_limit)
+                            repeated_blocks=repeated_blocks, solver=solver, time_limit=time_limit)
     restrict: dict[str, list[tuple]] = {}
     ref = axes[0][0]
     menu_cache: dict[tuple, list[tuple]] = {}

@@ -87,7 +87,7 @@ class Candidates:
     unique_keys: int
     seconds: float
     unhandled: list[Unhandled] = field(default_factory=list)  # only when built with strict=False
-    # problems priced on these candidates, by cost model and clustering (formulation.py): the
+    # problems priced on these candidates, by cost model and repeated_blocks (formulation.py): the
     # parameter-budget rounds of one plan and the budget points of a sweep price them once
     priced: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 

@@ -109,7 +109,7 @@ def _tensors(v: Any) -> list[torch.Tensor]:
 
 COPIED_STORAGES = "copied_storages"
 """Node meta key of a step-graph node that is a copy of a repeated block's node
-(runtime/block_replay.py): such a node's value is its template's own fake tensor (a fresh
+(runtime/repeated_blocks.py): such a node's value is its template's own fake tensor (a fresh
 one per copy costs more than the rest of the copy), and this mapping gives, for each
 storage of that value, the storage the copy stands for."""
 

@@ -45,7 +45,7 @@ def replay_labels(prob: Problem, plan: Plan) -> list[int]:
         idx = {_strategy_index(prob, name, plan) for name in members}
         if len(idx) != 1:
             raise PlanMismatchError(f"the plan gives the tied nodes {members[:4]} different placements: it was "
-                                    "made with other layer clustering; replay with cluster_layers = false")
+                                    "made with repeated_blocks set otherwise; replay with repeated_blocks = false")
         labels.append(idx.pop())
     return labels
 

@@ -1,6 +1,6 @@
 """Stage 3: Candidates + cost model + constraints -> Problem.
 
-Groups tied nodes (`cluster.decision_groups`), prices every strategy and edge
+Groups tied nodes (`repeated_blocks.decision_groups`), prices every strategy and edge
 (`pricing.StrategyPricer`), merges the edges of repeated-layer copies, applies the user
 constraints and checks feasibility before any solver runs. The priced part is kept on the
 candidates (`priced_problem`): a re-solve under another parameter budget only re-applies
@@ -169,7 +169,7 @@ PRICED_KEPT = 2
 """Priced problems kept per Candidates (formulation of one plan's budget rounds, a sweep's budget points)."""
 
 
-def priced_problem(cands: Candidates, cost_model: CostModel, *, cluster_layers: bool = True,
+def priced_problem(cands: Candidates, cost_model: CostModel, *, repeated_blocks: bool = True,
                    mp_dtype: torch.dtype | None = None) -> Problem:
     """Every strategy and edge of `cands` priced and grouped, without constraints or budget.
 
@@ -178,12 +178,12 @@ def priced_problem(cands: Candidates, cost_model: CostModel, *, cluster_layers: 
     budget points of a sweep price once. The result is read-only: `build_problem` copies
     what it changes (`allowed`)."""
     # a duck-typed cost model without a pricing key is priced every time (an id could be reused)
-    key = (cost_model.pricing_key(), cluster_layers, str(mp_dtype)) if hasattr(cost_model, "pricing_key") else None
+    key = (cost_model.pricing_key(), repeated_blocks, str(mp_dtype)) if hasattr(cost_model, "pricing_key") else None
     hit = cands.priced.get(key) if key is not None else None
     if hit is not None:
         return dataclasses.replace(hit, candidates=cands)
     t0 = time.perf_counter()
-    groups, group_of = decision_groups(cands, cluster_layers)
+    groups, group_of = decision_groups(cands, repeated_blocks)
     pricer = StrategyPricer(cands, cost_model, mp_dtype)
     n_strat = [len(cands.nodes[g[0]].specs) for g in groups]
     unary = [np.zeros(n) for n in n_strat]
@@ -210,12 +210,12 @@ def priced_problem(cands: Candidates, cost_model: CostModel, *, cluster_layers: 
 
 
 def build_problem(cands: Candidates, cost_model: CostModel, *, constraints: list[Constraint] | None = None,
-                  memory_low: float | None = None, memory_high: float | None = None, cluster_layers: bool = True,
+                  memory_low: float | None = None, memory_high: float | None = None, repeated_blocks: bool = True,
                   mp_dtype: torch.dtype | None = None) -> Problem:
     """The priced problem (`priced_problem`, kept) with the constraints and budget applied,
     checked for feasibility."""
     t0 = time.perf_counter()
-    priced = priced_problem(cands, cost_model, cluster_layers=cluster_layers, mp_dtype=mp_dtype)
+    priced = priced_problem(cands, cost_model, repeated_blocks=repeated_blocks, mp_dtype=mp_dtype)
     constraints = list(constraints or [])
     prob = dataclasses.replace(priced, cost_model=cost_model, allowed=[a.copy() for a in priced.allowed],
                                memory_low=memory_low, memory_high=memory_high, constraints=constraints)

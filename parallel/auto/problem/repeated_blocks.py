@@ -1,4 +1,5 @@
-"""Graph clustering (paper §4.3): identical copies of repeated layers share one decision.
+"""Repeated blocks (the paper's "graph clustering", §4.3): identical copies of a repeated
+block share one decision.
 
 A transformer's L layers produce L copies of the same sub-problem. Copies are found by
 content hashing, not by names: every node gets a hash of
@@ -13,18 +14,18 @@ content hashing, not by names: every node gets a hash of
     by layer i-1, still hash alike).
 
 The layer instance of a node is the first ``.<index>`` prefix of its module path (or of
-its parameter FQN), e.g. ``layers.3``; nodes outside indexed modules are never clustered.
+its parameter FQN), e.g. ``layers.3``; nodes outside indexed modules are never copies.
 Within one instance, equal hashes are told apart by their order of appearance, and nodes
-with the same (hash, ordinal) in different instances form one cluster of copies.
+with the same (hash, ordinal) in different instances form one set of copies.
 
-Flow-coupled producers: the producers feeding the same input position of the copies of a
-cluster (e.g. the embedding and layers 0..L-2 feeding layer i's first norm) are merged
-too when their candidate menus are identical, so the clustered consumer sees one
-producer decision (paper: "flow-coupled producers ... share one placement decision").
+Flow-coupled producers: the producers feeding the same input position of a set of copies
+(e.g. the embedding and layers 0..L-2 feeding layer i's first norm) are merged too when
+their candidate menus are identical, so the copied consumer sees one producer decision
+(paper: "flow-coupled producers ... share one placement decision").
 
-`find_clusters(cands)` returns the clusters; `problem.build_problem(cluster_layers=True)`
+`find_repeated_blocks(cands)` returns the sets of copies; `build_problem(repeated_blocks=True)`
 unions them with the forward/backward ties, so the exact ILP and the MRF solve the same
-reduced problem. `Clustering.summary()` reports how many decisions remain.
+reduced problem. `RepeatedBlocks.summary()` reports how many decisions remain.
 """
 
 from __future__ import annotations
@@ -43,24 +44,24 @@ log = logging.getLogger("parallel.auto.problem.placement_problem")
 
 
 @dataclass
-class Clustering:
-    """Clusters of identical copies (each a list of node names, >= 2 members)."""
+class RepeatedBlocks:
+    """Sets of identical copies (each a list of node names, >= 2 members)."""
 
-    clusters: list[list[str]]
+    copies: list[list[str]]
     flow_coupled: list[list[str]] = field(default_factory=list)  # producer sets merged
     num_nodes: int = 0
     num_instances: int = 0  # layer instances seen (e.g. 32 for LLaMA 3 8B)
 
     @property
-    def num_clustered_nodes(self) -> int:
+    def num_copied_nodes(self) -> int:
         """Nodes that share their decision with at least one copy."""
-        return sum(len(c) for c in self.clusters)
+        return sum(len(c) for c in self.copies)
 
     def summary(self, num_decisions: int | None = None) -> str:
-        """One line for the log: clusters, layer instances and decisions saved."""
-        saved = self.num_clustered_nodes - len(self.clusters)
-        s = (f"clustering: {len(self.clusters)} clusters of repeated-layer copies over {self.num_instances} "
-             f"layer instances ({self.num_clustered_nodes} nodes share {len(self.clusters)} decisions, "
+        """One line for the log: sets of copies, layer instances and decisions saved."""
+        saved = self.num_copied_nodes - len(self.copies)
+        s = (f"repeated blocks: {len(self.copies)} sets of copies over {self.num_instances} "
+             f"layer instances ({self.num_copied_nodes} nodes share {len(self.copies)} decisions, "
              f"{saved} decisions saved), {len(self.flow_coupled)} flow-coupled producer sets")
         if num_decisions is not None:
             s = f"{self.num_nodes:,} nodes -> {num_decisions:,} decisions; " + s
@@ -149,12 +150,12 @@ def _hash_nodes(cands: Candidates, menu_h: _MenuHash) -> _Hashed:
     return out
 
 
-def _flow_coupled(cands: Candidates, clusters: list[list[str]], menu_h: _MenuHash) -> list[list[str]]:
-    """Producer sets feeding the same input position of a cluster's copies, with one menu and phase."""
+def _flow_coupled(cands: Candidates, copies: list[list[str]], menu_h: _MenuHash) -> list[list[str]]:
+    """Producer sets feeding the same input position of a set of copies, with one menu and phase."""
     nodes = cands.nodes
     coupled: list[list[str]] = []
-    cluster_id = {n: i for i, m in enumerate(clusters) for n in m}
-    for members in clusters:
+    copy_set = {n: i for i, m in enumerate(copies) for n in m}
+    for members in copies:
         rep = nodes[members[0]]
         for k in range(len(rep.inputs)):
             by_menu: dict[tuple, list[str]] = defaultdict(list)
@@ -165,23 +166,24 @@ def _flow_coupled(cands: Candidates, clusters: list[list[str]], menu_h: _MenuHas
                 if p not in by_menu[key]:
                     by_menu[key].append(p)
             for producers in by_menu.values():
-                ids = {cluster_id.get(p, p) for p in producers}
-                if len(ids) > 1 and producers not in coupled:  # not already one cluster
+                ids = {copy_set.get(p, p) for p in producers}
+                if len(ids) > 1 and producers not in coupled:  # not already one set of copies
                     coupled.append(producers)
     return coupled
 
 
-def find_clusters(cands: Candidates, *, flow_coupling: bool = True, menu_h: _MenuHash | None = None) -> Clustering:
+def find_repeated_blocks(cands: Candidates, *, flow_coupling: bool = True,
+                         menu_h: _MenuHash | None = None) -> RepeatedBlocks:
     """Content-hash the nodes and group identical copies across layer instances."""
     menu_h = menu_h if menu_h is not None else _MenuHash()
     hashed = _hash_nodes(cands, menu_h)
-    clusters = [m for m in hashed.buckets.values() if len(m) > 1 and len({hashed.instance[n] for n in m}) == len(m)]
-    coupled = _flow_coupled(cands, clusters, menu_h) if flow_coupling else []
-    return Clustering(clusters, coupled, num_nodes=len(cands.nodes), num_instances=len(hashed.instances))
+    copies = [m for m in hashed.buckets.values() if len(m) > 1 and len({hashed.instance[n] for n in m}) == len(m)]
+    coupled = _flow_coupled(cands, copies, menu_h) if flow_coupling else []
+    return RepeatedBlocks(copies, coupled, num_nodes=len(cands.nodes), num_instances=len(hashed.instances))
 
 
 # ---------------------------------------------------------------------------
-# Decision groups: fwd/bwd ties and clusters, by union-find
+# Decision groups: fwd/bwd ties and repeated blocks, by union-find
 # ---------------------------------------------------------------------------
 
 
@@ -201,14 +203,14 @@ class _UnionFind:
             self.parent[rb] = ra
 
 
-def decision_groups(cands: Candidates, cluster_layers: bool) -> tuple[list[list[str]], dict[str, int]]:
+def decision_groups(cands: Candidates, repeated_blocks: bool) -> tuple[list[list[str]], dict[str, int]]:
     """Union-find groups: fwd/bwd pairs always; copies of repeated layers if asked."""
     jg = cands.graph
     uf = _UnionFind()
     names = list(cands.nodes)
     for n in names:
         uf.find(n)
-    menu_h = _MenuHash()  # menus once per shared specs list, for the ties and the clustering
+    menu_h = _MenuHash()  # menus once per shared specs list, for the ties and the copies
 
     def menu(n: str) -> tuple:
         return menu_h.menu(cands.nodes[n])
@@ -232,10 +234,10 @@ def decision_groups(cands: Candidates, cluster_layers: bool) -> tuple[list[list[
         if out_idx in out_slot:
             tie(out_slot[out_idx], tangent.name, f"output {out_idx} and its tangent")
 
-    clustering = None
-    if cluster_layers:  # content-hash clustering of repeated layers
-        clustering = find_clusters(cands, menu_h=menu_h)
-        for members in clustering.clusters + clustering.flow_coupled:
+    blocks = None
+    if repeated_blocks:  # content-hashed copies of repeated blocks
+        blocks = find_repeated_blocks(cands, menu_h=menu_h)
+        for members in blocks.copies + blocks.flow_coupled:
             first = members[0]
             for other in members[1:]:
                 if menu(first) == menu(other):
@@ -249,6 +251,6 @@ def decision_groups(cands: Candidates, cluster_layers: bool) -> tuple[list[list[
             groups.append([])
         groups[root_index[r]].append(n)
     group_of = {n: root_index[uf.find(n)] for n in names}
-    if clustering is not None:
-        log.info("%s", clustering.summary(len(groups)))
+    if blocks is not None:
+        log.info("%s", blocks.summary(len(groups)))
     return groups, group_of

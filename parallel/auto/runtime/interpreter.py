@@ -214,14 +214,14 @@ class PlacementOps:
 class PlacementInterpreter(fx.Interpreter):
     """torch.fx.Interpreter over one phase's GraphModule, ops run through `PlacementOps`."""
 
-    def __init__(self, gm: fx.GraphModule, ops: PlacementOps, replay: Any = None):
-        """`replay`: a block_replay.BlockReplay that copies repeated blocks' traced nodes."""
+    def __init__(self, gm: fx.GraphModule, ops: PlacementOps, copies: Any = None):
+        """`copies`: a repeated_blocks.BlockCopies that copies repeated blocks' traced nodes."""
         super().__init__(gm, garbage_collect_values=True)
         self.ops = ops
-        self.replay = replay
+        self.copies = copies
 
     def run_node(self, n: fx.Node) -> Any:
-        r = self.replay
+        r = self.copies
         if r is not None:
             out = r.value(n, self.env)
             if out is not MISSING:

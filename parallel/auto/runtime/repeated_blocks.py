@@ -5,7 +5,7 @@ The runner's phase graphs (forward, backward) run block by block: each transform
 a contiguous run of nodes, a *segment* (`PhaseBlocks`). Two segments compute the same thing
 when their nodes have the same ops, literal arguments, planned strategies and shapes, and
 read the same values relative to their own block (layer i reads layer i-1's output and its
-own parameters). While `make_fx` traces a step (`BlockReplay`), the first segment of each
+own parameters). While `make_fx` traces a step (`BlockCopies`), the first segment of each
 kind is interpreted as usual and the graph nodes it added are kept as a *template*; each
 later segment of that kind gets a copy of those nodes with their inputs rebound to its own
 block's values, and fresh fake values that share storage exactly as the template's do (the
@@ -33,7 +33,7 @@ from parallel.auto.cost.memory import COPIED_STORAGES, value_storages
 log = logging.getLogger("parallel.auto.runtime")
 
 MISSING = object()
-"""`BlockReplay.value`'s answer for a node the interpreter must run itself."""
+"""`BlockCopies.value`'s answer for a node the interpreter must run itself."""
 
 REACH = 2
 """A template may read values of blocks up to this many blocks away from its own."""
@@ -206,7 +206,7 @@ class _Recording:
     values: dict[fx.Node, Any] = field(default_factory=dict)
 
 
-class BlockReplay:
+class BlockCopies:
     """One trace's templates and copies for one phase graph (see the module docstring)."""
 
     def __init__(self, blocks: PhaseBlocks, ops: Any, mesh: Any):
@@ -452,7 +452,7 @@ def _nodes_after(marker: fx.Node) -> list[fx.Node]:
     return out
 
 
-class CallReplay:
+class CallCopies:
     """Copies of a traced call: the first call of a kind (key and input layouts) runs and the
     nodes it adds are kept; a later call of that kind gets copies, its inputs rebound. For
     work done once per block outside the phase graphs (the bucketed gradient reductions).

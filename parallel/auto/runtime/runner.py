@@ -44,7 +44,7 @@ from parallel.auto.runtime.device import place_on_device, runtime_device
 from parallel.auto.runtime.interpreter import LAYOUT_OPS, PlacementInterpreter, PlacementOps, is_tensor_node
 from parallel.auto.runtime.options import RuntimeOptions
 from parallel.auto.runtime.redistribute import bucketed_redistribute, redistribute
-from parallel.auto.runtime.repeated_blocks import BlockLayout, BlockReplay, CallReplay, PhaseBlocks
+from parallel.auto.runtime.repeated_blocks import BlockCopies, BlockLayout, CallCopies, PhaseBlocks
 from parallel.auto.trace.joint import FWD, JointGraph, layer_prefix
 
 log = logging.getLogger("parallel.auto.runtime")
@@ -88,8 +88,8 @@ def resolve_specs(candidates: Candidates, plan: Plan) -> dict[str, Any]:
 
 
 def block_indices(graph: JointGraph) -> dict[str, int]:
-    """node name -> id of the transformer block (layer instance, as clustering finds the
-    repeated blocks: `cluster.layer_instance`) it belongs to; parameters by their FQN,
+    """node name -> id of the transformer block (layer instance, as the planner finds the
+    repeated blocks: `problem/repeated_blocks.layer_instance`) it belongs to; parameters by their FQN,
     other nodes by the module that produced them. One id per instance: a stack's index
     ('layers.3' -> 3), each further stack (a T5 decoder's 'decoder.block.i' after
     'encoder.block.i') numbered after the previous one, so blocks of the same index in two
@@ -234,8 +234,8 @@ def same_graph_options(a: RuntimeOptions, b: RuntimeOptions) -> bool:
 class PlanRunner:
     """Executes the joint graph of `graph` with the placements of `plan` on `mesh`."""
 
-    replay_blocks = True
-    """Under a trace, a repeated block's nodes are copies of the first one's (block_replay.py);
+    copy_blocks = True
+    """Under a trace, a repeated block's nodes are copies of the first one's (repeated_blocks.py);
     False: every block is interpreted (the graph is the same, made slower)."""
 
     def __init__(self, graph: JointGraph, candidates: Candidates, plan: Plan, mesh: DeviceMesh,
@@ -274,11 +274,11 @@ class PlanRunner:
         self.local_graphs_cache: dict[Any, Any] = {}
         self._block_layout: BlockLayout | None = None
         self._phase_blocks: dict[str, PhaseBlocks] = {}
-        self.replay_counts: Counter = Counter()  # segments copied / traced per phase, last trace
+        self.block_copy_counts: Counter = Counter()  # segments copied / traced per phase, last trace
 
-    def _replay(self, phase: str) -> BlockReplay | None:
+    def _block_copies(self, phase: str) -> BlockCopies | None:
         """The phase's block copier when a trace is running (None: interpret every node)."""
-        if not self.replay_blocks or T.active_tracer() is None:
+        if not self.copy_blocks or T.active_tracer() is None:
             return None
         blocks = self._phase_blocks.get(phase)
         if blocks is None:
@@ -287,16 +287,16 @@ class PlanRunner:
                                                  {n.name for n in self.graph.params.values()})
             gm = self.fwd_gm if phase == "fwd" else self.bwd_gm
             blocks = self._phase_blocks[phase] = PhaseBlocks(gm, self._block_layout, self.spec, self.ops.defer)
-        return BlockReplay(blocks, self.ops, self.mesh)
+        return BlockCopies(blocks, self.ops, self.mesh)
 
     def _interpret(self, phase: str, args: list[Any]) -> Any:
         gm = self.fwd_gm if phase == "fwd" else self.bwd_gm
-        replay = self._replay(phase)
+        copies = self._block_copies(phase)
         with torch.no_grad():
-            results = PlacementInterpreter(gm, self.ops, replay).run(*args)
-        if replay is not None:
-            self.replay_counts[f"{phase}_copied"] = replay.copied
-            self.replay_counts[f"{phase}_refused"] = replay.refused
+            results = PlacementInterpreter(gm, self.ops, copies).run(*args)
+        if copies is not None:
+            self.block_copy_counts[f"{phase}_copied"] = copies.copied
+            self.block_copy_counts[f"{phase}_refused"] = copies.refused
         return results
 
     @property
@@ -387,7 +387,7 @@ class PlanRunner:
         pending: dict[tuple, list[tuple[int, tuple]]] = {}  # (bucket key, dtype) -> (index, target)
         # under a trace, a call of a kind already traced (a later block's bucket, a later layer's
         # gradient of the same shape and layout) is a copy of the first one's nodes
-        calls = CallReplay(self.mesh) if self.replay_blocks else None
+        calls = CallCopies(self.mesh) if self.copy_blocks else None
         for fqn, v in zip(self.param_names, values):
             s = self.grad_slots.get(fqn)
             if v is None or s is None:
@@ -418,7 +418,7 @@ class PlanRunner:
             for i, r in zip(idx, reduced):
                 grads[i] = r
         if calls is not None:
-            self.replay_counts["grad_reductions_copied"] = calls.copied
+            self.block_copy_counts["grad_reductions_copied"] = calls.copied
         for i, (v, p) in enumerate(zip(grads, params)):
             if v is None:
                 continue

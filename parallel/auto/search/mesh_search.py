@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from parallel.auto.cost import HardwareProfile, load_hardware
-from parallel.auto.search.mesh_space import Candidate, MeshSpec, enumerate_meshes, rank_candidates
+from parallel.auto.search.mesh_space import MeshOption, MeshSpec, enumerate_meshes, rank_mesh_options
 from parallel.mesh import CP, DP_REPLICATE, DP_SHARD, TP
 
 from .point import PlanCache
@@ -63,15 +63,15 @@ def searched_meshes(world: int, gpus_per_node: int, seq_len: int) -> list[MeshSp
 
 def rank_rows(points: list[Point], rows: list[dict]) -> list[dict]:
     """Rows ranked: fitting meshes by predicted step time per token (``rank`` 1, 2, ...; see
-    :func:`rank_candidates`; at one global batch for every mesh, the order of the step times
+    :func:`rank_mesh_options`; at one global batch for every mesh, the order of the step times
     of all micro-batches), then the dropped ones (OOM, a global batch the mesh cannot divide,
     planning failures) with ``rank`` "-" and their reason."""
-    cands = [Candidate(p.mesh, r["step_ms"] * 1e3 if r.get("step_ms") is not None else None,
-                       r.get("status") == "ok", r.get("status", ""), tokens=p.global_batch * p.seq_len)
+    options = [MeshOption(p.mesh, r["step_ms"] * 1e3 if r.get("step_ms") is not None else None,
+                        r.get("status") == "ok", r.get("status", ""), tokens=p.global_batch * p.seq_len)
              for p, r in zip(points, rows)]
     by_mesh = {p.mesh: r for p, r in zip(points, rows)}
     out = []
-    for i, c in enumerate(rank_candidates(cands)):
+    for i, c in enumerate(rank_mesh_options(options)):
         r = dict(by_mesh[c.mesh])
         r["rank"] = i + 1 if c.fits and c.step_us is not None else "-"
         out.append(r)

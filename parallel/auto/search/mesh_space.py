@@ -142,7 +142,7 @@ def uses_context_parallel(spec: MeshSpec) -> bool:
 
 
 @dataclass
-class Candidate:
+class MeshOption:
     """One planned mesh: predicted step time (None when planning failed), the tokens one
     step processes, whether it fits, and why not."""
 
@@ -157,10 +157,10 @@ class Candidate:
         return self.step_us / self.tokens if self.step_us is not None else float("inf")
 
 
-def rank_candidates(cands: Sequence[Candidate]) -> list[Candidate]:
+def rank_mesh_options(options: Sequence[MeshOption]) -> list[MeshOption]:
     """Fitting meshes by predicted step time per token (fastest first), then the rest in
     their order. Per token: a mesh's global batch is the local batch times its
     data-parallel degree, so meshes of one world size step over different token counts
     (equal counts: the order of the step times)."""
-    ok = sorted((c for c in cands if c.fits and c.step_us is not None), key=lambda c: (c.us_per_token, c.mesh.shape))
-    return ok + [c for c in cands if c not in ok]
+    ok = sorted((c for c in options if c.fits and c.step_us is not None), key=lambda c: (c.us_per_token, c.mesh.shape))
+    return ok + [c for c in options if c not in ok]

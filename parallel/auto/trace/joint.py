@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from parallel import _torch as T
 from parallel.auto.regions import regions_in, traced_regions
 from parallel.auto.trace.fold import ConstantReads, FoldedRead
-from parallel.auto.trace.repeated_blocks import CopyRefused, LayerRun, copy_layers, layer_run, truncate
+from parallel.auto.trace.repeated_blocks import BlockRun, CopyRefused, block_run, copy_repeated_blocks, truncate
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def model_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def _fake_copy(model: nn.Module, fake_mode: Any, device: str, run: LayerRun | None) -> nn.Module:
+def _fake_copy(model: nn.Module, fake_mode: Any, device: str, run: BlockRun | None) -> nn.Module:
     """A copy of the model whose parameters/buffers are FakeTensors (the user's model is
     untouched), cut to the blocks `run` keeps.
 
@@ -230,7 +230,7 @@ def trace_joint(
     local_map regions whose marked modules are traced as one node each (regions/);
     functions decorated with `regions.region` always are. `copy_blocks`: a model that
     names its repeated blocks is traced with two of the last run and the rest are copied
-    (layer_copies.py); False traces every block.
+    (trace/repeated_blocks.py); False traces every block.
     """
     T.register_planner_ops()
     t0 = time.perf_counter()
@@ -238,11 +238,11 @@ def trace_joint(
         sample_inputs = sample_inputs()
     if not isinstance(sample_inputs, tuple):
         sample_inputs = (sample_inputs,)
-    run = layer_run(model) if copy_blocks else None
+    run = block_run(model) if copy_blocks else None
     traced = _trace(model, sample_inputs, loss_fn, device, regions, run)
     if run is not None:
         try:
-            added = copy_layers(traced.gm, traced.module_of, run, traced.fake_mode)
+            added = copy_repeated_blocks(traced.gm, traced.module_of, run, traced.fake_mode)
             traced.folded += _folded_in_copies(traced.folded, run)
             log.info("trace: %d of %d blocks traced, the other %d copied (%d nodes)",
                      run.kept, run.total, run.total - run.kept, added)
@@ -273,7 +273,7 @@ class _Traced:
 
 
 def _trace(model: nn.Module, sample_inputs: tuple, loss_fn: Callable[..., torch.Tensor] | None, device: str,
-           regions: tuple[str, ...], run: LayerRun | None) -> _Traced:
+           regions: tuple[str, ...], run: BlockRun | None) -> _Traced:
     """AOTAutograd's joint export of a fake copy of the model (cut to `run`'s blocks)."""
     fake_mode = T.FakeTensorMode(allow_non_fake_inputs=True)
     lowering, device = device, T.autograd_device(device)  # lowering: which kernels the job's device runs
@@ -301,7 +301,7 @@ def _trace(model: nn.Module, sample_inputs: tuple, loss_fn: Callable[..., torch.
     return _Traced(gm, joint.fake_mode, _assign_modules(gm, ranges), list(dict.fromkeys(reads.folded)), device)
 
 
-def _folded_in_copies(folded: list[FoldedRead], run: LayerRun) -> list[FoldedRead]:
+def _folded_in_copies(folded: list[FoldedRead], run: BlockRun) -> list[FoldedRead]:
     """The template block's folded reads, as every copied block would have made them."""
     out = []
     for m in range(run.kept, run.total):

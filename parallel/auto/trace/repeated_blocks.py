@@ -6,7 +6,7 @@ the same nodes again. A model that names its list of blocks (`repeated_blocks = 
 models/layers.py) is traced with its last run of identical blocks cut to two; the graph
 then gets the rest as copies of the second one, forward and backward, with their own
 parameter placeholders, gradient outputs and descriptors, so that what comes out is the
-graph a full trace gives (tests/parallel/auto/test_layer_copies.py compares them node by
+graph a full trace gives (tests/parallel/auto/test_repeated_blocks_trace.py compares them node by
 node).
 
 How a copy is wired is read from the two traced blocks, not assumed: the second block
@@ -42,7 +42,7 @@ class CopyRefused(Exception):
 
 
 @dataclass(frozen=True)
-class LayerRun:
+class BlockRun:
     """The blocks a trace keeps: the model's `container` list holds `total` blocks, of
     which the first `kept` are traced; the last two kept are identical to every later one."""
 
@@ -67,7 +67,7 @@ def _block_signature(block: nn.Module) -> tuple:
     return type(block), tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in tensors)
 
 
-def layer_run(model: nn.Module) -> LayerRun | None:
+def block_run(model: nn.Module) -> BlockRun | None:
     """The run of identical blocks at the end of the model's `repeated_blocks` list, if
     copying saves a trace of at least one block (None otherwise, or when the model does
     not name its blocks)."""
@@ -80,10 +80,10 @@ def layer_run(model: nn.Module) -> LayerRun | None:
     while start > 0 and sigs[start - 1] == sigs[-1]:
         start -= 1
     kept = start + 2
-    return LayerRun(name, len(sigs), kept) if kept < len(sigs) else None
+    return BlockRun(name, len(sigs), kept) if kept < len(sigs) else None
 
 
-def truncate(model: nn.Module, run: LayerRun) -> None:
+def truncate(model: nn.Module, run: BlockRun) -> None:
     """Drop the blocks the trace does not need (on the planner's own copy of the model)."""
     del getattr(model, run.container)[run.kept:]
 
@@ -119,7 +119,7 @@ def _flat_args(n: fx.Node) -> tuple[list[Any], list[Any]]:
 class _Blocks:
     """The traced graph split around the two kept blocks of the run."""
 
-    def __init__(self, gm: fx.GraphModule, module_of: dict[str, str], run: LayerRun, prefix: str):
+    def __init__(self, gm: fx.GraphModule, module_of: dict[str, str], run: BlockRun, prefix: str):
         self.graph = gm.graph
         self.nodes = list(gm.graph.nodes)
         self.pos = {n: i for i, n in enumerate(self.nodes)}
@@ -218,7 +218,7 @@ def mirrored_value(y: fx.Node, new: fx.Node, storages: dict[int, torch.Tensor]) 
     return type(val)(out) if isinstance(val, (tuple, list)) else out[0]
 
 
-def copy_layers(gm: fx.GraphModule, module_of: dict[str, str], run: LayerRun, fake_mode: Any,
+def copy_repeated_blocks(gm: fx.GraphModule, module_of: dict[str, str], run: BlockRun, fake_mode: Any,
                 prefix: str = "model.") -> int:
     """Add blocks `run.kept` .. `run.total - 1` to a graph traced with the first `run.kept`:
     copies of the last kept block, wired as the traced pair shows. `module_of` gains the
@@ -328,7 +328,7 @@ def copy_layers(gm: fx.GraphModule, module_of: dict[str, str], run: LayerRun, fa
 
 
 def _outputs_with_copies(outs: list[Any], descs: list[Any], version: dict[int, dict[fx.Node, fx.Node]],
-                         layers: range, prefix: str, run: LayerRun) -> tuple[list[Any], list[Any]]:
+                         layers: range, prefix: str, run: BlockRun) -> tuple[list[Any], list[Any]]:
     """The output tuple with each run of the template's entries (its gradients, its
     buffers' new values) followed by the same entries of every copy, in layer order."""
     tmpl = prefix + run.template

@@ -163,7 +163,7 @@ def run_job(mesh, job: dict) -> dict:
         losses.append(loss.item())
     return {"losses": losses, "grads": grads, "deviations": runner.stats["deviations"],
             "local_graphs": bool(runner.local_graphs_cache), "stats": dict(runner.stats),
-            "replayed": dict(runner.replay_counts),
+            "block_copies": dict(runner.block_copy_counts),
             "placements": {n: tuple(p.placements) for n, p in pm.named_parameters()}}
 
 

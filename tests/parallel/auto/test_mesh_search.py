@@ -3,12 +3,12 @@
 import pytest
 
 from parallel.auto.search.mesh_space import (
-    Candidate,
+    MeshOption,
     MeshSearchError,
     MeshSpec,
     enumerate_meshes,
     parse_mesh,
-    rank_candidates,
+    rank_mesh_options,
 )
 
 
@@ -62,9 +62,9 @@ def test_parse_mesh_forms_and_errors():
 
 def test_rank_fitting_by_step_time_then_dropped():
     a, b, c, d = (MeshSpec((n,), ("dp_shard",)) for n in (1, 2, 3, 4))
-    ranked = rank_candidates([Candidate(a, 30.0, True), Candidate(b, 10.0, False, "OOM"),
-                              Candidate(c, 20.0, True), Candidate(d, None, False, "no plan")])
+    ranked = rank_mesh_options([MeshOption(a, 30.0, True), MeshOption(b, 10.0, False, "OOM"),
+                              MeshOption(c, 20.0, True), MeshOption(d, None, False, "no plan")])
     assert [x.mesh for x in ranked] == [c, a, b, d]
     # per token: a mesh stepping over twice the tokens in 1.5x the time is faster
-    big = Candidate(b, 30.0, True, tokens=2)
-    assert [x.mesh for x in rank_candidates([Candidate(a, 20.0, True), big])] == [b, a]
+    big = MeshOption(b, 30.0, True, tokens=2)
+    assert [x.mesh for x in rank_mesh_options([MeshOption(a, 20.0, True), big])] == [b, a]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_block_replay import _form
+from test_repeated_blocks_runtime import _form
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 

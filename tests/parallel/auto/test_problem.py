@@ -39,9 +39,9 @@ def test_groups_tie_param_grad_and_layers(cands, cm):
     g1 = prob.group_of[jg.params["layers.1.attention.wq.weight"].name]
     assert g0 == g1  # repeated layers share one decision
     assert prob.group_of[jg.params["layers.0.attention.wk.weight"].name] != g0
-    flat = build_problem(cands, cm, memory_high=0.25, cluster_layers=False)
+    flat = build_problem(cands, cm, memory_high=0.25, repeated_blocks=False)
     assert flat.num_groups > prob.num_groups
-    # clustering restricts the search, so the unclustered optimum is at least as good
+    # repeated blocks restrict the search, so the unrestricted optimum is at least as good
     assert solve_ilp(flat).objective <= solve_ilp(prob).objective + 1e-6
 
 

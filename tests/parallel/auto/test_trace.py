@@ -32,7 +32,7 @@ def test_trace_llama_debug_labels_and_pairs():
     assert jg.labels[jg.params["layers.0.attention.wq.weight"].name] == "param layers.0.attention.wq.weight"
     mms = [n for n in jg.gm.graph.nodes if n.target is torch.ops.aten.mm.default]
     assert {jg.phase[n.name] for n in mms} == {FWD, BWD}
-    # nodes know the module they come from (used for layer clustering and reports)
+    # nodes know the module they come from (used for repeated blocks and reports)
     assert any(m.startswith("layers.1.attention") for m in jg.module_of.values())
     # the user's module stays on meta
     assert all(p.device.type == "meta" for p in model.parameters())

@@ -14,11 +14,11 @@ from torch import fx, nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
-from parallel.auto.trace import repeated_blocks as layer_copies
 from parallel.auto.api import fake_world
 from parallel.auto.request import PlanRequest, planner_inputs, planning
+from parallel.auto.trace import repeated_blocks as trace_blocks
 from parallel.auto.trace.joint import trace_joint
-from parallel.auto.trace.repeated_blocks import layer_run
+from parallel.auto.trace.repeated_blocks import block_run
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def _traces(family: str, layers: int, mesh_shape: tuple, names: tuple, device: s
 ])
 def test_copied_blocks_form_the_full_trace(family, layers, mesh_shape, names, device, caplog):
     model, copied, full = _traces(family, layers, mesh_shape, names, device, caplog)
-    run = layer_run(model)
+    run = block_run(model)
     assert run is not None and run.total == layers
     assert f"the other {layers - run.kept} copied" in caplog.text  # the copy happened (no fallback)
     a, b = _form(copied), _form(full)
@@ -100,7 +100,7 @@ def test_copied_values_are_what_running_the_ops_gives(family, layers, monkeypatc
     op: the same shapes, strides, offsets and views of the same arguments as running it gives."""
     _, mirrored, _ = _traces(family, layers, (4,), ("dp",), "cpu", caplog)
     calls = []
-    monkeypatch.setattr(layer_copies, "mirrored_value", lambda *a: calls.append(1) or layer_copies.RUN)
+    monkeypatch.setattr(trace_blocks, "mirrored_value", lambda *a: calls.append(1) or trace_blocks.RUN)
     _, ran, _ = _traces(family, layers, (4,), ("dp",), "cpu", caplog)
     assert calls  # the reference ran every copied op
     a, b = _values(mirrored), _values(ran)

@@ -1,4 +1,4 @@
-"""Graph clustering: identical layers share one decision (content hashing, fwd/bwd never mixed)."""
+"""Repeated blocks: identical layers share one decision (content hashing, fwd/bwd never mixed)."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from parallel.auto.api import fake_world, lm_loss
 from parallel.auto.candidates.strategies import build_candidates
 from parallel.auto.cost import CostModel
 from parallel.auto.problem.formulation import build_problem
-from parallel.auto.problem.repeated_blocks import find_clusters, layer_instance, menu_of
+from parallel.auto.problem.repeated_blocks import find_repeated_blocks, layer_instance, menu_of
 from parallel.auto.trace.joint import trace_joint
 
 
@@ -24,11 +24,11 @@ def cands():
 
 
 def test_copies_share_content_phase_and_menu(cands):
-    cl = find_clusters(cands)
+    cl = find_repeated_blocks(cands)
     jg = cands.graph
     assert cl.num_instances == 3
-    assert cl.clusters
-    for members in cl.clusters:
+    assert cl.copies
+    for members in cl.copies:
         assert len({layer_instance(cands, n) for n in members}) == len(members)  # one copy per layer
         assert len({jg.phase[n] for n in members}) == 1  # forward and backward never mixed
         first = cands.nodes[members[0]]
@@ -38,20 +38,20 @@ def test_copies_share_content_phase_and_menu(cands):
             assert menu_of(c) == menu_of(first)
     # every node of every layer has its copies in the other two layers
     in_layers = [n for n, c in cands.nodes.items() if c.kind != "slot" and layer_instance(cands, n)]
-    clustered = {n for m in cl.clusters for n in m}
-    assert set(in_layers) <= clustered
-    assert all(len(m) == 3 for m in cl.clusters)
+    copied = {n for m in cl.copies for n in m}
+    assert set(in_layers) <= copied
+    assert all(len(m) == 3 for m in cl.copies)
 
 
 def test_decisions_remaining_are_reported(cands, caplog):
     cm = CostModel("h100", (2,), ("dp",))
     caplog.set_level("INFO", logger="parallel.auto.problem.placement_problem")
     prob = build_problem(cands, cm, memory_high=0.5)
-    flat = build_problem(cands, cm, memory_high=0.5, cluster_layers=False)
+    flat = build_problem(cands, cm, memory_high=0.5, repeated_blocks=False)
     assert prob.num_groups < flat.num_groups
     msg = next(r.getMessage() for r in caplog.records if "decisions" in r.getMessage())
     assert f"{len(cands.nodes):,} nodes -> {prob.num_groups:,} decisions" in msg
-    # adding a layer adds no decision: the clustered problem size is independent of depth
+    # adding a layer adds no decision: the problem size with repeated blocks is independent of depth
     jg = cands.graph
     wq = [jg.params[f"layers.{i}.attention.wq.weight"].name for i in range(3)]
     assert len({prob.group_of[n] for n in wq}) == 1
@@ -72,18 +72,18 @@ class _Stack(nn.Module):
         return x.pow(2).mean()
 
 
-def test_different_layers_are_not_clustered():
+def test_different_layers_are_not_copies():
     with torch.device("meta"):
         m = _Stack()
     jg = trace_joint(m, (torch.empty(32, 64, device="meta"),))
     with fake_world(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
         cands = build_candidates(jg, mesh)
-    cl = find_clusters(cands)
-    clustered = {n for m in cl.clusters for n in m}
+    cl = find_repeated_blocks(cands)
+    copied = {n for m in cl.copies for n in m}
     odd = [n for n, c in cands.nodes.items() if c.kind == "placeholder" and layer_instance(cands, n) == "layers.1"]
     odd += [n for n, c in cands.nodes.items() if c.kind == "op" and layer_instance(cands, n) == "layers.1"
             and "mm" in str(c.node.target)]
-    assert odd and not (set(odd) & clustered)  # the odd layer's weights and matmuls stay alone
+    assert odd and not (set(odd) & copied)  # the odd layer's weights and matmuls stay alone
     w0, w2 = jg.params["layers.0.weight"].name, jg.params["layers.2.weight"].name
-    assert any(w0 in m and w2 in m for m in cl.clusters)  # the identical ones share a decision
+    assert any(w0 in m and w2 in m for m in cl.copies)  # the identical ones share a decision

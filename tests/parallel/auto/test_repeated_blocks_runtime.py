@@ -1,4 +1,4 @@
-"""Repeated transformer blocks traced once (runtime/block_replay.py): the step graph made
+"""Repeated transformer blocks traced once (runtime/repeated_blocks.py): the step graph made
 with copies of the first block's nodes is node for node the graph the interpreter traces
 block by block (ops, arguments, shapes, which values share storage), so the memory estimate
 is the same to the byte; and on gloo ranks a plan run through the copies trains like one rank."""
@@ -64,13 +64,13 @@ def _traced_both(model_name: str, shape: tuple, names: tuple, options: RuntimeOp
                           planner=PlannerConfig(hardware="h100", memory_estimate=False)) as autop:
             plan = autop.optimize_placement(verbose=False)
             out = []
-            for replay in (True, False):
-                old = PlanRunner.replay_blocks
-                PlanRunner.replay_blocks = replay
+            for copy in (True, False):
+                old = PlanRunner.copy_blocks
+                PlanRunner.copy_blocks = copy
                 try:
                     step = trace_step(autop.graph, autop.candidates, plan, mesh, options=options)
                 finally:
-                    PlanRunner.replay_blocks = old
+                    PlanRunner.copy_blocks = old
                 out.append((step, step_memory(step, mesh)))
             return out
 
@@ -91,7 +91,7 @@ def _traced_both(model_name: str, shape: tuple, names: tuple, options: RuntimeOp
         "qwen3-dp2xtp2-sac", "dsv3-dp4"])
 def test_copied_blocks_are_the_traced_graph(model, shape, names, options):
     (copied, estimate), (traced, reference_estimate) = _traced_both(model, shape, names, options)
-    counts = copied.runner.replay_counts
+    counts = copied.runner.block_copy_counts
     # the first layer reads the embedding, the last feeds the final norm, the second (forward)
     # and the one before the last (backward) read those: the others are copies (DeepSeek-V3:
     # its first layer is dense, so the first two MoE layers are their own kind)
@@ -103,7 +103,7 @@ def test_copied_blocks_are_the_traced_graph(model, shape, names, options):
     if not options.bucket:  # every parameter of a layer after the first: a copied reduction
         per_layer = len(copied.runner.graph.params) // LAYERS
         assert counts["grad_reductions_copied"] >= (LAYERS - 1) * per_layer, counts
-    assert traced.runner.replay_counts == {}
+    assert traced.runner.block_copy_counts == {}
     a, b = _form(copied.step_graph.gm), _form(traced.step_graph.gm)
     assert len(a) == len(b)
     first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -139,7 +139,8 @@ def results():
 def test_copied_blocks_train_like_one_rank(results, kind):
     ref, by_kind = results
     for out in by_kind[kind]:
-        assert out["replayed"].get("fwd_copied", 0) + out["replayed"].get("bwd_copied", 0) > 0, out["replayed"]
+        copies = out["block_copies"]
+        assert copies.get("fwd_copied", 0) + copies.get("bwd_copied", 0) > 0, copies
         assert not grads_close(out, ref), grads_close(out, ref)
         abs_d, rel_d, loss_d = compare(out, ref)
         assert loss_d <= 1e-4 * max(ref["losses"]), (out["losses"], ref["losses"])
