@@ -32,6 +32,7 @@ load-balanced with its positions. Axes of size 1 are dropped.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -46,7 +47,7 @@ from models import build_model  # noqa: E402
 from parallel.auto.api import MemoryLimitError, fake_world  # noqa: E402
 from parallel.auto.plan import Plan, PlanMismatchError  # noqa: E402
 from parallel.auto.plan.html import save_diff_html, save_html  # noqa: E402
-from parallel.auto.request import data_degree, planning  # noqa: E402
+from parallel.auto.request import planning  # noqa: E402
 from parallel.auto.search.mesh_search import ranked_table, search_global_batch, search_meshes  # noqa: E402
 from parallel.auto.search.mesh_space import MeshSearchError  # noqa: E402
 from parallel.auto.search.point import PlanCache  # noqa: E402
@@ -70,17 +71,16 @@ def parse_mesh(text: str, names: str | None) -> tuple[tuple[int, ...], tuple[str
 def job_config(args: argparse.Namespace):
     """The config with its overrides and this script's shorthands for them."""
     cfg = load_config(args.config, args.overrides, validate=False)
-    planner, t = cfg.parallelism.planner, cfg.training
-    for key, value in (("hardware", args.hardware), ("solver", args.solver), ("time_limit", args.time_limit),
-                       ("memory_budget_high", args.memory_high), ("memory_limit_gib", args.memory_limit)):
-        if value is not None:
-            setattr(planner, key, value)
-    t.local_batch_size = args.local_batch_size or t.local_batch_size
-    t.seq_len = args.seq_len or t.seq_len
+    t = cfg.training
+    shorthands = {key: value for key, value in (
+        ("hardware", args.hardware), ("solver", args.solver), ("time_limit", args.time_limit),
+        ("memory_budget_high", args.memory_high), ("memory_limit_gib", args.memory_limit)) if value is not None}
     try:
-        planner.check()
+        cfg.parallelism = dataclasses.replace(cfg.parallelism, planner=cfg.parallelism.planner.replace(**shorthands))
     except ValueError as e:
         raise SystemExit(f"{cfg.source}: [parallelism] {e}") from None
+    t.local_batch_size = args.local_batch_size or t.local_batch_size
+    t.seq_len = args.seq_len or t.seq_len
     return cfg
 
 
@@ -91,9 +91,10 @@ def plan_job(args: argparse.Namespace) -> tuple:
     model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **cfg.model.arg_overrides())
     with fake_world(world):
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
-        request = plan_request(cfg, dp_degree=data_degree(mesh))  # no mesh: "auto" hardware is not measured here
+        request = plan_request(cfg, mesh)  # "auto" hardware: the fake world's (cached measurement, else cpu)
+        hardware = getattr(request.planner.hardware, "name", request.planner.hardware)
         print(f"planning {cfg.model.name} {cfg.model.flavor} on mesh {sizes} {names} ({world} ranks, "
-              f"{request.planner.hardware}); local batch {request.local_batch_size} x seq {request.seq_len}; "
+              f"{hardware}); local batch {request.local_batch_size} x seq {request.seq_len}; "
               f"mixed precision {cfg.training.mixed_precision_param}", flush=True)
         t0 = time.perf_counter()
         with planning(model, mesh, request) as autop:

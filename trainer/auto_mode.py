@@ -7,7 +7,7 @@
    rank (`dp_replicate` x `dp_shard` coordinates) its own local batch, so the tokens and
    labels are constrained to Shard(0) on those axes and Replicate on the others.
 2. Rank 0 plans (trace -> candidates -> problem -> solve) with the `[parallelism]` knobs
-   (hardware profile, solver, memory budget, seeding, time limit, layer clustering) and
+   (hardware profile, solver, memory budget, seeding, time limit, repeated blocks) and
    broadcasts the plan (JSON), or its error, which every rank then raises; every rank
    checks the plan against its own trace (same graph, same candidate menus) and all
    ranks verify they hold the identical plan. `parallelism.plan_file` applies a saved
@@ -27,13 +27,13 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -41,12 +41,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from parallel.auto.api import AutoParallel
 from parallel.auto.config import PlannerConfig
-from parallel.auto.cost import AUTO, HardwareProfile, ProfileError
-from parallel.auto.cost.calibrate import profile_for_group
+from parallel.auto.cost import ProfileError
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.plan.html import save_html
 from parallel.auto.problem.placement_problem import MemoryLimitError, PlanningError
-from parallel.auto.request import PlanRequest, data_degree, planning
+from parallel.auto.request import PlanRequest, data_degree, planning, resolve_planner
 from parallel.auto.runtime import RuntimeOptions
 from parallel.auto.search.spec import BaseJob
 from parallel.mesh import CP
@@ -64,27 +63,25 @@ def planner_mp_policy(training_cfg: Any) -> Optional[MixedPrecisionPolicy]:
     return policy if is_mixed(policy) else None
 
 
-def planning_hardware(par: Any, mesh: DeviceMesh | None, device_type: str | None = None) -> str | HardwareProfile:
-    """The cost model's profile: a named one, or with "auto" this GPU's shipped profile or
-    this machine measured for the job's world size (cached; every rank takes part)."""
-    if par.planner.hardware != AUTO:
-        return par.planner.hardware
-    device = torch.device(mesh.device_type if mesh is not None else device_type)
-    return gpu_profile() or profile_for_group(recalibrate=par.recalibrate, device=device)
-
-
-def planner_config(job_config: JobConfig) -> PlannerConfig:
-    """The job's planner settings, whole: `[parallelism]`'s, with `[optimizer] implementation`."""
-    return dataclasses.replace(job_config.parallelism.planner, optimizer=job_config.optimizer.implementation)
+def planner_config(job_config: JobConfig, world_size: int | None = None, device_type: str | None = None
+                   ) -> PlannerConfig:
+    """The job's planner settings, whole: `[parallelism]`'s, with `[optimizer] implementation`;
+    given the job's world size, resolved (request.resolve_planner: hardware "auto" is this
+    GPU's shipped profile or this machine measured with every rank, cached)."""
+    planner = job_config.parallelism.planner.replace(optimizer=job_config.optimizer.implementation)
+    if world_size is None:
+        return planner
+    return resolve_planner(planner, world_size, device_type, recalibrate=job_config.parallelism.recalibrate,
+                           gpu_profile=gpu_profile)
 
 
 def plan_request(job_config: JobConfig, mesh: DeviceMesh | None = None, *, local_batch_size: int | None = None,
                  seq_len: int | None = None, dp_degree: int | None = None) -> PlanRequest:
-    """The planning request of this job (on `mesh`, whose profile "auto" hardware measures;
-    its data degree, else `dp_degree`, sets the micro-batches of `[training] global_batch_size`)."""
-    planner = planner_config(job_config)
-    if planner.hardware == AUTO and mesh is not None:
-        planner = dataclasses.replace(planner, hardware=planning_hardware(job_config.parallelism, mesh))
+    """The planning request of this job (on `mesh`: its settings resolved for that mesh, see
+    planner_config; its data degree, else `dp_degree`, sets the micro-batches of `[training]
+    global_batch_size`)."""
+    planner = planner_config(job_config, *((math.prod(mesh.shape), getattr(mesh, "device_type", None))
+                                           if mesh is not None else ()))
     t = job_config.training
     runtime = runtime_options(job_config)
     dp = data_degree(mesh) if mesh is not None else dp_degree

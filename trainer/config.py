@@ -13,6 +13,8 @@ variable (1 when unset) or from the ``world_size`` argument.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import sys
 import typing
 from dataclasses import dataclass, field, fields
@@ -30,6 +32,8 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+logger = logging.getLogger("autotitan")
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS_DIR = PROJECT_ROOT / "configs"
@@ -159,7 +163,7 @@ class Parallelism:
     # size (trainer/mesh_auto.py) and builds the fastest that fits
     mesh: str = ""
     # auto mode: the planner's settings (parallel/auto/config.py), written as keys of [parallelism]:
-    # hardware, solver, time_limit, cluster_layers, split_seeding(_radius, _rounds), memory_budget_low,
+    # hardware, solver, time_limit, repeated_blocks, split_seeding(_radius, _rounds), memory_budget_low,
     # memory_budget_high, memory_limit_gib, memory_estimate, moe_imbalance_factor
     planner: PlannerConfig = field(default_factory=PlannerConfig, metadata={FLAT: True})
     recalibrate: bool = False  # hardware "auto": measure again instead of reading the cached profile
@@ -312,10 +316,19 @@ def section_dict(sec: Any) -> dict[str, Any]:
 
 
 def _assign(sec: Any, key: str, value: Any) -> None:
-    path = _keys(type(sec))[key][0]
-    for name in path[:-1]:
-        sec = getattr(sec, name)
-    setattr(sec, path[-1], value)
+    """Set `key` of section `sec`; a frozen settings object on the way (PlannerConfig) is
+    replaced by a copy with the new value (checked with the whole config, validate_config)."""
+    _replaced(sec, _keys(type(sec))[key][0], value)
+
+
+def _replaced(obj: Any, path: tuple[str, ...], value: Any) -> Any:
+    """`obj` with the attribute at `path` set to `value`: in place, or a copy where frozen."""
+    if len(path) > 1:
+        value = _replaced(getattr(obj, path[0]), path[1:], value)
+    if getattr(type(obj), "__dataclass_params__", None) is not None and type(obj).__dataclass_params__.frozen:
+        return dataclasses.replace(obj, **{path[0]: value})
+    setattr(obj, path[0], value)
+    return obj
 
 
 def _type_name(tp) -> str:
@@ -403,8 +416,21 @@ RENAMED = {("parallelism", "seed"): "split_seeding", ("parallelism", "seed_radiu
            ("parallelism", "seed_rounds"): "split_seeding_rounds"}
 """Keys that were renamed (the split-dimension seeding, apart from [job] seed, the RNG's)."""
 
+DEPRECATED = {("parallelism", "cluster_layers"): "repeated_blocks"}
+"""Old keys that still work: each sets its new key, and loading says so in one line."""
 
-def _set(cfg: JobConfig, section: str, key: str, value, where: str, from_cli: bool) -> None:
+
+def deprecated_key_note(section: str, key: str) -> str:
+    """The one line loading logs for an old key of DEPRECATED."""
+    return f"config: [{section}] {key} is now {DEPRECATED[(section, key)]}; the old key still works"
+
+
+def _set(cfg: JobConfig, section: str, key: str, value, where: str, from_cli: bool,
+         old_keys: Optional[set] = None) -> None:
+    if (section, key) in DEPRECATED:  # the old name sets the new key; load_config says so once
+        if old_keys is not None:
+            old_keys.add((section, key))
+        key = DEPRECATED[(section, key)]
     if (section, key) in RENAMED:
         new = RENAMED[(section, key)]
         raise ConfigError(f"{where}: '{section}.{key}' = {value!r}: renamed '{section}.{new}' (split-dimension "
@@ -461,6 +487,7 @@ def load_config(config: Optional[str] = None, overrides=(), *,
     """Load a TOML job (a path or a bare name under configs/), apply CLI overrides,
     validate. ``config=None`` starts from the defaults."""
     cfg = JobConfig()
+    old_keys: set[tuple[str, str]] = set()
     if config is not None:
         path = resolve_config_path(config)
         cfg.source = str(path)
@@ -477,18 +504,21 @@ def load_config(config: Optional[str] = None, overrides=(), *,
                 raise ConfigError(f"{path}: unknown section [{section}]; known sections: "
                                   f"{', '.join(SECTIONS)}")
             for key, value in table.items():
-                _set(cfg, section, key, value, str(path), from_cli=False)
+                _set(cfg, section, key, value, str(path), from_cli=False, old_keys=old_keys)
     for section, key, value in parse_overrides(overrides):
         where = f"{cfg.source} (command-line override --{section}.{key})"
         if value is None:
             # a bare flag: only booleans may omit the value
             sec = getattr(cfg, section, None)
-            tp = _field_types(type(sec)).get(key) if sec is not None and section in SECTIONS else None
+            known = DEPRECATED.get((section, key), key)
+            tp = _field_types(type(sec)).get(known) if sec is not None and section in SECTIONS else None
             if tp not in (bool, Optional[bool]) and sec is not None and tp is not None:
                 raise ConfigError(f"{where}: '{section}.{key}' needs a value "
                                   f"({_type_name(tp)})")
             value = "true"
-        _set(cfg, section, key, value, where, from_cli=True)
+        _set(cfg, section, key, value, where, from_cli=True, old_keys=old_keys)
+    for section, key in sorted(old_keys):
+        logger.warning("%s", deprecated_key_note(section, key))
     if validate:
         validate_config(cfg, world_size=world_size)
     return cfg

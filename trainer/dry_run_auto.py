@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ from models import build_model
 from parallel import _torch as T
 from parallel.auto.cost.memory import format_bytes
 from parallel.auto.regions import load_balanced_batch
-from parallel.auto.request import data_degree
+from parallel.auto.request import data_degree, resolve_planner
 from parallel.auto.runtime.device import off_device
 from parallel.auto.runtime.local_graphs import LocalGraphs
 from parallel.auto.runtime.schedule import COLLECTIVE_NAMESPACE
@@ -40,10 +41,8 @@ from .build import build_parallel_model
 from .config import ConfigError, JobConfig
 from .device import CUDA, check_fake_cuda, simulated_device
 from .dry_run import OP_KINDS, group_axis_names
-from .parallelizer import Planner
+from .parallelizer import AutoMode
 from .tokenizer import tokenizer_vocab
-
-GPU_PROFILE = "h100"  # the cost model's profile of a simulated GPU job whose hardware is "auto"
 
 
 @dataclass
@@ -108,23 +107,32 @@ def _check_graphs(graphs: dict[str, tuple[torch.fx.GraphModule, bool]], device: 
         report.off_device += [f"{name}: {line}" for line in off_device(gm, device, values=traced_here)]
 
 
+def simulated_job(job_config: JobConfig, world_size: int, device: torch.device) -> tuple[JobConfig, str]:
+    """The dry run's copy of the job: its planner settings resolved for the simulated device
+    (request.resolve_planner: hardware "auto" is priced as its SIMULATED_GPU_PROFILE, h100, for a
+    CUDA job, else as "cpu"), not compiled (fake tensors have no kernels); and the note saying
+    how "auto" was priced ("" when the hardware is named)."""
+    cfg = copy.deepcopy(job_config)  # set for the simulation below, not for the caller
+    planner = cfg.parallelism.planner
+    resolved = resolve_planner(planner, world_size, device.type, simulated=True)
+    note = "" if resolved is planner else f"parallelism.hardware = 'auto' priced as {resolved.hardware!r} (no device " \
+        "to measure)"
+    cfg.parallelism = dataclasses.replace(cfg.parallelism, planner=resolved)
+    cfg.training = dataclasses.replace(cfg.training, compile=False)
+    return cfg, note
+
+
 def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
     """Plan, materialise and build one step of `job_config` (auto mode) on a fake world."""
     t0 = time.time()
-    cfg = copy.deepcopy(job_config)  # hardware and compile are set for the simulation below, not for the caller
-    device = simulated_device(cfg.job.device)
+    device = simulated_device(job_config.job.device)
     if device.type == CUDA:
         why = check_fake_cuda()
         if why is not None:
-            raise ConfigError(f"{cfg.source}: 'job.device' = {cfg.job.device!r}: {why}")
+            raise ConfigError(f"{job_config.source}: 'job.device' = {job_config.job.device!r}: {why}")
         T.enable_fake_cuda()
-    if cfg.parallelism.planner.hardware == "auto":
-        cfg.parallelism.planner.hardware = GPU_PROFILE if device.type == CUDA else "cpu"
-        note = (f"parallelism.hardware = 'auto' priced as {cfg.parallelism.planner.hardware!r} (no device to "
-                "measure)")
-    else:
-        note = ""
-    compiled, cfg.training.compile = cfg.training.compile, False  # fake tensors have no kernels to compile
+    cfg, note = simulated_job(job_config, world_size, device)
+    compiled = job_config.training.compile
     with T.fake_world(world_size):
         mesh = build_mesh(cfg.parallelism.degrees, world_size, device.type)
         names = tuple(mesh.mesh_dim_names or ())
@@ -135,10 +143,10 @@ def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
         fake_mode = T.FakeTensorMode(allow_non_fake_inputs=True)  # one mode: the weights meet the step's inputs
         fake = lambda: fake_mode  # noqa: E731
         host_inputs = _step_inputs(cfg, mesh)
-        planner = Planner(cfg, mesh)
-        pm = build_parallel_model(cfg, planner, device, vocab, host_inputs[:2], storage=fake)
+        mode = AutoMode(cfg, mesh)
+        pm = build_parallel_model(cfg, mode, device, vocab, host_inputs[:2], storage=fake)
         plan = pm.plan
-        report.plan_summary, report.plan_origin, report.objective_us = plan.summary(), planner.origin, plan.objective_us
+        report.plan_summary, report.plan_origin, report.objective_us = plan.summary(), mode.origin, plan.objective_us
         report.regions = list(getattr(plan, "regions", []))
         report.memory = (f"{format_bytes(plan.memory.peak_bytes)} per device in the {plan.memory.phase} "
                          f"({plan.memory.parts()}); limit {format_bytes(plan.memory.limit_bytes)} "

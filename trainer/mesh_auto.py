@@ -22,7 +22,7 @@ from parallel.auto.cost import ProfileError
 from parallel.auto.search.mesh_search import degrees_of, ranked_table, search_global_batch, search_meshes
 from parallel.auto.search.mesh_space import MeshSearchError
 
-from .auto_mode import base_job, planning_hardware
+from .auto_mode import base_job, planner_config
 from .config import JobConfig
 from .data import DataError, TokenizerError, tokenizer_for
 from .device import local_device
@@ -47,7 +47,7 @@ def choose_mesh(cfg: JobConfig, world: int, device_type: str, vocab_size: int) -
     """The trainer's ``mesh = "auto"``: every rank calls this; rank 0 searches, all ranks
     get the best mesh's degrees (a copy of ``cfg`` with them set) or the same ConfigError."""
     par = cfg.parallelism
-    hw = planning_hardware(par, None, device_type)  # "auto": measured with every rank
+    hw = planner_config(cfg, world, device_type).hardware  # "auto": measured with every rank
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
         payload = [_search_on_rank0(cfg, world, hw, vocab_size)]

@@ -36,8 +36,7 @@ from parallel.auto.candidates.placements import placement_str
 from parallel.auto.candidates.seed import plan_candidates, reseeded_candidates, seeded_candidates, use_seeding
 from parallel.auto.candidates.strategies import Candidates, mesh_candidates
 from parallel.auto.config import PlannerConfig
-from parallel.auto.cost import AUTO, CostModel, RuntimeSchedule
-from parallel.auto.cost.calibrate import resolve_auto
+from parallel.auto.cost import CostModel, RuntimeSchedule
 from parallel.auto.cost.memory import GIB, MemoryEstimate, format_bytes
 from parallel.auto.plan import Plan, PlanMismatchError, build_plan
 from parallel.auto.plan.replay import replay_labels, replay_plan
@@ -122,10 +121,14 @@ class AutoParallel:
         """`planner`: every planner setting (config.py); `runtime`: how the plan will run (priced);
         `regions`: declared local_map regions traced as one node each; `graph`: a joint graph
         traced earlier for this model and these global inputs (a sweep plans one trace on many
-        meshes)."""
+        meshes). The planner's "choose for me" values are made concrete by the request builder's
+        resolver (`request.resolve_planner`; a no-op for a request's planner, resolved already)."""
+        from parallel.auto.request import resolve_planner  # request.py builds on this module
+
         self.model = model
-        self.planner = planner if planner is not None else PlannerConfig()
-        self.planner.check()
+        planner = planner if planner is not None else PlannerConfig()
+        planner.check()  # the API's own entry: a PlannerConfig built by hand is checked here
+        self.planner = resolve_planner(planner, mesh.size(), mesh.device_type)
         self.regions = tuple(regions)
         self.input_fn = input_fn
         self.mesh = mesh
@@ -141,9 +144,6 @@ class AutoParallel:
         self.graph: JointGraph | None = None
         self.candidates: Candidates | None = None
         self.constraints: list[Constraint] = []
-        # the parameter budget: the planner's, until add_parameter_memory_constraint sets one
-        self.memory_low: float | None = self.planner.memory_budget_low
-        self.memory_high: float | None = self.planner.memory_budget_high
         self.timings: dict[str, float] = {}
         self._input_placements: list[tuple | None] = []
         self.problem: Problem | None = None  # the last problem built (solved, or for a replay)
@@ -239,9 +239,19 @@ class AutoParallel:
         """Byte-weighted parameter storage per device as a fraction of all parameter bytes.
 
         None for `high` means fully sharded (1 / world_size); None for `low` means no floor.
+        The budget is the planner's (`memory_budget_low` / `_high`): this sets both, checked.
         """
-        self.memory_low = low
-        self.memory_high = high
+        self.planner = self.planner.replace(memory_budget_low=low, memory_budget_high=high)
+
+    @property
+    def memory_low(self) -> float | None:
+        """The parameter budget's floor (the planner's memory_budget_low)."""
+        return self.planner.memory_budget_low
+
+    @property
+    def memory_high(self) -> float | None:
+        """The parameter budget (the planner's memory_budget_high; None: fully sharded)."""
+        return self.planner.memory_budget_high
 
     def add_node_constraint(self, node: Any, placements: Any = None,
                             input_placements: Sequence[Any] | None = None) -> None:
@@ -286,9 +296,8 @@ class AutoParallel:
             schedule = RuntimeSchedule(bucket=rt.bucket, overlap=rt.overlap,
                                        reshard_after_forward=rt.reshard_after_forward,
                                        reduce_dtype=getattr(self.mp_policy, "reduce_dtype", None))
-            hw = resolve_auto(self.mesh.size()) if self.planner.hardware == AUTO else self.planner.hardware
-            self._cost_model = CostModel(hw, mesh_shape=tuple(self.mesh.shape), mesh_axis_names=names,
-                                         compute_dtype=self.mp_dtype, schedule=schedule,
+            self._cost_model = CostModel(self.planner.hardware, mesh_shape=tuple(self.mesh.shape),
+                                         mesh_axis_names=names, compute_dtype=self.mp_dtype, schedule=schedule,
                                          routing_imbalance=self.planner.moe_imbalance_factor)
         return self._cost_model
 
@@ -319,7 +328,7 @@ class AutoParallel:
             t0 = time.perf_counter()
             self.candidates, self.seed_info = seeded_candidates(
                 jg, self.mesh, cm, self.constraints, radius=self.planner.split_seeding_radius, mp_dtype=self.mp_dtype,
-                cluster_layers=self.planner.cluster_layers, solver=self.planner.solver,
+                repeated_blocks=self.planner.repeated_blocks, solver=self.planner.solver,
                 time_limit=self.planner.time_limit)
             self.timings["seed"] = time.perf_counter() - t0  # seed.py logs its summary
         assert self.candidates is not None
@@ -450,7 +459,7 @@ class AutoParallel:
             low, high = self._memory_bounds()
             t0 = time.perf_counter()
             self.problem = build_problem(self.candidates, self.cost_model(), constraints=self.constraints,
-                                         memory_low=low, memory_high=high, cluster_layers=self.planner.cluster_layers,
+                                         memory_low=low, memory_high=high, repeated_blocks=self.planner.repeated_blocks,
                                          mp_dtype=self.mp_dtype)
             self.timings["build"] = self.timings.get("build", 0.0) + time.perf_counter() - t0
         cm = self.cost_model()
@@ -460,7 +469,7 @@ class AutoParallel:
     def _build_and_solve(self, cands: Candidates, low: float | None, high: float | None) -> tuple[Problem, Solution]:
         t0 = time.perf_counter()
         prob = build_problem(cands, self.cost_model(), constraints=self.constraints, memory_low=low, memory_high=high,
-                             cluster_layers=self.planner.cluster_layers, mp_dtype=self.mp_dtype)
+                             repeated_blocks=self.planner.repeated_blocks, mp_dtype=self.mp_dtype)
         self.timings["build"] = self.timings.get("build", 0.0) + time.perf_counter() - t0
         sol = solve(prob, self.planner.solver, time_limit=self.planner.time_limit, start=self._start_labels(prob))
         self.timings["solve"] = self.timings.get("solve", 0.0) + sol.seconds

@@ -5,9 +5,11 @@
 
 The trainer fills it from `[parallelism]` (its keys there are these field names) and
 `[optimizer] implementation`; `scripts/plan.py`, sweeps and the mesh search take the job's
-object as it is. Each field is checked here, once (:meth:`PlannerConfig.check`); a bad value
-is a :class:`parallel.settings.SettingError` naming the field, which the trainer turns into a config error
-naming the file and section.
+object as it is. The object is frozen: a changed setting is a checked copy (:meth:`replace`).
+Each field is checked here, once (:meth:`PlannerConfig.check`); a bad value is a
+:class:`parallel.settings.SettingError` naming the field, which the trainer turns into a config
+error naming the file and section. The "choose for me" values (hardware "auto") are made
+concrete in one place, `parallel.auto.request.resolve_planner`.
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ JOB_KEY = "job_key"
 """Field metadata: the job key (section.key) that sets this field instead of `[parallelism]`."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlannerConfig:
     """Everything the planner reads besides the model, mesh and inputs.
 
     hardware: the cost model's profile (a configs/hardware name, a path, or a profile);
     solver: "auto" | "ilp" | "mrf" | "highs" | "cbc"; time_limit: seconds for the ILP (per
-    TRW-S run for the MRF); cluster_layers: one decision for the repeated copies of a layer;
+    TRW-S run for the MRF); repeated_blocks: one decision for the repeated copies of a block;
     split_seeding / _radius / _rounds: split-dimension seeding (None: on from 3-D meshes),
     the mesh axes a seeded strategy may differ on, re-seeding rounds around the plan;
     memory_budget_low / _high: parameter bytes per device as a fraction of all (None: no
@@ -46,7 +48,7 @@ class PlannerConfig:
     hardware: Union[str, HardwareProfile] = DEFAULT_HARDWARE
     solver: str = "auto"
     time_limit: float = 600.0
-    cluster_layers: bool = True
+    repeated_blocks: bool = True
     split_seeding: Optional[bool] = None
     split_seeding_radius: int = 2
     split_seeding_rounds: int = 1

@@ -13,6 +13,10 @@ data axes, as the data loader feeds them), the loss, the local_map regions, the 
 budget (the planner's, else free when every rank could hold all model states), and how the
 plan will run. :func:`request_key` hashes all of it, with the planner's own source files, for
 plan caches.
+
+Every "choose for me" setting is made concrete here, once (:func:`resolve_planner`): the
+trainer, the dry run, `scripts/plan.py` and :func:`planning` itself call it, and the planner
+below records the value it returns.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,7 +41,8 @@ from torch.distributed.tensor import Replicate, Shard
 from parallel._torch import quiet_sequential_redistribute_warnings
 from parallel.auto.api import AutoParallel, lm_loss, lm_loss_positions
 from parallel.auto.config import PlannerConfig
-from parallel.auto.cost import HardwareProfile
+from parallel.auto.cost import AUTO, HardwareProfile
+from parallel.auto.cost.calibrate import in_real_group, resolve_auto
 from parallel.auto.regions import CP_ATTENTION, marked_regions
 from parallel.auto.runtime import RuntimeOptions
 from parallel.auto.trace.gc_pause import collector_paused
@@ -48,6 +54,8 @@ STATE_BYTES_PER_PARAM = 16  # fp32 parameter, gradient and AdamW's two moments
 REPLICATED_STATES_SHARE = 0.25  # of a device's memory, at most, for fully replicated model states
 SOURCE_ROOTS = ("parallel", "models")
 """Packages whose source decides a plan: a plan cache key includes their files' hash."""
+SIMULATED_GPU_PROFILE = "h100"
+"""The profile of a simulated GPU job (the dry run's fake CUDA world) whose hardware is "auto"."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,40 @@ def planner_inputs(model: nn.Module, mesh: DeviceMesh, request: PlanRequest) -> 
     return PlannerInputs(inputs, placements, loss_fn, planner_regions(model, cp=cp > 1), runtime)
 
 
+def resolve_planner(planner: PlannerConfig, world_size: int, device_type: str | torch.device | None = None, *,
+                    recalibrate: bool = False, gpu_profile: Callable[[], str | None] | None = None,
+                    simulated: bool = False
+                    ) -> PlannerConfig:
+    """`planner` with its "choose for me" values made concrete: the one place they are
+    resolved, so the plan records what was used (and `planner` itself when there is none).
+
+    hardware = "auto", in this order:
+      * `simulated` (a dry run: fake devices of the job's type, nothing to measure): the
+        SIMULATED_GPU_PROFILE name ("h100") for a CUDA job, else "cpu";
+      * inside a real process group: `gpu_profile()` (the shipped profile of this GPU, by its
+        name, when known), else this machine measured by the group's ranks for `world_size`
+        (cached; `recalibrate`: measured again), a HardwareProfile;
+      * on a fake world (planning for machines elsewhere): the cached measurement for
+        `world_size` when there is one, else the shipped cpu profile.
+
+    Left as they are, because the choice depends on the traced problem, not on the job:
+    solver = "auto" (the exact ILP or the MRF by the problem's size: solve.choose_solver),
+    split_seeding = None (on from 3-D meshes), unset memory budgets (:func:`planning`: free
+    when every rank could hold all model states, else fully sharded) and memory_limit_gib
+    (the profile's).
+    """
+    if planner.hardware != AUTO:
+        return planner
+    if simulated:
+        device = torch.device(device_type) if device_type is not None else torch.device("cpu")
+        return planner.replace(hardware=SIMULATED_GPU_PROFILE if device.type == "cuda" else "cpu")
+    shipped = gpu_profile() if gpu_profile is not None and in_real_group() else None
+    if shipped is not None:
+        return planner.replace(hardware=shipped)
+    device = torch.device(device_type) if device_type is not None else None
+    return planner.replace(hardware=resolve_auto(world_size, device, recalibrate=recalibrate))
+
+
 def default_memory_high(num_params: int, hw: HardwareProfile) -> float | None:
     """The unset parameter budget: free (1.0: the planner may replicate parameters when that
     is faster) when every rank could hold all model states (parameters, gradients, optimizer)
@@ -137,12 +179,12 @@ def planning(model: nn.Module, mesh: DeviceMesh, request: PlanRequest, *, graph:
     garbage collector is paused inside (gc_pause.py: its walks of the planner's heap)."""
     quiet_sequential_redistribute_warnings()  # torch's per-mesh warning: once per process, in our words
     ins = planner_inputs(model, mesh, request)
-    with collector_paused(), AutoParallel(model, ins.inputs, mesh, loss_fn=ins.loss_fn, planner=request.planner,
+    planner = resolve_planner(request.planner, math.prod(mesh.shape), getattr(mesh, "device_type", None))
+    with collector_paused(), AutoParallel(model, ins.inputs, mesh, loss_fn=ins.loss_fn, planner=planner,
                                           runtime=ins.runtime, mp_policy=request.mp_policy, regions=ins.regions,
                                           graph=graph) as autop:
         autop.add_input_constraints(ins.placements)
-        pl = request.planner
-        if pl.memory_budget_low is None and pl.memory_budget_high is None:
+        if planner.memory_budget_low is None and planner.memory_budget_high is None:
             high = default_memory_high(sum(p.numel() for p in model.parameters()), autop.cost_model().hw)
             if high is not None:
                 autop.add_parameter_memory_constraint(high=high)  # memory is no object: let speed decide

@@ -1,5 +1,6 @@
 """Config parsing, overrides and every ConfigError case (no process group needed)."""
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -212,9 +213,9 @@ def test_planner_knobs_default_to_the_api_and_parse():
     assert JobConfig().parallelism.planner.hardware == JobConfig().metrics.hardware == DEFAULT_HARDWARE
     p = load_config("llama3_debug_auto", ["--parallelism.split_seeding", "--parallelism.split_seeding_radius", "1",
                                           "--parallelism.split_seeding_rounds", "3", "--parallelism.time_limit", "30",
-                                          "--parallelism.cluster_layers", "false", "--parallelism.memory_estimate",
+                                          "--parallelism.repeated_blocks", "false", "--parallelism.memory_estimate",
                                           "false"], world_size=2).parallelism.planner
-    assert (p.split_seeding, p.split_seeding_radius, p.split_seeding_rounds, p.time_limit, p.cluster_layers,
+    assert (p.split_seeding, p.split_seeding_radius, p.split_seeding_rounds, p.time_limit, p.repeated_blocks,
             p.memory_estimate) == (
         True, 1, 3, 30.0, False, False)
     cfg = load_config("llama3_debug", ["--parallelism.split_seeding", "none"], world_size=1)
@@ -226,7 +227,7 @@ def test_planner_knobs_default_to_the_api_and_parse():
     ("split_seeding_rounds", "0", r"split_seeding_rounds' = 0: must be >= 1"),
     ("seed_rounds", "2", r"seed_rounds' = '2': renamed 'parallelism.split_seeding_rounds'"),
     ("time_limit", "0", r"time_limit' = 0.0: must be > 0"),
-    ("cluster_layers", "maybe", r"cluster_layers' = 'maybe' has the wrong type; expected true/false"),
+    ("repeated_blocks", "maybe", r"repeated_blocks' = 'maybe' has the wrong type; expected true/false"),
     ("split_seeding", "often", r"split_seeding' = 'often' has the wrong type; expected true/false or none"),
     ("plan_file", "no/such/plan.json", r"plan_file' = 'no/such/plan.json': no such file"),
     ("hardware", "broken.toml", r"hardware' = 'broken.toml': hardware profile file not found"),
@@ -255,3 +256,49 @@ def test_seq_len_beyond_the_flavors_max_seq_len():
     assert "qwen3_debug.toml" in msg and "'training.seq_len' = 4096" in msg
     assert "max_seq_len = 2048 of qwen3/debug" in msg and "training.seq_len <= 2048" in msg
     assert load_config("qwen3_debug", ["--training.seq_len", "2048"], world_size=1).training.seq_len == 2048
+
+
+class _Lines(logging.Handler):
+    """The messages logged to the trainer's logger (whether or not it propagates)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _load_logged(config, flags):
+    log, h = logging.getLogger("autotitan"), _Lines()
+    log.addHandler(h)
+    try:
+        return load_config(config, flags, world_size=1), h.lines
+    finally:
+        log.removeHandler(h)
+
+
+def test_an_old_key_still_works_and_names_the_new_one_in_one_line(tmp_path):
+    job = write(tmp_path, '[parallelism]\nmode = "auto"\ncluster_layers = false\n')
+    note = "config: [parallelism] cluster_layers is now repeated_blocks; the old key still works"
+    for config, flags, value in ((job, [], False),
+                                 ("llama3_debug_auto", ["--parallelism.cluster_layers", "false"], False),
+                                 (job, ["--parallelism.cluster_layers=false"], False),  # file and CLI: one line
+                                 ("llama3_debug_auto", ["--parallelism.cluster_layers"], True)):  # a bare flag
+        cfg, lines = _load_logged(config, flags)
+        assert cfg.parallelism.planner.repeated_blocks is value
+        assert lines == [note]
+
+
+def test_the_planner_settings_are_frozen_and_changed_by_a_checked_copy():
+    import dataclasses
+
+    from parallel.auto.config import PlannerConfig
+    from parallel.settings import SettingError
+
+    p = load_config("llama3_debug_auto", ["--parallelism.split_seeding_radius", "3"], world_size=2).parallelism.planner
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.split_seeding_radius = 1
+    assert p.replace(split_seeding_radius=1) == PlannerConfig(split_seeding_radius=1)
+    with pytest.raises(SettingError, match="split_seeding_radius"):
+        p.replace(split_seeding_radius=-1)

@@ -20,13 +20,14 @@ from parallel.auto.search.mesh_search import search_meshes
 from parallel.auto.search.point import PlanCache
 from parallel.auto.search.spec import expand_points
 from trainer import auto_mode as auto
+from trainer import dry_run_auto
 from trainer.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model.n_layers", "1", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--training.seq_len", "16", "--training.local_batch_size", "1", "--parallelism.hardware", "h100"]
 # one value per field, none the default; every field of PlannerConfig must be here
-VALUES = {"hardware": "a100", "solver": "mrf", "time_limit": 12.5, "cluster_layers": False, "split_seeding": True,
+VALUES = {"hardware": "a100", "solver": "mrf", "time_limit": 12.5, "repeated_blocks": False, "split_seeding": True,
           "split_seeding_radius": 1, "split_seeding_rounds": 3, "memory_budget_low": 0.05, "memory_budget_high": 0.5,
           "memory_limit_gib": 33.0, "memory_estimate": False, "moe_imbalance_factor": 2.0, "optimizer": "for-loop"}
 
@@ -148,3 +149,51 @@ def test_an_edit_of_the_planner_source_changes_the_cache_key(monkeypatch):
     before = sweep_point.point_key(point)
     monkeypatch.setattr(request, "source_hash", lambda: "edited")
     assert sweep_point.point_key(point) != before
+
+
+# one setting changed (and hardware named, or "auto": chosen for the job), through every entry point
+ONE_CHANGE = ["--parallelism.split_seeding_radius", "3", "--parallelism.memory_limit_gib", "50"]
+
+
+def _entry_point_planners(recorder, hardware: str) -> dict[str, PlannerConfig]:
+    """The PlannerConfig the planner is built with, from each entry point, for one job."""
+    flags = [*TINY, *ONE_CHANGE, "--parallelism.hardware", hardware]
+    cfg = load_config("llama3_debug_auto", flags, world_size=2)
+    mesh = SimpleNamespace(mesh_dim_names=("dp_shard",), shape=(2,), ndim=1, device_type="cpu")
+    batch = (torch.zeros(1, 16, dtype=torch.long),) * 2
+    out = {}
+    with pytest.raises(ConfigError, match="recorded"):  # the trainer: its config -> request
+        auto.auto_parallelize_for_training(torch.nn.Linear(2, 2), mesh, cfg, batch)
+    out["trainer"] = recorder[-1]
+    sim, _ = dry_run_auto.simulated_job(cfg, 2, torch.device("cpu"))  # the dry run's copy of the job
+    with pytest.raises(ConfigError, match="recorded"):
+        auto.auto_parallelize_for_training(torch.nn.Linear(2, 2), mesh, sim, batch)
+    out["dry run"] = recorder[-1]
+    with pytest.raises(PlanningError, match="recorded"):  # scripts/plan.py's job and request
+        _plan_script().main(["--config", "llama3_debug_auto", "--mesh", "2", *flags])
+    out["plan.py"] = recorder[-1]
+    if hardware != "auto":  # a sweep plans for named profiles only
+        (point,) = expand_points({"mesh": ["2"]}, auto.base_job(cfg), "test")
+        assert sweep_point.plan_point(point, cache=None)["status"] == "no plan: recorded"
+        out["sweep point"] = recorder[-1]
+    return out
+
+
+def test_one_setting_through_every_entry_point_resolves_to_one_value(recorder):
+    planners = _entry_point_planners(recorder, "a100")
+    expected = PlannerConfig(hardware="a100", split_seeding_radius=3, memory_limit_gib=50.0)
+    assert planners == {name: expected for name in planners}
+
+
+def test_hardware_auto_is_resolved_once_to_the_same_value(recorder, monkeypatch, tmp_path):
+    monkeypatch.setenv("AUTOTITAN_CACHE", str(tmp_path))  # nothing measured: the fake world's cpu profile
+    planners = _entry_point_planners(recorder, "auto")
+    resolved = request.resolve_planner(PlannerConfig(split_seeding_radius=3, memory_limit_gib=50.0), 2, "cpu")
+    assert resolved.hardware == load_hardware("cpu")  # a concrete profile, what the plan records
+    assert planners["trainer"] == planners["plan.py"] == resolved
+    # the dry run prices "auto" as the simulated device's shipped profile (a CPU job: cpu; CUDA: h100)
+    assert planners["dry run"] == resolved.replace(hardware="cpu")
+    cuda, _ = dry_run_auto.simulated_job(load_config("llama3_debug_auto", TINY[:-2], world_size=2), 8,
+                                         torch.device("cuda"))
+    assert cuda.parallelism.planner.hardware == request.SIMULATED_GPU_PROFILE == "h100"
+    assert request.resolve_planner(resolved, 2, "cpu") is resolved  # concrete: nothing left to resolve

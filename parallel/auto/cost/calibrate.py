@@ -404,13 +404,20 @@ def profile_for_group(*, recalibrate: bool = False, base: str = "cpu",
     return profile_from_dict(_toml.loads(text[0]), source=str(path))
 
 
-def resolve_auto(world_size: int, device: torch.device | None = None) -> HardwareProfile:
-    """`hardware = "auto"` for the planner: inside a real process group, this machine measured
-    by its ranks (cached); on a fake world (planning for a cluster elsewhere), the cached
-    measurement for that world size when there is one, else the shipped `cpu` profile (a
-    named profile, e.g. "h100", is what planning for other hardware wants)."""
-    if dist.is_initialized() and dist.get_backend() != T.FAKE_BACKEND:
-        return profile_for_group(device=device)
+def in_real_group() -> bool:
+    """True inside a real process group (not a fake world of planning)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() != T.FAKE_BACKEND
+
+
+def resolve_auto(world_size: int, device: torch.device | None = None, *, recalibrate: bool = False
+                 ) -> HardwareProfile:
+    """This machine's profile for `hardware = "auto"` (parallel.auto.request.resolve_planner
+    decides when): inside a real process group, this machine measured by its ranks (cached;
+    `recalibrate`: measured again); on a fake world (planning for a cluster elsewhere), the
+    cached measurement for that world size when there is one, else the shipped `cpu` profile
+    (a named profile, e.g. "h100", is what planning for other hardware wants)."""
+    if in_real_group():
+        return profile_for_group(recalibrate=recalibrate, device=device)
     path = cache_path(world_size)
     if path.is_file():
         return load_hardware(path)

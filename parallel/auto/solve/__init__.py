@@ -38,22 +38,18 @@ __all__ = ["SOLVERS", "ILP_MAX_EDGE_VARS", "CBC_MAX_EDGE_VARS", "Solution", "cho
            "solve_problem_mrf"]
 
 
-def check_solver(name: str) -> str:
-    if name not in SOLVERS:
-        raise ValueError(f"unknown solver {name!r}; use one of {', '.join(SOLVERS)}")
-    return name
-
-
 def choose_solver(prob: Problem, solver: str = "auto", *,
                   max_ilp_edge_vars: int | None = None) -> tuple[str, str]:
-    """(kind, reason): kind is "ilp" or "mrf"."""
-    check_solver(solver)
-    if max_ilp_edge_vars is None:
-        max_ilp_edge_vars = ILP_MAX_EDGE_VARS if available_solver() == "highs" else CBC_MAX_EDGE_VARS
+    """(kind, reason): kind is "ilp" or "mrf". `solver` is one of SOLVERS (the planner's
+    setting, checked once by PlannerConfig.check)."""
     if solver in ("ilp", "highs", "cbc"):
         return "ilp", f"solver={solver!r} asked for"
     if solver == "mrf":
         return "mrf", "solver='mrf' asked for"
+    if solver != "auto":
+        raise ValueError(f"unknown solver {solver!r}; use one of {', '.join(SOLVERS)}")
+    if max_ilp_edge_vars is None:
+        max_ilp_edge_vars = ILP_MAX_EDGE_VARS if available_solver() == "highs" else CBC_MAX_EDGE_VARS
     n = prob.num_edge_vars()
     if n <= max_ilp_edge_vars:
         return "ilp", f"auto: {n:,} edge variables <= {max_ilp_edge_vars:,}: exact ILP"
@@ -67,7 +63,6 @@ def solve(prob: Problem, solver: str = "auto", *, time_limit: float | None = 600
     incumbent for the exact ILP, a second starting point for the MRF's local search)."""
     kind, why = choose_solver(prob, solver, max_ilp_edge_vars=max_ilp_edge_vars)
     log.info("solver: %s", why)
-    if kind == "ilp":
-        backend = solver if solver in ("highs", "cbc") else "auto"
-        return solve_ilp(prob, solver=backend, time_limit=time_limit, verbose=verbose, start=start)
+    if kind == "ilp":  # the setting as it is: "highs" / "cbc" name the backend, "ilp" / "auto" take the best
+        return solve_ilp(prob, solver=solver, time_limit=time_limit, verbose=verbose, start=start)
     return solve_problem_mrf(prob, time_budget=time_limit, start=start)

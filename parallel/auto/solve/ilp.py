@@ -35,10 +35,11 @@ log = logging.getLogger(__name__)
 
 
 def available_solver(name: str = "auto") -> str:
-    """'highs' when highspy is installed (faster), else 'cbc'; or the one asked for."""
-    if name not in ("auto", "highs", "cbc"):
+    """'highs' when highspy is installed (faster), else 'cbc'; or the one asked for ("auto"
+    and "ilp", the planner's solver setting for the exact ILP: the faster one)."""
+    if name not in ("auto", "ilp", "highs", "cbc"):
         raise ValueError(f"unknown ILP solver {name!r}; use 'auto', 'highs' or 'cbc'")
-    if name in ("auto", "highs"):
+    if name in ("auto", "ilp", "highs"):
         if highspy is not None and pulp.HiGHS().available():
             return "highs"
         if name == "highs":
