@@ -195,12 +195,21 @@ def solve_highs(prob: Problem, *, time_limit: float | None = 600.0, verbose: boo
                 return _solution(prob, stage, {}, "optimal", t0)
             log.info("ilp: %d strategies cannot beat it (reduced cost); integer program on %d vars, %d groups",
                      dropped, stage.model.num_cols, len(stage.model.x_cols))
-    mip = _highs(stage.model, integer=True, time_limit=left(), verbose=verbose)
+    incumbent_plan = None if incumbent is None else (inc_value, first, incumbent)
+    return _finish_with_mip(prob, budgeted, stage, incumbent_plan, t0, time_limit=time_limit, left=left(),
+                            verbose=verbose)
+
+
+def _finish_with_mip(prob: Problem, budgeted: Problem, stage: _Stage,
+                     best: tuple[float, _Stage, dict[int, int]] | None, t0: float, *,
+                     time_limit: float | None, left: float | None, verbose: bool) -> Solution:
+    """The integer program on `stage` (what the LP left open), against the LP's incumbent `best`:
+    the better plan that keeps the budget, "optimal" when HiGHS proved it."""
+    mip = _highs(stage.model, integer=True, time_limit=left, verbose=verbose)
     status = mip.getModelStatus()
-    if status == highspy.HighsModelStatus.kInfeasible and incumbent is None:
+    if status == highspy.HighsModelStatus.kInfeasible and best is None:
         raise _infeasible(prob)
     proven = status == highspy.HighsModelStatus.kOptimal
-    best = None if incumbent is None else (inc_value, first, incumbent)
     if _has_solution(mip):
         labels = read_labels(stage.model, np.asarray(mip.getSolution().col_value))
         full = stage.full_labels(labels)
