@@ -219,16 +219,27 @@ def mirrored_value(y: fx.Node, new: fx.Node, storages: dict[int, torch.Tensor]) 
 
 
 def copy_repeated_blocks(gm: fx.GraphModule, module_of: dict[str, str], run: BlockRun, fake_mode: Any,
-                prefix: str = "model.") -> int:
+                         prefix: str = "model.") -> int:
     """Add blocks `run.kept` .. `run.total - 1` to a graph traced with the first `run.kept`:
     copies of the last kept block, wired as the traced pair shows. `module_of` gains the
     copies' modules. Returns the nodes added; raises `CopyRefused` when the traced blocks
     are not a pattern it can repeat (the graph may be half-copied then: trace in full)."""
     blocks = _Blocks(gm, module_of, run, prefix)
     rules = blocks.rules()
+    later_users = _readers_after_the_blocks(blocks, run, prefix)
+    version = _copied_placeholders(blocks, run, prefix, fake_mode)
+    added = _copy_block_nodes(blocks, rules, version, run, module_of, fake_mode)
+    _rewire(blocks, rules, version, later_users, run, prefix)
+    gm.recompile()
+    return added
+
+
+def _readers_after_the_blocks(blocks: _Blocks, run: BlockRun, prefix: str) -> list[tuple[fx.Node, fx.Node]]:
+    """(user, template node it reads) for the users between the blocks' forward and backward;
+    `CopyRefused` where the traced pattern cannot be repeated."""
     graph, tset = blocks.graph, set(blocks.template)
     lo, hi = blocks.pos[blocks.fwd[-1]], blocks.pos[blocks.bwd[0]]
-    later_users: list[tuple[fx.Node, fx.Node]] = []  # (user after the blocks' forward, template node it reads)
+    later_users: list[tuple[fx.Node, fx.Node]] = []
     for x in blocks.template:
         for u in x.users:
             if u in tset or u in blocks.of_counterpart or u.op == "output":
@@ -246,16 +257,20 @@ def copy_repeated_blocks(gm: fx.GraphModule, module_of: dict[str, str], run: Blo
     for v, d in zip(outs, descs):
         if v in tset and not _mentions(d, prefix + run.template):
             raise CopyRefused(f"output {d} reads {run.template} but is not one of its gradients or buffers")
+    return later_users
 
-    first = run.kept
-    layers = range(first, run.total)
+
+def _copied_placeholders(blocks: _Blocks, run: BlockRun, prefix: str,
+                         fake_mode: Any) -> dict[int, dict[fx.Node, fx.Node]]:
+    """Per block index, template node -> its copy: the traced block maps to itself, and each
+    copied block gets its own parameter placeholders (fake values of the template's shape)."""
+    graph = blocks.graph
     version: dict[int, dict[fx.Node, fx.Node]] = {run.kept - 1: {n: n for n in blocks.template}}
     for ph in blocks.placeholders:
         version[run.kept - 1][ph] = ph
-    added = 0
     counter = sum(1 for n in blocks.nodes if n.op == "placeholder")
     cursor = blocks.placeholders[-1]
-    for m in layers:
+    for m in range(run.kept, run.total):
         version[m] = {}
         for ph in blocks.placeholders:
             counter += 1
@@ -268,6 +283,14 @@ def copy_repeated_blocks(gm: fx.GraphModule, module_of: dict[str, str], run: Blo
                 new.meta["val"] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device,
                                                       requires_grad=v.requires_grad)
             version[m][ph] = cursor = new
+    return version
+
+
+def _copy_block_nodes(blocks: _Blocks, rules: dict, version: dict[int, dict[fx.Node, fx.Node]], run: BlockRun,
+                      module_of: dict[str, str], fake_mode: Any) -> int:
+    """Copy the template's forward after it and its backward before it, once per added block;
+    each copy's inputs resolved by `rules` (its own, the previous or next block's, shared)."""
+    graph, layers = blocks.graph, range(run.kept, run.total)
 
     def resolve(m: int, y: fx.Node, a: fx.Node) -> fx.Node:
         kind, ref = rules[y][a]
@@ -282,7 +305,6 @@ def copy_repeated_blocks(gm: fx.GraphModule, module_of: dict[str, str], run: Blo
     storages: dict[int, dict[int, torch.Tensor]] = {}  # per layer: template storage -> the copy's
 
     def copy(m: int, y: fx.Node) -> None:
-        nonlocal added
         new = graph.node_copy(y, lambda a: resolve(m, y, a))
         new.meta = dict(y.meta)
         mirrored = mirrored_value(y, new, storages.setdefault(m, {}))
@@ -293,7 +315,6 @@ def copy_repeated_blocks(gm: fx.GraphModule, module_of: dict[str, str], run: Blo
         new.meta["val"] = mirrored
         module_of[new.name] = run.name(m) + module_of[y.name][len(run.template):]
         version[m][y] = new
-        added += 1
 
     try:
         cursor = blocks.fwd[-1]
@@ -308,8 +329,15 @@ def copy_repeated_blocks(gm: fx.GraphModule, module_of: dict[str, str], run: Blo
                     copy(m, y)
     except (KeyError, RuntimeError, NotImplementedError, TypeError) as e:
         raise CopyRefused(f"copying {run.template}: {type(e).__name__}: {e}") from e
+    return len(layers) * (len(blocks.fwd) + len(blocks.bwd))
 
-    second = version[first]
+
+def _rewire(blocks: _Blocks, rules: dict, version: dict[int, dict[fx.Node, fx.Node]],
+            later_users: list[tuple[fx.Node, fx.Node]], run: BlockRun, prefix: str) -> None:
+    """The traced block now reads the first copy where it read the next block; what read the
+    last traced block reads the last copy; the graph returns every copy's gradients."""
+    graph = blocks.graph
+    second = version[run.kept]
     for y, rs in rules.items():
         for a, (kind, ref) in rs.items():
             if kind == _NEXT:
@@ -317,14 +345,14 @@ def copy_repeated_blocks(gm: fx.GraphModule, module_of: dict[str, str], run: Blo
     last = version[run.total - 1]
     for u, x in later_users:
         u.replace_input_with(x, last[x])
-    new_outs, new_descs = _outputs_with_copies(outs, descs, version, layers, prefix, run)
+    out_node = graph.output_node()
+    outs, descs = list(out_node.args[0]), list(out_node.meta.get("desc") or [])
+    new_outs, new_descs = _outputs_with_copies(outs, descs, version, range(run.kept, run.total), prefix, run)
     out_node.args = (type(out_node.args[0])(new_outs),)
     out_node.meta["desc"] = new_descs
     if "val" in out_node.meta:
         out_node.meta["val"] = [n.meta.get("val") if isinstance(n, fx.Node) else n for n in new_outs]
     graph.lint()
-    gm.recompile()
-    return added
 
 
 def _outputs_with_copies(outs: list[Any], descs: list[Any], version: dict[int, dict[fx.Node, fx.Node]],
