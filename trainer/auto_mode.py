@@ -66,7 +66,7 @@ def planner_mp_policy(training_cfg: Any) -> Optional[MixedPrecisionPolicy]:
 def planner_config(job_config: JobConfig, world_size: int | None = None, device_type: str | None = None
                    ) -> PlannerConfig:
     """The job's planner settings, whole: `[parallelism]`'s, with `[optimizer] implementation`;
-    given the job's world size, resolved (request.resolve_planner: hardware "auto" is this
+    given the job's world size, resolved (config.resolve_planner: hardware "auto" is this
     GPU's shipped profile or this machine measured with every rank, cached)."""
     planner = job_config.parallelism.planner.replace(optimizer=job_config.optimizer.implementation)
     if world_size is None:

@@ -109,7 +109,7 @@ def _check_graphs(graphs: dict[str, tuple[torch.fx.GraphModule, bool]], device: 
 
 def simulated_job(job_config: JobConfig, world_size: int, device: torch.device) -> tuple[JobConfig, str]:
     """The dry run's copy of the job: its planner settings resolved for the simulated device
-    (request.resolve_planner: hardware "auto" is priced as its SIMULATED_GPU_PROFILE, h100, for a
+    (config.resolve_planner: hardware "auto" is priced as its SIMULATED_GPU_PROFILE, h100, for a
     CUDA job, else as "cpu"), not compiled (fake tensors have no kernels); and the note saying
     how "auto" was priced ("" when the hardware is named)."""
     cfg = copy.deepcopy(job_config)  # set for the simulation below, not for the caller

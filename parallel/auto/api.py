@@ -35,7 +35,7 @@ from parallel.auto.candidates.coverage import GraphCoverage, coverage_of, covera
 from parallel.auto.candidates.placements import placement_str
 from parallel.auto.candidates.seed import plan_candidates, reseeded_candidates, seeded_candidates, use_seeding
 from parallel.auto.candidates.strategies import Candidates, mesh_candidates
-from parallel.auto.config import PlannerConfig
+from parallel.auto.config import PlannerConfig, resolve_planner
 from parallel.auto.cost import CostModel, RuntimeSchedule
 from parallel.auto.cost.memory import GIB, MemoryEstimate, format_bytes
 from parallel.auto.plan import Plan, PlanMismatchError, build_plan
@@ -122,8 +122,7 @@ class AutoParallel:
         `regions`: declared local_map regions traced as one node each; `graph`: a joint graph
         traced earlier for this model and these global inputs (a sweep plans one trace on many
         meshes). The planner's "choose for me" values are made concrete by the request builder's
-        resolver (`request.resolve_planner`; a no-op for a request's planner, resolved already)."""
-        from parallel.auto.request import resolve_planner  # request.py builds on this module
+        resolver (`config.resolve_planner`; a no-op for a request's planner, resolved already)."""
 
         self.model = model
         planner = planner if planner is not None else PlannerConfig()

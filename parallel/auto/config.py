@@ -9,17 +9,21 @@ object as it is. The object is frozen: a changed setting is a checked copy (:met
 Each field is checked here, once (:meth:`PlannerConfig.check`); a bad value is a
 :class:`parallel.settings.SettingError` naming the field, which the trainer turns into a config
 error naming the file and section. The "choose for me" values (hardware "auto") are made
-concrete in one place, `parallel.auto.request.resolve_planner`.
+concrete in one place, :func:`resolve_planner` (below), which the request builder calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from parallel.auto.cost import DEFAULT_HARDWARE, HardwareProfile
+import torch
+
+from parallel.auto.cost import AUTO, DEFAULT_HARDWARE, HardwareProfile
+from parallel.auto.cost.calibrate import in_real_group, resolve_auto
 from parallel.auto.cost.model import DEFAULT_ROUTING_IMBALANCE
 from parallel.auto.solve import SOLVERS
 from parallel.settings import SettingError
@@ -121,3 +125,41 @@ def _problems(c: PlannerConfig) -> list[SettingError]:
     if c.optimizer not in OPTIMIZER_IMPLEMENTATIONS:
         out.append(SettingError("optimizer", c.optimizer, f"must be one of {', '.join(OPTIMIZER_IMPLEMENTATIONS)}"))
     return out
+
+
+SIMULATED_GPU_PROFILE = "h100"
+"""The profile of a simulated GPU job (the dry run's fake CUDA world) whose hardware is "auto"."""
+
+
+def resolve_planner(planner: PlannerConfig, world_size: int, device_type: str | torch.device | None = None, *,
+                    recalibrate: bool = False, gpu_profile: Callable[[], str | None] | None = None,
+                    simulated: bool = False
+                    ) -> PlannerConfig:
+    """`planner` with its "choose for me" values made concrete: the one place they are
+    resolved, so the plan records what was used (and `planner` itself when there is none).
+
+    hardware = "auto", in this order:
+      * `simulated` (a dry run: fake devices of the job's type, nothing to measure): the
+        SIMULATED_GPU_PROFILE name ("h100") for a CUDA job, else "cpu";
+      * inside a real process group: `gpu_profile()` (the shipped profile of this GPU, by its
+        name, when known), else this machine measured by the group's ranks for `world_size`
+        (cached; `recalibrate`: measured again), a HardwareProfile;
+      * on a fake world (planning for machines elsewhere): the cached measurement for
+        `world_size` when there is one, else the shipped cpu profile.
+
+    Left as they are, because the choice depends on the traced problem, not on the job:
+    solver = "auto" (the exact ILP or the MRF by the problem's size: solve.choose_solver),
+    split_seeding = None (on from 3-D meshes), unset memory budgets (:func:`planning`: free
+    when every rank could hold all model states, else fully sharded) and memory_limit_gib
+    (the profile's).
+    """
+    if planner.hardware != AUTO:
+        return planner
+    if simulated:
+        device = torch.device(device_type) if device_type is not None else torch.device("cpu")
+        return planner.replace(hardware=SIMULATED_GPU_PROFILE if device.type == "cuda" else "cpu")
+    shipped = gpu_profile() if gpu_profile is not None and in_real_group() else None
+    if shipped is not None:
+        return planner.replace(hardware=shipped)
+    device = torch.device(device_type) if device_type is not None else None
+    return planner.replace(hardware=resolve_auto(world_size, device, recalibrate=recalibrate))

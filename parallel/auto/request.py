@@ -40,9 +40,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from parallel._torch import quiet_sequential_redistribute_warnings
 from parallel.auto.api import AutoParallel, lm_loss, lm_loss_positions
-from parallel.auto.config import PlannerConfig
-from parallel.auto.cost import AUTO, HardwareProfile
-from parallel.auto.cost.calibrate import in_real_group, resolve_auto
+from parallel.auto.config import SIMULATED_GPU_PROFILE, PlannerConfig, resolve_planner  # noqa: F401 (re-exported)
+from parallel.auto.cost import HardwareProfile
 from parallel.auto.regions import CP_ATTENTION, marked_regions
 from parallel.auto.runtime import RuntimeOptions
 from parallel.auto.trace.gc_pause import collector_paused
@@ -54,8 +53,6 @@ STATE_BYTES_PER_PARAM = 16  # fp32 parameter, gradient and AdamW's two moments
 REPLICATED_STATES_SHARE = 0.25  # of a device's memory, at most, for fully replicated model states
 SOURCE_ROOTS = ("parallel", "models")
 """Packages whose source decides a plan: a plan cache key includes their files' hash."""
-SIMULATED_GPU_PROFILE = "h100"
-"""The profile of a simulated GPU job (the dry run's fake CUDA world) whose hardware is "auto"."""
 
 
 @dataclass(frozen=True)
@@ -127,40 +124,6 @@ def planner_inputs(model: nn.Module, mesh: DeviceMesh, request: PlanRequest) -> 
         loss_fn = lm_loss_positions
     runtime = dataclasses.replace(request.runtime, load_balance=cp)
     return PlannerInputs(inputs, placements, loss_fn, planner_regions(model, cp=cp > 1), runtime)
-
-
-def resolve_planner(planner: PlannerConfig, world_size: int, device_type: str | torch.device | None = None, *,
-                    recalibrate: bool = False, gpu_profile: Callable[[], str | None] | None = None,
-                    simulated: bool = False
-                    ) -> PlannerConfig:
-    """`planner` with its "choose for me" values made concrete: the one place they are
-    resolved, so the plan records what was used (and `planner` itself when there is none).
-
-    hardware = "auto", in this order:
-      * `simulated` (a dry run: fake devices of the job's type, nothing to measure): the
-        SIMULATED_GPU_PROFILE name ("h100") for a CUDA job, else "cpu";
-      * inside a real process group: `gpu_profile()` (the shipped profile of this GPU, by its
-        name, when known), else this machine measured by the group's ranks for `world_size`
-        (cached; `recalibrate`: measured again), a HardwareProfile;
-      * on a fake world (planning for machines elsewhere): the cached measurement for
-        `world_size` when there is one, else the shipped cpu profile.
-
-    Left as they are, because the choice depends on the traced problem, not on the job:
-    solver = "auto" (the exact ILP or the MRF by the problem's size: solve.choose_solver),
-    split_seeding = None (on from 3-D meshes), unset memory budgets (:func:`planning`: free
-    when every rank could hold all model states, else fully sharded) and memory_limit_gib
-    (the profile's).
-    """
-    if planner.hardware != AUTO:
-        return planner
-    if simulated:
-        device = torch.device(device_type) if device_type is not None else torch.device("cpu")
-        return planner.replace(hardware=SIMULATED_GPU_PROFILE if device.type == "cuda" else "cpu")
-    shipped = gpu_profile() if gpu_profile is not None and in_real_group() else None
-    if shipped is not None:
-        return planner.replace(hardware=shipped)
-    device = torch.device(device_type) if device_type is not None else None
-    return planner.replace(hardware=resolve_auto(world_size, device, recalibrate=recalibrate))
 
 
 def default_memory_high(num_params: int, hw: HardwareProfile) -> float | None:

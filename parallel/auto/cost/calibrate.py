@@ -411,7 +411,7 @@ def in_real_group() -> bool:
 
 def resolve_auto(world_size: int, device: torch.device | None = None, *, recalibrate: bool = False
                  ) -> HardwareProfile:
-    """This machine's profile for `hardware = "auto"` (parallel.auto.request.resolve_planner
+    """This machine's profile for `hardware = "auto"` (parallel.auto.config.resolve_planner
     decides when): inside a real process group, this machine measured by its ranks (cached;
     `recalibrate`: measured again); on a fake world (planning for a cluster elsewhere), the
     cached measurement for that world size when there is one, else the shipped `cpu` profile
