@@ -45,9 +45,8 @@ from parallel.auto.cost import ProfileError
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.plan.html import save_html
 from parallel.auto.problem.placement_problem import MemoryLimitError, PlanningError
-from parallel.auto.request import PlanRequest, data_degree, planning, resolve_planner
+from parallel.auto.request import BaseJob, PlanRequest, data_degree, planning, resolve_planner
 from parallel.auto.runtime import RuntimeOptions
-from parallel.auto.search.spec import BaseJob
 from parallel.mesh import CP
 from parallel.precision import is_mixed, mixed_precision_policy
 

@@ -68,6 +68,18 @@ class PlanRequest:
 
 
 @dataclass(frozen=True)
+class BaseJob:
+    """A training job as the planner sees it: the model and its planning request (shapes,
+    planner settings, runtime, mixed precision); what sweeps and the mesh search vary."""
+
+    model: str
+    flavor: str
+    model_args: tuple[tuple[str, int], ...]
+    request: PlanRequest
+    global_batch_size: int | None = None  # the job's [training] global_batch_size (None: not set)
+
+
+@dataclass(frozen=True)
 class PlannerInputs:
     """What the planner is handed for a request on a mesh."""
 

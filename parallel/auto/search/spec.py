@@ -30,7 +30,7 @@ from typing import Any
 
 from models import ARG_KEYS, get_model_spec, model_args
 from parallel.auto.cost import ProfileError, load_hardware
-from parallel.auto.request import PlanRequest
+from parallel.auto.request import BaseJob, PlanRequest
 from parallel.auto.search.mesh_space import MeshSearchError, MeshSpec, check_world, enumerate_meshes, parse_mesh
 from parallel.mesh import DATA_AXES
 
@@ -50,18 +50,6 @@ BUDGET_WORDS = ("auto", "sharded")
 
 class SweepSpecError(ValueError):
     """A sweep spec that cannot be run; the message names file, key, value and fix."""
-
-
-@dataclass(frozen=True)
-class BaseJob:
-    """What a sweep takes from its base job: the model and the planning request (shapes,
-    planner settings, runtime, mixed precision) that every point varies."""
-
-    model: str
-    flavor: str
-    model_args: tuple[tuple[str, int], ...]
-    request: PlanRequest
-    global_batch_size: int | None = None  # the job's [training] global_batch_size (None: not set)
 
 
 @dataclass(frozen=True)
