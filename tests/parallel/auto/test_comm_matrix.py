@@ -48,8 +48,8 @@ def test_matrix_equals_pairs(mesh, shape, scale):
 @pytest.mark.parametrize("role", [ACTIVATION, EdgeRole("param", 4, 2), EdgeRole("grad", 3)])
 def test_pricer_matrix_path_equals_loop(role, monkeypatch):
     """StrategyPricer.redistribution: arrays from 64 pairs on, the per-pair loop below."""
-    from parallel.auto.problem import pricing
     from parallel.auto.cost.model import RuntimeSchedule
+    from parallel.auto.problem import pricing
 
     class _Cands:
         class mesh:

@@ -14,9 +14,9 @@ from torch import fx, nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
-from parallel.auto.trace import repeated_blocks as layer_copies
 from parallel.auto.api import fake_world
 from parallel.auto.request import PlanRequest, planner_inputs, planning
+from parallel.auto.trace import repeated_blocks as layer_copies
 from parallel.auto.trace.joint import trace_joint
 from parallel.auto.trace.repeated_blocks import layer_run
 
