@@ -1,4 +1,5 @@
 """`python scripts/calibrate.py --help`: the program is tools/calibrate.py."""
 from tools.calibrate import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not when a spawned rank re-imports this file as __mp_main__
+    raise SystemExit(main())

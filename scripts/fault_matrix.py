@@ -1,4 +1,5 @@
 """`python scripts/fault_matrix.py --help`: the program is tools/fault_matrix.py."""
 from tools.fault_matrix import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not when a spawned rank re-imports this file as __mp_main__
+    raise SystemExit(main())

@@ -265,12 +265,13 @@ def test_no_sys_path_edits_nor_programs_loaded_by_path(top: str) -> None:
 
 
 def test_scripts_are_thin_command_lines() -> None:
-    """scripts/X.py: a docstring, `from tools.X import main`, `raise SystemExit(main())`."""
+    """scripts/X.py: a docstring, `from tools.X import main`, `raise SystemExit(main())` under the
+    `__main__` guard (a spawned rank re-imports the parent's main file as __mp_main__)."""
     for p in sorted((ROOT / "scripts").glob("*.py")):
         body = ast.parse(p.read_text()).body
         assert len(body) == 3 and isinstance(body[0], ast.Expr), _rel(p)
         assert isinstance(body[1], ast.ImportFrom) and body[1].module == f"tools.{p.stem}", _rel(p)
-        assert ast.unparse(body[2]) == "raise SystemExit(main())", _rel(p)
+        assert ast.unparse(body[2]) == "if __name__ == '__main__':\n    raise SystemExit(main())", _rel(p)
 
 
 def test_the_path_check_can_fail() -> None:
