@@ -11,6 +11,7 @@ them and atexit handlers still run.
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
 from collections.abc import Callable
@@ -23,3 +24,20 @@ def exit_with(main: Callable[[], int | None]) -> None:
     finally:
         gc.freeze()
     sys.exit(rc)
+
+
+def freezes_at_exit(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+    """A program's `main(argv=None)` that, run as the program (argv None: its process ends right
+    after), freezes what it leaves on return, as `exit_with` does; given an argv list (a test
+    calling it in its own process) it is `main` unchanged."""
+
+    @functools.wraps(main)
+    def run(argv: list[str] | None = None) -> int:
+        if argv is not None:
+            return main(argv)
+        try:
+            return main(None)
+        finally:
+            gc.freeze()
+
+    return run

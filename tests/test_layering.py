@@ -1,11 +1,14 @@
 """The project's structure, checked from the code itself (imports parsed with `ast`).
 
-* Layers point down only: models -> parallel -> trainer -> train.py / scripts.
+* Layers point down only: models -> parallel -> trainer -> train.py / tools / scripts.
 * No import circle between the project's modules, function-local imports included.
 * Private torch APIs only in the adapter (`parallel/_torch.py`, `parallel/_torch_memory.py`):
   no other module imports a private torch module or name, reaches a `torch._…` attribute, or
   reads a private attribute that no project code defines (so it belongs to a torch object);
   nothing imports `torch.testing`.
+* Programs only call the library: no file in scripts/ or tests/ edits `sys.path` or loads a
+  program by file path or bare name (`importlib.import_module("plan")`, `spec_from_file_location`):
+  they import `tools.X`.
 """
 
 from __future__ import annotations
@@ -17,14 +20,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"models": 0, "parallel": 1, "trainer": 2, "scripts": 3, "train": 3}
+LAYERS = {"models": 0, "parallel": 1, "trainer": 2, "tools": 3, "scripts": 3, "train": 3}
 ADAPTERS = ("parallel/_torch.py", "parallel/_torch_memory.py")
 NOT_TORCH = {"_exit"}  # os._exit in a benchmark's worker process
 
 
 def _library_files() -> list[Path]:
     files = [ROOT / "train.py"]
-    for top in ("models", "parallel", "trainer", "scripts"):
+    for top in ("models", "parallel", "trainer", "tools", "scripts"):
         files += sorted((ROOT / top).rglob("*.py"))
     return files
 
@@ -220,3 +223,59 @@ def test_the_checks_can_fail(tmp_path: Path) -> None:
         del TREES[p]
     assert len(found) == 3, found
     assert _cycles({"a": {"b": 1}, "b": {"a": 2}, "c": {}}) == [["a", "b"]]
+
+
+PROGRAMS = frozenset(p.stem for p in (ROOT / "scripts").glob("*.py")) | frozenset(
+    p.stem for p in (ROOT / "tools").glob("*.py"))
+"""Names a test or script could load a program by, bypassing the `tools` package."""
+
+
+def _call_name(node: ast.Call) -> str:
+    f = node.func
+    return ".".join(_attr_chain(f)) if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+
+
+def _path_hacks(tree: ast.AST, where: str) -> list[str]:
+    """`sys.path` edits, file-path module loading, and imports of a program by its bare name."""
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = _call_name(node)
+            if name.startswith("sys.path.") or name.endswith("syspath_prepend"):
+                bad.append(f"{where}:{node.lineno}: {name}(...) edits sys.path")
+            elif name.endswith("spec_from_file_location"):
+                bad.append(f"{where}:{node.lineno}: loads a module by file path")
+            elif name.endswith("import_module") and node.args and isinstance(node.args[0], ast.Constant) \
+                    and str(node.args[0].value).split(".")[0] in PROGRAMS:
+                bad.append(f"{where}:{node.lineno}: imports the program {node.args[0].value!r} by bare name")
+        elif isinstance(node, ast.Import):
+            bad += [f"{where}:{node.lineno}: imports the program {a.name!r} by bare name (use tools.{a.name})"
+                    for a in node.names if a.name.split(".")[0] in PROGRAMS]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in PROGRAMS:
+            bad.append(f"{where}:{node.lineno}: imports from the program {node.module!r} by bare name")
+    return bad
+
+
+@pytest.mark.parametrize("top", ["scripts", "tests"])
+def test_no_sys_path_edits_nor_programs_loaded_by_path(top: str) -> None:
+    bad = []
+    for p in sorted((ROOT / top).rglob("*.py")):
+        bad += _path_hacks(ast.parse(p.read_text(), filename=str(p)), _rel(p))
+    assert not bad, "\n".join(bad)
+
+
+def test_scripts_are_thin_command_lines() -> None:
+    """scripts/X.py: a docstring, `from tools.X import main`, `raise SystemExit(main())` under the
+    `__main__` guard (a spawned rank re-imports the parent's main file as __mp_main__)."""
+    for p in sorted((ROOT / "scripts").glob("*.py")):
+        body = ast.parse(p.read_text()).body
+        assert len(body) == 3 and isinstance(body[0], ast.Expr), _rel(p)
+        assert isinstance(body[1], ast.ImportFrom) and body[1].module == f"tools.{p.stem}", _rel(p)
+        assert ast.unparse(body[2]) == "if __name__ == '__main__':\n    raise SystemExit(main())", _rel(p)
+
+
+def test_the_path_check_can_fail() -> None:
+    src = ("import sys, importlib\nsys.path.insert(0, 'x')\nimportlib.import_module('fidelity')\n"
+           "import importlib.util\nimportlib.util.spec_from_file_location('p', 'scripts/plan.py')\n"
+           "import plan\nfrom sweep import main\nmonkeypatch.syspath_prepend('x')\nfrom tools import plan\n")
+    assert len(_path_hacks(ast.parse(src), "probe")) == 6

@@ -157,7 +157,7 @@ def resolve_planner(planner: PlannerConfig, world_size: int, device_type: str | 
         return planner
     if simulated:
         device = torch.device(device_type) if device_type is not None else torch.device("cpu")
-        return planner.replace(hardware=SIMULATED_GPU_PROFILE if device.type == "cuda" else "cpu")
+        return planner.replace(hardware="cpu" if device.type == "cpu" else SIMULATED_GPU_PROFILE)
     shipped = gpu_profile() if gpu_profile is not None and in_real_group() else None
     if shipped is not None:
         return planner.replace(hardware=shipped)

@@ -1,11 +1,9 @@
 """Hugging Face checkpoints <-> our models: logits equal transformers' (fp32), the DCP round trip
-through scripts/convert_hf.py, and bad input as one error with exit code 2."""
+through tools/convert_hf.py, and bad input as one error with exit code 2."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +12,8 @@ transformers = pytest.importorskip("transformers")
 
 from models import get_model_spec  # noqa: E402
 from models.hf import args_from_hf_config, from_hf_key, hf_config_from_args, to_hf_key  # noqa: E402
+from tools import convert_hf  # noqa: E402
 from trainer.hf_checkpoint import read_hf_folder, to_hf_tensors, write_hf_folder  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import convert_hf  # noqa: E402
 
 TOL = 1e-5
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -8,13 +8,11 @@ from __future__ import annotations
 import atexit
 import functools
 import shutil
-import sys
 import tempfile
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel" / "recipes"))
-from dist_utils import run_distributed  # noqa: E402
+from dist_utils import run_distributed
 
 TINY = ["--model.n_layers", "1", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--model.ffn_hidden_dim", "128", "--training.seq_len", "32", "--training.local_batch_size", "2",

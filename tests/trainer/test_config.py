@@ -180,7 +180,6 @@ def test_not_toml(tmp_path):
 
 
 def test_print_config_and_error_before_process_group(capsys, monkeypatch):
-    sys.path.insert(0, str(ROOT))
     import train
     assert train.main(["--config", "llama3_debug", "--print-config",
                        "--training.steps", "3"]) == 0

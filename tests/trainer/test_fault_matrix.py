@@ -1,24 +1,16 @@
-"""The fault matrix's representative subset (scripts/fault_matrix.py): 2 torchrun ranks, manual
+"""The fault matrix's representative subset (tools/fault_matrix.py): 2 torchrun ranks, manual
 FSDP; a kill -9 of one rank inside the checkpoint save ends in a restart, with the same
 command, whose losses equal the uninterrupted run's bit for bit. The matrix's other faults
 are tested in-process: a truncated or deleted shard, SIGTERM, a stopped rank in
 tests/trainer/test_faults.py, a kill before the rename in tests/trainer/test_checkpoint.py."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_faults_are_survived_with_identical_losses(capsys):
-    spec = importlib.util.spec_from_file_location("fault_matrix", ROOT / "scripts" / "fault_matrix.py")
-    fm = importlib.util.module_from_spec(spec)
-    sys.modules["fault_matrix"] = fm  # its dataclasses look their module up
-    spec.loader.exec_module(fm)
+    from tools import fault_matrix as fm
+
     rc = fm.main(["--modes", "manual", "--worlds", "2", "--trials", "1", "--faults",
                   "kill_save_one"])
     out = capsys.readouterr().out

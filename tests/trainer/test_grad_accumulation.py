@@ -12,14 +12,10 @@ from __future__ import annotations
 import functools
 import json
 import math
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel" / "recipes"))
-from dist_utils import run_distributed  # noqa: E402
+from dist_utils import run_distributed
 
 from trainer.config import ConfigError, load_config  # noqa: E402
 from trainer.data import DPBatchSampler  # noqa: E402

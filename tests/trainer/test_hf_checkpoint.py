@@ -5,20 +5,16 @@ another model's checkpoint or architecture is one config error."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
+from dist_utils import run_distributed  # noqa: E402
+
 from trainer.config import ConfigError, load_config  # noqa: E402
 from trainer.hf_checkpoint import dcp_to_hf, hf_to_dcp  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel" / "recipes"))
-from dist_utils import run_distributed  # noqa: E402
 
 TOL = 1e-5
 SHAPE = ["--model.n_layers", "1", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",

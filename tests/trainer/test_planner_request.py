@@ -4,8 +4,6 @@ its default (through the job's TOML keys, as a user does) and records the Planne
 planner is built with (AutoParallel replaced by a recorder that finds no plan); the cache key
 of a sweep point changes with it too."""
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +21,6 @@ from trainer import auto_mode as auto
 from trainer import dry_run_auto
 from trainer.config import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model.n_layers", "1", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--training.seq_len", "16", "--training.local_batch_size", "1", "--parallelism.hardware", "h100"]
 # one value per field, none the default; every field of PlannerConfig must be here
@@ -98,10 +95,9 @@ def test_the_trainer_passes_the_setting(recorder, key):
 
 
 def _plan_script():
-    spec = importlib.util.spec_from_file_location("plan_script_request", ROOT / "scripts" / "plan.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from tools import plan
+
+    return plan
 
 
 @pytest.mark.parametrize("key", FIELDS)

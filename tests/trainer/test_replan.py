@@ -5,16 +5,13 @@ one rank's)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import run_distributed
 from torch.distributed.tensor import Shard
 
 from trainer.config import ConfigError, load_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel" / "recipes"))
-from dist_utils import run_distributed  # noqa: E402
 
 TINY = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--model.ffn_hidden_dim", "128", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",

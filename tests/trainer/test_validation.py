@@ -9,14 +9,11 @@ import functools
 import json
 import math
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel" / "recipes"))
-from dist_utils import run_distributed  # noqa: E402
+from dist_utils import run_distributed
 
 from trainer.config import ConfigError, load_config  # noqa: E402
 

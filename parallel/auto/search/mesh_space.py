@@ -20,7 +20,7 @@ Planning is done by the caller (one plan per mesh); ranking only reads the resul
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from parallel.mesh import AXES, CP, DATA_AXES, DP_REPLICATE, DP_SHARD, TP
@@ -61,25 +61,31 @@ class MeshSpec:
         return self.shape[self.names.index(axis)] if axis in self.names else 1
 
 
-def parse_mesh(text: str) -> MeshSpec:
-    """``"4x8"`` (default names by rank, :data:`DEFAULT_NAMES`) or ``"dp_shard=4,tp=8"``."""
+def parse_mesh(text: str, names: Sequence[str] | Mapping[int, Sequence[str]] | None = None) -> MeshSpec:
+    """``"4x8"`` (default names by rank, :data:`DEFAULT_NAMES`) or ``"dp_shard=4,tp=8"``; size-1
+    axes left out. ``names`` names the axes of a ``"4x8"`` string instead of the defaults: one
+    name per axis, or a table by number of axes (a caller's own defaults); names given so may
+    be any distinct names (``dp``, the one-word data axis of tools/plan.py, included)."""
     text = text.strip()
     try:
         if "=" in text:
             pairs = [p.split("=") for p in text.split(",")]
-            names = tuple(n.strip() for n, _ in pairs)
+            axis_names = tuple(n.strip() for n, _ in pairs)
             sizes = tuple(int(s) for _, s in pairs)
         else:
             sizes = tuple(int(x) for x in text.lower().split("x"))
-            names = DEFAULT_NAMES[len(sizes)]
+            table = names if isinstance(names, Mapping) else DEFAULT_NAMES
+            axis_names = tuple(names) if names is not None and not isinstance(names, Mapping) else table[len(sizes)]
     except (ValueError, KeyError):
         raise MeshSearchError(f"mesh {text!r} is not a mesh: write it as 4x8 (1 to 4 axes) or "
                               "dp_shard=4,tp=8 (axis=size, comma-separated)") from None
-    bad = [n for n in names if n not in AXES]
-    if bad or len(set(names)) != len(names) or any(s < 1 for s in sizes):
+    own = names is not None and "=" not in text  # the caller's names: any distinct names
+    if len(axis_names) != len(sizes) or len(set(axis_names)) != len(axis_names):
+        raise MeshSearchError(f"mesh {text!r}: axis names {', '.join(axis_names)} are not one distinct name per axis")
+    if (not own and any(n not in AXES for n in axis_names)) or any(s < 1 for s in sizes):
         raise MeshSearchError(f"mesh {text!r}: axes must be distinct names among {', '.join(AXES)} with sizes "
                               ">= 1")
-    kept = [(s, n) for s, n in zip(sizes, names) if s > 1] or [(sizes[-1], names[-1])]
+    kept = [(s, n) for s, n in zip(sizes, axis_names) if s > 1] or [(sizes[-1], axis_names[-1])]
     return MeshSpec(tuple(s for s, _ in kept), tuple(n for _, n in kept))
 
 

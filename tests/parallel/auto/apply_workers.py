@@ -4,13 +4,9 @@ parent (fake world), replayed and run on gloo ranks, compared with a 1-rank run.
 from __future__ import annotations
 
 import contextlib
-import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from dist_utils import run_distributed  # noqa: E402,F401
+from dist_utils import run_distributed  # noqa: F401
 
 GLOBAL_B, SEQ = 4, 16
 OVERRIDES = {"n_layers": 2}

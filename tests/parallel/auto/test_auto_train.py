@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from trainer_helpers import FAST, make_config, read_grad_norms, read_losses
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "tests" / "trainer"))
-from trainer_helpers import FAST, make_config, read_grad_norms, read_losses  # noqa: E402
 
 SPLIT = ["--lr_scheduler.decay_steps", "6"]
 TOL = 1e-4

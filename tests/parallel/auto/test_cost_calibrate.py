@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from pathlib import Path
 
 import pytest
 
@@ -11,14 +9,12 @@ from parallel.auto.cost import CostModel, load_hardware
 from parallel.auto.cost.calibrate import cache_path, calibrated_profile
 from parallel.auto.cost.comm import collective_time
 
-_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "calibrate.py"
-
 
 @pytest.mark.slow
 def test_calibration_measures_caches_and_reuses(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("AUTOTITAN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.syspath_prepend(str(_SCRIPT.parent))
-    cal = importlib.import_module("calibrate")
+    from tools import calibrate as cal
+
     out = tmp_path / "measured.toml"
     assert cal.main(["--world-size", "2", "--recalibrate", "--out", str(out)]) == 0
     printed = capsys.readouterr().out

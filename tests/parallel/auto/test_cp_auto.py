@@ -7,22 +7,16 @@ MLA (dense layers: the planner cannot trace MoE dispatch yet); Qwen3's attention
 SDPA module, after q/k norms) traces as the region too."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from apply_workers import run_distributed
+from trainer_helpers import FAST, make_config, read_losses
 
 from parallel.auto.candidates.placements import placement_words
 from parallel.auto.regions import AxisLayout, RegionContext
 from parallel.auto.regions.cp_attention import _runs, load_balanced_batch, local_causal_attention, sequence_order
-
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "tests" / "trainer"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from apply_workers import run_distributed  # noqa: E402
-from trainer_helpers import FAST, make_config, read_losses  # noqa: E402
 
 STEPS = 3
 SMALL = ["--model.n_layers", "2", "--training.steps", str(STEPS), "--lr_scheduler.decay_steps", "3"]

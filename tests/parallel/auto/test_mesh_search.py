@@ -58,6 +58,11 @@ def test_parse_mesh_forms_and_errors():
         parse_mesh("4y8")
     with pytest.raises(MeshSearchError, match="distinct names"):
         parse_mesh("dp=4,tp=8")
+    # a caller's own axis names: one per axis, or a table by number of axes (tools/plan.py's "dp")
+    assert parse_mesh("2x1x4", ("dp", "cp", "tp")) == MeshSpec((2, 4), ("dp", "tp"))
+    assert parse_mesh("8", {1: ("dp",)}) == MeshSpec((8,), ("dp",))
+    with pytest.raises(MeshSearchError, match="one distinct name per axis"):
+        parse_mesh("2x4", ("dp",))
 
 
 def test_rank_fitting_by_step_time_then_dropped():

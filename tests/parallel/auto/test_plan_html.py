@@ -3,9 +3,7 @@ rendered from a loaded plan too; two plans side by side with the changed nodes; 
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +18,6 @@ from parallel.auto.plan.html import TOP, fmt_bytes, params_table, plan_diff_html
 
 pytestmark = pytest.mark.slow  # plans the debug LLaMA on a fake 2x2 (~15-20 s setup)
 
-_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "plan.py"
 PROJECTIONS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                "feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "tok_embeddings", "output")
 WQ = "layers.0.attention.wq.weight"
@@ -118,10 +115,9 @@ def test_diff_page_side_by_side_with_changed_nodes(plans):
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("plan_script", _SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from tools import plan
+
+    return plan
 
 
 def test_script_writes_html_and_diff(plans, tmp_path, capsys):

@@ -10,11 +10,10 @@ gloo ranks, loss and gradients of the reused graph equal a freshly traced one's 
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -28,9 +27,6 @@ from parallel.auto.plan import Plan
 from parallel.auto.problem import presets
 from parallel.auto.runtime import RuntimeOptions
 from parallel.auto.runtime.step_graph import StepGraph, fake_constants
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from dist_utils import run_distributed  # noqa: E402
 
 GLOBAL_B, SEQ, WORLD = 4, 16, 2
 

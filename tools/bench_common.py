@@ -13,17 +13,11 @@ import os
 import queue
 import socket
 import statistics
-import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 BuildFn = Callable[[str, str], Any]  # (variant, tmp folder) -> Trainer
 
@@ -57,6 +51,13 @@ def time_round_robin(built: dict[str, Any], warmup: int, steps: int,
     return out
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now (for MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _worker(rank: int, nproc: int, port: int, threads: int, q: Any, job: Callable[[], Any]) -> None:
     import torch
     import torch.distributed as dist
@@ -81,9 +82,7 @@ def run_on_ranks(job: Callable[[], Any], nproc: int, *, threads: int = 1, timeou
     import torch
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, nproc, port, threads, q, job), daemon=True) for r in range(nproc)]

@@ -1,0 +1,160 @@
+"""The planner against the hand recipes, same job: tokens/s on gloo CPU ranks.
+
+    python scripts/bench_auto_vs_manual.py                          # debug LLaMA, seq 128, 4 ranks
+    python scripts/bench_auto_vs_manual.py --seq-len 512
+    python scripts/bench_auto_vs_manual.py --config qwen3_debug
+
+Same model, global batch, optimizer and world size for every variant:
+  ddp      torch's DDP over the 4 ranks (replicate)  auto_4       the planner, free, on a 1-D mesh of 4
+  fsdp     FSDP2 over the 4 ranks                    auto_4_fsdp  the planner on that mesh, FSDP-shaped preset
+  hsdp     HSDP, 2 replicas x 2 shards               auto_4_ddp   the planner on that mesh, DDP-shaped preset
+  fsdp_tp  FSDP (2) x Megatron TP + SP (2)           auto_2x2_dp  free on a 2 x 2 (replicate x shard) mesh
+                                                     auto_2x2_tp  free on a 2 x 2 (shard x tp) mesh
+                                                     auto_4_per_block  auto_4 with one gradient
+                                                       bucket per block (reduce_bucket_mb 0)
+Every auto variant plans with `hardware = "auto"` (this machine, measured); the presets
+(parallel/auto/problem/presets.py `fsdp`, `ddp`) are plan constraints given to the Trainer, as in
+scripts/fidelity.py. The table separates the two gains: planner = free auto / the best
+preset on the same (auto) runtime; runtime = a preset on the auto runtime / the matching
+hand recipe (auto_4_fsdp / fsdp, auto_4_ddp / ddp). A 1-rank run of the same job comes
+first; every variant's losses must track it (rtol 1e-4) before any speed is printed.
+Steps are timed round-robin across the variants (tools/bench_common.py); tokens/s from
+the median step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from tools.bench_common import run_on_ranks, temp_folder, time_round_robin
+
+VARIANTS = {
+    "ddp": ["--parallelism.mode", "manual", "--parallelism.data_parallel_replicate_degree", "4"],
+    "fsdp": ["--parallelism.mode", "manual", "--parallelism.data_parallel_shard_degree", "4"],
+    "hsdp": ["--parallelism.mode", "manual", "--parallelism.data_parallel_replicate_degree", "2",
+             "--parallelism.data_parallel_shard_degree", "2"],
+    "fsdp_tp": ["--parallelism.mode", "manual", "--parallelism.data_parallel_shard_degree", "2",
+                "--parallelism.tensor_parallel_degree", "2"],
+    "auto_4": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4"],
+    "auto_4_fsdp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4"],
+    "auto_4_ddp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4"],
+    "auto_4_per_block": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4",
+                         "--parallelism.reduce_bucket_mb", "0"],
+    "auto_2x2_dp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_replicate_degree", "2",
+                    "--parallelism.data_parallel_shard_degree", "2"],
+    "auto_2x2_tp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "2",
+                    "--parallelism.tensor_parallel_degree", "2"],
+}
+RECIPES = ("ddp", "fsdp", "hsdp", "fsdp_tp")
+PRESETS = {"auto_4_fsdp": ("fsdp", "fsdp"), "auto_4_ddp": ("ddp", "ddp")}  # variant -> (preset, its hand recipe)
+FREE = ("auto_4", "auto_2x2_dp", "auto_2x2_tp")
+RTOL = 1e-4
+
+
+def _flags(args: argparse.Namespace, tmp: str, name: str, dp: int) -> list[str]:
+    return ["--training.seq_len", str(args.seq_len), "--training.local_batch_size", str(args.global_batch // dp),
+            "--training.steps", str(args.warmup + args.steps), "--lr_scheduler.decay_steps", "100",
+            "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1",
+            "--job.dump_folder", tmp, "--job.name", name, "--parallelism.hardware", "auto"]
+
+
+def _data_degree(flags: list[str]) -> int:
+    """Data-parallel ranks of a variant (its replicate x shard degrees)."""
+    deg = {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": 1}
+    for k, v in zip(flags, flags[1:]):
+        key = k.removeprefix("--parallelism.")
+        if key in deg:
+            deg[key] = int(v)
+    return deg["data_parallel_replicate_degree"] * deg["data_parallel_shard_degree"]
+
+
+class _Job:
+    def __init__(self, args: argparse.Namespace, tmp: str):
+        self.args, self.tmp = args, tmp
+
+    def __call__(self) -> dict:
+        from parallel.auto.problem import presets
+        from trainer.config import load_config
+        from trainer.trainer import Trainer
+
+        built = {}
+        for name in self.args.variants:
+            flags = [*_flags(self.args, self.tmp, name, _data_degree(VARIANTS[name])), *VARIANTS[name]]
+            preset = getattr(presets, PRESETS[name][0]) if name in PRESETS else None
+            built[name] = Trainer(load_config(self.args.config, flags, world_size=4), plan_constraints=preset)
+        return time_round_robin(built, self.args.warmup, self.args.steps, measure=_plan_digest)
+
+
+def _plan_digest(name: str, trainer) -> dict:
+    """The placement digest of an auto variant's plan: two variants with the same digest run
+    the same plan, so their ratio is the measurement's noise, not a gain."""
+    runner = getattr(trainer.model, "plan_runner", None)
+    return {"digest": runner.plan.placement_digest()[:8] if runner is not None else ""}
+
+
+def reference_losses(args: argparse.Namespace, tmp: str) -> list[float]:
+    """The same job in one process (global batch on one rank, no process group)."""
+    from trainer.config import load_config
+    from trainer.trainer import Trainer
+
+    cfg = load_config(args.config, _flags(args, tmp, "one_rank", 1), world_size=1)
+    logged = Trainer(cfg).train()
+    return [logged[s] for s in sorted(logged)]
+
+
+def print_gains(tps: dict[str, float], digests: dict[str, str] | None = None) -> None:
+    """The headline (best free auto / best hand recipe) split into its two gains (Markdown);
+    a ratio of two variants that ran the same plan (`digests`) with the same runtime settings
+    is marked: it is noise."""
+    digests = digests or {}
+    best = {k: max((n for n in names if n in tps), key=tps.get, default=None)
+            for k, names in (("recipe", RECIPES), ("free", FREE), ("preset", tuple(PRESETS)))}
+    rows = [("headline", best["free"], best["recipe"], ">= 1.05"),
+            ("planner (same auto runtime)", best["free"], best["preset"], ">= 1.0"),
+            ("planner, same mesh", "auto_4", best["preset"], ""),
+            *[("runtime (same plan shape)", v, recipe, "") for v, (_, recipe) in PRESETS.items()],
+            ("runtime, best preset vs best recipe", best["preset"], best["recipe"], ""),
+            ("runtime: buckets joined to 25 MiB vs one per block", "auto_4", "auto_4_per_block", "")]
+    print("\n| gain | numerator | denominator | tokens/s ratio | goal |\n|---|---|---|---|---|")
+    for what, num, den, goal in rows:
+        if num in tps and den in tps:
+            same = digests.get(num) and digests.get(num) == digests.get(den) and VARIANTS[num] == VARIANTS[den]
+            print(f"| {what} | {num} | {den} | {tps[num] / tps[den]:.2f}{' (same plan: noise)' if same else ''} "
+                  f"| {goal} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="llama3_debug")
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    args = p.parse_args(argv)
+    tmp = temp_folder()
+    t0 = time.perf_counter()
+    ref = reference_losses(args, tmp)
+    rows = run_on_ranks(_Job(args, tmp), 4)
+    print(f"\n{args.config}: 4 gloo ranks, global batch {args.global_batch} x {args.seq_len} tokens, AdamW; "
+          f"{args.steps} timed steps after {args.warmup} warm-up, round-robin ({time.perf_counter() - t0:.0f}s)")
+    bad = []
+    for name, r in rows.items():
+        worst = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
+        r["loss_rel"] = worst
+        if worst > RTOL:
+            bad.append(f"{name}: losses {r['losses']} vs 1 rank {ref} (max rel {worst:.1e})")
+    if bad:
+        print("losses do not track the 1-rank run; no speed is printed:\n  " + "\n  ".join(bad))
+        return 1
+    print("| variant | step (median) | tokens/s | max rel loss vs 1 rank | plan digest |\n|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:.0f} | {r['loss_rel']:.1e} "
+              f"| {r['digest']} |")
+    print_gains({n: r["tokens_per_s"] for n, r in rows.items()}, {n: r["digest"] for n, r in rows.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""Convert between a Hugging Face safetensors folder and our DCP checkpoint (LLaMA 3, Qwen3).
+
+    python scripts/convert_hf.py to-dcp HF_DIR DCP_DIR   # config.json + *.safetensors -> DCP (+ hf_config.json)
+    python scripts/convert_hf.py to-hf DCP_DIR HF_DIR    # back; the HF config travels inside the DCP folder
+
+A DCP folder starts a job with `[checkpoint] initial_load_path = "DCP_DIR"`; an HF folder
+directly with `initial_load_in_hf = true` too. Bad input (another architecture, tensors whose
+names or shapes do not match the model the config describes) is one line, exit code 2; the
+output is written to `OUT.tmp` and renamed once complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trainer.errors import ConfigError
+from trainer.hf_checkpoint import dcp_to_hf, hf_to_dcp
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one conversion; 0 on success, 2 on bad input (one line on stderr)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("to-dcp", help="HF safetensors folder -> DCP folder")
+    a.add_argument("src")
+    a.add_argument("dst")
+    b = sub.add_parser("to-hf", help="DCP folder (with hf_config.json) -> HF safetensors folder")
+    b.add_argument("src")
+    b.add_argument("dst")
+    args = p.parse_args(argv)
+    try:
+        out = (hf_to_dcp if args.cmd == "to-dcp" else dcp_to_hf)(args.src, args.dst)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
