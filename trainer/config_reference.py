@@ -228,6 +228,12 @@ def render_config_reference() -> str:
         lines += ["## Renamed keys", "", note, "", "| old key | new key |", "|---|---|"]
         lines += [f"| `{section}.{old}` | `{section}.{new}` |" for (section, old), new in renamed]
         lines.append("")
+    deprecated = sorted(C.DEPRECATED.items())
+    if deprecated:
+        note = "A job that still sets an old key keeps working; loading it logs one line naming the new key."
+        lines += ["## Old keys that still work", "", note, "", "| old key | new key |", "|---|---|"]
+        lines += [f"| `{section}.{old}` | `{section}.{new}` |" for (section, old), new in deprecated]
+        lines.append("")
     return "\n".join(lines)
 
 
