@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import pickle
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -673,9 +674,10 @@ class _WeightsOnlyBytes:
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            lines = [ln.strip() for ln in str(e).splitlines() if any(w in ln for w in ("GLOBAL", "global", "error:"))]
-            why = (lines[0].rstrip(".") if lines else "torch.load(weights_only=True) refuses it")[:200]
-            raise UnsafeCheckpoint(file, f"item {read_item.dest_index.fqn} is not plain data ({why})") from None
+            named = re.search(r"GLOBAL (\S+)", str(e))
+            why = f"it names {named.group(1)}" if named else "torch.load(weights_only=True) refuses it"
+            raise UnsafeCheckpoint(file, f"item {read_item.dest_index.fqn} is not plain data ({why}; unpickling it "
+                                         "could run code)") from None
         again = io.BytesIO()
         torch.save(obj, again)
         again.seek(0)

@@ -150,7 +150,7 @@ def _no_usable(folder: Path, skipped: dict[int, str]) -> ConfigError:
     why = "; ".join(f"step-{s}: {r}" for s, r in sorted(skipped.items(), reverse=True)[:3])
     return ConfigError(f"no usable checkpoint in {folder} ({why}); nothing was deleted; to start fresh move them "
                        "away (or use another job.name or checkpoint.folder), or resume one with "
-                       f"'checkpoint.load_step' = N; a checkpoint without a manifest loads with {TRUST}")
+                       "'checkpoint.load_step' = N")
 
 
 def choose(ckpt_cfg: Checkpoint, folder: Path, below: Optional[int] = None,
