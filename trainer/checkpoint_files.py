@@ -139,7 +139,7 @@ def failure_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}"[:300]
 
 
-def unsafe_message(e: UnsafeCheckpoint) -> str:
-    """The one-line refusal of a folder that would run code."""
+def unsafe_message(e: UnsafeCheckpoint, override: str = f"set {TRUST}") -> str:
+    """The one-line refusal of a folder that would run code; `override`: how to load it anyway."""
     return (f"{e.file}: refused, {e.reason}; nothing was loaded or deleted; if you trust who wrote it, "
-            f"set {TRUST} (loading it can then run code)")
+            f"{override} (loading it can then run code)")

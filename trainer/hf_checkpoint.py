@@ -191,7 +191,7 @@ def load_initial(model: torch.nn.Module, cfg: Any) -> None:
         if cfg.checkpoint.initial_load_in_hf:
             load_hf_into(sd, folder, _flavor(cfg))
         else:
-            load_dcp_model(sd, folder, _flavor(cfg), cfg.checkpoint.trust_foreign, TRUST)
+            load_dcp_model(sd, folder, _flavor(cfg), cfg.checkpoint.trust_foreign)
     except ConfigError as e:
         raise ConfigError(f"{_key(cfg)}: {e}") from None
     set_model_state_dict(model, sd)
@@ -203,15 +203,15 @@ def _trusted_metadata(folder: Path, trust_foreign: bool, override: str) -> dict:
     why = damage(folder, trust_foreign, manifest_optional=True)
     if why is not None:
         raise ConfigError(f"{why}; nothing was loaded; get an intact copy (or, if you trust it as it is, remove its "
-                          f"manifest.json and set {override})")
+                          f"manifest.json and {override})")
     try:
         return read_metadata(folder, trust_foreign).state_dict_metadata
     except UnsafeCheckpoint as e:
-        raise ConfigError(unsafe_message(e).replace(TRUST, override)) from None
+        raise ConfigError(unsafe_message(e, override)) from None
 
 
 def load_dcp_model(sd: dict[str, torch.Tensor], folder: Path, what: str, trust_foreign: bool = False,
-                   override: str = TRUST) -> dict:
+                   override: str = f"set {TRUST}") -> dict:
     """Fill our model state dict `sd` from a DCP folder's `model.*` items (checked against the
     manifest, names and shapes first; no code run from the folder unless `trust_foreign`);
     returns the folder's metadata."""
@@ -226,7 +226,7 @@ def _load_model_items(sd: dict[str, torch.Tensor], folder: Path, trust_foreign: 
     try:
         dcp_load({"model": sd}, folder, trust_foreign)
     except UnsafeCheckpoint as e:
-        raise ConfigError(unsafe_message(e).replace(TRUST, override)) from None
+        raise ConfigError(unsafe_message(e, override)) from None
 
 
 def load_hf_into(sd: dict[str, torch.Tensor], folder: Path, what: str) -> None:
@@ -392,7 +392,7 @@ def dcp_to_hf(dcp_dir: Path | str, hf_dir: Path | str, trust_foreign: bool = Fal
     with torch.device("meta"):
         model = get_model_spec(name).model_cls(args)
     want = {k: tuple(v.shape) for k, v in model.state_dict().items() if k in hf_state_keys([k])}
-    override = "--trust-foreign (convert_hf.py to-hf)"
+    override = "pass --trust-foreign to convert_hf.py to-hf"
     meta = _trusted_metadata(src, trust_foreign, override)
     have = {k[len("model."):]: tuple(m.size) for k, m in meta.items() if k.startswith("model.")}
     _check(src, f"the {name} model its {HF_CONFIG_FILE} describes", want, have)
