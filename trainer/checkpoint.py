@@ -2,11 +2,19 @@
 
 Layout: ``<dump_folder>/<job.name>/<checkpoint.folder>/step-N``. A save writes into
 ``step-N.tmp``; after every rank has finished (DCP writes ``.metadata`` last, then a
-barrier) rank 0 writes ``manifest.json`` (every file's size) and renames the folder to
+barrier) each rank checksums the files it wrote, rank 0 writes ``manifest.json`` (every
+file's size and xxh3 checksum, `trainer/checkpoint_files.py`) and renames the folder to
 ``step-N``. A process killed mid-save therefore leaves only a ``.tmp`` folder, which
 restart ignores and deletes. A checkpoint whose files do not match its manifest (a shard
-deleted or truncated after the save) is skipped for the previous complete one, with one
-log line naming the damaged file. Old checkpoints are renamed ``step-N.deleting`` before
+deleted, truncated or changed after the save), one without a manifest, and one that DCP
+fails to load are skipped for the previous complete one, with one log line naming the
+file and the reason; when no complete checkpoint is left the job stops (exit 2) naming
+them, and nothing is deleted. Nothing from the folder runs code: the loader state is
+JSON, the step and LR position plain ints, and DCP reads the folder through
+`checkpoint_files` (``.metadata`` with an unpickler that admits DCP's classes only,
+non-tensor items with ``weights_only=True``); a folder that needs more (a planted pickle,
+the pickled loader state of older checkpoints) is refused with one line unless
+``[checkpoint] trust_foreign = true``. Old checkpoints are renamed ``step-N.deleting`` before
 they are deleted (after a newer one is complete on every rank), so a kill mid-deletion
 never leaves a half-deleted folder that looks complete. A save that fails (a full disk, a
 folder without write permission) stops the job with one error naming the folder and the
@@ -48,6 +56,18 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from parallel import _torch as T
 
+from .checkpoint_files import (
+    MANIFEST,
+    TRUST,
+    UnsafeCheckpoint,
+    damage,
+    dcp_load,
+    failure_reason,
+    file_entry,
+    read_metadata,
+    unsafe_message,
+    write_manifest,
+)
 from .config import Checkpoint
 from .errors import ConfigError, TrainingFault
 from .hf_checkpoint import write_model_hf_config
@@ -65,8 +85,8 @@ def _quiet():
 
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
-MANIFEST = "manifest.json"
 DELETING = ".deleting"
+__all__ = ["MANIFEST", "CheckpointManager", "complete_checkpoints", "damage", "intact_checkpoints", "resume_step"]
 
 
 def _dist() -> bool:
@@ -93,35 +113,75 @@ def complete_checkpoints(folder: Path) -> dict[int, Path]:
     return dict(sorted(out.items()))
 
 
-def damage(path: Path) -> Optional[str]:
-    """What is wrong with a complete checkpoint's files against its manifest (None: intact;
-    a checkpoint written before manifests existed is taken as it is)."""
+_VERDICTS: dict[tuple[str, bool], tuple[Any, Optional[str]]] = {}
+"""(path, trust_foreign) -> (the manifest's stat, what `damage` found): a checkpoint is read
+for its checksums once per job start (`resume_step`, then `find`), not twice."""
+
+
+def verdict(path: Path, trust_foreign: bool = False) -> Optional[str]:
+    """`damage` of a complete checkpoint, checked on rank 0 (it reads every file) and broadcast:
+    every rank takes the same decision. Call it on every rank."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        return f"{path / MANIFEST} is unreadable ({e})"
-    for name, size in manifest["files"].items():
-        f = path / name
-        if not f.is_file():
-            return f"{f} is missing"
-        if f.stat().st_size != size:
-            return f"{f} is {f.stat().st_size} bytes, not the {size} written"
-    return None
+        st = (path / MANIFEST).stat()
+        stamp: Any = (st.st_mtime_ns, st.st_size)
+    except OSError:
+        stamp = None
+    key = (str(path), trust_foreign)
+    if key in _VERDICTS and _VERDICTS[key][0] == stamp:
+        return _VERDICTS[key][1]
+    why = damage(path, trust_foreign) if _rank() == 0 else None
+    if _dist():
+        box = [why]
+        dist.broadcast_object_list(box, src=0)
+        why = box[0]
+    _VERDICTS[key] = (stamp, why)
+    if why is not None and _rank() == 0:
+        logger.warning(f"skipping damaged checkpoint {path}: {why}")
+    return why
 
 
-def intact_checkpoints(folder: Path, log: bool = False) -> dict[int, Path]:
-    """Complete checkpoints whose files match their manifests (damaged ones logged, once each,
-    when `log`: the job resumes from the newest intact one)."""
-    out = {}
-    for step, path in complete_checkpoints(folder).items():
-        why = damage(path)
+def intact_checkpoints(folder: Path, log: bool = False, trust_foreign: bool = False) -> dict[int, Path]:
+    """Complete checkpoints whose files match their manifests (each one read: `choose` stops at
+    the newest intact one). `log`: kept for callers; damaged ones are logged once each."""
+    return {step: path for step, path in complete_checkpoints(folder).items() if verdict(path, trust_foreign) is None}
+
+
+def _no_usable(folder: Path, skipped: dict[int, str]) -> ConfigError:
+    why = "; ".join(f"step-{s}: {r}" for s, r in sorted(skipped.items(), reverse=True)[:3])
+    return ConfigError(f"no usable checkpoint in {folder} ({why}); nothing was deleted; to start fresh move them "
+                       "away (or use another job.name or checkpoint.folder), or resume one with "
+                       "'checkpoint.load_step' = N")
+
+
+def choose(ckpt_cfg: Checkpoint, folder: Path, below: Optional[int] = None,
+           skipped: Optional[dict[int, str]] = None) -> Optional[Path]:
+    """The checkpoint to resume from: ``load_step`` when set (a damaged one is a ConfigError),
+    else the newest intact one (below step `below`: after a failed load); None when there are no
+    complete checkpoints. Complete ones that are all damaged (or failed, in `skipped`) are a
+    ConfigError naming them: the job does not silently start over. Call it on every rank."""
+    done = complete_checkpoints(folder)
+    skipped = dict(skipped or {})
+    trust = ckpt_cfg.trust_foreign
+    if ckpt_cfg.load_step >= 0:
+        step = ckpt_cfg.load_step
+        if step not in done:
+            raise FileNotFoundError(f"[checkpoint] load_step = {step}: no complete checkpoint step-{step} in "
+                                    f"{folder} (have: {', '.join(map(str, done)) or 'none'})")
+        why = skipped.get(step) or verdict(done[step], trust)
+        if why is not None:
+            raise ConfigError(f"'checkpoint.load_step' = {step}: {why}; nothing was deleted; set load_step to another "
+                              f"checkpoint (have: {', '.join(map(str, done))}), or -1 for the newest intact one")
+        return done[step]
+    for step in sorted(done, reverse=True):
+        if below is not None and step >= below:
+            continue
+        why = skipped.get(step) or verdict(done[step], trust)
         if why is None:
-            out[step] = path
-        elif log and _rank() == 0:
-            logger.warning(f"skipping damaged checkpoint {path}: {why}")
-    return out
+            return done[step]
+        skipped[step] = why
+    if skipped:
+        raise _no_usable(folder, skipped)
+    return None
 
 
 def resume_step(ckpt_cfg: Checkpoint, folder: Path) -> int:
@@ -129,10 +189,10 @@ def resume_step(ckpt_cfg: Checkpoint, folder: Path) -> int:
     is built: a scheduled sequence length and the plan for it depend on it."""
     if not ckpt_cfg.enable:
         return 0
-    done = intact_checkpoints(Path(folder))
-    if ckpt_cfg.load_step >= 0:
-        return ckpt_cfg.load_step if ckpt_cfg.load_step in done else 0  # a missing one: load() says so
-    return max(done) if done else 0
+    with contextlib.suppress(FileNotFoundError):  # a missing load_step: load() says so
+        path = choose(ckpt_cfg, Path(folder))
+        return int(_STEP_RE.match(path.name).group(1)) if path is not None else 0
+    return 0
 
 
 @dataclass
@@ -176,9 +236,8 @@ class CheckpointManager:
             "model": model_sd,
             "optimizer": optim_sd,
             "lr_scheduler": lr_schedule_state(self.lr_scheduler),
-            # one entry per data-parallel rank (ranks read different slices)
-            "dataloader": {f"dp_rank_{self.dp_rank}":
-                           pickle.dumps(self.dataloader.state_dict())},
+            # one entry per data-parallel rank (ranks read different slices), as JSON text
+            "dataloader": {f"dp_rank_{self.dp_rank}": _loader_json(self.dataloader.state_dict())},
             "train_state": {"step": step},
         }
 
@@ -238,9 +297,14 @@ class CheckpointManager:
         ``step-N`` and prunes old checkpoints."""
         final = self.folder / f"step-{step}"
         _barrier()  # every rank has written its files and .metadata exists
+        sums = _own_checksums(tmp)  # each rank reads back what it wrote (still in the page cache)
+        if _dist():
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, sums)
+            sums = {k: v for d in every for k, v in d.items()}
         if _rank() == 0:
             write_model_hf_config(tmp, self.model)  # what convert_hf.py to-hf needs (LLaMA 3, Qwen3)
-            _write_manifest(tmp)
+            write_manifest(tmp, sums)  # the other files (.metadata, hf_config.json) checksummed here
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -291,48 +355,56 @@ class CheckpointManager:
                     shutil.rmtree(p, ignore_errors=True)
         _barrier()
 
-    def find(self) -> Optional[Path]:
-        """The checkpoint to resume from: ``load_step`` when set, else the latest intact one
-        (damaged ones are skipped, saying which file is wrong)."""
-        done = intact_checkpoints(self.folder, log=True)
-        if self.cfg.load_step >= 0:
-            if self.cfg.load_step not in done:
-                raise FileNotFoundError(
-                    f"[checkpoint] load_step = {self.cfg.load_step}: no complete checkpoint "
-                    f"step-{self.cfg.load_step} in {self.folder} (have: "
-                    f"{', '.join(map(str, done)) or 'none'})")
-            return done[self.cfg.load_step]
-        return done[max(done)] if done else None
+    def find(self, below: Optional[int] = None, skipped: Optional[dict[int, str]] = None) -> Optional[Path]:
+        """The checkpoint to resume from: ``load_step`` when set, else the newest intact one
+        (damaged ones are skipped, saying which file is wrong; see `choose`)."""
+        return choose(self.cfg, self.folder, below, skipped)
 
     def maybe_load(self) -> int:
-        """Load the latest complete checkpoint (or ``load_step``); return its step
-        (0 when there is none or checkpointing is off)."""
+        """Load the latest intact checkpoint (or ``load_step``); return its step (0 when there is
+        none or checkpointing is off). One that DCP fails to read is skipped for the previous one,
+        with one line saying why (every rank sees the same failure: DCP gathers them)."""
         if not self.enabled:
             return 0
         self.clean_incomplete()
+        failed: dict[int, str] = {}
         path = self.find()
-        if path is None:
-            return 0
-        return self.load(path)
+        while path is not None:
+            try:
+                return self.load(path)
+            except _LoadFailed as e:
+                step = int(_STEP_RE.match(path.name).group(1))
+                failed[step] = f"{path} could not be loaded ({e})"
+                if _rank() == 0:
+                    logger.warning(f"skipping checkpoint {path}: it could not be loaded ({e})")
+                path = self.find(below=step, skipped=failed)
+        return 0
 
     def load(self, path: Path) -> int:
-        """Restore everything from ``path`` (resharding if the layout changed); return its step."""
+        """Restore everything from ``path`` (resharding if the layout changed); return its step.
+        A folder that would run code is a ConfigError; one DCP cannot read, `_LoadFailed`."""
+        trust = self.cfg.trust_foreign
         state = self._state(0)
-        meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        dl_key = f"dataloader.dp_rank_{self.dp_rank}"
-        have_dl = dl_key in meta
-        if not have_dl:
-            state.pop("dataloader")
-        _check_matches(path, state, meta)
-        with _quiet():
-            dcp.load(state, checkpoint_id=str(path))
+        dl_key = f"dp_rank_{self.dp_rank}"
+        try:
+            meta = read_metadata(path, trust).state_dict_metadata
+            have_dl = f"dataloader.{dl_key}" in meta
+            if not have_dl:
+                state.pop("dataloader")
+            _check_matches(path, state, meta)
+            dcp_load(state, path, trust)
+        except UnsafeCheckpoint as e:
+            raise ConfigError(unsafe_message(e)) from None
+        except ConfigError:
+            raise
+        except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP wraps every rank's read errors
+            raise _LoadFailed(failure_reason(e)) from None
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         restore_lr_schedule(self.lr_scheduler, state["lr_scheduler"])
         step = int(state["train_state"]["step"])
         if have_dl:
-            self.dataloader.load_state_dict(
-                pickle.loads(state["dataloader"][f"dp_rank_{self.dp_rank}"]))
+            self.dataloader.load_state_dict(_loader_state(path, state["dataloader"][dl_key], trust))
         else:
             # a different data-parallel layout: position the sampler by step instead
             logger.warning(f"{path} has no data-loader state for dp rank {self.dp_rank}; "
@@ -342,12 +414,35 @@ class CheckpointManager:
         return step
 
 
-def _write_manifest(folder: Path) -> None:
-    """Every file of a written checkpoint with its size (written, then renamed)."""
-    files = {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"files": files}, indent=0))
-    os.replace(tmp, folder / MANIFEST)
+class _LoadFailed(Exception):
+    """DCP could not read a checkpoint (the message: the first rank's error, one line)."""
+
+
+def _loader_json(state: dict) -> str:
+    """The data loader's state as JSON text (ints, strings, None: what it is made of)."""
+    text = json.dumps(state, sort_keys=True)
+    if json.loads(text) != state:
+        raise TypeError(f"the data loader's state does not survive JSON: {state!r}")
+    return text
+
+
+def _loader_state(path: Path, value: Any, trust_foreign: bool) -> dict:
+    """A checkpoint's loader state: JSON text; bytes are the pickled state of older checkpoints,
+    unpickled only with ``trust_foreign`` (a pickle can run code)."""
+    if isinstance(value, str):
+        return json.loads(value)
+    if isinstance(value, bytes) and trust_foreign:
+        return pickle.loads(value)
+    what = "stored with pickle (a checkpoint of an older autotitan)" if isinstance(value, bytes) else \
+        f"a {type(value).__name__}, not JSON text"
+    raise ConfigError(f"{path}: the data-loader state is {what}; unpickling it could run code, so it was refused "
+                      f"(nothing was deleted); if this is your own checkpoint, set {TRUST}")
+
+
+def _own_checksums(folder: Path) -> dict[str, dict]:
+    """Manifest entries of the shard files this rank wrote (DCP names them ``__<rank>_<i>.distcp``)."""
+    mine = re.compile(rf"^__{_rank()}_\d+\.distcp$")
+    return {f.name: file_entry(f) for f in sorted(folder.iterdir()) if f.is_file() and mine.match(f.name)}
 
 
 def _state_bytes(state: Any) -> int:

@@ -194,6 +194,10 @@ class Checkpoint:
     # "disabled": a save blocks the step; "async": DCP's async_save snapshots the state to CPU and writes it
     # while the next steps run (complete, renamed step-N, once every rank's part is written)
     async_mode: str = "disabled"
+    # true: also load checkpoint folders that cannot be verified or read without running their code: a step-N
+    # without manifest.json, DCP metadata or items that need Python's full unpickler, the pickled data-loader
+    # state of older checkpoints (resume, initial_load_path); only for folders from someone you trust
+    trust_foreign: bool = False
 
 
 @dataclass

@@ -8,6 +8,10 @@ default reader. Saving gathers the full state dict on rank 0 (torch's `full_stat
 option), which writes the safetensors shards into a temporary folder and renames it: a
 failed or killed export leaves no half-written folder under the final name. Names, config
 translation and the RoPE layout are `models/hf.py`'s.
+
+A DCP folder (`initial_load_path`, `dcp_to_hf`) is someone else's: it is checked against its
+`manifest.json` when it has one, and read without running code from it (`checkpoint_files`);
+a folder that would is refused with one line unless `trust_foreign`.
 """
 
 from __future__ import annotations
@@ -43,6 +47,15 @@ from models.hf import (
     to_hf_key,
 )
 
+from .checkpoint_files import (
+    TRUST,
+    UnsafeCheckpoint,
+    damage,
+    dcp_load,
+    read_metadata,
+    unsafe_message,
+    write_manifest,
+)
 from .errors import ConfigError
 
 HF_CONFIG_FILE = "hf_config.json"
@@ -174,19 +187,46 @@ def load_initial(model: torch.nn.Module, cfg: Any) -> None:
     naming the first mismatches and the model's flavor, before a tensor is read."""
     folder = Path(cfg.checkpoint.initial_load_path)
     sd = get_model_state_dict(model)
-    want = {k: tuple(v.shape) for k, v in sd.items()}
     try:
         if cfg.checkpoint.initial_load_in_hf:
             load_hf_into(sd, folder, _flavor(cfg))
         else:
-            meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-            have = {k[len("model."):]: tuple(m.size) for k, m in meta.items() if k.startswith("model.")}
-            _check(folder, _flavor(cfg), want, have)
-            with _quiet():
-                dcp.load({"model": sd}, checkpoint_id=str(folder))
+            load_dcp_model(sd, folder, _flavor(cfg), cfg.checkpoint.trust_foreign)
     except ConfigError as e:
         raise ConfigError(f"{_key(cfg)}: {e}") from None
     set_model_state_dict(model, sd)
+
+
+def _trusted_metadata(folder: Path, trust_foreign: bool, override: str) -> dict:
+    """A foreign DCP folder's metadata, after its manifest (if it has one) is checked; a damaged
+    or unsafe folder is a ConfigError naming the file and `override` (the flag that loads it)."""
+    why = damage(folder, trust_foreign, manifest_optional=True)
+    if why is not None:
+        raise ConfigError(f"{why}; nothing was loaded; get an intact copy (or, if you trust it as it is, remove its "
+                          f"manifest.json and {override})")
+    try:
+        return read_metadata(folder, trust_foreign).state_dict_metadata
+    except UnsafeCheckpoint as e:
+        raise ConfigError(unsafe_message(e, override)) from None
+
+
+def load_dcp_model(sd: dict[str, torch.Tensor], folder: Path, what: str, trust_foreign: bool = False,
+                   override: str = f"set {TRUST}") -> dict:
+    """Fill our model state dict `sd` from a DCP folder's `model.*` items (checked against the
+    manifest, names and shapes first; no code run from the folder unless `trust_foreign`);
+    returns the folder's metadata."""
+    meta = _trusted_metadata(folder, trust_foreign, override)
+    have = {k[len("model."):]: tuple(m.size) for k, m in meta.items() if k.startswith("model.")}
+    _check(folder, what, {k: tuple(v.shape) for k, v in sd.items()}, have)
+    _load_model_items(sd, folder, trust_foreign, override)
+    return meta
+
+
+def _load_model_items(sd: dict[str, torch.Tensor], folder: Path, trust_foreign: bool, override: str) -> None:
+    try:
+        dcp_load({"model": sd}, folder, trust_foreign)
+    except UnsafeCheckpoint as e:
+        raise ConfigError(unsafe_message(e, override)) from None
 
 
 def load_hf_into(sd: dict[str, torch.Tensor], folder: Path, what: str) -> None:
@@ -330,13 +370,16 @@ def hf_to_dcp(hf_dir: Path | str, dcp_dir: Path | str) -> Path:
     with _quiet():
         dcp.save({"model": sd}, checkpoint_id=str(tmp))
     (tmp / HF_CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2))
+    write_manifest(tmp, {})  # its files' checksums: checked when it is loaded
     _replace(tmp, out)
     return out
 
 
-def dcp_to_hf(dcp_dir: Path | str, hf_dir: Path | str) -> Path:
+def dcp_to_hf(dcp_dir: Path | str, hf_dir: Path | str, trust_foreign: bool = False) -> Path:
     """A DCP folder with `hf_config.json` (`to-dcp`'s, or a training checkpoint's) as an
-    HF folder; its names and shapes are checked against the model the config describes."""
+    HF folder; its names and shapes are checked against the model the config describes, its
+    files against its manifest (when it has one), and no code runs from it unless `trust_foreign`
+    (`convert_hf.py to-hf --trust-foreign`)."""
     src = Path(dcp_dir)
     if not (src / HF_CONFIG_FILE).is_file():
         raise ConfigError(f"{src}: no {HF_CONFIG_FILE} (the HF config that to-dcp's folders and the LLaMA 3 and "
@@ -349,12 +392,12 @@ def dcp_to_hf(dcp_dir: Path | str, hf_dir: Path | str) -> Path:
     with torch.device("meta"):
         model = get_model_spec(name).model_cls(args)
     want = {k: tuple(v.shape) for k, v in model.state_dict().items() if k in hf_state_keys([k])}
-    meta = dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    override = "pass --trust-foreign to convert_hf.py to-hf"
+    meta = _trusted_metadata(src, trust_foreign, override)
     have = {k[len("model."):]: tuple(m.size) for k, m in meta.items() if k.startswith("model.")}
     _check(src, f"the {name} model its {HF_CONFIG_FILE} describes", want, have)
     sd = {k: torch.empty(shape, dtype=meta[f"model.{k}"].properties.dtype) for k, shape in want.items()}
-    with _quiet():
-        dcp.load({"model": sd}, checkpoint_id=str(src))
+    _load_model_items(sd, src, trust_foreign, override)
     dtype = str(next(iter(sd.values())).dtype).removeprefix("torch.")
     hf_cfg = {**hf_config_from_args(name, args, hf_cfg), "dtype": dtype, "torch_dtype": dtype}
     return write_hf_folder(to_hf_tensors(sd), hf_cfg, hf_dir)

@@ -2,6 +2,7 @@
 optimizer applies them, SIGTERM finishes the step, saves and exits 0, and the run resumes."""
 
 import errno
+import logging
 import math
 import os
 import signal
@@ -128,21 +129,37 @@ def _shard(path: Path) -> Path:
     return sorted(path.glob("*.distcp"))[0]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+@pytest.mark.parametrize("damage", ["truncated", "deleted", "flipped", "no manifest", "unloadable"])
 def test_a_damaged_latest_checkpoint_is_skipped_for_the_previous_one_and_the_losses_are_identical(
-        cfg_factory, tmp_path, damage):
+        cfg_factory, tmp_path, damage, monkeypatch):
+    from trainer.checkpoint_files import MANIFEST, write_manifest
+
+    said: list[str] = []
+    monkeypatch.setattr(logging.getLogger("autotitan"), "warning", lambda msg, *a, **k: said.append(msg))
+
     ref = _run(cfg_factory, 6, "ref")
     _run(cfg_factory, 4, "job")
     folder = tmp_path / "job" / "checkpoints"
     shard = _shard(folder / "step-4")
-    if damage == "truncated":
-        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    else:
+    data = shard.read_bytes()
+    if damage in ("truncated", "unloadable"):
+        shard.write_bytes(data[: len(data) // 2])
+        if damage == "unloadable":  # a manifest that matches the bad file: only DCP's read finds it
+            write_manifest(folder / "step-4", {})
+    elif damage == "deleted":
         shard.unlink()
+    elif damage == "flipped":  # the same size, one block changed: only the checksum finds it
+        shard.write_bytes(data[:4096] + bytes(b ^ 0xFF for b in data[4096:8192]) + data[8192:])
+    else:
+        (folder / "step-4" / MANIFEST).unlink()
     tr = Trainer(cfg_factory(extra=[*CKPT, "--training.steps", "6"], job="job"))
-    assert tr.resume_step == 2  # the plan and sequence length are chosen for the step it will really load
-    assert tr.checkpointer.find() == folder / "step-2"
+    if damage != "unloadable":
+        assert tr.resume_step == 2  # the plan and sequence length are chosen for the step it will really load
+        assert tr.checkpointer.find() == folder / "step-2"
     tr.train()
+    reason = {"truncated": "bytes, not the", "deleted": "is missing", "flipped": "does not match its checksum",
+              "no manifest": "has no manifest.json", "unloadable": "could not be loaded"}[damage]
+    assert any(str(folder / "step-4") in m and reason in m for m in said), said
     losses, want = read_losses(tmp_path, "job"), read_losses(tmp_path, "ref")
     assert {s: losses[s] for s in (3, 4, 5, 6)} == {s: want[s] for s in (3, 4, 5, 6)}  # bit-identical
     assert ref.step == tr.step == 6

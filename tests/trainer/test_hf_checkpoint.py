@@ -116,3 +116,31 @@ def test_two_ranks_train_and_export(hf_llama, tmp_path):
     auto_hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "auto" / "checkpoints" / "step-2-hf").eval()
     with torch.no_grad():
         assert (auto_hf(TOKENS).logits - hf(TOKENS).logits).abs().max().item() > 1e-3  # trained, not the start
+
+
+def test_a_dcp_folder_someone_sent_is_checked_and_runs_no_code(hf_llama, tmp_path):
+    """initial_load_path and to-hf: a changed shard fails its checksum; a pickle planted in
+    .metadata (its manifest rewritten to match) is refused naming the file, and nothing runs."""
+    import pickle
+
+    from trainer.checkpoint_files import write_manifest
+
+    _, d = hf_llama
+    src = hf_to_dcp(d, tmp_path / "dcp")
+    shard = next(src.glob("*.distcp"))
+    good = shard.read_bytes()
+    shard.write_bytes(good[:-8] + bytes(8))
+    with pytest.raises(ConfigError, match=rf"^{shard} does not match its checksum .*nothing was loaded"):
+        dcp_to_hf(src, tmp_path / "hf")
+    shard.write_bytes(good)
+    marker = tmp_path / "marker"
+    md = pickle.loads((src / ".metadata").read_bytes())
+    md.planner_data["x"] = type("Payload", (), {"__reduce__": lambda self: (Path.touch, (marker,))})()
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    write_manifest(src, {})
+    with pytest.raises(ConfigError, match=rf"^{src / '.metadata'}: refused, .*pass --trust-foreign to convert_hf"):
+        dcp_to_hf(src, tmp_path / "hf")
+    with pytest.raises(ConfigError, match=r"initial_load_path.*\.metadata: refused, .*'checkpoint.trust_foreign' = "):
+        Trainer(_cfg(tmp_path, "dcp", src, ["--training.steps", "1", "--checkpoint.initial_load_in_hf",
+                                            "false"])).start()
+    assert not marker.exists() and not (tmp_path / "hf").exists()
