@@ -28,9 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("to-hf", help="DCP folder (with hf_config.json) -> HF safetensors folder")
     b.add_argument("src")
     b.add_argument("dst")
+    b.add_argument("--trust-foreign", action="store_true",
+                   help="read a DCP folder whose pickles could run code (only from someone you trust)")
     args = p.parse_args(argv)
     try:
-        out = (hf_to_dcp if args.cmd == "to-dcp" else dcp_to_hf)(args.src, args.dst)
+        if args.cmd == "to-dcp":
+            out = hf_to_dcp(args.src, args.dst)
+        else:
+            out = dcp_to_hf(args.src, args.dst, trust_foreign=args.trust_foreign)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

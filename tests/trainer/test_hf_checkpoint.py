@@ -5,6 +5,8 @@ another model's checkpoint or architecture is one config error."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
