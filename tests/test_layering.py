@@ -248,6 +248,9 @@ def _path_hacks(tree: ast.AST, where: str) -> list[str]:
             elif name.endswith("import_module") and node.args and isinstance(node.args[0], ast.Constant) \
                     and str(node.args[0].value).split(".")[0] in PROGRAMS:
                 bad.append(f"{where}:{node.lineno}: imports the program {node.args[0].value!r} by bare name")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and any(f"sys.path.{verb}(" in node.value for verb in ("insert", "append")):
+            bad.append(f"{where}:{node.lineno}: code run in a child process edits sys.path (pass PYTHONPATH or cwd)")
         elif isinstance(node, ast.Import):
             bad += [f"{where}:{node.lineno}: imports the program {a.name!r} by bare name (use tools.{a.name})"
                     for a in node.names if a.name.split(".")[0] in PROGRAMS]
@@ -275,7 +278,9 @@ def test_scripts_are_thin_command_lines() -> None:
 
 
 def test_the_path_check_can_fail() -> None:
-    src = ("import sys, importlib\nsys.path.insert(0, 'x')\nimportlib.import_module('fidelity')\n"
+    edit = "sys.path." + "insert"  # split: this file is scanned too
+    src = (f"import sys, importlib\n{edit}(0, 'x')\nimportlib.import_module('fidelity')\n"
            "import importlib.util\nimportlib.util.spec_from_file_location('p', 'scripts/plan.py')\n"
-           "import plan\nfrom sweep import main\nmonkeypatch.syspath_prepend('x')\nfrom tools import plan\n")
-    assert len(_path_hacks(ast.parse(src), "probe")) == 6
+           "import plan\nfrom sweep import main\nmonkeypatch.syspath_prepend('x')\nfrom tools import plan\n"
+           f"CHILD = 'import sys\\n{edit}(0, ROOT)'\n")
+    assert len(_path_hacks(ast.parse(src), "probe")) == 7

@@ -8,7 +8,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = """
 import atexit, gc, sys
-sys.path.insert(0, {root!r})
 from parallel.process_exit import exit_with
 junk = [[i] for i in range(1000)]
 atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count() >= 1000, flush=True))
@@ -20,8 +19,9 @@ exit_with(main)
 
 
 def _run(rc: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _SCRIPT.format(root=str(ROOT), rc=rc)], capture_output=True,
-                          text=True, timeout=60)
+    # python -c puts the working directory first on sys.path: the project root here
+    return subprocess.run([sys.executable, "-c", _SCRIPT.format(rc=rc)], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
 
 
 def test_exit_code_is_mains_and_objects_are_frozen_before_atexit():

@@ -31,7 +31,6 @@ ASYNC = ["--checkpoint.async_mode", "async"]
 # saved tensors must still be step 2's. KILL: rank 1 is killed -9 inside the write of step-6.
 DRIVER = """
 import os, sys, time
-sys.path.insert(0, {root!r})
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import train
@@ -73,10 +72,11 @@ dist.destroy_process_group()
 
 def _torchrun(tmp_path: Path, jobs: str, kill: bool) -> subprocess.CompletedProcess:
     args = [*FAST, *TINY, "--training.steps", "6"]
-    driver = DRIVER.format(root=str(ROOT), args=args)
+    driver = DRIVER.format(args=args)
     env = {k: v for k, v in os.environ.items()
            if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))  # the driver imports train.py from the root
     script = tmp_path / f"driver_{jobs.replace(',', '_')}.py"
     script.write_text(driver)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),

@@ -18,8 +18,7 @@ SPLIT = ["--lr_scheduler.decay_steps", "6"]
 # (after every file of step-N.tmp, .metadata included, is written)
 KILLED_AT_RENAME = """
 import os, sys
-sys.path.insert(0, {root!r})
-import train
+import train  # found through PYTHONPATH (the project root)
 rename = os.replace
 def replace(src, dst):
     if str(src).endswith("step-{step}.tmp"):
@@ -60,9 +59,10 @@ def test_killed_save_is_not_used_on_restart(cfg_factory, tmp_path):
     args = FAST + SPLIT + ["--job.dump_folder", str(tmp_path), "--job.name", "killed",
                            "--training.steps", "6", "--checkpoint.enable", "true",
                            "--checkpoint.interval", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     env.pop("WORLD_SIZE", None)
-    driver = KILLED_AT_RENAME.format(root=str(ROOT), step=4)
+    driver = KILLED_AT_RENAME.format(step=4)
     r = subprocess.run([sys.executable, "-c", driver, "--config", "llama3_debug", *args],
                        env=env, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == -9, r.stderr[-2000:]
