@@ -13,7 +13,7 @@ Same model, global batch, optimizer and world size for every variant:
                                                      auto_4_per_block  auto_4 with one gradient
                                                        bucket per block (reduce_bucket_mb 0)
 Every auto variant plans with `hardware = "auto"` (this machine, measured); the presets
-(parallel/auto/problem/presets.py `fsdp`, `ddp`) are plan constraints given to the Trainer, as in
+(parallel/auto/search/presets.py `fsdp`, `ddp`) are plan constraints given to the Trainer, as in
 scripts/fidelity.py. The table separates the two gains: planner = free auto / the best
 preset on the same (auto) runtime; runtime = a preset on the auto runtime / the matching
 hand recipe (auto_4_fsdp / fsdp, auto_4_ddp / ddp). A 1-rank run of the same job comes
@@ -74,7 +74,7 @@ class _Job:
         self.args, self.tmp = args, tmp
 
     def __call__(self) -> dict:
-        from parallel.auto.problem import presets
+        from parallel.auto.search import presets
         from trainer.config import load_config
         from trainer.trainer import Trainer
 

@@ -62,9 +62,9 @@ def _measure(rank: int, world: int, seq: int, out_q) -> None:
 
     from models import build_model
     from parallel.auto.config import PlannerConfig
-    from parallel.auto.problem import presets
     from parallel.auto.regions import load_balanced_batch
     from parallel.auto.request import PlanRequest, planning
+    from parallel.auto.search import presets
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)

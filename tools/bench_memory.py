@@ -8,7 +8,7 @@ The job: debug LLaMA 3 (4 layers, dim 1024, vocab 256), seq 512, local batch 1, 
 (foreach), auto mode: a job whose peak falls in the backward for the FSDP-like, free, AC and
 CP plans (the replicated states of DDP and TP put theirs in the optimizer step; at dim 256
 and local batch 4 every plan without AC peaked at the loss). One Trainer per plan: DDP-,
-FSDP- and TP-like (parallel/auto/problem/presets.py), the planner's free choice, each of FSDP and
+FSDP- and TP-like (parallel/auto/search/presets.py), the planner's free choice, each of FSDP and
 free with full activation checkpointing, and a cp axis of 2. Each rank trains one warm-up
 step (the step graph is built, AdamW's states appear), then one measured step
 (`Trainer.train_step`: zero_grad, forward, loss, backward, clipping, AdamW) under
@@ -62,7 +62,7 @@ DEFAULT_PLANS = [p for p in PLANS if p != "auto_compiled"]
 def _constraints(preset: str | None):
     if preset is None:
         return None
-    from parallel.auto.problem import presets
+    from parallel.auto.search import presets
 
     if preset == "megatron":
         return lambda autop: presets.megatron(autop, 0)

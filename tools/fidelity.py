@@ -73,7 +73,7 @@ def _fsdp_only(autop: Any, sharded: str, replicated: str) -> None:
     and the plan would be `fsdp`'s."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from parallel.auto.problem import presets
+    from parallel.auto.search import presets
 
     presets.fsdp(autop, data_axes=(0,), fragments=[sharded])
     presets.replicated(autop, [replicated])  # its budget (all may be replicated) replaces fsdp's
@@ -87,7 +87,7 @@ def _variants(ndim: int) -> dict[str, object]:
     """name -> a function adding constraints to an open AutoParallel (None: the free plan;
     "h100": solved on the h100 profile). The free plan comes first: a duplicate is named
     after the first plan it equals."""
-    from parallel.auto.problem import presets
+    from parallel.auto.search import presets
 
     last = ndim - 1
     data = (0,) if ndim > 1 else ()  # the 2x2 mesh's first axis is the data axis; 1-D: TP takes the batch whole

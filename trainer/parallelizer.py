@@ -177,7 +177,7 @@ class AutoMode(ParallelismMode):
     def __init__(self, cfg: JobConfig, mesh: Optional[DeviceMesh],
                  plan_constraints: Optional[Callable[[Any], None]] = None) -> None:
         super().__init__(cfg, mesh)
-        self.plan_constraints = plan_constraints  # applied to the planner (parallel.auto.problem.presets)
+        self.plan_constraints = plan_constraints  # applied to the planner (parallel.auto.search.presets)
         self.plans: dict[int, Any] = {}  # seq_len -> the plan this job trains that length with
         self.origin = ""  # where the current plan came from (solved, replayed, cached, a plan file)
 

@@ -8,7 +8,7 @@
 * `plan/`       -- the Plan: JSON, summary, explain, HTML page, replay at another shape;
 * `runtime/`    -- the plan as a module: DTensor parameters, explicit collectives, one step graph;
 * `regions/`    -- local_map regions the planner places around (CP attention, MoE dispatch);
-* `search/`     -- sweeps and the mesh search: many plans of one job, ranked.
+* `search/`     -- sweeps, the mesh search, recipe-shaped presets: many plans of one job, compared.
 
 At the top: `api.py` (`AutoParallel`, `auto_parallel`), `config.py` (`PlannerConfig`: every
 planner setting) and `request.py` (the one place a job becomes a planning request).

@@ -76,7 +76,7 @@ def _run(args: list[str], world: int) -> dict:
 
     for n, fn in saved.items():
         setattr(dist, n, counted(fn))
-    from parallel.auto.problem import presets
+    from parallel.auto.search import presets
 
     constraints = presets.fsdp if "auto" in args else None  # both batch sizes plan one shape: Partial gradients
     try:

@@ -74,7 +74,7 @@ def _train(tmp: str, job: str, world: int, extra: list[str], constraints=None) -
 def _fsdp_at_64(autop) -> None:
     """Free (data parallel) at seq 32, FSDP at 64: the change must move every parameter and
     AdamW moment from Replicate to Shard(0)."""
-    from parallel.auto.problem import presets
+    from parallel.auto.search import presets
 
     if autop.graph.input_shapes[0][0][1] == 64:
         presets.fsdp(autop)

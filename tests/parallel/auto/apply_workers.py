@@ -58,7 +58,7 @@ def add_constraints(autop, kind: str, mesh_ndim: int) -> None:
     """Constraint sets that force the plan into a DDP-, FSDP- or TP-like shape (presets)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from parallel.auto.problem import presets
+    from parallel.auto.search import presets
 
     if kind == "default":
         return

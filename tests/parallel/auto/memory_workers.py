@@ -30,7 +30,7 @@ def constrain(autop, kind: str) -> None:
     """DDP-, FSDP- or TP-like plans (presets), or the planner's free choice ("auto")."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from parallel.auto.problem import presets
+    from parallel.auto.search import presets
 
     ndim = autop.mesh.ndim
     data = (Replicate(),) if kind == "tp" else (Shard(0),) + (Replicate(),) * (ndim - 1)

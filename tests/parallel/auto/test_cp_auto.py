@@ -49,7 +49,7 @@ def test_local_attention_without_gathers_equals_causal_sdpa(lb, rows, monkeypatc
 
 
 def _worker(rank, world_size, tmp, name, args, batch_axes):
-    from parallel.auto.problem import presets
+    from parallel.auto.search import presets
     from trainer.config import load_config
     from trainer.trainer import Trainer
 

@@ -61,11 +61,11 @@ def step_graph():
 
     from parallel.auto.api import AutoParallel, fake_world
     from parallel.auto.config import PlannerConfig
-    from parallel.auto.problem import presets
     from parallel.auto.runtime.memory import _fake_dtensor
     from parallel.auto.runtime.options import RuntimeOptions
     from parallel.auto.runtime.runner import PlanRunner
     from parallel.auto.runtime.step_graph import StepGraph
+    from parallel.auto.search import presets
 
     tok = torch.zeros(_B, _S, dtype=torch.long)
     with fake_world(_WORLD):

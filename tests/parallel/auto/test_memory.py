@@ -19,8 +19,8 @@ from parallel.auto.config import PlannerConfig
 from parallel.auto.cost import ProfileError, load_hardware, profile_from_dict
 from parallel.auto.cost.memory import GIB, MemoryEstimate, optimizer_temp_bytes, step_graph_memory
 from parallel.auto.plan import Plan
-from parallel.auto.problem import presets
 from parallel.auto.runtime import RuntimeOptions
+from parallel.auto.search import presets
 
 MB = 2**20
 

@@ -16,10 +16,10 @@ from parallel import _torch as T
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.config import PlannerConfig
 from parallel.auto.plan import Plan
-from parallel.auto.problem import presets
 from parallel.auto.runtime import RuntimeOptions
 from parallel.auto.runtime.schedule import _buffer_chain, _input_derived, _is_collective, _is_wait
 from parallel.auto.runtime.step_graph import StepGraph
+from parallel.auto.search import presets
 
 GLOBAL_B, SEQ = 16, 128  # activations outweigh the weights: FSDP's gradient reduce-scatters pay
 

@@ -24,9 +24,9 @@ from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.config import PlannerConfig
 from parallel.auto.cost.memory import step_graph_memory
 from parallel.auto.plan import Plan
-from parallel.auto.problem import presets
 from parallel.auto.runtime import RuntimeOptions
 from parallel.auto.runtime.step_graph import StepGraph, fake_constants
+from parallel.auto.search import presets
 
 GLOBAL_B, SEQ, WORLD = 4, 16, 2
 
