@@ -1,10 +1,11 @@
 """The automatic SPMD planner, one folder per stage, in the order data flows:
 
 * `trace/`      -- the joint forward+backward ATen graph, constants folded, repeated blocks copied;
-* `candidates/` -- every op's DTensor strategies (torch's own rules), split-dim seeding, coverage;
+* `candidates/` -- every op's DTensor strategies (torch's own rules), the coverage report;
 * `cost/`       -- the hardware profile and the cost model: compute, collectives, memory;
 * `problem/`    -- the candidates priced into one placement Problem (repeated blocks priced once);
-* `solve/`      -- exact ILP (HiGHS, CBC) or MRF, after exact presolve reductions;
+* `solve/`      -- exact ILP (HiGHS, CBC) or MRF, after exact presolve reductions; split-dim seeding
+                   (3-D/4-D candidates narrowed around the solves of cheaper problems);
 * `plan/`       -- the Plan: JSON, summary, explain, HTML page, replay at another shape;
 * `runtime/`    -- the plan as a module: DTensor parameters, explicit collectives, one step graph;
 * `regions/`    -- local_map regions the planner places around (CP attention, MoE dispatch);

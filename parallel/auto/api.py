@@ -33,7 +33,6 @@ from parallel import _torch as T
 from parallel._torch import fake_world
 from parallel.auto.candidates.coverage import GraphCoverage, coverage_of, coverage_report
 from parallel.auto.candidates.placements import placement_str
-from parallel.auto.candidates.seed import plan_candidates, reseeded_candidates, seeded_candidates, use_seeding
 from parallel.auto.candidates.strategies import Candidates, mesh_candidates
 from parallel.auto.config import PlannerConfig, resolve_planner
 from parallel.auto.cost import CostModel, RuntimeSchedule
@@ -55,6 +54,7 @@ from parallel.auto.runtime.memory import TracedStep, step_memory, trace_step
 from parallel.auto.runtime.runner import same_graph_options
 from parallel.auto.runtime.step_graph import fake_constants
 from parallel.auto.solve import Solution, solve
+from parallel.auto.solve.seed import plan_candidates, reseeded_candidates, seeded_candidates, use_seeding
 from parallel.auto.trace.gc_pause import pauses_collector
 from parallel.auto.trace.joint import JointGraph, trace_joint
 

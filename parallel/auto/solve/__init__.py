@@ -12,6 +12,9 @@
   enforced by a Lagrangian penalty on parameter bytes (bisection on the multiplier);
 * ``"auto"``: the ILP while it is small (edge variables below ``ILP_MAX_EDGE_VARS``;
   ``CBC_MAX_EDGE_VARS`` without HiGHS), the MRF otherwise. The choice and why are logged.
+
+`seed.py` (split-dimension seeding) solves cheaper problems first and narrows a 3-D/4-D mesh's
+candidates around their plans; it is here because it runs the solvers (api.py calls it).
 """
 
 from __future__ import annotations

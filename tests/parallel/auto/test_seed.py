@@ -11,13 +11,13 @@ from models import build_model
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.candidates.enumeration import OpEnumerator
 from parallel.auto.candidates.placements import strategy_key as _key
-from parallel.auto.candidates.seed import FULL_MENU_MAX, hamming_ball, project_constraint, seeded_candidates, solve_axes
 from parallel.auto.candidates.strategies import build_candidates
 from parallel.auto.config import PlannerConfig
 from parallel.auto.cost import CostModel
 from parallel.auto.problem.formulation import build_problem
 from parallel.auto.problem.placement_problem import Constraint, min_parameter_fraction
 from parallel.auto.solve import choose_solver, solve
+from parallel.auto.solve.seed import FULL_MENU_MAX, hamming_ball, project_constraint, seeded_candidates, solve_axes
 from parallel.auto.trace.joint import trace_joint
 
 TINY = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=128, ffn_hidden_dim=128)
@@ -212,8 +212,8 @@ def test_saved_plan_applies_on_a_seeded_mesh_without_solving(tmp_path, seeded_3d
 
 @pytest.mark.slow  # plans on a fake 2x2/3-D world: 12-43 s here
 def test_saved_placements_no_axis_menu_has_are_refused_on_a_seeded_mesh(seeded_3d):
-    from parallel.auto.candidates.seed import plan_candidates
     from parallel.auto.plan import PlanMismatchError
+    from parallel.auto.solve.seed import plan_candidates
 
     shape, names = (2, 2, 2), ("dp", "cp", "tp")
     plan = _seeded_plan(seeded_3d)  # any seeded plan serves here

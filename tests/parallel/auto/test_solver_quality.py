@@ -16,7 +16,6 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
 from parallel.auto.api import fake_world, lm_loss
-from parallel.auto.candidates.seed import seeded_candidates
 from parallel.auto.candidates.strategies import build_candidates
 from parallel.auto.cost import CostModel
 from parallel.auto.cost.hardware import load_hardware
@@ -25,6 +24,7 @@ from parallel.auto.problem.placement_problem import min_parameter_fraction
 from parallel.auto.solve import solve
 from parallel.auto.solve.mrf import PairwiseMRF, greedy, solve_mrf
 from parallel.auto.solve.problem_mrf import ReducedMRF
+from parallel.auto.solve.seed import seeded_candidates
 from parallel.auto.trace.joint import trace_joint
 
 TINY = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=128, ffn_hidden_dim=128)
