@@ -16,7 +16,7 @@ def test_default_3d_plan_matches_one_rank():
     # with 15 s per run; the same objective here)
     (plan,) = make_plans([("llama3", "default")], SHAPE, NAMES, solver="mrf", time_limit=2.0)
     outs = run_distributed(worker, 8, SHAPE, NAMES, [{"model": "llama3", "kind": "default", "steps": STEPS,
-                                                      "plan": plan}], timeout=600, inherit=True)
+                                                      "plan": plan}], timeout=600)
     ref = reference("llama3", STEPS)
     sharded_3way = 0
     for rank, (out,) in enumerate(outs):
