@@ -22,8 +22,7 @@ def _reference(model, steps):
 def results():
     plans = make_plans([(m, k) for m, k, _ in JOBS], SHAPE, NAMES)
     jobs = [{"model": m, "kind": k, "steps": s, "plan": p} for (m, k, s), p in zip(JOBS, plans)]
-    # the ranks fork after make_plans: they replay on its traces instead of tracing again
-    outs = run_distributed(worker, 2, SHAPE, NAMES, jobs, timeout=400, inherit=True)
+    outs = run_distributed(worker, 2, SHAPE, NAMES, jobs, timeout=400)
     return {(j["model"], j["kind"]): [o[i] for o in outs] for i, j in enumerate(jobs)}
 
 

@@ -5,11 +5,7 @@ Every rank runs with one thread (``OMP_NUM_THREADS=1`` in its environment and
 Ranks are forked from one fork server per test process that has imported torch and the
 project once (``forkserver`` with preloaded modules): a fresh rank then starts in ~0.1 s
 instead of the ~3.5 s a spawned interpreter spends importing them, and still shares no
-state with the ranks of other tests. ``inherit=True`` forks the ranks from the test process
-itself instead, after it has built what they share (e.g. the joint-graph traces the plans
-were made on, which do not pickle): each rank then starts with the parent's modules and
-traces instead of redoing them (the parent holds no process group and runs torch on one
-thread, so the fork is safe).
+state with the ranks of other tests.
 """
 
 from __future__ import annotations
@@ -57,10 +53,7 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dy
             "torch.distributed.fsdp", "models", "parallel.auto.api", "parallel.recipes", "trainer.trainer"]
 
 
-def _context(inherit: bool = False):
-    if inherit:
-        assert not dist.is_initialized(), "fork ranks from a process that holds no process group"
-        return mp.get_context("fork")
+def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
@@ -85,14 +78,13 @@ def _start(ctx, fn, world_size: int, q, args) -> list:
     return procs
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, inherit: bool = False) -> list:
+def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``fn`` must be a module-level function. Raises with the first rank's traceback on failure
     and kills all ranks when they have not all finished ``timeout`` seconds after the start.
-    ``inherit``: fork the ranks from this process (they start with its state; see above).
     """
-    ctx = _context(inherit)
+    ctx = _context()
     q = ctx.Queue()
     procs = _start(ctx, fn, world_size, q, args)
     deadline = time.monotonic() + timeout
