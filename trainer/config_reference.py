@@ -212,6 +212,14 @@ def _flat_notes(section_cls: type) -> list[str]:
     return notes
 
 
+def _old_keys_table(title: str, note: str, old_to_new: dict[tuple[str, str], str]) -> list[str]:
+    """A section listing old keys (section, key) -> their new key; nothing when there are none."""
+    if not old_to_new:
+        return []
+    rows = [f"| `{section}.{old}` | `{section}.{new}` |" for (section, old), new in sorted(old_to_new.items())]
+    return [f"## {title}", "", note, "", "| old key | new key |", "|---|---|", *rows, ""]
+
+
 def render_config_reference() -> str:
     """Markdown: one section per TOML section, a table row per accepted key."""
     defaults = C.JobConfig()
@@ -222,18 +230,10 @@ def render_config_reference() -> str:
         if intro:
             lines += [f"{_escape(intro)} From {_source_name(section_cls)}.", ""]
         lines += _rows(section, section_cls, defaults) + [""] + _flat_notes(section_cls)
-    renamed = sorted(C.RENAMED.items())
-    if renamed:
-        note = "A job that still sets an old key stops with a config error naming the new one."
-        lines += ["## Renamed keys", "", note, "", "| old key | new key |", "|---|---|"]
-        lines += [f"| `{section}.{old}` | `{section}.{new}` |" for (section, old), new in renamed]
-        lines.append("")
-    deprecated = sorted(C.DEPRECATED.items())
-    if deprecated:
-        note = "A job that still sets an old key keeps working; loading it logs one line naming the new key."
-        lines += ["## Old keys that still work", "", note, "", "| old key | new key |", "|---|---|"]
-        lines += [f"| `{section}.{old}` | `{section}.{new}` |" for (section, old), new in deprecated]
-        lines.append("")
+    lines += _old_keys_table("Renamed keys", "A job that still sets an old key stops with a config error naming "
+                             "the new one.", C.RENAMED)
+    lines += _old_keys_table("Old keys that still work", "A job that still sets an old key keeps working; loading "
+                             "it logs one line naming the new key.", C.DEPRECATED)
     return "\n".join(lines)
 
 
