@@ -85,6 +85,7 @@ def _quiet():
 
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
+_UNFINISHED_RE = re.compile(r"^step-\d+\.(tmp|deleting)$")
 DELETING = ".deleting"
 __all__ = ["MANIFEST", "CheckpointManager", "complete_checkpoints", "damage", "intact_checkpoints", "resume_step"]
 
@@ -165,8 +166,9 @@ def choose(ckpt_cfg: Checkpoint, folder: Path, below: Optional[int] = None,
     if ckpt_cfg.load_step >= 0:
         step = ckpt_cfg.load_step
         if step not in done:
-            raise FileNotFoundError(f"[checkpoint] load_step = {step}: no complete checkpoint step-{step} in "
-                                    f"{folder} (have: {', '.join(map(str, done)) or 'none'})")
+            raise ConfigError(f"'checkpoint.load_step' = {step}: there is no complete checkpoint step-{step} in "
+                              f"{folder} (have: {', '.join(map(str, done)) or 'none'}); set load_step to one of "
+                              "them, or -1 for the newest intact one")
         why = skipped.get(step) or verdict(done[step], trust)
         if why is not None:
             raise ConfigError(f"'checkpoint.load_step' = {step}: {why}; nothing was deleted; set load_step to another "
@@ -189,10 +191,8 @@ def resume_step(ckpt_cfg: Checkpoint, folder: Path) -> int:
     is built: a scheduled sequence length and the plan for it depend on it."""
     if not ckpt_cfg.enable:
         return 0
-    with contextlib.suppress(FileNotFoundError):  # a missing load_step: load() says so
-        path = choose(ckpt_cfg, Path(folder))
-        return int(_STEP_RE.match(path.name).group(1)) if path is not None else 0
-    return 0
+    path = choose(ckpt_cfg, Path(folder))
+    return int(_STEP_RE.match(path.name).group(1)) if path is not None else 0
 
 
 @dataclass
@@ -346,14 +346,39 @@ class CheckpointManager:
     # ------------------------------------------------------------------ load
 
     def clean_incomplete(self) -> None:
-        """Delete ``step-N.tmp`` and unfinished folders (rank 0), then barrier."""
+        """Delete the trainer's own unfinished folders, ``step-N.tmp`` and ``step-N.deleting``
+        (rank 0), then barrier. Nothing else in the folder is touched: the run folder's lock keeps
+        another job's unfinished saves out of it, and other names are not ours to delete."""
         if _rank() == 0 and self.folder.is_dir():
             for p in self.folder.iterdir():
-                if p.is_dir() and (p.name.endswith((".tmp", DELETING)) or (
-                        _STEP_RE.match(p.name) and not (p / ".metadata").is_file())):
+                if p.is_dir() and _UNFINISHED_RE.match(p.name):
                     logger.warning(f"removing incomplete checkpoint {p}")
                     shutil.rmtree(p, ignore_errors=True)
         _barrier()
+
+    def set_aside(self, path: Path, why: str) -> Path:
+        """Rename a checkpoint out of the way (``step-N.<why>``, numbered when taken; rank 0 on
+        the shared folder, every rank past the barrier sees it): kept for inspection, never
+        resumed or pruned."""
+        target = path.with_name(f"{path.name}.{why}")
+        n = 1
+        while target.exists():
+            n += 1
+            target = path.with_name(f"{path.name}.{why}-{n}")
+        if _rank() == 0:
+            os.replace(path, target)
+        _barrier()
+        return target
+
+    def _abandon_newer(self, step: int) -> None:
+        """A rollback (``load_step``) to `step`: newer complete checkpoints belong to the run
+        being abandoned; they are moved aside (``step-N.abandoned``) so that pruning and a later
+        plain restart only see the new run's."""
+        for newer, path in complete_checkpoints(self.folder).items():
+            if newer > step:
+                moved = self.set_aside(path, "abandoned")
+                if _rank() == 0:
+                    logger.warning(f"rolled back to step {step}: moved the newer checkpoint {path} to {moved}")
 
     def find(self, below: Optional[int] = None, skipped: Optional[dict[int, str]] = None) -> Optional[Path]:
         """The checkpoint to resume from: ``load_step`` when set, else the newest intact one
@@ -367,17 +392,24 @@ class CheckpointManager:
         if not self.enabled:
             return 0
         self.clean_incomplete()
-        failed: dict[int, str] = {}
         path = self.find()
         while path is not None:
             try:
-                return self.load(path)
+                step = self.load(path)
             except _LoadFailed as e:
-                step = int(_STEP_RE.match(path.name).group(1))
-                failed[step] = f"{path} could not be loaded ({e})"
+                if self.cfg.load_step >= 0:  # the step asked for: not replaced by another
+                    raise ConfigError(f"'checkpoint.load_step' = {self.cfg.load_step}: {path} could not be loaded "
+                                      f"({e}); nothing was renamed or deleted; set load_step to another "
+                                      "checkpoint, or -1 for the newest that loads") from None
+                corrupt = self.set_aside(path, "corrupt")
                 if _rank() == 0:
-                    logger.warning(f"skipping checkpoint {path}: it could not be loaded ({e})")
-                path = self.find(below=step, skipped=failed)
+                    logger.warning(f"skipping checkpoint {path}: it could not be loaded ({e}); renamed to "
+                                   f"{corrupt.name}, the previous complete checkpoint is used")
+                path = self.find()
+                continue
+            if self.cfg.load_step >= 0:
+                self._abandon_newer(step)
+            return step
         return 0
 
     def load(self, path: Path) -> int:
@@ -386,19 +418,12 @@ class CheckpointManager:
         trust = self.cfg.trust_foreign
         state = self._state(0)
         dl_key = f"dp_rank_{self.dp_rank}"
-        try:
-            meta = read_metadata(path, trust).state_dict_metadata
-            have_dl = f"dataloader.{dl_key}" in meta
-            if not have_dl:
-                state.pop("dataloader")
-            _check_matches(path, state, meta)
-            dcp_load(state, path, trust)
-        except UnsafeCheckpoint as e:
-            raise ConfigError(unsafe_message(e)) from None
-        except ConfigError:
-            raise
-        except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP wraps every rank's read errors
-            raise _LoadFailed(failure_reason(e)) from None
+        meta = _agreed(lambda: read_metadata(path, trust).state_dict_metadata)  # every rank, or none, goes on
+        have_dl = f"dataloader.{dl_key}" in meta
+        if not have_dl:
+            state.pop("dataloader")
+        _check_matches(path, state, meta)
+        _agreed(lambda: dcp_load(state, path, trust))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         restore_lr_schedule(self.lr_scheduler, state["lr_scheduler"])
@@ -416,6 +441,29 @@ class CheckpointManager:
 
 class _LoadFailed(Exception):
     """DCP could not read a checkpoint (the message: the first rank's error, one line)."""
+
+
+def _agreed(read: Any) -> Any:
+    """`read()` on every rank, then agreed: when it failed on any rank, every rank raises the
+    first failing rank's error (a ConfigError for a folder that would run code, else
+    `_LoadFailed`), so no rank goes on into a collective the others never reach."""
+    result, error = None, None
+    try:
+        result = read()
+    except UnsafeCheckpoint as e:
+        error = ("config", unsafe_message(e))
+    except ConfigError as e:
+        error = ("config", str(e))
+    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP wraps every rank's read errors
+        error = ("load", failure_reason(e))
+    errors = [error]
+    if _dist():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise (ConfigError if first[0] == "config" else _LoadFailed)(first[1])
+    return result
 
 
 def _loader_json(state: dict) -> str:

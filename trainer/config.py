@@ -47,7 +47,7 @@ FLAT = "flat"
 
 @dataclass
 class Job:
-    name: str = "default"
+    name: str = "default"  # the run folder <dump_folder>/<name> (inside dump_folder; one job at a time: locked)
     dump_folder: str = "./outputs"
     seed: int = 0
     description: str = ""
@@ -182,10 +182,10 @@ class Parallelism:
 @dataclass
 class Checkpoint:
     enable: bool = False
-    folder: str = "checkpoints"  # under <dump_folder>/<job.name>/
+    folder: str = "checkpoints"  # under <dump_folder>/<job.name>/ (a relative folder that stays inside it)
     interval: int = 500
     keep_latest_k: int = 0  # 0: keep all
-    load_step: int = -1  # -1: the latest complete checkpoint
+    load_step: int = -1  # -1: the latest complete checkpoint; N: roll back to step-N (newer ones -> step-M.abandoned)
     # a fresh job (no checkpoint to resume) starts from these weights: a DCP folder
     # (scripts/convert_hf.py to-dcp), or an HF safetensors folder with initial_load_in_hf
     initial_load_path: str = ""

@@ -19,6 +19,7 @@ from parallel.settings import SettingError
 
 from .device import CPU, CUDA, check_compiler, check_device
 from .errors import ConfigError
+from .run_folder import check_folders
 from .sources import packaged_builders
 from .tokenizer import TokenizerError, tokenizer_for
 
@@ -64,6 +65,7 @@ def validate_config(cfg: JobConfig, world_size: Optional[int] = None, simulated_
         if getattr(getattr(cfg, section), key) not in choices:
             raise _err(cfg, section, key, f"must be one of {', '.join(map(repr, choices))}")
     _validate_ranges(cfg)
+    check_folders(cfg)
     _validate_hardware(cfg)
     _validate_parallelism(cfg, env_world_size() if world_size is None else world_size)
     _validate_planner(cfg)

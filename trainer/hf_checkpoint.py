@@ -293,6 +293,22 @@ def write_hf_folder(tensors: dict[str, torch.Tensor], hf_cfg: dict[str, Any], ou
     return out
 
 
+def check_destination(src: Path | str, dst: Path | str, overwrite: bool) -> None:
+    """A conversion's destination: one that exists with files in it, or that overlaps the source
+    (is it, holds it, or lies inside it), is replaced only with `overwrite` (a ConfigError naming
+    it and ``--overwrite`` otherwise; nothing is deleted)."""
+    src, dst = Path(src).resolve(), Path(dst).resolve()
+    if overwrite:
+        return
+    if dst == src or src in dst.parents or dst in src.parents:
+        how = "is" if dst == src else "lies inside" if src in dst.parents else "holds"
+        raise ConfigError(f"{dst}: the destination {how} the source {src}; writing it would replace the source; "
+                          "choose a destination outside it (or pass --overwrite to replace it anyway)")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ConfigError(f"{dst}: the destination exists and is not empty; nothing was changed; choose a new "
+                          "folder, or pass --overwrite to replace it")
+
+
 def _replace(tmp: Path, out: Path) -> None:
     """`tmp` becomes `out`; an older `out` is renamed away first and deleted after."""
     old = out.with_name(out.name + ".old")
@@ -357,10 +373,12 @@ def write_model_hf_config(folder: Path, model: torch.nn.Module) -> None:
 # ---------------------------------------------------------------------------------- conversion
 
 
-def hf_to_dcp(hf_dir: Path | str, dcp_dir: Path | str) -> Path:
+def hf_to_dcp(hf_dir: Path | str, dcp_dir: Path | str, overwrite: bool = False) -> Path:
     """An HF folder as a DCP folder of our names (`model.<name>`) with the HF config inside
-    (`hf_config.json`); written as `DCP_DIR.tmp`, renamed once complete."""
+    (`hf_config.json`); written as `DCP_DIR.tmp`, renamed once complete. An existing or
+    overlapping `dcp_dir` is replaced only with `overwrite` (`check_destination`)."""
     hf_dir, out = Path(hf_dir), Path(dcp_dir)
+    check_destination(hf_dir, out, overwrite)
     try:
         name, args, hf_cfg, sd = read_hf_folder(hf_dir)
     except (HFConfigError, KeyError) as e:
@@ -375,12 +393,14 @@ def hf_to_dcp(hf_dir: Path | str, dcp_dir: Path | str) -> Path:
     return out
 
 
-def dcp_to_hf(dcp_dir: Path | str, hf_dir: Path | str, trust_foreign: bool = False) -> Path:
+def dcp_to_hf(dcp_dir: Path | str, hf_dir: Path | str, trust_foreign: bool = False, overwrite: bool = False) -> Path:
     """A DCP folder with `hf_config.json` (`to-dcp`'s, or a training checkpoint's) as an
     HF folder; its names and shapes are checked against the model the config describes, its
     files against its manifest (when it has one), and no code runs from it unless `trust_foreign`
-    (`convert_hf.py to-hf --trust-foreign`)."""
+    (`convert_hf.py to-hf --trust-foreign`). An existing or overlapping `hf_dir` is replaced
+    only with `overwrite` (`check_destination`)."""
     src = Path(dcp_dir)
+    check_destination(src, hf_dir, overwrite)
     if not (src / HF_CONFIG_FILE).is_file():
         raise ConfigError(f"{src}: no {HF_CONFIG_FILE} (the HF config that to-dcp's folders and the LLaMA 3 and "
                           "Qwen3 training checkpoints carry): not such a DCP folder; give one of those")

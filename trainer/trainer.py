@@ -39,6 +39,7 @@ from .metrics import MetricsLogger, setup_logging
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, follow_parameters
 from .parallelizer import parallelism_mode
 from .profiling import StepProfiler, check_profiling
+from .run_folder import RunFolderLock
 from .step_guard import StepGuard
 from .validation import Validator, held_tokens, holdout, validation_tokens
 
@@ -63,6 +64,17 @@ class Trainer:
         setup_logging(self.rank)
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
         check_writable(cfg.source, "job.dump_folder", cfg.job.dump_folder, self.run_dir, self.rank)
+        self.lock = RunFolderLock(self.run_dir, self.rank)  # one job at a time in a run folder
+        self.lock.acquire()
+        try:
+            self._build_job(plan_constraints)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _build_job(self, plan_constraints: Optional[Callable[[Any], None]]) -> None:
+        """Mesh, parallelism mode, data, model, optimizer and checkpoints (the run folder locked)."""
+        cfg = self.cfg
         check_profiling(cfg)
         self.device = local_device(cfg.job.device)
         if cfg.parallelism.mesh == "auto" and self.distributed:
@@ -212,7 +224,13 @@ class Trainer:
     def train(self) -> dict[int, float]:
         """Train from the resumed step to `training.steps` (or a SIGTERM: the step is finished
         and saved); {step: loss} of the logged steps. A collective that times out is a
-        TrainingFault naming the stalled ranks."""
+        TrainingFault naming the stalled ranks. The run folder's lock is released at the end."""
+        try:
+            return self._train()
+        finally:
+            self.lock.release()
+
+    def _train(self) -> dict[int, float]:
         if not self.start():
             return self.logged
         try:

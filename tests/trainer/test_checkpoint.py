@@ -9,6 +9,7 @@ import pytest
 from trainer_helpers import FAST, read_losses
 
 from trainer.checkpoint import complete_checkpoints
+from trainer.errors import ConfigError
 from trainer.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +50,7 @@ def test_keep_latest_k_and_load_step(cfg_factory, tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-4"]
     t = Trainer(cfg_factory(extra=ck[:-1] + ["5", "--checkpoint.load_step", "3"], job="k"))
     assert sorted(t.train()) == [4, 5]
-    with pytest.raises(FileNotFoundError, match="load_step = 1"):
+    with pytest.raises(ConfigError, match="'checkpoint.load_step' = 1: there is no complete checkpoint step-1"):
         Trainer(cfg_factory(extra=ck + ["--checkpoint.load_step", "1"], job="k")).train()
 
 
