@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
@@ -66,6 +67,7 @@ class Trainer:
         check_writable(cfg.source, "job.dump_folder", cfg.job.dump_folder, self.run_dir, self.rank)
         self.lock = RunFolderLock(self.run_dir, self.rank)  # one job at a time in a run folder
         self.lock.acquire()
+        weakref.finalize(self, self.lock.release)  # a trainer dropped without train() lets the folder go
         try:
             self._build_job(plan_constraints)
         except BaseException:
