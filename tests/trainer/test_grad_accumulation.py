@@ -1,6 +1,6 @@
 """`[training] global_batch_size`: gradient accumulation over micro-batches.
 
-On 2 gloo ranks, 2 micro-batches, fp32: manual FSDP and auto mode (an FSDP-shaped plan)
+On 2 gloo ranks, 2 micro-batches, fp32: manual FSDP, manual DDP and auto mode (an FSDP-shaped plan)
 train with the losses, gradient norms and weights of one process stepping the same global
 batch at once (rtol 1e-5), and both reduce their gradients once per step (the micro-batches
 before the last run without gradient sync). The loader's micro-batches make up exactly the 1-rank global batch;
@@ -27,12 +27,14 @@ TINY = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "-
         "--training.global_batch_size", "8"]
 # job -> (mode, local batch on 2 ranks): 8 = 2 ranks x 2 x 2 micro-batches, or 2 ranks x 4 x 1
 JOBS = {"manual_micro2": ("manual", 2), "manual_micro1": ("manual", 4), "auto_micro2": ("auto", 2),
-        "auto_micro1": ("auto", 4)}
+        "auto_micro1": ("auto", 4), "ddp_micro2": ("ddp", 2)}
+DDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 RTOL = 1e-5
 
 
 def _args(mode: str, local: int, tmp: str, job: str) -> list[str]:
-    extra = ["--parallelism.hardware", "cpu"] if mode == "auto" else []
+    extra = {"auto": ["--parallelism.hardware", "cpu"], "ddp": DDP}.get(mode, [])
+    mode = "manual" if mode == "ddp" else mode
     return [*TINY, "--parallelism.mode", mode, *extra, "--training.local_batch_size", str(local),
             "--job.dump_folder", tmp, "--job.name", job]
 
@@ -108,7 +110,7 @@ def runs() -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", ["manual_micro2", "auto_micro2"])
+@pytest.mark.parametrize("job", ["manual_micro2", "auto_micro2", "ddp_micro2"])
 def test_two_micro_batches_on_two_ranks_equal_one_rank(job):
     res = runs()
     got, ref = res[job], res["one_rank"]
