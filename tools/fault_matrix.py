@@ -17,6 +17,9 @@ file damage, an environment hook, scripts/fault_hooks/sitecustomize.py):
   kill_replan      kill -9 of one rank while it re-plans at a sequence-length change (auto only)
   sigterm          SIGTERM to every rank (a preemption): the step is finished, saved, exit 0
   sigterm_one      SIGTERM to one rank only: the ranks agree to stop, the same as sigterm
+  hang_step        one rank never returns from a random optimizer step (the hook; its heartbeat
+                   thread beats on): the others time out ([comm] timeout_s = 15) and one line
+                   names it as behind them; the rerun resumes
   truncate_shard   the latest checkpoint's first shard cut in half (after the run ended)
   delete_shard     the latest checkpoint's first shard deleted
   flip_byte        one byte in the middle of the latest checkpoint's first shard flipped (same size)
@@ -58,6 +61,7 @@ from tools.fault_trials import (
     AUTO_ONLY,
     DAMAGES,
     FAULTS,
+    HANGS,
     KILLS,
     OTHER_MODEL,
     SIGTERMS,
@@ -122,7 +126,7 @@ def trial(mode: str, world: int, fault: str, base: Path, ref: Reference, rng: ra
     t0 = time.time()
     facts = Facts(mode, world, fault, first=None)
     try:
-        if fault in KILLS or fault in SIGTERMS:
+        if fault in KILLS or fault in SIGTERMS or fault in HANGS:
             live_fault(facts, cmd, ckpts, folder / "markers", rng, timeout)
         elif fault in DAMAGES or fault == "other_model":
             fault_between_runs(facts, cmd, ckpts, timeout)

@@ -39,10 +39,12 @@ ASYNC = ["--checkpoint.async_mode", "async"]
 OTHER_MODEL = ["--model.dim", "128", "--model.n_heads", "4"]
 KILLS = ("kill_step", "kill_save_all", "kill_save_one", "kill_async_save", "kill_planning", "kill_replan")
 SIGTERMS = ("sigterm", "sigterm_one")
+HANGS = ("hang_step",)  # a rank that never returns from a call while its heartbeat thread beats
+HANG = ["--comm.timeout_s", "15"]  # how long the others wait for it
 DAMAGES = ("truncate_shard", "delete_shard", "flip_byte", "missing_manifest", "bad_metadata")
-FAULTS = (*KILLS, *SIGTERMS, *DAMAGES, "other_model")
+FAULTS = (*KILLS, *SIGTERMS, *HANGS, *DAMAGES, "other_model")
 AUTO_ONLY = ("kill_planning", "kill_replan")
-HOOKED = ("kill_save_all", "kill_save_one", "kill_async_save")  # fired by scripts/fault_hooks/sitecustomize.py
+HOOKED = ("kill_save_all", "kill_save_one", "kill_async_save", "hang_step")  # by scripts/fault_hooks/sitecustomize.py
 RUN_TOKEN = "AUTOTITAN_FAULT_RUN"  # every process of one torchrun carries it: the tree can be found and killed
 MARKER_ENV = "AUTOTITAN_FAULT_MARKER"  # the folder the injection hook marks before it kills
 STEP_RE = re.compile(r"^step (\d+) \| loss ")
@@ -55,7 +57,7 @@ GARBAGE = b"\xffnot DCP metadata\n" * 64  # 0xff is no pickle opcode: unpickling
 def command(world: int, mode: str, fault: str, folder: Path, name: str) -> list[str]:
     """The job's torchrun command (`--standalone`: torchrun picks a free port itself)."""
     extra = (AUTO if mode == "auto" else []) + (REPLAN if fault == "kill_replan" else []) + (
-        ASYNC if fault == "kill_async_save" else [])
+        ASYNC if fault == "kill_async_save" else []) + (HANG if fault in HANGS else [])
     return ["torchrun", "--standalone", "--nproc_per_node", str(world), str(ROOT / "train.py"), *JOB, *extra,
             "--job.dump_folder", str(folder), "--job.name", name]
 
@@ -190,9 +192,10 @@ def inject(fault: str, world: int, markers: Path, rng: random.Random) -> tuple:
     if fault in HOOKED:
         step = rng.choice(range(INTERVAL, STEPS + 1, INTERVAL))
         rank = "all" if fault == "kill_save_all" else str(victim)
+        spec = f"hang_in_step:{victim}:{rng.randint(2, STEPS - 1)}" if fault in HANGS else \
+            f"kill_in_save:{rank}:{step}"
         path = os.pathsep.join([str(HOOKS), *filter(None, [os.environ.get("PYTHONPATH")])])
-        return None, None, {"AUTOTITAN_FAULT": f"kill_in_save:{rank}:{step}", "PYTHONPATH": path,
-                            MARKER_ENV: str(markers)}
+        return None, None, {"AUTOTITAN_FAULT": spec, "PYTHONPATH": path, MARKER_ENV: str(markers)}
     if fault == "kill_planning":  # the planner's first progress line (rank 0): the job is planning
         return (lambda ln: ln.startswith("trace")), one, {}
     if fault == "kill_replan":  # the re-plan's first progress line, once step 4 (the last at length 16) is done
@@ -388,11 +391,13 @@ def first_run_problem(f: Facts) -> Optional[str]:
     first = f.first
     if first.timed_out:
         return f"the first run timed out after {first.timeout_s:.0f} s"
-    if f.fault in KILLS:
+    if f.fault in KILLS or f.fault in HANGS:
         if not f.fired:
             return "fault did not fire"
         if first.rc == 0:
-            return "the first run exited 0 although a rank was killed"
+            return "the first run exited 0 although a rank was killed or hung"
+        if f.fault in HANGS:
+            return hang_problem(f)
     else:
         if first.rc != 0:
             return f"the first run exited {first.rc}, not 0: {_tail(first.out)}"
@@ -403,6 +408,19 @@ def first_run_problem(f: Facts) -> Optional[str]:
         if stops != {f.expected_resume}:
             return (f"after SIGTERM: 'stopped after step' lines {sorted(stops)}, the folder's latest complete "
                     f"checkpoint step-{f.expected_resume}")
+    return None
+
+
+def hang_problem(f: Facts) -> Optional[str]:
+    """A hung rank whose heartbeat still beats: the others time out and one line names it (the
+    rank the hook's marker says it hung) as the one that never reached their collective."""
+    hung = re.search(r"hang_in_step rank (\d+) ", f.fired[0])
+    line = next((ln for ln in f.first.out.splitlines() if "training fault:" in ln), "")
+    if "a collective timed out" not in line:
+        return f"no 'training fault: ... a collective timed out' line: {_tail(f.first.out)}"
+    named = (f"rank {hung.group(1)} never reached the collective", f"behind the others: rank {hung.group(1)} ")
+    if hung is None or not any(n in line for n in named):
+        return f"the fault line does not name the hung rank ({f.fired[0]}): {line[:300]}"
     return None
 
 

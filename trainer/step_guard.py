@@ -11,11 +11,16 @@ garbage, hanging, or being killed mid-save.
 * Stalled ranks: a heartbeat thread on each rank posts the time, step and phase to the job's
   store (torchrun's TCPStore) every second; when a collective times out (`[comm]
   timeout_s`), the ranks still alive read whose heartbeat went quiet and end the job with
-  one line naming them (a stopped or hung process posts nothing: its threads stop too).
+  one line naming them (a stopped process posts nothing: its threads stop too). A rank hung
+  inside a call while its heartbeat thread still beats is named too: each rank whose
+  collective timed out posts so to the store, and a beating rank that never does (within
+  a few seconds) never reached that collective; without such posts, the rank behind the
+  others (a lower step, or an earlier phase) is named.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -34,6 +39,8 @@ logger = logging.getLogger("autotitan")
 HEARTBEAT_KEY = "autotitan/heartbeat/{rank}"
 HEARTBEAT_S = 0.5
 QUIET_S = 5 * HEARTBEAT_S  # a heartbeat older than this: the rank has stalled
+TIMEOUT_KEY = "autotitan/timed_out/{attempt}/{rank}"  # posted by each rank whose collective timed out
+TIMEOUT_GRACE_S = 5.0  # how long a timed-out rank waits for the others (beating) to post theirs
 
 
 def _distributed() -> bool:
@@ -160,23 +167,80 @@ class StepGuard:
     # ------------------------------------------------------------------ stalls
     def stalled(self, error: BaseException, timeout_s: float) -> TrainingFault:
         """The fault of a timed-out collective: the ranks whose heartbeat went quiet (with
-        their last step and phase), where this rank waited, and what to do."""
-        store, world, now = _heartbeat_store(), dist.get_world_size(), time.time()
-        quiet: dict[int, str] = {}
-        for r in range(world):
-            try:
-                t, s, ph = store.get(HEARTBEAT_KEY.format(rank=r)).decode().split("\t", 2)
-                if now - float(t) > QUIET_S:
-                    quiet[r] = f"rank {r} (silent for {now - float(t):.0f} s, last at step {s}, in {ph})"
-            except Exception:  # noqa: BLE001 - a rank that never posted
-                quiet[r] = f"rank {r} (never posted)"
-        alive = [r for r in range(world) if r not in quiet] or [self.rank]
-        who = ", ".join(quiet.values()) or "no rank's heartbeat stopped (a collective slower than the timeout?)"
+        their last step and phase), else the ranks that never reached the collective the others
+        timed out in (hung in a call, their heartbeat thread alive), where this rank waited, and
+        what to do. Every rank that timed out says so in the store; the lowest reports."""
+        store, world = _heartbeat_store(), dist.get_world_size()
+        quiet, at = _heartbeats(store, world)
+        timed_out = self._report_timeout(store, [r for r in range(world) if r not in quiet])
+        hung = [r for r in range(world) if r not in quiet and r not in timed_out and r in at]
+        if quiet:
+            who = ", ".join(quiet.values())
+        elif hung and timed_out:
+            who = "no rank's heartbeat stopped; " + ", ".join(
+                f"rank {r} never reached the collective the others timed out in (its heartbeat beats: at step "
+                f"{at[r][0]}, in {at[r][1]})" for r in hung)
+        else:
+            who = behind(at)
+        reporters = sorted(timed_out) or [r for r in range(world) if r not in quiet] or [self.rank]
         return TrainingFault(f"step {self.step}: a collective timed out after {timeout_s:g} s ([comm] timeout_s); "
                              f"stalled: {who}; rank {self.rank} waited in {self.phase} "
                              f"({str(error).strip().splitlines()[0][:160]}); the job ends: restart it (it resumes from "
                              "the latest complete checkpoint), or raise [comm] timeout_s if a step takes that long",
-                             reporting_rank=min(alive))
+                             reporting_rank=min(reporters))
+
+    def _report_timeout(self, store: Any, expected: list[int]) -> set[int]:
+        """Post that this rank timed out; wait up to `TIMEOUT_GRACE_S` for the `expected` ranks
+        (those whose heartbeat beats) to post theirs; the ranks that did."""
+        if store is None:
+            return {self.rank}
+        key = TIMEOUT_KEY.format(attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), rank="{rank}")
+        with contextlib.suppress(Exception):
+            store.set(key.format(rank=self.rank), str(self.step))
+        deadline, seen = time.time() + TIMEOUT_GRACE_S, {self.rank}
+        while True:
+            for r in expected:
+                with contextlib.suppress(Exception):
+                    if r not in seen and store.check([key.format(rank=r)]):
+                        seen.add(r)
+            if seen >= set(expected) or time.time() > deadline:
+                return seen
+            time.sleep(0.2)
+
+
+def _heartbeats(store: Any, world: int) -> tuple[dict[int, str], dict[int, tuple[int, str]]]:
+    """({rank: why} of the ranks whose heartbeat went quiet or never came, {rank: (step, phase)}
+    of every rank that posted)."""
+    now = time.time()
+    quiet: dict[int, str] = {}
+    at: dict[int, tuple[int, str]] = {}
+    for r in range(world):
+        try:
+            t, s, ph = store.get(HEARTBEAT_KEY.format(rank=r)).decode().split("\t", 2)
+            at[r] = (int(s), ph)
+            if now - float(t) > QUIET_S:
+                quiet[r] = f"rank {r} (silent for {now - float(t):.0f} s, last at step {s}, in {ph})"
+        except Exception:  # noqa: BLE001 - a rank that never posted
+            quiet[r] = f"rank {r} (never posted)"
+    return quiet, at
+
+
+PHASES = ("the forward and backward", "the gradient norm", "the step's agreement (finite values, stop requests)",
+          "the optimizer step", "the validation", "the checkpoint save")
+"""A step's phases in the order a rank goes through them (what `StepGuard.at` posts)."""
+
+
+def behind(at: dict[int, tuple[int, str]]) -> str:
+    """Every heartbeat still beats (a rank hung inside a call, its heartbeat thread alive): the
+    ranks behind the others by their posted step, then phase (`PHASES` order)."""
+    place = {r: (step, PHASES.index(ph) if ph in PHASES else len(PHASES)) for r, (step, ph) in at.items()}
+    if len(set(place.values())) < 2:
+        return "no rank's heartbeat stopped and every rank is at the same place (a collective slower than the timeout?)"
+    low = min(place.values())
+    late = sorted(r for r, p in place.items() if p == low)
+    others = sorted({f"step {s}, in {ph}" for r, (s, ph) in at.items() if r not in late})
+    ranks = ", ".join(f"rank {r} (at step {at[r][0]}, in {at[r][1]})" for r in late)
+    return f"no rank's heartbeat stopped; behind the others: {ranks} (the others at {'; '.join(others)})"
 
 
 def _heartbeat_store() -> Any:

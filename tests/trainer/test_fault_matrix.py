@@ -137,6 +137,17 @@ def test_the_verdict_wants_the_damage_named_and_another_model_refused():
     assert "exited 0, not 2" in ft.verdict(_facts("other_model", rerun=ft.Run(0, _out(0, range(1, 9))), **other))
 
 
+def test_the_verdict_wants_a_hung_rank_named():
+    fired = ["hang_in_step rank 1 pid 7 in optimizer step 3"]
+    line = ("training fault: step 3: a collective timed out after 15 s ([comm] timeout_s); stalled: no rank's "
+            "heartbeat stopped; rank {r} never reached the collective the others timed out in (...)\n")
+    assert ft.verdict(_facts("hang_step", first=ft.Run(1, line.format(r=1)), fired=fired)) is None
+    assert "does not name the hung rank" in ft.verdict(_facts("hang_step", first=ft.Run(1, line.format(r=0)),
+                                                              fired=fired))
+    assert "no 'training fault" in ft.verdict(_facts("hang_step", first=ft.Run(1, "x\n"), fired=fired))
+    assert "exited 0" in ft.verdict(_facts("hang_step", first=ft.Run(0, line.format(r=1)), fired=fired))
+
+
 def test_trials_go_round_robin_over_the_faults_of_the_mode():
     manual = fm.schedule(ft.FAULTS, "manual", 20)
     assert len(manual) == 20 and not set(manual) & set(ft.AUTO_ONLY)
