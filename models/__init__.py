@@ -24,6 +24,7 @@ from torch import nn
 from .deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args, DeepSeekV3Model
 from .llama3 import LLAMA3_FLAVORS, Llama3Args, Llama3Model
 from .qwen3 import QWEN3_FLAVORS, Qwen3Args, Qwen3Model
+from .qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeArgs, Qwen3MoeModel
 
 __all__ = [
     "ModelSpec",
@@ -48,6 +49,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
     "llama3": ModelSpec("llama3", Llama3Model, Llama3Args, LLAMA3_FLAVORS),
     "qwen3": ModelSpec("qwen3", Qwen3Model, Qwen3Args, QWEN3_FLAVORS),
     "deepseek_v3": ModelSpec("deepseek_v3", DeepSeekV3Model, DeepSeekV3Args, DEEPSEEK_V3_FLAVORS),
+    "qwen3_moe": ModelSpec("qwen3_moe", Qwen3MoeModel, Qwen3MoeArgs, QWEN3_MOE_FLAVORS),
 }
 
 

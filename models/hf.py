@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints: config translation and parameter-name maps (LLaMA 3, Qwen3).
+"""Hugging Face checkpoints: config translation and parameter-name maps (LLaMA 3, Qwen3, Qwen3-MoE).
 
 Pure functions, no file I/O: `trainer/hf_checkpoint.py` and `scripts/convert_hf.py` read
 and write the folders. No q/k permutation is needed: our RoPE (`models/layers.py`) is the
@@ -6,7 +6,8 @@ rotate-half form with real cos/sin tables, i.e. HF's layout (HF's own conversion
 permutes Meta's interleaved checkpoints into this layout), so ``wq``/``wk`` are copied as
 they are. Tied embeddings (``tie_word_embeddings``) are untied on the way in: ``output``
 starts as a copy of ``tok_embeddings`` and trains on its own, so an export always writes
-``lm_head.weight`` and ``tie_word_embeddings = false``.
+``lm_head.weight`` and ``tie_word_embeddings = false``. Qwen3-MoE's experts are one HF tensor
+each and one stacked parameter of ours per layer and projection: models/hf_experts.py.
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ from typing import Any
 
 from .llama3 import Llama3Args
 from .qwen3 import Qwen3Args
+from .qwen3_moe import Qwen3MoeArgs
 
 __all__ = ["HF_ARCHITECTURES", "HFConfigError", "args_from_hf_config", "hf_config_from_args", "to_hf_key",
            "from_hf_key", "hf_state_keys"]
 
-HF_ARCHITECTURES: dict[str, str] = {"LlamaForCausalLM": "llama3", "Qwen3ForCausalLM": "qwen3"}
+HF_ARCHITECTURES: dict[str, str] = {"LlamaForCausalLM": "llama3", "Qwen3ForCausalLM": "qwen3",
+                                    "Qwen3MoeForCausalLM": "qwen3_moe"}
 """HF ``architectures[0]`` -> our model name."""
-_MODEL_TYPE = {"llama3": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM")}
-_ARGS_CLS = {"llama3": Llama3Args, "qwen3": Qwen3Args}
+_MODEL_TYPE = {"llama3": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+               "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
+_ARGS_CLS = {"llama3": Llama3Args, "qwen3": Qwen3Args, "qwen3_moe": Qwen3MoeArgs}
 
 
 class HFConfigError(ValueError):
@@ -44,6 +48,7 @@ _BLOCK = {
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "moe.router.gate.weight": "mlp.gate.weight",  # Qwen3-MoE; its experts: models/hf_experts.py
 }
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
@@ -112,8 +117,10 @@ def _check_supported(cfg: dict[str, Any], arch: str) -> None:
     for k in ("attention_bias", "mlp_bias"):
         if cfg.get(k):
             unsupported.append(f"{k} = true")
-    if arch == "qwen3" and cfg.get("use_sliding_window"):
+    if arch in ("qwen3", "qwen3_moe") and cfg.get("use_sliding_window"):
         unsupported.append("use_sliding_window = true")
+    if arch == "qwen3_moe":
+        unsupported += _qwen3_moe_unsupported(cfg)
     _, rs = _rope(cfg)
     if rs and rs.get("rope_type", rs.get("type")) not in ("llama3", "default"):
         unsupported.append(f"rope_scaling type {rs.get('rope_type', rs.get('type'))!r} (only 'llama3')")
@@ -131,9 +138,11 @@ def args_from_hf_config(cfg: dict[str, Any]) -> tuple[str, Llama3Args]:
         dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads, vocab_size=cfg["vocab_size"],
-        ffn_hidden_dim=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        ffn_hidden_dim=cfg["intermediate_size"] if name != "qwen3_moe" else 0, norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=_rope(cfg)[0], max_seq_len=cfg.get("max_position_embeddings", 2048),
-        qk_norm=name == "qwen3")
+        qk_norm=name in ("qwen3", "qwen3_moe"))
+    if name == "qwen3_moe":
+        kw.update(_qwen3_moe_args(cfg))
     rs = _rope(cfg)[1]
     if rs:
         kw.update(rope_scaling_factor=float(rs["factor"]), rope_low_freq_factor=float(rs["low_freq_factor"]),
@@ -157,6 +166,8 @@ def hf_config_from_args(name: str, args: Llama3Args, base: dict[str, Any] | None
         attention_bias=False, tie_word_embeddings=False)
     if name == "llama3":
         cfg["mlp_bias"] = False
+    if name == "qwen3_moe":
+        _qwen3_moe_config(cfg, args, base or {})
     scaling = args.rope_scaling()
     cfg.pop("rope_scaling", None)
     rope: dict[str, Any] = {"rope_theta": args.rope_theta, "rope_type": "default"}
@@ -172,5 +183,52 @@ def args_overrides_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     flavor's: a job started from HF weights computes what the checkpoint was trained with."""
     _, args = args_from_hf_config(cfg)
     keep = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-            "rope_original_max_seq_len")
+            "rope_original_max_seq_len", "route_norm", "n_activated_experts")  # the last two: Qwen3-MoE's routing
     return {k: getattr(args, k) for k in keep if k in {f.name for f in dataclasses.fields(args)}}
+
+
+# ---------------------------------------------------------------------------------- Qwen3-MoE
+
+
+def _n_experts(cfg: dict[str, Any]) -> int:
+    """Hub configs say ``num_experts``; transformers 5 writes ``num_local_experts`` (its alias)."""
+    return int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
+
+
+def _qwen3_moe_unsupported(cfg: dict[str, Any]) -> list[str]:
+    """Qwen3-MoE options our model lacks: dense layers among the MoE ones, shared experts.
+    (``router_aux_loss_coef`` / ``output_router_logits`` only add a training loss: ignored.)"""
+    out = []
+    if cfg.get("decoder_sparse_step", 1) != 1:
+        out.append(f"decoder_sparse_step = {cfg['decoder_sparse_step']!r} (dense layers between MoE layers; "
+                   "only 1: every layer MoE)")
+    if cfg.get("mlp_only_layers"):
+        out.append(f"mlp_only_layers = {cfg['mlp_only_layers']!r} (dense layers; only [])")
+    if _n_experts(cfg) <= 0:
+        out.append(f"num_experts = {cfg.get('num_experts', cfg.get('num_local_experts'))!r} (no MoE layers; "
+                   "a dense checkpoint is Qwen3ForCausalLM)")
+    for k in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        if cfg.get(k):
+            out.append(f"{k} = {cfg[k]!r} (shared experts; Qwen3-MoE has none)")
+    return out
+
+
+def _qwen3_moe_args(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Our Qwen3-MoE arguments from the HF config (transformers' default ``norm_topk_prob`` is false)."""
+    n, k = _n_experts(cfg), cfg.get("num_experts_per_tok")
+    if not isinstance(k, int) or not 0 < k <= n:
+        raise HFConfigError(f"num_experts_per_tok = {k!r}: must be an integer in 1..num_experts ({n})")
+    return dict(ffn_hidden_dim=0, moe_inter_dim=cfg["moe_intermediate_size"], n_routed_experts=n,
+                n_activated_experts=k, route_norm=bool(cfg.get("norm_topk_prob", False)))
+
+
+def _qwen3_moe_config(cfg: dict[str, Any], args: Qwen3MoeArgs, base: dict[str, Any]) -> None:
+    """The MoE entries of an exported config, in place; ``intermediate_size`` (dense layers,
+    none here) is the source config's, or left out."""
+    cfg.pop("num_local_experts", None)
+    cfg.pop("intermediate_size", None)
+    if "intermediate_size" in base:
+        cfg["intermediate_size"] = base["intermediate_size"]
+    cfg.update(num_experts=args.n_routed_experts, num_experts_per_tok=args.n_activated_experts,
+               moe_intermediate_size=args.moe_inter_dim, norm_topk_prob=args.route_norm, decoder_sparse_step=1,
+               mlp_only_layers=[], use_sliding_window=False)

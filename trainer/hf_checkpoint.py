@@ -43,9 +43,8 @@ from models.hf import (
     args_overrides_from_hf,
     from_hf_key,
     hf_config_from_args,
-    hf_state_keys,
-    to_hf_key,
 )
+from models.hf_experts import stack_experts
 
 from .checkpoint_files import (
     TRUST,
@@ -57,6 +56,7 @@ from .checkpoint_files import (
     write_manifest,
 )
 from .errors import ConfigError
+from .hf_experts import ExpertSlicePlanner, has_hf_name, hf_load_entries, hf_shapes, to_hf_tensors
 
 HF_CONFIG_FILE = "hf_config.json"
 """The HF config inside a DCP folder written by `convert_hf.py to-dcp`: `to-hf` needs nothing else."""
@@ -231,16 +231,17 @@ def _load_model_items(sd: dict[str, torch.Tensor], folder: Path, trust_foreign: 
 
 def load_hf_into(sd: dict[str, torch.Tensor], folder: Path, what: str) -> None:
     """Fill our state dict `sd` (plain or DTensor values) from an HF safetensors folder with
-    DCP's HF reader; a tied checkpoint without `lm_head.weight` fills `output` from the embedding."""
-    names = hf_state_keys(list(sd))
+    DCP's HF reader; a tied checkpoint without `lm_head.weight` fills `output` from the embedding.
+    Stacked experts are read one HF tensor per expert, each rank its own (trainer/hf_experts.py)."""
     have = hf_tensor_shapes(folder)
     tied = read_hf_config(folder).get("tie_word_embeddings", False) and "lm_head.weight" not in have
-    want = {names[k]: tuple(v.shape) for k, v in sd.items() if not (tied and k == "output.weight")}
+    skip = ("output.weight",) if tied else ()
+    want = hf_shapes({k: tuple(v.shape) for k, v in sd.items() if k not in skip})
     _check(folder, what, want, have)
-    hf_sd = {names[k]: v for k, v in sd.items() if not (tied and k == "output.weight")}
+    hf_sd, boxes = hf_load_entries(sd, skip)
     reader = dcp.HuggingFaceStorageReader(str(folder))
     with _quiet():
-        dcp.load(hf_sd, storage_reader=reader)
+        dcp.load(hf_sd, storage_reader=reader, planner=ExpertSlicePlanner(boxes) if boxes else None)
         if tied:
             dcp.load({"model.embed_tokens.weight": sd["output.weight"]},
                      storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
@@ -254,8 +255,7 @@ def read_hf_folder(folder: Path | str) -> tuple[str, Any, dict[str, Any], dict[s
     name, args = args_from_hf_config(hf_cfg)
     with torch.device("meta"):
         model = get_model_spec(name).model_cls(args)
-    sd = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in model.state_dict().items()
-          if k in hf_state_keys([k])}
+    sd = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in model.state_dict().items() if has_hf_name(k)}
     load_hf_into(sd, folder, f"the {name} model its config.json describes")
     return name, args, hf_cfg, sd
 
@@ -278,7 +278,9 @@ def write_hf_folder(tensors: dict[str, torch.Tensor], hf_cfg: dict[str, Any], ou
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][k] = t.detach().contiguous().cpu()
+        t = t.detach().contiguous().cpu()
+        # an expert's slice of a stacked tensor shares its storage, which safetensors refuses
+        shards[-1][k] = t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
         size += nbytes
     n = len(shards)
     files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -319,14 +321,9 @@ def _replace(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def to_hf_tensors(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our full state dict -> HF names (buffers dropped); an unknown name raises KeyError."""
-    return {to_hf_key(k): v for k, v in sd.items() if k in hf_state_keys([k])}
-
-
 def from_hf_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF names -> ours."""
-    return {from_hf_key(k): v for k, v in tensors.items()}
+    """HF names -> ours (one tensor per expert stacked back into ours)."""
+    return {from_hf_key(k) if k in tensors else k: v for k, v in stack_experts(tensors).items()}
 
 
 def save_hf(model: torch.nn.Module, hf_cfg: dict[str, Any], out: Path | str) -> Optional[Path]:
@@ -402,8 +399,9 @@ def dcp_to_hf(dcp_dir: Path | str, hf_dir: Path | str, trust_foreign: bool = Fal
     src = Path(dcp_dir)
     check_destination(src, hf_dir, overwrite)
     if not (src / HF_CONFIG_FILE).is_file():
-        raise ConfigError(f"{src}: no {HF_CONFIG_FILE} (the HF config that to-dcp's folders and the LLaMA 3 and "
-                          "Qwen3 training checkpoints carry): not such a DCP folder; give one of those")
+        raise ConfigError(f"{src}: no {HF_CONFIG_FILE} (the HF config that to-dcp's folders and the training "
+                          f"checkpoints of {', '.join(sorted(HF_MODELS))} carry): not such a DCP folder; "
+                          "give one of those")
     hf_cfg = json.loads((src / HF_CONFIG_FILE).read_text())
     try:
         name, args = args_from_hf_config(hf_cfg)
@@ -411,7 +409,7 @@ def dcp_to_hf(dcp_dir: Path | str, hf_dir: Path | str, trust_foreign: bool = Fal
         raise ConfigError(f"{src / HF_CONFIG_FILE}: {e}") from None
     with torch.device("meta"):
         model = get_model_spec(name).model_cls(args)
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items() if k in hf_state_keys([k])}
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items() if has_hf_name(k)}
     override = "pass --trust-foreign to convert_hf.py to-hf"
     meta = _trusted_metadata(src, trust_foreign, override)
     have = {k[len("model."):]: tuple(m.size) for k, m in meta.items() if k.startswith("model.")}

@@ -27,9 +27,12 @@ PUBLISHED = {
     ("llama3", "70B"): 70.6e9,
     ("qwen3", "32B"): 32.8e9,
     ("deepseek_v3", "16B"): 15.7e9,
+    ("qwen3_moe", "30B-A3B"): 30.5e9,
+    ("qwen3_moe", "235B-A22B"): 235e9,
 }
 ALL_FLAVORS = [(n, f) for n, s in MODEL_SPECS.items() for f in s.flavors]
-DEBUG = ["llama3", "qwen3", "deepseek_v3"]
+DEBUG = ["llama3", "qwen3", "deepseek_v3", "qwen3_moe"]
+MOE = ("deepseek_v3", "qwen3_moe")
 
 
 def _numel(m: nn.Module) -> int:
@@ -50,10 +53,11 @@ def _cpu_model(name: str, seed: int = 0, **kw) -> nn.Module:
 
 
 def test_registry_names_and_flavors():
-    assert set(MODEL_SPECS) == {"llama3", "qwen3", "deepseek_v3"}
+    assert set(MODEL_SPECS) == {"llama3", "qwen3", "deepseek_v3", "qwen3_moe"}
     assert set(get_model_spec("llama3").flavors) == {"debug", "8B", "70B"}
     assert set(get_model_spec("qwen3").flavors) == {"debug", "32B"}
     assert set(get_model_spec("deepseek_v3").flavors) == {"debug", "16B"}
+    assert set(get_model_spec("qwen3_moe").flavors) == {"debug", "30B-A3B", "235B-A22B"}
     with pytest.raises(ValueError, match="llama3"):
         get_model_spec("gpt5")
     with pytest.raises(ValueError, match="8B"):
@@ -101,6 +105,12 @@ def test_flops_per_token():
     d = model_args("deepseek_v3", "16B")
     assert d.active_params() < d.num_params() / 4  # only 6 of 64 experts count
     assert 2.2e9 < d.active_params() < 2.7e9  # V2-Lite: ~2.4B active (incl. output)
+    # Qwen3-MoE: the published "A3B" / "A22B" counts include the embedding
+    for flavor, active in (("30B-A3B", 3.3e9), ("235B-A22B", 22e9)):
+        q = model_args("qwen3_moe", flavor)
+        assert abs(q.active_params(exclude_embedding=False) - active) / active < 0.02, (flavor, q.active_params())
+        attn = 12 * q.n_layers * q.n_heads * q.head_dim * 4096
+        assert q.flops_per_token(4096) == pytest.approx(6 * q.active_params() + attn)
 
 
 # ---------------------------------------------------------------- FQNs / structure
@@ -155,6 +165,26 @@ def test_deepseek_structure():
     assert [hasattr(layer, "moe") for layer in big.layers] == [False] + [True] * 26
 
 
+def test_qwen3_moe_structure():
+    """Every layer is MoE (no dense FFN, no shared expert), Qwen3's q/k norms, normalised top-k."""
+    m = build_model("qwen3_moe", "debug")
+    a = m.args
+    for layer in m.layers:
+        assert not hasattr(layer, "feed_forward") and layer.moe.shared_experts is None
+        assert layer.moe.experts.w1.shape == (a.n_routed_experts, a.moe_inter_dim, a.dim)
+        assert layer.moe.experts.w2.shape == (a.n_routed_experts, a.dim, a.moe_inter_dim)
+        r = layer.moe.router
+        assert r.route_norm and r.route_scale == 1.0 and r.top_k == a.n_activated_experts == 2
+        assert layer.attention.q_norm.weight.shape == (a.head_dim,)
+    big = model_args("qwen3_moe", "235B-A22B")
+    assert (big.dim, big.n_layers, big.n_heads, big.n_kv_heads, big.head_dim, big.moe_inter_dim,
+            big.n_routed_experts, big.n_activated_experts) == (4096, 94, 64, 4, 128, 1536, 128, 8)
+    with pytest.raises(ValueError, match="ffn_hidden_dim = 512"):
+        model_args("qwen3_moe", "debug", ffn_hidden_dim=512)
+    with pytest.raises(ValueError, match="n_activated_experts = 9"):
+        model_args("qwen3_moe", "debug", n_activated_experts=9)
+
+
 # ---------------------------------------------------------------- numerics
 
 
@@ -176,7 +206,7 @@ def test_debug_forward_backward(name):
     assert not zero, zero
     # every routed expert got tokens: each expert's slice of w1/w2/w3 has a non-zero gradient
     experts = {n: p.grad.flatten(1).abs().amax(1) for n, p in m.named_parameters() if ".moe.experts." in n}
-    assert bool(experts) == (name == "deepseek_v3")
+    assert bool(experts) == (name in MOE)
     for n, per_expert in experts.items():
         assert (per_expert > 0).all(), (n, per_expert)
 
@@ -245,10 +275,13 @@ def test_sdpa_seam_replaceable():
 
 
 def _naive_moe(moe, x):
-    """Per-token reference: sum_k score_k * expert_k(x) + shared(x)."""
+    """Per-token reference: sum_k score_k * expert_k(x) + shared(x) (scores renormalised
+    over the k when the router's ``route_norm``)."""
     xf = x.reshape(-1, x.shape[-1])
     scores = F.softmax(moe.router.gate(xf).float(), dim=-1)
     top, sel = scores.topk(moe.top_k, dim=-1)
+    if moe.router.route_norm:
+        top = top / top.sum(-1, keepdim=True)
     e = moe.experts
     out = torch.zeros_like(xf)
     for t in range(xf.shape[0]):
@@ -256,11 +289,13 @@ def _naive_moe(moe, x):
             i = sel[t, j]
             h = F.silu(e.w1[i] @ xf[t]) * (e.w3[i] @ xf[t])
             out[t] += top[t, j] * (e.w2[i] @ h)
-    return (out + moe.shared_experts(xf)).reshape(x.shape)
+    shared = moe.shared_experts(xf) if moe.shared_experts is not None else 0
+    return (out + shared).reshape(x.shape)
 
 
-def test_moe_matches_naive_reference():
-    moe = _cpu_model("deepseek_v3").layers[1].moe
+@pytest.mark.parametrize("name,layer", [("deepseek_v3", 1), ("qwen3_moe", 0)])
+def test_moe_matches_naive_reference(name, layer):
+    moe = _cpu_model(name).layers[layer].moe
     x = torch.randn(2, 8, 256)
     torch.testing.assert_close(moe(x), _naive_moe(moe, x), atol=1e-5, rtol=1e-4)
 
@@ -308,7 +343,8 @@ def test_moe_dispatch_seam_replaceable():
 
 @pytest.mark.parametrize(
     "name,dtype",
-    [("llama3", torch.float32), ("qwen3", torch.float32), ("deepseek_v3", torch.bfloat16)],
+    [("llama3", torch.float32), ("qwen3", torch.float32), ("deepseek_v3", torch.bfloat16),
+     ("qwen3_moe", torch.bfloat16)],
 )
 def test_fake_tensor_materialise_and_backward(name, dtype):
     """The planner's path: meta build -> to_empty under FakeTensorMode -> fwd+bwd.

@@ -117,3 +117,21 @@ def test_deepseek_v3_auto_mode_with_moe_through_train_py_matches_one_rank(tmp_pa
     diff = max(abs(two[s] - ref[s]) for s in two)
     print(f"deepseek_v3 auto 2 ranks vs 1 rank: max |dloss| = {diff:.2e} over {len(two)} steps")
     assert sorted(two) == [1, 2, 3] and diff < TOL, (two, ref)
+
+
+@pytest.mark.slow
+def test_qwen3_moe_auto_mode_through_train_py_matches_one_rank(tmp_path):
+    """Qwen3-MoE (q/k norms, MoE in every layer, normalised top-k): its dispatch planned as the
+    moe_dispatch region, losses equal to 1 rank."""
+    from trainer.trainer import Trainer
+
+    small = ["--model.n_layers", "2", "--training.steps", "3"]
+    ref = Trainer(make_config(tmp_path, "qwen3_moe_debug", extra=[*small, *SPLIT], job="ref")).train()
+    r = torchrun(tmp_path, "auto", small, config="qwen3_moe_debug_auto")
+    out = r.stdout + r.stderr
+    assert "moe.experts.w1:" in out and "(region moe_dispatch" in out
+    assert "runtime: 3 steps as one step graph per rank, 0 deviations from the plan" in out
+    two = read_losses(tmp_path, "auto")
+    diff = max(abs(two[s] - ref[s]) for s in two)
+    print(f"qwen3_moe auto 2 ranks vs 1 rank: max |dloss| = {diff:.2e} over {len(two)} steps")
+    assert sorted(two) == [1, 2, 3] and diff < TOL, (two, ref)

@@ -90,6 +90,7 @@ CASES = {
     "deepseek_v3_ep2_tp2": ("deepseek_v3", (2, 2), (DP_SHARD, TP), ep2_tp2),
     "deepseek_v3_ep2": ("deepseek_v3", (2,), (DP_SHARD,), ep2),
     "deepseek_v3_ep2_fsdp4": ("deepseek_v3", (4,), (DP_SHARD,), ep2),
+    "qwen3_moe_ep2": ("qwen3_moe", (2,), (DP_SHARD,), ep2),
 }
 
 
