@@ -10,7 +10,8 @@ from trainer.optim import WarmupDecay, clip_grad_norm_, total_grad_norm
 from trainer.trainer import Trainer
 
 
-@pytest.mark.parametrize("name", ["llama3_debug", "qwen3_debug", "deepseek_v3_debug", "qwen3_moe_debug"])
+@pytest.mark.parametrize("name", ["llama3_debug", "qwen3_debug", "deepseek_v3_debug",
+                                  pytest.param("qwen3_moe_debug", marks=pytest.mark.slow)])
 def test_debug_model_loss_falls_over_30_steps(cfg_factory, tmp_path, name):
     cfg = cfg_factory(name, ["--training.steps", "30", "--metrics.log_freq", "10"])
     logged = Trainer(cfg).train()
