@@ -1,11 +1,17 @@
 """The soak run's verdicts (tools/soak.py) from rows, without a run: the issue's 5 % limits and
-the disk bound by keep_latest_k pass and fail where they should."""
+the disk bound by keep_latest_k pass and fail where they should; its timeout's kill reaches a
+worker in a session of its own (as torchrun starts them)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
-from tools.soak import Disk, Row, main, verdicts, window_ms
+from tools.soak import Disk, Row, descendants, kill_job, main, verdicts, window_ms
 
 K = 3
 DISK = Disk(peak_count=K + 1, peak_mib=150.0, end_mib=114.0, one_mib=38.0)
@@ -58,3 +64,25 @@ def test_bad_arguments_exit_2():
     with pytest.raises(SystemExit) as e:
         main(["--steps", "0"])
     assert e.value.code == 2
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_timeout_kills_workers_in_sessions_of_their_own():
+    code = ("import subprocess, sys, time; w = subprocess.Popen(['sleep', '60'], start_new_session=True); "
+            "print(w.pid, flush=True); time.sleep(60)")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    worker = int(launcher.stdout.readline())
+    assert worker in descendants(launcher.pid)
+    kill_job(launcher.pid)
+    launcher.wait(timeout=10)
+    deadline = time.time() + 10
+    while _alive(worker) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker)

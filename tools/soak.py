@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import shutil
@@ -275,7 +276,7 @@ def run(args: argparse.Namespace, folder: Path) -> int:
     proc = subprocess.Popen(command(args, folder), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     timed_out = threading.Event()
-    timer = threading.Timer(args.timeout, lambda: (timed_out.set(), _kill_group(proc.pid)))
+    timer = threading.Timer(args.timeout, lambda: (timed_out.set(), kill_job(proc.pid)))
     timer.start()
     try:
         with Poller(folder / "soak" / "checkpoints") as poller:
@@ -283,7 +284,7 @@ def run(args: argparse.Namespace, folder: Path) -> int:
             rc = proc.wait()
     finally:
         timer.cancel()
-        _kill_group(proc.pid)  # nothing of the job outlives us
+        kill_job(proc.pid)  # nothing of the job outlives us
     if args.keep:
         (folder / "soak.log").write_text("".join(log))
     print(f"job: exit {rc} after {time.monotonic() - t0:.0f} s"
@@ -301,11 +302,35 @@ def run(args: argparse.Namespace, folder: Path) -> int:
     return 0 if all(v.ok for v in results) else 1
 
 
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (children, theirs, ...), from /proc's parent ids."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # not a process, or it has ended
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        found = children.get(todo.pop(), [])
+        out += found
+        todo += found
+    return out
+
+
+def kill_job(launcher: int) -> None:
+    """SIGKILL to the launcher's process group and to its descendants' groups: torchrun starts
+    every worker in a session of its own, which a kill of its group alone would leave running."""
+    groups = {launcher}
+    for pid in descendants(launcher):
+        with contextlib.suppress(OSError):
+            groups.add(os.getpgid(pid))
+    groups.discard(os.getpgrp())
+    for g in groups:
+        with contextlib.suppress(OSError):
+            os.killpg(g, signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:
