@@ -27,8 +27,8 @@ def rows(rss_growth: float = 0.0, time_growth: float = 0.0) -> list[Row]:
     return [Row(100, [300.0, 300.0], [20, 20], 38.0, 1, 900.0), *out]
 
 
-def by_name(rs: list[Row], disk: Disk = DISK) -> dict[str, bool]:
-    return {v.name: v.ok for v in verdicts(rs, disk, K)}
+def by_name(rs: list[Row], disk: Disk = DISK, clock: str = "wall") -> dict[str, bool]:
+    return {v.name.split(" (")[0]: v.ok for v in verdicts(rs, disk, K, clock=clock)}
 
 
 def test_flat_rows_pass():
@@ -44,8 +44,17 @@ def test_step_time_drift_is_measured_from_the_window_after_warm_up():
     assert by_name(rows(time_growth=0.04))["step time"]
     assert not by_name(rows(time_growth=0.06))["step time"]
     assert by_name(rows(time_growth=-0.2))["step time"]  # faster is no drift to worry about
-    text = next(v.text for v in verdicts(rows(time_growth=0.06), DISK, K) if v.name == "step time")
+    text = next(v.text for v in verdicts(rows(time_growth=0.06), DISK, K) if v.name == "step time (wall)")
     assert "window to step 1000" in text and "+6.0%" in text
+
+
+def test_the_cpu_clock_judges_cpu_time_per_step():
+    rs = rows(time_growth=0.3)  # wall time slowed by other jobs' load, the CPU time per step flat
+    for r in rs:
+        r.cpu_ms = 800.0
+    assert not by_name(rs)["step time"] and by_name(rs, clock="cpu")["step time"]
+    rs[-1].cpu_ms = 800.0 * 1.06
+    assert not by_name(rs, clock="cpu")["step time"]
 
 
 def test_disk_is_bounded_by_keep_latest_k():
