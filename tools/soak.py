@@ -3,7 +3,8 @@ checkpoint every `--interval` steps, `keep_latest_k`, and validation; an observe
 trainer samples it while it runs.
 
     python scripts/soak.py [--steps 3000] [--report-every 500] [--interval 50] [--keep-latest-k 3]
-                           [--validation-freq 200] [--warm 500] [--clock wall] [--timeout 14400]
+                           [--validation-freq 200] [--local-batch-size 8] [--warm 500] [--clock wall]
+                           [--timeout 14400]
                            [--keep]
 
 Every `--report-every` steps one row: the step, each rank's RSS (VmRSS in /proc/PID/status of
@@ -88,7 +89,8 @@ class Verdict:
 def command(args: argparse.Namespace, folder: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
             str(free_port()), str(ROOT / "train.py"), "--config", "llama3_debug",
-            "--training.steps", str(args.steps), "--metrics.log_freq", "1",
+            "--training.steps", str(args.steps), "--training.local_batch_size", str(args.local_batch_size),
+            "--metrics.log_freq", "1",
             "--checkpoint.enable", "true", "--checkpoint.interval", str(args.interval),
             "--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", str(args.keep_latest_k),
             "--validation.enable", "true", "--validation.freq", str(args.validation_freq),
@@ -351,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=int, default=50, help="[checkpoint] interval")
     ap.add_argument("--keep-latest-k", type=int, default=3, help="[checkpoint] keep_latest_k")
     ap.add_argument("--validation-freq", type=int, default=200, help="[validation] freq")
+    ap.add_argument("--local-batch-size", type=int, default=8,
+                    help="[training] local_batch_size (llama3_debug's is 8; smaller makes the long run cheaper)")
     ap.add_argument("--warm", type=int, default=500, help="steps of start-up before the baselines")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="the step time judged; cpu: both ranks' CPU time per step (a machine shared with other jobs)")
