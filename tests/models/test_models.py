@@ -27,6 +27,7 @@ PUBLISHED = {
     ("llama3", "70B"): 70.6e9,
     ("qwen3", "32B"): 32.8e9,
     ("deepseek_v3", "16B"): 15.7e9,
+    ("deepseek_v3", "671B"): 671e9,  # without the MTP module (HF counts 685B with it)
 }
 ALL_FLAVORS = [(n, f) for n, s in MODEL_SPECS.items() for f in s.flavors]
 DEBUG = ["llama3", "qwen3", "deepseek_v3"]
@@ -53,7 +54,7 @@ def test_registry_names_and_flavors():
     assert set(MODEL_SPECS) == {"llama3", "qwen3", "deepseek_v3"}
     assert set(get_model_spec("llama3").flavors) == {"debug", "8B", "70B"}
     assert set(get_model_spec("qwen3").flavors) == {"debug", "32B"}
-    assert set(get_model_spec("deepseek_v3").flavors) == {"debug", "16B"}
+    assert set(get_model_spec("deepseek_v3").flavors) == {"debug", "16B", "671B"}
     with pytest.raises(ValueError, match="llama3"):
         get_model_spec("gpt5")
     with pytest.raises(ValueError, match="8B"):
