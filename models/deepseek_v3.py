@@ -4,7 +4,7 @@ Implemented as published: the router's score function (softmax | sigmoid), group
 routing (expert groups, groups kept), normalised and scaled top-k weights, aux-loss-free
 balancing (expert bias updated from the token counts after each optimizer step), the
 sequence-wise auxiliary loss as an option (models/moe.py), YaRN RoPE scaling with its
-softmax mscale, q LoRA. Flavors: ``debug`` (CPU-sized), ``16B`` (shaped like
+softmax mscale, q LoRA. Flavors: ``debug`` (CPU-sized, V3's routing), ``16B`` (shaped like
 DeepSeek-V2-Lite: softmax, no groups, no q LoRA), ``671B`` (DeepSeek-V3's published dims).
 Left out: multi-token prediction (MTP; an HF checkpoint's MTP layer is skipped on load) and
 FP8 training.
@@ -145,9 +145,11 @@ class DeepSeekV3Args:
 
 
 DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
+    # CPU-sized, with V3's routing (no expert bias: auto-mode jobs use it; set load_balance_coeff for one)
     "debug": DeepSeekV3Args(
         dim=256, n_layers=3, n_dense_layers=1, n_heads=8, vocab_size=256, inter_dim=768,
         moe_inter_dim=256, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2,
+        score_func="sigmoid", n_expert_groups=4, n_limited_groups=2, route_norm=True, route_scale=2.5,
         q_lora_rank=0, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
         v_head_dim=32, max_seq_len=2048,
     ),

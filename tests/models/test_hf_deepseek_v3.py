@@ -196,3 +196,17 @@ def test_checkpoint_without_expert_bias(saved, tmp_path):
     gate = hf_tensor_map(name, plain, shapes, cfg)["layers.1.moe.router.gate.weight"]
     with pytest.raises(HFConfigError, match="e_score_correction_bias is not zero, .*load_balance_coeff"):
         gate.join([sd["layers.1.moe.router.gate.weight"], sd["layers.1.moe.expert_bias"]])
+    # a DCP checkpoint of such a model (a training checkpoint: hf_config.json inside) goes to-hf with zeros
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": no_bias}, checkpoint_id=str(tmp_path / "dcp"))
+    (tmp_path / "dcp" / "hf_config.json").write_text(json.dumps(hf_config_from_args(name, plain)))
+    assert convert_hf.main(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "hf")]) == 0
+    back = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert not back.model.layers[1].mlp.gate.e_score_correction_bias.any()
+    with torch.no_grad():
+        assert (back(TOKENS).logits - ours_from(plain, no_bias)(TOKENS)).abs().max().item() <= TOL

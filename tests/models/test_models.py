@@ -245,23 +245,39 @@ def test_sdpa_seam_replaceable():
 # ---------------------------------------------------------------- MoE
 
 
+def _naive_choice(r, s: torch.Tensor) -> list[int]:
+    """One token's experts by the router's rules, in plain Python: the best ``top_k`` among the
+    experts of the ``n_limited_groups`` groups with the best two-expert sums."""
+    per = r.num_experts // r.n_groups
+    groups = [sorted(s[g * per:(g + 1) * per].tolist(), reverse=True) for g in range(r.n_groups)]
+    kept = sorted(range(r.n_groups), key=lambda g: -(groups[g][0] + (groups[g][1] if per > 1 else 0)))
+    allowed = [i for i in range(r.num_experts) if i // per in kept[:r.n_limited_groups]]
+    return sorted(allowed, key=lambda i: -s[i].item())[:r.top_k]
+
+
 def _naive_moe(moe, x):
-    """Per-token reference: sum_k score_k * expert_k(x) + shared(x)."""
+    """Per-token reference: sum_k weight_k * expert_k(x) + shared(x), the router's options by hand."""
+    r = moe.router
     xf = x.reshape(-1, x.shape[-1])
-    scores = F.softmax(moe.router.gate(xf).float(), dim=-1)
-    top, sel = scores.topk(moe.top_k, dim=-1)
+    logits = r.gate(xf).float()
+    scores = F.softmax(logits, dim=-1) if r.score_func == "softmax" else torch.sigmoid(logits)
     e = moe.experts
     out = torch.zeros_like(xf)
     for t in range(xf.shape[0]):
-        for j in range(moe.top_k):
-            i = sel[t, j]
+        sel = _naive_choice(r, scores[t])
+        w = scores[t, sel]
+        w = (w / w.sum() if r.route_norm else w) * r.route_scale
+        for j, i in enumerate(sel):
             h = F.silu(e.w1[i] @ xf[t]) * (e.w3[i] @ xf[t])
-            out[t] += top[t, j] * (e.w2[i] @ h)
+            out[t] += w[j] * (e.w2[i] @ h)
     return (out + moe.shared_experts(xf)).reshape(x.shape)
 
 
-def test_moe_matches_naive_reference():
-    moe = _cpu_model("deepseek_v3").layers[1].moe
+@pytest.mark.parametrize("routing", [{}, {"score_func": "softmax", "n_expert_groups": 1, "n_limited_groups": 1,
+                                         "route_norm": False, "route_scale": 1.0}])
+def test_moe_matches_naive_reference(routing):
+    """The debug flavor's routing (sigmoid, 4 groups keeping 2, normalised, x 2.5) and plain softmax top-k."""
+    moe = _cpu_model("deepseek_v3", **routing).layers[1].moe
     x = torch.randn(2, 8, 256)
     torch.testing.assert_close(moe(x), _naive_moe(moe, x), atol=1e-5, rtol=1e-4)
 

@@ -65,7 +65,8 @@ def test_bad_routing_is_one_config_error(tmp_path, extra, named):
 
 
 def test_softmax_routing_with_an_hf_export_fails_before_training(tmp_path):
-    cfg = make_config(tmp_path, "deepseek_v3_debug", ["--training.steps", "1", "--checkpoint.last_save_in_hf", "true"])
+    cfg = make_config(tmp_path, "deepseek_v3_debug", ["--training.steps", "1", "--checkpoint.last_save_in_hf", "true",
+                                                      "--model.score_func", "softmax"])
     with pytest.raises(ConfigError, match="last_save_in_hf' = true: score_func = 'softmax'"):
         Trainer(cfg)
 
@@ -75,7 +76,7 @@ def test_softmax_routing_with_an_hf_export_fails_before_training(tmp_path):
 transformers = pytest.importorskip("transformers")
 HF = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
           num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-          n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+          n_group=4, topk_group=3, first_k_dense_replace=1, routed_scaling_factor=1.5, norm_topk_prob=True,
           q_lora_rank=32, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
           max_position_embeddings=2048, initializer_range=0.1,
           rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -100,8 +101,8 @@ def test_job_from_transformers_deepseek_v3_and_back(tmp_path):
     cfg = make_config(tmp_path, "deepseek_v3_debug", [*start, "--model.load_balance_coeff", "0.001",
                                                       "--checkpoint.last_save_in_hf", "true"])
     tr = Trainer(cfg)
-    a = tr.model_args  # the checkpoint's routing and YaRN over the debug flavor's softmax and plain RoPE
-    assert (a.score_func, a.n_expert_groups, a.route_scale, a.rope_scaling_factor) == ("sigmoid", 4, 2.5, 4.0)
+    a = tr.model_args  # the checkpoint's routing and YaRN over the debug flavor's (2 groups kept, x 2.5, no YaRN)
+    assert (a.score_func, a.n_limited_groups, a.route_scale, a.rope_scaling_factor) == ("sigmoid", 3, 1.5, 4.0)
     tr.start()
     with torch.no_grad():
         assert (tr.model(TOKENS) - hf(TOKENS).logits).abs().max().item() <= 1e-5
