@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints: config translation and parameter-name maps (LLaMA 3, Qwen3, Qwen3-MoE).
+"""Hugging Face checkpoints: config translation and parameter-name maps (LLaMA 3, Qwen3, Qwen3-MoE;
+DeepSeek-V3 in models/hf_deepseek_v3.py, whose experts and RoPE rows are transformed).
 
 Pure functions, no file I/O: `trainer/hf_checkpoint.py` and `scripts/convert_hf.py` read
 and write the folders. No q/k permutation is needed: our RoPE (`models/layers.py`) is the
@@ -16,23 +17,24 @@ import dataclasses
 import re
 from typing import Any
 
+import torch
+
+from . import hf_deepseek_v3 as dsv3
+from .hf_base import HFConfigError, HFTensors
+from .hf_experts import expert_hf_keys, is_stacked_experts
 from .llama3 import Llama3Args
 from .qwen3 import Qwen3Args
 from .qwen3_moe import Qwen3MoeArgs
 
-__all__ = ["HF_ARCHITECTURES", "HFConfigError", "args_from_hf_config", "hf_config_from_args", "to_hf_key",
-           "from_hf_key", "hf_state_keys"]
+__all__ = ["HF_ARCHITECTURES", "HFConfigError", "HFTensors", "args_from_hf_config", "hf_config_from_args",
+           "to_hf_key", "from_hf_key", "hf_state_keys", "hf_tensor_map", "hf_skipped"]
 
 HF_ARCHITECTURES: dict[str, str] = {"LlamaForCausalLM": "llama3", "Qwen3ForCausalLM": "qwen3",
-                                    "Qwen3MoeForCausalLM": "qwen3_moe"}
+                                    "Qwen3MoeForCausalLM": "qwen3_moe", dsv3.ARCH: "deepseek_v3"}
 """HF ``architectures[0]`` -> our model name."""
 _MODEL_TYPE = {"llama3": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
                "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
 _ARGS_CLS = {"llama3": Llama3Args, "qwen3": Qwen3Args, "qwen3_moe": Qwen3MoeArgs}
-
-
-class HFConfigError(ValueError):
-    """An HF config this project cannot load (another architecture, an unsupported option)."""
 
 
 # ours -> HF, per block (after "layers.{i}.") and outside the blocks
@@ -109,9 +111,10 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
-def _check_supported(cfg: dict[str, Any], arch: str) -> None:
-    """Options our models do not implement are one error, not silently different logits."""
-    unsupported = []
+def _check_supported(cfg: dict[str, Any], arch: str, unsupported: list[str] | None = None) -> None:
+    """Options our models do not implement are one error, not silently different logits
+    (``unsupported``: those a family's own check found)."""
+    unsupported = list(unsupported or [])
     if cfg.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act = {cfg['hidden_act']!r} (only 'silu')")
     for k in ("attention_bias", "mlp_bias"):
@@ -132,6 +135,9 @@ def args_from_hf_config(cfg: dict[str, Any]) -> tuple[str, Llama3Args]:
     """(our model name, its args) from an HF ``config.json`` dict; another architecture or an
     option our model lacks raises `HFConfigError`."""
     name = _arch(cfg)
+    if name == "deepseek_v3":
+        _check_supported({**cfg, "rope_parameters": None, "rope_scaling": None}, name, dsv3.unsupported(cfg))
+        return name, dsv3.args_from_hf(cfg)
     _check_supported(cfg, name)
     n_heads = cfg["num_attention_heads"]
     kw: dict[str, Any] = dict(
@@ -154,6 +160,8 @@ def args_from_hf_config(cfg: dict[str, Any]) -> tuple[str, Llama3Args]:
 def hf_config_from_args(name: str, args: Llama3Args, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """An HF ``config.json`` dict for our model (``base``: the config it was loaded from,
     whose other entries are kept); always untied (see the module doc)."""
+    if name == "deepseek_v3":
+        return dsv3.hf_config(args, base)
     if name not in _MODEL_TYPE:
         raise HFConfigError(f"model {name!r} has no Hugging Face export; supported: {sorted(_MODEL_TYPE)}")
     model_type, arch = _MODEL_TYPE[name]
@@ -181,7 +189,9 @@ def hf_config_from_args(name: str, args: Llama3Args, base: dict[str, Any] | None
 def args_overrides_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     """The HF config's non-shape arguments (RoPE base and scaling, norm eps) as overrides of a
     flavor's: a job started from HF weights computes what the checkpoint was trained with."""
-    _, args = args_from_hf_config(cfg)
+    name, args = args_from_hf_config(cfg)
+    if name == "deepseek_v3":
+        return {"norm_eps": args.norm_eps, "rope_theta": args.rope_theta, **dsv3.override_args(args)}
     keep = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
             "rope_original_max_seq_len", "route_norm", "n_activated_experts")  # the last two: Qwen3-MoE's routing
     return {k: getattr(args, k) for k in keep if k in {f.name for f in dataclasses.fields(args)}}
@@ -232,3 +242,23 @@ def _qwen3_moe_config(cfg: dict[str, Any], args: Qwen3MoeArgs, base: dict[str, A
     cfg.update(num_experts=args.n_routed_experts, num_experts_per_tok=args.n_activated_experts,
                moe_intermediate_size=args.moe_inter_dim, norm_topk_prob=args.route_norm, decoder_sparse_step=1,
                mlp_only_layers=[], use_sliding_window=False)
+
+
+def hf_tensor_map(name: str, args: Any, shapes: dict[str, tuple[int, ...]],
+                  hf_cfg: dict[str, Any] | None = None) -> dict[str, HFTensors]:
+    """{our key: its HF tensors} for our state dict's {key: shape} (keys without an HF name,
+    such as buffers, left out); ``hf_cfg``: the checkpoint's config (its RoPE layout)."""
+    if name == "deepseek_v3":
+        return dsv3.tensor_map(args, shapes, bool((hf_cfg or {}).get("rope_interleave", True)))
+    names = hf_state_keys([k for k in shapes if not is_stacked_experts(k)])
+    out = {k: HFTensors((names[k],), (tuple(shapes[k]),)) for k in names}
+    for k, shape in shapes.items():  # Qwen3-MoE: stacked experts <-> one HF tensor per expert
+        if is_stacked_experts(k):
+            out[k] = HFTensors(tuple(expert_hf_keys(k, shape[0])), (tuple(shape[1:]),) * shape[0],
+                               join=torch.stack, split=lambda t: list(t.unbind(0)))
+    return out
+
+
+def hf_skipped(name: str, key: str, hf_cfg: dict[str, Any]) -> bool:
+    """An HF tensor our model does not use (DeepSeek-V3's multi-token-prediction layer)."""
+    return name == "deepseek_v3" and dsv3.skipped(key, hf_cfg)

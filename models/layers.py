@@ -15,7 +15,8 @@ so that a tensor-parallel recipe that shards the projections sees its local head
 from __future__ import annotations
 
 import math
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Union
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 # Std of the truncated-normal init used for most Linear weights (TorchTitan default).
 INIT_STD = 0.02
+
+
+class ArgError(ValueError):
+    """A model argument the model's shape cannot take. ``keys``: the argument, then the ones it
+    conflicts with (a job's config names the first of them it sets); ``fix`` says what to do."""
+
+    def __init__(self, keys: str | tuple[str, ...], value: object, fix: str) -> None:
+        self.keys = (keys,) if isinstance(keys, str) else tuple(keys)
+        self.value, self.fix = value, fix
+        super().__init__(f"{self.keys[0]} = {value!r}: {fix}")
 
 
 def trunc_normal_(t: torch.Tensor, std: float) -> None:
@@ -112,20 +123,72 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: tuple[float, float, 
     return torch.where(medium, smoothed, scaled)
 
 
+@dataclass(frozen=True)
+class YaRN:
+    """YaRN RoPE scaling (HF ``rope_type = "yarn"``, DeepSeek-V3's long context): frequencies
+    rotating fewer than ``beta_slow`` times over the original context are divided by
+    ``factor``, those rotating more than ``beta_fast`` times kept, a linear ramp between (over
+    whole dimension indices, as HF's default ``truncate``). The tables are multiplied by
+    `table_scale` (HF's ``attention_factor``) and MLA's softmax scale by `softmax_scale` (from
+    ``mscale_all_dim``): 1 and (0.1 ln 40 + 1)^2 = 1.87 for DeepSeek-V3 (factor 40, mscales 1)."""
+
+    factor: float
+    original_len: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+    def inv_freq(self, inv_freq: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+        """The scaled inverse frequencies of ``inv_freq [head_dim / 2]``."""
+        def dim_of(rotations: float) -> float:  # the dimension index that rotates this often in the context
+            return head_dim * math.log(self.original_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(dim_of(self.beta_fast)), 0)
+        high = min(math.ceil(dim_of(self.beta_slow)), head_dim - 1)
+        high = high + 0.001 if high == low else high
+        idx = torch.arange(head_dim // 2, dtype=torch.float32, device=inv_freq.device)
+        ramp = ((idx - low) / (high - low)).clamp(0, 1)  # 0: kept (fast), 1: interpolated (slow)
+        return inv_freq / self.factor * ramp + inv_freq * (1 - ramp)
+
+    @staticmethod
+    def _m(factor: float, mscale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+    def table_scale(self) -> float:
+        """The factor on cos/sin (scales the rotary dims' part of q.k by its square)."""
+        if self.mscale and self.mscale_all_dim:
+            return self._m(self.factor, self.mscale) / self._m(self.factor, self.mscale_all_dim)
+        return self._m(self.factor)
+
+    def softmax_scale(self) -> float:
+        """The factor on the attention's softmax scale (MLA: every q/k dim)."""
+        return self._m(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+
+RopeScaling = Union[tuple[float, float, float, int], YaRN]
+"""LLaMA 3.1's (factor, low, high, original length), or `YaRN`."""
+
+
 def rope_tables(
     head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None,
-    scaling: tuple[float, float, float, int] | None = None,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``cos, sin`` of shape ``[max_seq_len, head_dim]`` for rotate-half RoPE
-    (``scaling``: LLaMA 3.1's, see `llama3_scaled_inv_freq`)."""
+    (``scaling``: LLaMA 3.1's, see `llama3_scaled_inv_freq`, or `YaRN`)."""
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     )
-    if scaling is not None:
+    scale = 1.0
+    if isinstance(scaling, YaRN):
+        inv_freq, scale = scaling.inv_freq(inv_freq, head_dim, theta), scaling.table_scale()
+    elif scaling is not None:
         inv_freq = llama3_scaled_inv_freq(inv_freq, scaling)
     t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # [S, head_dim/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [S, head_dim]
+    if scale != 1.0:
+        return emb.cos() * scale, emb.sin() * scale
     return emb.cos(), emb.sin()
 
 
@@ -151,7 +214,7 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float,
-                 scaling: tuple[float, float, float, int] | None = None) -> None:
+                 scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.head_dim, self.max_seq_len, self.theta, self.scaling = head_dim, max_seq_len, theta, scaling
         self.register_buffer("cos", torch.empty(max_seq_len, head_dim), persistent=False)

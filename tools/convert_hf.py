@@ -1,4 +1,4 @@
-"""Convert between a Hugging Face safetensors folder and our DCP checkpoint (LLaMA 3, Qwen3).
+"""Convert between a Hugging Face safetensors folder and our DCP checkpoint (LLaMA 3, Qwen3, DeepSeek-V3).
 
     python scripts/convert_hf.py to-dcp HF_DIR DCP_DIR   # config.json + *.safetensors -> DCP (+ hf_config.json)
     python scripts/convert_hf.py to-hf DCP_DIR HF_DIR    # back; the HF config travels inside the DCP folder

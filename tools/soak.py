@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.bench_common import free_port
-from tools.fault_matrix import workers
+from tools.fault_trials import workers
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_LINE = re.compile(r"^step (\d+) \| loss ")

@@ -23,7 +23,7 @@ from parallel.precision import dtype_of
 from .auto_mode import PlanSource
 from .config import JobConfig
 from .device import sharded_init_is_exact
-from .hf_checkpoint import initial_arg_overrides
+from .hf_checkpoint import export_hf_config, initial_arg_overrides
 from .parallelizer import ParallelismMode
 
 
@@ -44,6 +44,8 @@ def build_parallel_model(cfg: JobConfig, parallelizer: ParallelismMode, device: 
     allocated in (the dry run's FakeTensorMode; the trainer's real memory by default)."""
     overrides = {**initial_arg_overrides(cfg), **cfg.model.arg_overrides()}  # an HF start's RoPE and eps
     model = build_model(cfg.model.name, cfg.model.flavor, device="meta", vocab_size=vocab_size, **overrides)
+    if cfg.checkpoint.last_save_in_hf:
+        export_hf_config(cfg, model.args)  # a model with no HF equivalent: the config error now, not after training
     sharded = sharded_init_is_exact(device)
     if not sharded:
         with storage():

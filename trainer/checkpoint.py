@@ -303,7 +303,7 @@ class CheckpointManager:
             dist.all_gather_object(every, sums)
             sums = {k: v for d in every for k, v in d.items()}
         if _rank() == 0:
-            write_model_hf_config(tmp, self.model)  # what convert_hf.py to-hf needs (LLaMA 3, Qwen3)
+            write_model_hf_config(tmp, self.model)  # what convert_hf.py to-hf needs (models with an HF export)
             write_manifest(tmp, sums)  # the other files (.metadata, hf_config.json) checksummed here
             if final.exists():
                 shutil.rmtree(final)

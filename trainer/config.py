@@ -75,13 +75,30 @@ class Model:
     n_routed_experts: Optional[int] = None
     n_shared_experts: Optional[int] = None
     n_activated_experts: Optional[int] = None
+    # DeepSeek-V3 (unset: the flavor's): the q projection's LoRA rank (0: a plain wq)
+    q_lora_rank: Optional[int] = None
+    score_func: Optional[str] = None  # router scores: "softmax" | "sigmoid"
+    # group-limited routing: the experts form n_expert_groups equal groups (1: none); a token
+    # chooses among the experts of its n_limited_groups best groups
+    n_expert_groups: Optional[int] = None
+    n_limited_groups: Optional[int] = None
+    route_norm: Optional[bool] = None  # top-k weights renormalised to sum to 1
+    route_scale: Optional[float] = None  # factor on the top-k weights (DeepSeek-V3: 2.5)
+    # aux-loss-free balancing: after each optimizer step every expert bias moves by this much towards
+    # balance (sign of mean - tokens, counts summed over all ranks); 0: the bias is kept as loaded
+    load_balance_coeff: Optional[float] = None
+    moe_aux_loss_coeff: Optional[float] = None  # weight of the sequence-wise balance loss (0: off)
+    # YaRN RoPE scaling (DeepSeek-V3; LLaMA 3: its own "llama3" scaling): factor (0: none) and the
+    # context the model was trained at before
+    rope_scaling_factor: Optional[float] = None
+    rope_original_max_seq_len: Optional[int] = None
     # a Hugging Face tokenizer.json ("" : the byte tokenizer, [data] tokenizer); bos_token / eos_token
     # name its BOS / EOS ("" : as the tokenizer defines them: tokenizer_config.json, post-processor, specials)
     tokenizer_path: str = ""
     bos_token: str = ""
     eos_token: str = ""
 
-    def arg_overrides(self) -> dict[str, int]:
+    def arg_overrides(self) -> dict[str, Any]:
         """The model arguments this config sets (what build_model takes over the flavor)."""
         skip = {"name", "flavor", "vocab_size", "tokenizer_path", "bos_token", "eos_token"}
         return {f.name: getattr(self, f.name) for f in fields(self)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from models import build_model, get_model_spec, model_args, transformer_blocks
+from models.layers import ArgError
 from parallel.auto.cost import AUTO, ProfileError, load_hardware
 from parallel.recipes import RecipeError
 from parallel.recipes.cp import validate_cp
@@ -243,16 +244,42 @@ def _validate_model(cfg: JobConfig) -> None:
     overrides = cfg.model.arg_overrides()
     try:
         args = model_args(cfg.model.name, cfg.model.flavor, **overrides)
+    except ArgError as e:  # a value the model's shape cannot take: named as the job sets it
+        key = next((k for k in e.keys if k in overrides), e.keys[0])
+        why = e.fix if key == e.keys[0] else str(e)
+        raise _err(cfg, "model", key, f"{why} ({cfg.model.name}/{cfg.model.flavor} with {overrides})") from None
     except (ValueError, TypeError, AssertionError) as e:
         key = next((k for k in overrides if k in str(e)), next(iter(overrides), "flavor"))
         raise _err(cfg, "model", key, f"not an argument {cfg.model.name}/{cfg.model.flavor} can take ({e}); "
                    "remove it or fix the value") from None
+    _validate_balancing(cfg, args)
     max_seq_len = getattr(args, "max_seq_len", None)
     if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
         raise _err(cfg, "training", "seq_len",
                    f"exceeds max_seq_len = {max_seq_len} of {cfg.model.name}/{cfg.model.flavor} (the length of its "
                    f"RoPE tables); set training.seq_len <= {max_seq_len}, or pick a flavor with a longer max_seq_len")
     _validate_schedule(cfg, max_seq_len)
+
+
+def _validate_balancing(cfg: JobConfig, args: Any) -> None:
+    """MoE balancing the job's mode can run: auto mode's step graph does not write buffers back
+    (the token counts) and was not traced with the auxiliary-loss gradient; a sequence-wise
+    loss needs whole sequences (not context-parallel shards)."""
+    m = cfg.model
+    for key in ("load_balance_coeff", "moe_aux_loss_coeff"):
+        value = getattr(args, key, None)
+        if not value:
+            continue
+        where = f"{key} = {value} ({m.name}/{m.flavor}{'' if getattr(m, key) is not None else ', its flavor'})"
+        if cfg.parallelism.mode == "auto":
+            raise _err(cfg, "parallelism", "mode", f"{where} is not supported in auto mode (the planned step does "
+                       f"not update the balancing state); set model.{key} = 0 or use mode = \"manual\"")
+        if key == "moe_aux_loss_coeff" and cfg.parallelism.degrees.context_parallel_degree > 1:
+            section, named = ("model", key) if m.moe_aux_loss_coeff is not None else (
+                "parallelism", "context_parallel_degree")
+            raise _err(cfg, section, named, f"{where}: the sequence-wise balance loss needs whole sequences, but "
+                       "context parallelism splits them; set model.moe_aux_loss_coeff = 0 or context_parallel_degree "
+                       "= 1")
 
 
 def _validate_tokenizer(cfg: JobConfig) -> None:

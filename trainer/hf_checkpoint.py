@@ -34,17 +34,25 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from models import MODEL_SPECS, get_model_spec
+from models import MODEL_SPECS, get_model_spec, model_args
 from models.hf import (
     HF_ARCHITECTURES,
     HFConfigError,
+    HFTensors,
     args_from_hf_config,
     args_overrides_from_hf,
     from_hf_key,
     hf_config_from_args,
+    hf_skipped,
+    hf_state_keys,
+    hf_tensor_map,
+    to_hf_key,
 )
-from models.hf_experts import stack_experts
+from models.hf_deepseek_v3 import with_optional_keys
+from models.hf_experts import is_stacked_experts, stack_experts
+from models.layers import ArgError
 
 from .checkpoint_files import (
     TRUST,
@@ -56,7 +64,7 @@ from .checkpoint_files import (
     write_manifest,
 )
 from .errors import ConfigError
-from .hf_experts import ExpertSlicePlanner, has_hf_name, hf_load_entries, hf_shapes, to_hf_tensors
+from .hf_experts import ExpertSlicePlanner, hf_load_entries
 
 HF_CONFIG_FILE = "hf_config.json"
 """The HF config inside a DCP folder written by `convert_hf.py to-dcp`: `to-hf` needs nothing else."""
@@ -135,7 +143,13 @@ def initial_arg_overrides(cfg: Any) -> dict[str, Any]:
     if name != cfg.model.name:
         raise ConfigError(f"{_key(cfg)}: a {hf_cfg['architectures'][0]} checkpoint ({name}), but model.name = "
                           f"{cfg.model.name!r}; set model.name = {name!r}")
-    return args_overrides_from_hf(hf_cfg)
+    overrides = args_overrides_from_hf(hf_cfg)
+    try:  # the checkpoint's routing on the flavor's shape (the job's [model] keys win)
+        model_args(name, cfg.model.flavor, **{**overrides, **cfg.model.arg_overrides()})
+    except ArgError as e:
+        raise ConfigError(f"{_key(cfg)}: its config's routing does not fit {_flavor(cfg)}: {e}; set the model's "
+                          "shape to the checkpoint's ([model] keys)") from None
+    return overrides
 
 
 # ---------------------------------------------------------------------------------- checks
@@ -189,7 +203,9 @@ def load_initial(model: torch.nn.Module, cfg: Any) -> None:
     sd = get_model_state_dict(model)
     try:
         if cfg.checkpoint.initial_load_in_hf:
-            load_hf_into(sd, folder, _flavor(cfg))
+            hf_cfg = read_hf_config(folder)
+            tmap = hf_tensor_map(cfg.model.name, model.args, {k: tuple(v.shape) for k, v in sd.items()}, hf_cfg)
+            load_hf_into(sd, folder, _flavor(cfg), tmap)
         else:
             load_dcp_model(sd, folder, _flavor(cfg), cfg.checkpoint.trust_foreign)
     except ConfigError as e:
@@ -229,22 +245,65 @@ def _load_model_items(sd: dict[str, torch.Tensor], folder: Path, trust_foreign: 
         raise ConfigError(unsafe_message(e, override)) from None
 
 
-def load_hf_into(sd: dict[str, torch.Tensor], folder: Path, what: str) -> None:
-    """Fill our state dict `sd` (plain or DTensor values) from an HF safetensors folder with
-    DCP's HF reader; a tied checkpoint without `lm_head.weight` fills `output` from the embedding.
-    Stacked experts are read one HF tensor per expert, each rank its own (trainer/hf_experts.py)."""
-    have = hf_tensor_shapes(folder)
-    tied = read_hf_config(folder).get("tie_word_embeddings", False) and "lm_head.weight" not in have
-    skip = ("output.weight",) if tied else ()
-    want = hf_shapes({k: tuple(v.shape) for k, v in sd.items() if k not in skip})
-    _check(folder, what, want, have)
-    hf_sd, boxes = hf_load_entries(sd, skip)
+def load_hf_into(sd: dict[str, torch.Tensor], folder: Path, what: str,
+                 tmap: Optional[dict[str, HFTensors]] = None) -> None:
+    """Fill our state dict `sd` (plain or DTensor values) from an HF safetensors folder by `tmap`
+    (`models.hf.hf_tensor_map`; default: LLaMA 3 / Qwen3 names). Tensors stored as they are go
+    through DCP's HF reader (each rank reads its shards), and so do stacked experts stored one HF
+    tensor per expert (each rank reads the experts it holds: trainer/hf_experts.py); other
+    transformed ones (DeepSeek-V3's RoPE rows, a gate with its bias) are read whole, one of ours at
+    a time, and each rank keeps its shard. A tied
+    checkpoint without `lm_head.weight` fills `output` from the embedding."""
+    hf_cfg = read_hf_config(folder)
+    tmap = tmap if tmap is not None else hf_tensor_map("llama3", None, {k: tuple(v.shape) for k, v in sd.items()})
+    name = HF_ARCHITECTURES.get((hf_cfg.get("architectures") or [None])[0], "")
+    have = {k: v for k, v in hf_tensor_shapes(folder).items() if not hf_skipped(name, k, hf_cfg)}
+    tied = hf_cfg.get("tie_word_embeddings", False) and "lm_head.weight" not in have
+    entries = {k: e for k, e in tmap.items() if k in sd and not (tied and k == "output.weight")}
+    _check(folder, what, {hk: shape for e in entries.values() for hk, shape in zip(e.keys, e.shapes)}, have)
+    # stacked experts as they are stored (one HF tensor per expert): each rank reads its experts only
+    experts = {k: sd[k] for k, e in entries.items() if not e.direct and is_stacked_experts(k)}
+    expert_sd, boxes = hf_load_entries(experts, ())
     reader = dcp.HuggingFaceStorageReader(str(folder))
     with _quiet():
-        dcp.load(hf_sd, storage_reader=reader, planner=ExpertSlicePlanner(boxes) if boxes else None)
+        dcp.load({**{e.keys[0]: sd[k] for k, e in entries.items() if e.direct}, **expert_sd}, storage_reader=reader,
+                 planner=ExpertSlicePlanner(boxes) if boxes else None)
         if tied:
             dcp.load({"model.embed_tokens.weight": sd["output.weight"]},
                      storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
+    files = _key_files(folder)
+    for k, e in entries.items():
+        if not e.direct and k not in experts:
+            try:
+                full = e.join([_read_full(files, hk) for hk in e.keys])
+            except HFConfigError as err:
+                raise ConfigError(f"{folder}: {err}") from None
+            _fill(sd[k], full)
+
+
+def _key_files(folder: Path) -> dict[str, Path]:
+    """{HF tensor name: the safetensors file holding it}."""
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            out.update({k: f for k in st.keys()})
+    return out
+
+
+def _read_full(files: dict[str, Path], key: str) -> torch.Tensor:
+    with safe_open(str(files[key]), framework="pt") as st:
+        return st.get_tensor(key)
+
+
+@torch.no_grad()
+def _fill(dst: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor into `dst`: all of it, or a DTensor's local shard (cut on this rank)."""
+    if isinstance(dst, DTensor):
+        full = full.to(device=dst.to_local().device, dtype=dst.dtype)
+        local = distribute_tensor(full, dst.device_mesh, dst.placements, src_data_rank=None).to_local()
+        dst.to_local().copy_(local)
+    else:
+        dst.copy_(full)
 
 
 def read_hf_folder(folder: Path | str) -> tuple[str, Any, dict[str, Any], dict[str, torch.Tensor]]:
@@ -255,8 +314,9 @@ def read_hf_folder(folder: Path | str) -> tuple[str, Any, dict[str, Any], dict[s
     name, args = args_from_hf_config(hf_cfg)
     with torch.device("meta"):
         model = get_model_spec(name).model_cls(args)
-    sd = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in model.state_dict().items() if has_hf_name(k)}
-    load_hf_into(sd, folder, f"the {name} model its config.json describes")
+    tmap = hf_tensor_map(name, args, {k: tuple(v.shape) for k, v in model.state_dict().items()}, hf_cfg)
+    sd = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in model.state_dict().items() if k in tmap}
+    load_hf_into(sd, folder, f"the {name} model its config.json describes", tmap)
     return name, args, hf_cfg, sd
 
 
@@ -321,6 +381,19 @@ def _replace(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def to_hf_tensors(sd: dict[str, torch.Tensor], hf_cfg: Optional[dict[str, Any]] = None) -> dict[str, torch.Tensor]:
+    """Our full state dict -> HF tensors (buffers without an HF name dropped) for the model of
+    `hf_cfg` (default: LLaMA 3 / Qwen3 names, one to one)."""
+    if hf_cfg is None:
+        return {to_hf_key(k): v for k, v in sd.items() if k in hf_state_keys([k])}
+    name, args = args_from_hf_config(hf_cfg)
+    tmap = hf_tensor_map(name, args, {k: tuple(v.shape) for k, v in sd.items()}, hf_cfg)
+    out: dict[str, torch.Tensor] = {}
+    for k, e in tmap.items():
+        out.update(zip(e.keys, [sd[k]] if e.direct else e.split(sd[k])))
+    return out
+
+
 def from_hf_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF names -> ours (one tensor per expert stacked back into ours)."""
     return {from_hf_key(k) if k in tensors else k: v for k, v in stack_experts(tensors).items()}
@@ -333,7 +406,7 @@ def save_hf(model: torch.nn.Module, hf_cfg: dict[str, Any], out: Path | str) -> 
     sd = get_model_state_dict(model, options=opts)
     path = None
     if _rank() == 0:
-        tensors = to_hf_tensors(sd)
+        tensors = to_hf_tensors(sd, hf_cfg)
         dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
         path = write_hf_folder(tensors, {**hf_cfg, "dtype": dtype, "torch_dtype": dtype}, out)
     _barrier()
@@ -357,7 +430,10 @@ def model_hf_config(model: torch.nn.Module) -> Optional[dict[str, Any]]:
     """The HF config of a model that has an HF map (None otherwise), from its arguments."""
     args = getattr(model, "args", None)
     names = [s.name for s in MODEL_SPECS.values() if type(args) is s.args_cls and s.name in HF_MODELS]
-    return hf_config_from_args(names[0], args) if names else None
+    try:
+        return hf_config_from_args(names[0], args) if names else None
+    except HFConfigError:  # a configuration with no HF equivalent (DeepSeek-V3 with softmax routing)
+        return None
 
 
 def write_model_hf_config(folder: Path, model: torch.nn.Module) -> None:
@@ -400,22 +476,25 @@ def dcp_to_hf(dcp_dir: Path | str, hf_dir: Path | str, trust_foreign: bool = Fal
     check_destination(src, hf_dir, overwrite)
     if not (src / HF_CONFIG_FILE).is_file():
         raise ConfigError(f"{src}: no {HF_CONFIG_FILE} (the HF config that to-dcp's folders and the training "
-                          f"checkpoints of {', '.join(sorted(HF_MODELS))} carry): not such a DCP folder; "
-                          "give one of those")
+                          f"checkpoints of {', '.join(sorted(HF_MODELS))} carry; DeepSeek-V3 with sigmoid routing): "
+                          "not such a DCP folder; give one of those")
     hf_cfg = json.loads((src / HF_CONFIG_FILE).read_text())
     try:
         name, args = args_from_hf_config(hf_cfg)
     except (HFConfigError, KeyError) as e:
         raise ConfigError(f"{src / HF_CONFIG_FILE}: {e}") from None
-    with torch.device("meta"):
-        model = get_model_spec(name).model_cls(args)
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items() if has_hf_name(k)}
     override = "pass --trust-foreign to convert_hf.py to-hf"
     meta = _trusted_metadata(src, trust_foreign, override)
     have = {k[len("model."):]: tuple(m.size) for k, m in meta.items() if k.startswith("model.")}
+    if name == "deepseek_v3":  # a checkpoint of a model without expert bias: exported as zeros
+        args = with_optional_keys(args, set(have))
+    with torch.device("meta"):
+        model = get_model_spec(name).model_cls(args)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    want = {k: shapes[k] for k in hf_tensor_map(name, args, shapes, hf_cfg)}
     _check(src, f"the {name} model its {HF_CONFIG_FILE} describes", want, have)
     sd = {k: torch.empty(shape, dtype=meta[f"model.{k}"].properties.dtype) for k, shape in want.items()}
     _load_model_items(sd, src, trust_foreign, override)
     dtype = str(next(iter(sd.values())).dtype).removeprefix("torch.")
     hf_cfg = {**hf_config_from_args(name, args, hf_cfg), "dtype": dtype, "torch_dtype": dtype}
-    return write_hf_folder(to_hf_tensors(sd), hf_cfg, hf_dir)
+    return write_hf_folder(to_hf_tensors(sd, hf_cfg), hf_cfg, hf_dir)

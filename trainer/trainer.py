@@ -37,6 +37,7 @@ from .device import local_device
 from .errors import TrainingFault
 from .hf_checkpoint import export_hf_config, load_initial, save_hf
 from .metrics import MetricsLogger, setup_logging
+from .moe_balance import balance_experts, prepare_moe_step
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, follow_parameters
 from .parallelizer import parallelism_mode
 from .profiling import StepProfiler, check_profiling
@@ -205,6 +206,7 @@ class Trainer:
         b = self.cfg.training.local_batch_size
         micro = [self.parallelizer.shard_batch(x, y) for x, y in zip(inputs.split(b), labels.split(b))]
         self.optimizer.zero_grad(set_to_none=True)
+        prepare_moe_step(self.model, len(micro))
         with phase("forward_backward"):  # named ranges: parallel.measure.AllocatorPeak locates its peak
             loss = self.parallelizer.accumulate(self.model, micro)
         self.guard.at(self.step, "the gradient norm")
@@ -217,8 +219,11 @@ class Trainer:
             with phase("optimizer"):
                 self.optimizer.step()
             self.lr_scheduler.step()
+            self.guard.at(self.step, "the expert-bias update (token counts summed over the ranks)")
+            balance_experts(self.model)
         else:
             self.optimizer.zero_grad(set_to_none=True)
+            balance_experts(self.model, stepped=False)
         return loss.detach(), grad_norm
 
     # ------------------------------------------------------------------ loop

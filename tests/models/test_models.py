@@ -29,6 +29,7 @@ PUBLISHED = {
     ("deepseek_v3", "16B"): 15.7e9,
     ("qwen3_moe", "30B-A3B"): 30.5e9,
     ("qwen3_moe", "235B-A22B"): 235e9,
+    ("deepseek_v3", "671B"): 671e9,  # without the MTP module (HF counts 685B with it)
 }
 ALL_FLAVORS = [(n, f) for n, s in MODEL_SPECS.items() for f in s.flavors]
 DEBUG = ["llama3", "qwen3", "deepseek_v3", "qwen3_moe"]
@@ -56,7 +57,7 @@ def test_registry_names_and_flavors():
     assert set(MODEL_SPECS) == {"llama3", "qwen3", "deepseek_v3", "qwen3_moe"}
     assert set(get_model_spec("llama3").flavors) == {"debug", "8B", "70B"}
     assert set(get_model_spec("qwen3").flavors) == {"debug", "32B"}
-    assert set(get_model_spec("deepseek_v3").flavors) == {"debug", "16B"}
+    assert set(get_model_spec("deepseek_v3").flavors) == {"debug", "16B", "671B"}
     assert set(get_model_spec("qwen3_moe").flavors) == {"debug", "30B-A3B", "235B-A22B"}
     with pytest.raises(ValueError, match="llama3"):
         get_model_spec("gpt5")
@@ -274,28 +275,45 @@ def test_sdpa_seam_replaceable():
 # ---------------------------------------------------------------- MoE
 
 
+def _naive_choice(r, s: torch.Tensor) -> list[int]:
+    """One token's experts by the router's rules, in plain Python: the best ``top_k`` among the
+    experts of the ``n_limited_groups`` groups with the best two-expert sums."""
+    per = r.num_experts // r.n_groups
+    groups = [sorted(s[g * per:(g + 1) * per].tolist(), reverse=True) for g in range(r.n_groups)]
+    kept = sorted(range(r.n_groups), key=lambda g: -(groups[g][0] + (groups[g][1] if per > 1 else 0)))
+    allowed = [i for i in range(r.num_experts) if i // per in kept[:r.n_limited_groups]]
+    return sorted(allowed, key=lambda i: -s[i].item())[:r.top_k]
+
+
 def _naive_moe(moe, x):
-    """Per-token reference: sum_k score_k * expert_k(x) + shared(x) (scores renormalised
-    over the k when the router's ``route_norm``)."""
+    """Per-token reference: sum_k weight_k * expert_k(x) + shared(x), the router's options by hand."""
+    r = moe.router
     xf = x.reshape(-1, x.shape[-1])
-    scores = F.softmax(moe.router.gate(xf).float(), dim=-1)
-    top, sel = scores.topk(moe.top_k, dim=-1)
-    if moe.router.route_norm:
-        top = top / top.sum(-1, keepdim=True)
+    logits = r.gate(xf).float()
+    scores = F.softmax(logits, dim=-1) if r.score_func == "softmax" else torch.sigmoid(logits)
     e = moe.experts
     out = torch.zeros_like(xf)
     for t in range(xf.shape[0]):
-        for j in range(moe.top_k):
-            i = sel[t, j]
+        sel = _naive_choice(r, scores[t])
+        w = scores[t, sel]
+        w = (w / w.sum() if r.route_norm else w) * r.route_scale
+        for j, i in enumerate(sel):
             h = F.silu(e.w1[i] @ xf[t]) * (e.w3[i] @ xf[t])
-            out[t] += top[t, j] * (e.w2[i] @ h)
+            out[t] += w[j] * (e.w2[i] @ h)
     shared = moe.shared_experts(xf) if moe.shared_experts is not None else 0
     return (out + shared).reshape(x.shape)
 
 
-@pytest.mark.parametrize("name,layer", [("deepseek_v3", 1), ("qwen3_moe", 0)])
-def test_moe_matches_naive_reference(name, layer):
-    moe = _cpu_model(name).layers[layer].moe
+@pytest.mark.parametrize(("name", "layer", "routing"), [
+    ("deepseek_v3", 1, {}),
+    ("deepseek_v3", 1, {"score_func": "softmax", "n_expert_groups": 1, "n_limited_groups": 1, "route_norm": False,
+                        "route_scale": 1.0}),
+    ("qwen3_moe", 0, {}),
+])
+def test_moe_matches_naive_reference(name, layer, routing):
+    """DeepSeek-V3 debug's routing (sigmoid, 4 groups keeping 2, normalised, x 2.5), plain softmax
+    top-k, and Qwen3-MoE's (softmax, top-k renormalised, no shared expert)."""
+    moe = _cpu_model(name, **routing).layers[layer].moe
     x = torch.randn(2, 8, 256)
     torch.testing.assert_close(moe(x), _naive_moe(moe, x), atol=1e-5, rtol=1e-4)
 
