@@ -133,7 +133,12 @@ def trial(mode: str, world: int, fault: str, base: Path, ref: Reference, rng: ra
         else:
             raise ValueError(f"unknown fault {fault!r} (known: {', '.join(FAULTS)})")
         facts.losses_diff = losses_diff(losses(folder / "job"), ref.losses)
-        facts.digest_equal = bool(ref.digest) and state_digest(ckpts / f"step-{STEPS}", folder) == ref.digest
+        try:
+            facts.digest_equal = bool(ref.digest) and state_digest(ckpts / f"step-{STEPS}", folder) == ref.digest
+        except Exception as e:  # noqa: BLE001 - a trial's missing or unreadable checkpoint is its failure
+            have = sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else []
+            facts.digest_error = f"{type(e).__name__} (the checkpoint folder holds {have})"
+
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     facts.seconds = time.time() - t0

@@ -368,6 +368,7 @@ class Facts:
     damaged_file: Optional[Path] = None
     losses_diff: str = ""  # '' when the losses equal the uninterrupted run's
     digest_equal: bool = False
+    digest_error: str = ""  # why the final checkpoint could not be read ('' when it was)
     seconds: float = 0.0
 
 
@@ -468,6 +469,8 @@ def verdict(f: Facts) -> Optional[str]:
         return f"the rerun printed steps {steps} after resuming at {exp}: it recomputed or skipped steps"
     if f.losses_diff:
         return f"losses differ from the uninterrupted run's: {f.losses_diff}"
+    if f.digest_error:
+        return f"the final checkpoint step-{STEPS} could not be read: {f.digest_error}"
     if not f.digest_equal:
         return f"the final weights' digest (step-{STEPS}) differs from the uninterrupted run's"
     return None

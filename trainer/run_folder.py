@@ -64,6 +64,18 @@ _HELD: dict[str, list] = {}
 that builds several trainers on one folder in one process holds it once)."""
 
 
+def _drop_in_child() -> None:
+    """A forked child (a data-loader worker, a compile worker) closes its copies of the lock's file:
+    the lock belongs to the job's process, and must go when that process dies, not live on in an
+    orphaned child."""
+    for f, _ in _HELD.values():
+        f.close()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_in_child)
+
+
 def _holder_line() -> str:
     argv = " ".join(sys.argv)[:200]
     when = datetime.datetime.now().isoformat(timespec="seconds")

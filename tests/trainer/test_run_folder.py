@@ -74,6 +74,28 @@ def test_a_second_job_on_a_locked_run_folder_is_one_line_naming_the_holder(tmp_p
     lock.release()
 
 
+FORKS_AND_DIES = """
+import os, sys, time
+from trainer.run_folder import RunFolderLock
+RunFolderLock(sys.argv[1], 0).acquire()
+if os.fork() == 0:  # a worker forked by the job (a data loader's, a compiler's) outlives it
+    time.sleep(30)
+    os._exit(0)
+print("forked", flush=True)
+os._exit(0)  # the job dies (kill -9 alike: nothing released by hand)
+"""
+
+
+def test_a_forked_child_that_outlives_the_job_does_not_keep_the_lock(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", FORKS_AND_DIES, str(tmp_path)], capture_output=True, text=True,
+                       env=env, timeout=60, check=False)
+    assert r.stdout.strip() == "forked", r.stderr
+    lock = RunFolderLock(tmp_path, 0)
+    lock.acquire()  # the orphaned child is still sleeping; the folder is free
+    lock.release()
+
+
 def test_only_the_trainers_unfinished_folders_are_cleaned(cfg_factory, tmp_path):
     folder = tmp_path / "j" / "checkpoints"
     names = ["step-3.tmp", "step-4.deleting", "notes.tmp", "mine.deleting", "step-5", "step-6.abandoned"]
