@@ -11,7 +11,8 @@ Lock: two jobs with the same ``job.name`` would share a checkpoint folder: each 
 the other's checkpoints or delete its temporary folders. Rank 0 holds an ``flock`` on
 ``<run folder>/.lock`` while the job runs (the kernel drops it when the process dies, so a
 killed job never leaves a stale lock) and writes who holds it into the file; a second job on
-the folder stops with one line naming the holder.
+the folder stops with one line naming the holder (after waiting `LOCK_WAIT_S` for a holder
+that is going away: a restart right after a crash).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import fcntl
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,6 +31,8 @@ import torch.distributed as dist
 from .errors import ConfigError
 
 LOCK = ".lock"
+LOCK_WAIT_S = 10.0
+"""How long a job waits for the run folder's lock before it says who holds it."""
 FOLDER_KEYS = (("checkpoint", "folder"), ("profiling", "save_traces_folder"),
                ("profiling", "save_memory_snapshot_folder"))
 """Folder settings that are relative to the run folder."""
@@ -104,6 +108,15 @@ def _acquire(path: Path) -> Optional[str]:
     return None
 
 
+def _acquire_waiting(path: Path, wait_s: float) -> Optional[str]:
+    """`_acquire`, retried for `wait_s` seconds: a job restarted right after a crash may find the
+    old processes still exiting (their lock goes with them)."""
+    deadline = time.monotonic() + wait_s
+    while (holder := _acquire(path)) is not None and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return holder
+
+
 def _release(path: Path) -> None:
     key = str(path.resolve())
     entry = _HELD.get(key)
@@ -126,8 +139,8 @@ class RunFolderLock:
         self.rank = rank
         self.held = False
 
-    def acquire(self) -> None:
-        holder = _acquire(self.path) if self.rank == 0 else None
+    def acquire(self, wait_s: float = LOCK_WAIT_S) -> None:
+        holder = _acquire_waiting(self.path, wait_s) if self.rank == 0 else None
         if dist.is_available() and dist.is_initialized():
             box = [holder]
             dist.broadcast_object_list(box, src=0)

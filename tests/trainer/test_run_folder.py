@@ -6,6 +6,7 @@ conversion does not replace an existing or overlapping destination without ``--o
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -64,7 +65,12 @@ def test_a_second_job_on_a_locked_run_folder_is_one_line_naming_the_holder(tmp_p
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(ConfigError, match=rf"^run folder {run} is in use by another job: pid {holder.pid} on "):
-            RunFolderLock(run, 0).acquire()
+            RunFolderLock(run, 0).acquire(wait_s=0.5)
+        # a holder that goes away while a restart waits: the restart gets the folder
+        threading.Timer(1.0, holder.kill).start()
+        lock = RunFolderLock(run, 0)
+        lock.acquire(wait_s=30)
+        lock.release()
     finally:
         holder.kill()
         holder.wait()
