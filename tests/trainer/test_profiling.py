@@ -54,9 +54,10 @@ def test_cpu_memory_table_and_trace_memory_events(tmp_path):
     (["--profiling.save_traces_folder", ""], "'profiling.save_traces_folder' = ''"),
 ])
 def test_bad_settings_are_one_config_error(tmp_path, extra, key):
-    cfg = make_config(tmp_path, extra=[*TINY, *PROFILE, *extra])
+    """Refused when the config loads (a folder that is not inside the run folder) or when the
+    trainer starts (the profiler's own settings), with one error naming the key."""
     with pytest.raises(ConfigError, match=key):
-        Trainer(cfg)
+        Trainer(make_config(tmp_path, extra=[*TINY, *PROFILE, *extra]))
 
 
 def test_an_unwritable_traces_folder_is_a_config_error(tmp_path):
