@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import hf_deepseek_v3 as dsv3
-from .hf_base import HFConfigError, HFTensors
+from .hf_base import HFConfigError, HFTensors, rope_config
 from .hf_experts import expert_hf_keys, is_stacked_experts
 from .llama3 import Llama3Args
 from .qwen3 import Qwen3Args
@@ -100,17 +100,6 @@ def _arch(cfg: dict[str, Any]) -> str:
     return HF_ARCHITECTURES[arch]
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(RoPE base, scaling dict or None) from transformers 5's ``rope_parameters`` or the older
-    ``rope_theta`` + ``rope_scaling`` (what hub configs still carry)."""
-    params = cfg.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = params if params.get("rope_type", "default") != "default" else cfg.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
-    return theta, scaling
-
-
 def _check_supported(cfg: dict[str, Any], arch: str, unsupported: list[str] | None = None) -> None:
     """Options our models do not implement are one error, not silently different logits
     (``unsupported``: those a family's own check found)."""
@@ -124,7 +113,7 @@ def _check_supported(cfg: dict[str, Any], arch: str, unsupported: list[str] | No
         unsupported.append("use_sliding_window = true")
     if arch == "qwen3_moe":
         unsupported += _qwen3_moe_unsupported(cfg)
-    _, rs = _rope(cfg)
+    _, rs = rope_config(cfg)
     if rs and rs.get("rope_type", rs.get("type")) not in ("llama3", "default"):
         unsupported.append(f"rope_scaling type {rs.get('rope_type', rs.get('type'))!r} (only 'llama3')")
     if unsupported:
@@ -145,11 +134,11 @@ def args_from_hf_config(cfg: dict[str, Any]) -> tuple[str, Llama3Args]:
         n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads, vocab_size=cfg["vocab_size"],
         ffn_hidden_dim=cfg["intermediate_size"] if name != "qwen3_moe" else 0, norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=_rope(cfg)[0], max_seq_len=cfg.get("max_position_embeddings", 2048),
+        rope_theta=rope_config(cfg)[0], max_seq_len=cfg.get("max_position_embeddings", 2048),
         qk_norm=name in ("qwen3", "qwen3_moe"))
     if name == "qwen3_moe":
         kw.update(_qwen3_moe_args(cfg))
-    rs = _rope(cfg)[1]
+    rs = rope_config(cfg)[1]
     if rs:
         kw.update(rope_scaling_factor=float(rs["factor"]), rope_low_freq_factor=float(rs["low_freq_factor"]),
                   rope_high_freq_factor=float(rs["high_freq_factor"]),

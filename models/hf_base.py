@@ -1,10 +1,11 @@
 """What the Hugging Face maps share (models/hf.py and its per-family modules): the error and
-the description of how one of our tensors is stored in an HF checkpoint."""
+the description of how one of our tensors is stored in an HF checkpoint, and the RoPE entries
+of a config."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -29,3 +30,14 @@ class HFTensors:
     def direct(self) -> bool:
         """One HF tensor holding ours as it is (read in place, shard by shard)."""
         return self.join is None
+
+
+def rope_config(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
+    """(RoPE base, scaling dict or None) from transformers 5's ``rope_parameters`` or the older
+    ``rope_theta`` + ``rope_scaling`` (what hub configs still carry)."""
+    params = cfg.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = params if params.get("rope_type", "default") != "default" else cfg.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return theta, scaling

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 
 from .deepseek_v3 import DeepSeekV3Args
-from .hf_base import HFConfigError, HFTensors
+from .hf_base import HFConfigError, HFTensors, rope_config
 from .layers import ArgError
 
 ARCH, MODEL_TYPE = "DeepseekV3ForCausalLM", "deepseek_v3"
@@ -78,15 +78,6 @@ _HF_KEY = {"n_routed_experts": "n_routed_experts", "n_activated_experts": "num_e
 # ---------------------------------------------------------------------------------- config
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
-    params = cfg.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = params if params.get("rope_type", "default") != "default" else cfg.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
-    return theta, scaling
-
-
 def unsupported(cfg: dict[str, Any]) -> list[str]:
     """The options of a DeepSeek-V3 config our model does not compute as transformers does."""
     out = []
@@ -101,7 +92,7 @@ def unsupported(cfg: dict[str, Any]) -> list[str]:
     if cfg.get("quantization_config"):
         method = cfg["quantization_config"].get("quant_method", "?")
         out.append(f"quantization_config ({method!r}: dequantize the checkpoint to bf16/fp32 first)")
-    _, rs = _rope(cfg)
+    _, rs = rope_config(cfg)
     if rs:
         kind = rs.get("rope_type", rs.get("type"))
         if kind != "yarn":
@@ -113,7 +104,7 @@ def unsupported(cfg: dict[str, Any]) -> list[str]:
 
 
 def _yarn_args(cfg: dict[str, Any]) -> dict[str, Any]:
-    _, rs = _rope(cfg)
+    _, rs = rope_config(cfg)
     if not rs:
         return {}
     orig = int(rs["original_max_position_embeddings"])
@@ -135,7 +126,7 @@ def args_from_hf(cfg: dict[str, Any]) -> DeepSeekV3Args:
         score_func="sigmoid", n_expert_groups=cfg.get("n_group") or 1, n_limited_groups=cfg.get("topk_group") or 1,
         load_balance_coeff=0.0, q_lora_rank=cfg.get("q_lora_rank") or 0, kv_lora_rank=cfg["kv_lora_rank"],
         qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
-        v_head_dim=cfg["v_head_dim"], norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=_rope(cfg)[0],
+        v_head_dim=cfg["v_head_dim"], norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=rope_config(cfg)[0],
         max_seq_len=cfg.get("max_position_embeddings", 4096), **_yarn_args(cfg))
     try:
         return DeepSeekV3Args(**kw)
