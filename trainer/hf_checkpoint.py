@@ -46,9 +46,7 @@ from models.hf import (
     from_hf_key,
     hf_config_from_args,
     hf_skipped,
-    hf_state_keys,
     hf_tensor_map,
-    to_hf_key,
 )
 from models.hf_deepseek_v3 import with_optional_keys
 from models.hf_experts import is_stacked_experts, stack_experts
@@ -383,10 +381,8 @@ def _replace(tmp: Path, out: Path) -> None:
 
 def to_hf_tensors(sd: dict[str, torch.Tensor], hf_cfg: Optional[dict[str, Any]] = None) -> dict[str, torch.Tensor]:
     """Our full state dict -> HF tensors (buffers without an HF name dropped) for the model of
-    `hf_cfg` (default: LLaMA 3 / Qwen3 names, one to one)."""
-    if hf_cfg is None:
-        return {to_hf_key(k): v for k, v in sd.items() if k in hf_state_keys([k])}
-    name, args = args_from_hf_config(hf_cfg)
+    `hf_cfg` (default: LLaMA 3 / Qwen3 names one to one, stacked experts one tensor each)."""
+    name, args = args_from_hf_config(hf_cfg) if hf_cfg is not None else ("llama3", None)
     tmap = hf_tensor_map(name, args, {k: tuple(v.shape) for k, v in sd.items()}, hf_cfg)
     out: dict[str, torch.Tensor] = {}
     for k, e in tmap.items():

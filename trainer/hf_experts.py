@@ -1,5 +1,5 @@
-"""Our state dict under Hugging Face names for DCP's HF reader and for an export, with the
-stacked routed experts (models/moe.py) as HF's one tensor per expert (models/hf_experts.py).
+"""Our state dict under Hugging Face names for DCP's HF reader (an export splits experts through
+models.hf.hf_tensor_map), the stacked routed experts (models/moe.py) as HF's one tensor per expert.
 
 Why a planner: DCP's HF reader fills one state-dict entry from one safetensors tensor, and a
 plain tensor entry means the whole of it. Each expert slice this rank holds (a view into its
@@ -11,8 +11,6 @@ split of dim 0 (``_StridedShard``, still one box per rank), a planner's ``Shard(
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
@@ -22,25 +20,14 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 
 from models.hf import hf_state_keys, to_hf_key
-from models.hf_experts import expert_hf_key, expert_hf_keys, is_stacked_experts, split_experts
+from models.hf_experts import expert_hf_key, is_stacked_experts
 
-__all__ = ["has_hf_name", "hf_shapes", "hf_load_entries", "ExpertSlicePlanner", "to_hf_tensors"]
+__all__ = ["has_hf_name", "hf_load_entries", "ExpertSlicePlanner"]
 
 
 def has_hf_name(key: str) -> bool:
     """Whether our state-dict entry ``key`` is saved in an HF checkpoint (buffers are not)."""
     return is_stacked_experts(key) or key in hf_state_keys([key])
-
-
-def hf_shapes(shapes: dict[str, tuple]) -> dict[str, tuple]:
-    """{HF name: shape} of our {name: full shape}; a stacked ``[E, a, b]`` is E names of ``[a, b]``."""
-    out: dict[str, tuple] = {}
-    for k, shape in shapes.items():
-        if is_stacked_experts(k):
-            out.update((hk, tuple(shape[1:])) for hk in expert_hf_keys(k, shape[0]))
-        elif has_hf_name(k):
-            out[to_hf_key(k)] = tuple(shape)
-    return out
 
 
 def _local_box(t: torch.Tensor, key: str) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -97,14 +84,3 @@ class ExpertSlicePlanner(DefaultLoadPlanner):
         if index.fqn in self.boxes:
             return self.state_dict[index.fqn]
         return super().lookup_tensor(index)
-
-
-def to_hf_tensors(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Our full state dict -> HF names (buffers dropped; stacked experts as one tensor each)."""
-    out: dict[str, torch.Tensor] = {}
-    for k, v in sd.items():
-        if is_stacked_experts(k):
-            out.update(split_experts(k, v))
-        elif has_hf_name(k):
-            out[to_hf_key(k)] = v
-    return out

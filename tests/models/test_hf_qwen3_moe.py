@@ -18,8 +18,8 @@ from models import get_model_spec  # noqa: E402
 from models.hf import HFConfigError, args_from_hf_config, hf_config_from_args  # noqa: E402
 from models.hf_experts import expert_hf_key, split_experts, stack_experts  # noqa: E402
 from tools import convert_hf  # noqa: E402
-from trainer.hf_checkpoint import from_hf_tensors, read_hf_folder, save_hf  # noqa: E402
-from trainer.hf_experts import hf_load_entries, to_hf_tensors  # noqa: E402
+from trainer.hf_checkpoint import from_hf_tensors, read_hf_folder, save_hf, to_hf_tensors  # noqa: E402
+from trainer.hf_experts import hf_load_entries  # noqa: E402
 
 TOL = 1e-5
 # head_dim 32 != 64 / 4; 8 experts, top-2, renormalised (transformers' default is not)
