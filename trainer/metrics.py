@@ -104,7 +104,14 @@ def memory_bytes(device: torch.device) -> int:
 
 class MetricsLogger:
     """Collects per-step numbers; every ``log_freq`` steps prints one line (rank 0) and
-    writes TensorBoard scalars; keeps ``losses.json`` ({step: loss}) in the run folder."""
+    writes TensorBoard scalars; keeps ``losses.json`` ({step: loss}) in the run folder.
+
+    losses.json is rewritten whole, so on a long run it is written at most every
+    ``LOSSES_WRITE_S`` seconds, at each checkpoint (``flush``: a resumed run reads every step up
+    to its checkpoint from it) and at ``close``; a rewrite per step grew the step time by ~15 %
+    over 3,000 steps."""
+
+    LOSSES_WRITE_S = 10.0
 
     def __init__(self, metrics_cfg, run_dir: Path, *, rank: int, world_size: int,
                  flops_per_token: float, compute_dtype: str, device: torch.device, start_step: int = 0):
@@ -121,6 +128,8 @@ class MetricsLogger:
         self.losses: dict[str, float] = {}
         self.grad_norms: dict[str, float] = {}
         self.val_losses: dict[str, float] = {}
+        self._unwritten = False
+        self._written_at = time.monotonic()
         if rank == 0 and start_step > 0 and self.losses_path.exists():
             try:
                 old = json.loads(self.losses_path.read_text())
@@ -163,7 +172,9 @@ class MetricsLogger:
                         f"mem {mem / 2**30:.2f} GiB")
             self.losses[str(step)] = loss
             self.grad_norms[str(step)] = grad_norm
-            self._write_losses()
+            self._unwritten = True
+            if time.monotonic() - self._written_at >= self.LOSSES_WRITE_S:
+                self._write_losses()
             if self.tb is not None:
                 for k, v in m.items():
                     if v is not None:
@@ -190,7 +201,14 @@ class MetricsLogger:
         self._tokens = 0
         self._t0 = time.perf_counter()
 
+    def flush(self) -> None:
+        """Write losses.json now if a logged step is not in it yet (rank 0)."""
+        if self.rank == 0 and self._unwritten:
+            self._write_losses()
+
     def _write_losses(self) -> None:
+        self._unwritten = False
+        self._written_at = time.monotonic()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.losses_path.with_suffix(".json.tmp")
         d = {"loss": self.losses, "grad_norm": self.grad_norms}
@@ -200,6 +218,7 @@ class MetricsLogger:
         os.replace(tmp, self.losses_path)
 
     def close(self) -> None:
+        self.flush()
         if self.tb is not None:
             self.tb.close()
             self.tb = None

@@ -348,6 +348,7 @@ class Trainer:
         if self.checkpointer.should_save(self.step, self.cfg.training.steps):
             self.guard.at(self.step, "the checkpoint save")
             self.guard.check_weights(self.step, self.model)
+            self.metrics.flush()  # a run resumed from this checkpoint finds its steps in losses.json
             self.checkpointer.save(self.step)
             self.metrics.reset_timer()
         return loss
