@@ -1,9 +1,11 @@
 """DeviceMesh from the ``[parallelism]`` section, and the mesh axes every layer names.
 
 Axes, outermost first: ``dp_replicate, dp_shard, cp, tp``. Axes of size 1 are left out
-(a mesh of one axis ``dp_shard`` of size 1 when every degree is 1). Expert parallel
-reuses ranks of ``dp_shard x cp`` and is derived by the EP recipe, not built here.
-The axis names are defined here once; other modules use these constants.
+(a mesh of one axis ``dp_shard`` of size 1 when every degree is 1). In manual mode expert
+parallel reuses ranks of ``dp_shard x cp`` and is derived by the EP recipe, not built here;
+in auto mode (``expert_axis``) ``dp_shard`` is built as ``dp_shard_mod_ep x ep``, the same
+rank groups, two data axes the planner places on (experts expert-parallel on whichever it
+chooses). The axis names are defined here once; other modules use these constants.
 """
 
 from __future__ import annotations
@@ -27,28 +29,40 @@ DP_SHARD_CP = "dp_shard_cp"  # dp_shard x cp flattened: where FSDP shards (recip
 DP_SHARD_MOD_EP = "dp_shard_mod_ep"  # what is left of dp_shard_cp once ep is carved out
 AXES = (DP_REPLICATE, DP_SHARD, CP, TP)
 """The mesh axes the trainer builds, outermost first (defined once; use these names)."""
-DATA_AXES = (DP_REPLICATE, DP_SHARD)
-"""Axes over which ranks read different batches."""
+DATA_AXES = (DP_REPLICATE, DP_SHARD, DP_SHARD_MOD_EP, EP)
+"""Axes over which ranks read different batches (in mesh order; the last two: auto mode's
+``dp_shard`` split for expert parallel)."""
 
 
-def mesh_shape(degrees: ParallelDegrees, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def mesh_shape(degrees: ParallelDegrees, world_size: int, *, expert_axis: bool = False
+               ) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """(shape, axis names) for the mesh, size-1 axes omitted (at least one axis).
-    Raises ValueError when the degrees do not multiply to ``world_size``."""
+    `expert_axis` (auto mode): an expert-parallel degree splits ``dp_shard`` into
+    ``dp_shard_mod_ep x ep``. Raises ValueError when the degrees do not multiply to
+    ``world_size`` or the expert degree does not divide ``dp_shard``."""
     deg = degrees.resolved(world_size)
     sizes = [deg[a] for a in AXES]
     prod = math.prod(sizes)
     if prod != world_size:
         raise ValueError(f"parallelism degrees {dict(zip(AXES, sizes))} multiply to {prod}, "
                          f"not the world size {world_size}")
-    kept = [(s, a) for s, a in zip(sizes, AXES) if s > 1] or [(1, DP_SHARD)]
+    pairs = list(zip(sizes, AXES))
+    ep = deg[EP]
+    if expert_axis and ep > 1:
+        if deg[DP_SHARD] % ep:
+            raise ValueError(f"expert_parallel_degree {ep} does not divide data_parallel_shard_degree {deg[DP_SHARD]}")
+        i = AXES.index(DP_SHARD)
+        pairs[i:i + 1] = [(deg[DP_SHARD] // ep, DP_SHARD_MOD_EP), (ep, EP)]
+    kept = [(s, a) for s, a in pairs if s > 1] or [(1, DP_SHARD)]
     shape, names = zip(*kept)
     return tuple(shape), tuple(names)
 
 
-def build_mesh(degrees: ParallelDegrees, world_size: int, device_type: str) -> DeviceMesh:
-    """The training mesh. Needs an initialised default process group of ``world_size``
-    ranks (a real one, or the fake one for planning)."""
-    shape, names = mesh_shape(degrees, world_size)
+def build_mesh(degrees: ParallelDegrees, world_size: int, device_type: str, *, expert_axis: bool = False
+               ) -> DeviceMesh:
+    """The training mesh (`expert_axis`: see `mesh_shape`). Needs an initialised default
+    process group of ``world_size`` ranks (a real one, or the fake one for planning)."""
+    shape, names = mesh_shape(degrees, world_size, expert_axis=expert_axis)
     if dist.is_initialized() and dist.get_world_size() != world_size:
         raise ValueError(f"build_mesh: world_size {world_size} but the process group has "
                          f"{dist.get_world_size()} ranks")

@@ -167,8 +167,12 @@ def _validate_parallelism(cfg: JobConfig, world_size: int) -> None:
         cfg.parallelism.degrees.check(world_size)
     except SettingError as e:
         raise _err(cfg, "parallelism", e.key, e.fix) from None
+    deg = cfg.parallelism.degrees.resolved(world_size)
+    if cfg.parallelism.mode == "auto" and deg["ep"] > 1 and deg["dp_shard"] % deg["ep"]:
+        raise _err(cfg, "parallelism", "expert_parallel_degree",
+                   f"must divide data_parallel_shard_degree = {deg['dp_shard']} in auto mode (the mesh's dp_shard is "
+                   "built as dp_shard_mod_ep x ep); choose a divisor of it")
     if cfg.parallelism.mesh != "auto":  # the mesh search divides the global batch per mesh itself
-        deg = cfg.parallelism.degrees.resolved(world_size)
         _validate_global_batch(cfg, deg["dp_replicate"] * deg["dp_shard"])
 
 
@@ -222,10 +226,6 @@ def _validate_planner(cfg: JobConfig) -> None:
     except SettingError as e:
         section, key = ("optimizer", "implementation") if e.key == "optimizer" else ("parallelism", e.key)
         raise _err(cfg, section, key, e.fix) from None
-    if p.mode == "auto" and p.degrees.expert_parallel_degree != 1:
-        raise _err(cfg, "parallelism", "expert_parallel_degree",
-                   'is set with mode = "auto": the planner decides where the experts go (expert-parallel on '
-                   "whichever mesh axis the plan chooses); remove it (default 1), or use mode = \"manual\"")
     if p.plan_file and not Path(p.plan_file).is_file():
         raise _err(cfg, "parallelism", "plan_file",
                    "no such file; point it at a plan.json the planner wrote (<dump_folder>/<job.name>/plan.json) "
@@ -253,12 +253,28 @@ def _validate_model(cfg: JobConfig) -> None:
         raise _err(cfg, "model", key, f"not an argument {cfg.model.name}/{cfg.model.flavor} can take ({e}); "
                    "remove it or fix the value") from None
     _validate_balancing(cfg, args)
+    _validate_expert_axis(cfg, args)
     max_seq_len = getattr(args, "max_seq_len", None)
     if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
         raise _err(cfg, "training", "seq_len",
                    f"exceeds max_seq_len = {max_seq_len} of {cfg.model.name}/{cfg.model.flavor} (the length of its "
                    f"RoPE tables); set training.seq_len <= {max_seq_len}, or pick a flavor with a longer max_seq_len")
     _validate_schedule(cfg, max_seq_len)
+
+
+def _validate_expert_axis(cfg: JobConfig, args: Any) -> None:
+    """Auto mode's `ep` mesh axis: a model with routed experts, as many as ep divides (the
+    planner may place them expert-parallel there; the manual recipe checks the same)."""
+    ep = cfg.parallelism.degrees.expert_parallel_degree
+    if cfg.parallelism.mode != "auto" or ep == 1:
+        return
+    n = getattr(args, "n_routed_experts", 0)
+    if not n:
+        raise _err(cfg, "parallelism", "expert_parallel_degree",
+                   f"{cfg.model.name}/{cfg.model.flavor} has no routed experts; set it to 1")
+    if n % ep:
+        raise _err(cfg, "parallelism", "expert_parallel_degree",
+                   f"does not divide the number of routed experts ({n}); choose a divisor of {n}")
 
 
 def _validate_balancing(cfg: JobConfig, args: Any) -> None:

@@ -41,6 +41,7 @@ from .build import build_parallel_model
 from .config import ConfigError, JobConfig
 from .device import CUDA, check_fake_cuda, simulated_device
 from .dry_run import OP_KINDS, group_axis_names
+from .dry_run_recipe import ep_recipe, format_comparison, priced
 from .parallelizer import AutoMode
 from .tokenizer import tokenizer_vocab
 
@@ -63,6 +64,8 @@ class AutoDryRunReport:
     off_device: list = field(default_factory=list)  # "graph: node (what): device"
     notes: list = field(default_factory=list)
     seconds: float = 0.0
+    plan_seconds: float = 0.0  # the free plan: trace + solve + memory estimate (plan.timings)
+    priced: list = field(default_factory=list)  # PricedPlan rows: the free plan, the mesh's hand recipe
 
 
 def _flavor_vocab(cfg: JobConfig, report: AutoDryRunReport) -> int:
@@ -134,7 +137,7 @@ def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
     cfg, note = simulated_job(job_config, world_size, device)
     compiled = job_config.training.compile
     with T.fake_world(world_size):
-        mesh = build_mesh(cfg.parallelism.degrees, world_size, device.type)
+        mesh = build_mesh(cfg.parallelism.degrees, world_size, device.type, expert_axis=True)
         names = tuple(mesh.mesh_dim_names or ())
         report = AutoDryRunReport(world_size=world_size, device=str(device), model=f"{cfg.model.name}/"
                                   f"{cfg.model.flavor}", mesh=" x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape)),
@@ -165,6 +168,7 @@ def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
             local = LocalGraphs(runner, *pm.planned_arguments(*inputs))  # what `model(...)` runs
         sg = next(iter(pm.step_graphs.values()))
         report.predicted_step = pm.predict_step().summary()
+        _price_against_recipe(pm, mesh, cfg, report, micro)
         _count_collectives(sg.gm, group_axis_names(pm, mesh), report)
         _check_graphs({"step graph": (sg.gm, True), "local forward": (local.fwd, True),
                            "local backward": (local.bwd, True), "forward phase": (runner.fwd_gm, False),
@@ -177,6 +181,20 @@ def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
     return report
 
 
+def _price_against_recipe(pm, mesh, cfg: JobConfig, report: AutoDryRunReport, micro: int) -> None:
+    """The free plan and the mesh's hand recipe (an ep axis: the EP recipe), priced alike."""
+    plan = pm.plan
+    report.plan_seconds = sum(plan.timings.values())
+    recipe = ep_recipe(pm, mesh, cfg, report.tokens)
+    if recipe is None:
+        return
+    step_tokens = report.tokens[0] * report.tokens[1] * data_degree(mesh)
+    ep = dict(zip(mesh.mesh_dim_names, mesh.shape))["ep"]
+    report.priced = [priced("auto (the planner's free plan)", plan, step_tokens, report.world_size, micro),
+                     priced(f"EP recipe (FSDP, experts over ep={ep})", recipe[0], step_tokens, report.world_size,
+                            micro, recipe[1])]
+
+
 def format_auto_report(r: AutoDryRunReport) -> str:
     lines = [f"dry run (auto mode): {r.model} on a fake world of {r.world_size} ranks, fake {r.device} tensors, "
              f"mesh {r.mesh}, local batch {r.tokens[0]} x {r.tokens[1]} tokens ({r.seconds:.1f} s)",
@@ -184,6 +202,8 @@ def format_auto_report(r: AutoDryRunReport) -> str:
              f"{', '.join(r.regions) or 'none'}", r.plan_summary,
              f"predicted step (cost model on the step graph): {r.predicted_step}",
              f"predicted peak memory: {r.memory}",
+             f"planning: {r.plan_seconds:.1f} s (trace, candidates, solve, memory estimate)",
+             *(format_comparison(r.priced) if r.priced else []),
              "collectives per training step (rank 0's step graph):",
              f"    {'kind':<15}{'mesh axis':<18}{'count':>7}{'bytes':>16}"]
     for (kind, axis), (cnt, nb) in sorted(r.collectives.items()):

@@ -83,7 +83,8 @@ class Trainer:
         if cfg.parallelism.mesh == "auto" and self.distributed:
             raise ConfigError(f"{cfg.source}: 'parallelism.mesh' = 'auto': the mesh is chosen before the Trainer is "
                               "built: call trainer.mesh_auto.choose_mesh(cfg, ...) first (train.py does)")
-        self.mesh = build_mesh(cfg.parallelism.degrees, self.world_size, self.device.type) if self.distributed else None
+        self.mesh = (build_mesh(cfg.parallelism.degrees, self.world_size, self.device.type,
+                                expert_axis=cfg.parallelism.mode == "auto") if self.distributed else None)
         self.dp_rank, self.dp_degree = dp_rank_and_degree(self.mesh)
         # gradient accumulation: the global batch is the job, micro-batches of the local batch make it up
         self.global_batch = cfg.training.global_batch(self.dp_degree)

@@ -234,12 +234,33 @@ def test_planner_knobs_default_to_the_api_and_parse():
     ("memory_estimate", "false --parallelism.memory_limit_gib 40", r"memory_estimate' = False: the memory limit "
                                                                   r"\(memory_limit_gib = 40.0\) is checked against the "
                                                                   r"estimate: unset memory_limit_gib or set"),
-    ("expert_parallel_degree", "2", r"expert_parallel_degree' = 2: is set with mode = \"auto\": the planner decides "
-                                    r"where the experts go .*remove it"),
+    ("expert_parallel_degree", "2", r"expert_parallel_degree' = 2: llama3/debug has no routed experts; set it to 1"),
 ])
 def test_bad_planner_knobs(key, value, match):
     with pytest.raises(ConfigError, match=r"llama3_debug_auto.toml.*: 'parallelism\." + match):
         load_config("llama3_debug_auto", [f"--parallelism.{key}", *value.split()], world_size=2)
+
+
+@pytest.mark.parametrize("flags,world,match", [
+    ("--parallelism.expert_parallel_degree 3", 3, r"expert_parallel_degree' = 3: does not divide the number of "
+                                                  r"routed experts \(8\)"),
+    ("--parallelism.expert_parallel_degree 4 --parallelism.context_parallel_degree 2", 4,
+     r"expert_parallel_degree' = 4: must divide data_parallel_shard_degree = 2 in auto mode"),
+])
+def test_bad_expert_axis_in_auto_mode(flags, world, match):
+    with pytest.raises(ConfigError, match=r"deepseek_v3_debug_auto.toml.*: 'parallelism\." + match):
+        load_config("deepseek_v3_debug_auto", flags.split(), world_size=world)
+
+
+def test_expert_axis_in_auto_mode_splits_dp_shard():
+    from parallel.mesh import mesh_shape
+
+    cfg = load_config("deepseek_v3_debug_auto", ["--parallelism.expert_parallel_degree", "2"], world_size=8)
+    assert mesh_shape(cfg.parallelism.degrees, 8, expert_axis=True) == ((4, 2), ("dp_shard_mod_ep", "ep"))
+    assert mesh_shape(cfg.parallelism.degrees, 8) == ((8,), ("dp_shard",))  # manual: the EP recipe carves ep itself
+    cfg = load_config("deepseek_v3_debug_auto", ["--parallelism.expert_parallel_degree", "2",
+                                                 "--parallelism.data_parallel_replicate_degree", "2"], world_size=4)
+    assert mesh_shape(cfg.parallelism.degrees, 4, expert_axis=True) == ((2, 2), ("dp_replicate", "ep"))
 
 
 def test_malformed_hardware_profile_is_a_config_error(tmp_path):

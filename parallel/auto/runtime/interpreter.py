@@ -76,6 +76,9 @@ class PlacementOps:
         # parameter node name -> its gather bucket (block, ...): parameters some op takes
         # replicated are gathered together with their bucket at the first such use
         self.gather_buckets = gather_buckets or {}
+        self._bucket_members: dict[Any, list[str]] = {}  # bucket -> its parameters (a scan of one bucket, not all)
+        for m, b in self.gather_buckets.items():
+            self._bucket_members.setdefault(b, []).append(m)
         self.param_values: dict[str, DTensor] = {}  # this phase's parameter shards (compute dtype)
         self.cache: dict[str, DTensor] = {}
         self.stats: Counter = Counter()
@@ -88,9 +91,9 @@ class PlacementOps:
             return hit
         v = self.param_values[name]
         key = (self.gather_buckets[name], bucket_key(tuple(v.placements), _replicated(v)), v.dtype)
-        members = [m for m, b in self.gather_buckets.items() if m in self.param_values and m not in self.cache
-                   and (b, bucket_key(tuple(self.param_values[m].placements), _replicated(v)),
-                        self.param_values[m].dtype) == key]
+        members = [m for m in self._bucket_members[key[0]] if m in self.param_values and m not in self.cache
+                   and (bucket_key(tuple(self.param_values[m].placements), _replicated(v)),
+                        self.param_values[m].dtype) == key[1:]]
         if key[1] is None:
             return None
         self.stats["bucketed_param_gathers"] += 1

@@ -12,7 +12,9 @@ still decides everything the preset leaves free.
     MLP w1/w3 by output features, o and w2 by input features);
   * `replicated`: some parameters (by FQN fragment) replicated, e.g. the embeddings;
   * `context_parallel`: causal-attention regions with the sequence sharded on one axis
-    (and the batch on the others), K/V gathered (needs the region traced, regions/cp_attention.py).
+    (and the batch on the others), K/V gathered (needs the region traced, regions/cp_attention.py);
+  * `expert_parallel`: the EP recipe (parallel/recipes/ep.py): FSDP on the data axes, every MoE
+    dispatch region with its experts split over one axis and its tokens sent there all-to-all.
 
 Projection names follow the LLaMA family's modules (`COLUMN`, `ROW`); pass your own.
 """
@@ -25,7 +27,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from parallel.auto.api import AutoParallel
-from parallel.auto.regions import CP_ATTENTION, forward_op
+from parallel.auto.regions import CP_ATTENTION, MOE_DISPATCH, forward_op
 from parallel.auto.trace.joint import FWD
 
 COLUMN = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
@@ -136,4 +138,24 @@ def context_parallel(autop: AutoParallel, axis: int, batch_axes: Sequence[int] =
                for i in range(autop.mesh.ndim))
     for n in nodes:
         autop.add_node_constraint(n.name, pl)
+    return len(nodes)
+
+
+def expert_parallel(autop: AutoParallel, ep_axis: int, data_axes: Sequence[int]) -> int:
+    """The EP recipe on the planner's terms: `fsdp` on `data_axes` for every dense weight, and
+    every MoE dispatch region with batch-sharded tokens, its experts split over `ep_axis`
+    (`expert_parallel` there: E/n experts a rank, token-slots all-to-all) and gathered on the
+    other data axes (`dense_experts`: FSDP-stored, gathered for compute). Returns the number
+    of regions."""
+    fwd = forward_op(MOE_DISPATCH)
+    nodes = [n for n in autop.graph.gm.graph.nodes if n.target == fwd]
+    if not nodes:
+        raise ValueError("expert_parallel: no MoE dispatch region in the traced graph; trace with "
+                         f"AutoParallel(..., regions=({MOE_DISPATCH!r},))")
+    fsdp(autop, data_axes)
+    ndim = autop.mesh.ndim
+    tokens = tuple(Shard(0) if i in data_axes or i == ep_axis else Replicate() for i in range(ndim))
+    experts = tuple(Shard(0) if i == ep_axis else Replicate() for i in range(ndim))
+    for n in nodes:  # (x, top_scores, selected, w1, w2, w3) -> y
+        autop.add_node_constraint(n.name, tokens, input_placements=[tokens] * 3 + [experts] * 3)
     return len(nodes)

@@ -147,6 +147,50 @@ def test_one_gather_per_group_on_gloo_keeps_the_other_groups_overlapped():
     assert nodes.index(tp_wait) > max(nodes.index(n) for n in starts)  # still in flight across the others
 
 
+def test_reductions_over_two_axes_are_bounded_stage_by_stage():
+    """Six gradients, each reduced over both axes of a 2 x 2 mesh (a reduce-scatter per axis,
+    the second reading the first), issued after the whole backward as the runner does: every
+    stage waits one chain behind (its buffer freed), the second stage starts right after the
+    first is waited for; none is left to the end of the step."""
+    from torch.distributed import _functional_collectives as funcol
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from parallel.auto.runtime.schedule import schedule_overlap
+
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+
+        def step(x, *ws):
+            grads, y = [], x
+            for w in ws:  # the backward: one gradient per block
+                y = torch.tanh(y @ w)
+                grads.append(y.float())
+            return [funcol.reduce_scatter_single(funcol.reduce_scatter_single(g, "sum", 0, (mesh, 1)), "sum", 0,
+                                                 (mesh, 0)) for g in grads]
+
+        args = (torch.randn(64, 64, dtype=torch.bfloat16), *[torch.randn(64, 64, dtype=torch.bfloat16)] * 6)
+        with T.FakeTensorMode():
+            gm = make_fx(step, tracing_mode="fake")(*args)
+        rep = schedule_overlap(gm)
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    stage0 = [n for n in nodes if _is_collective(n) and not _is_wait(n.args[0])]
+    wait = {c: next(u for u in c.users if _is_wait(u)) for c in stage0}
+    stage1 = [next(u for u in wait[c].users if _is_collective(u)) for c in stage0]
+    wait.update({c: next(u for u in c.users if _is_wait(u)) for c in stage1})
+    tanh = [pos[n] for n in nodes if n.op == "call_function" and T.op_name(n.target) == "tanh"]
+    starts = [pos[c] for c in stage0] + [len(nodes)]  # chain k + 1's stage 0 (the end after the last)
+    assert len(stage0) == len(stage1) == len(tanh) == 6
+    for k in range(6):
+        w0, c1, w1 = pos[wait[stage0[k]]], pos[stage1[k]], pos[wait[stage1[k]]]
+        if k + 1 < 6:  # stage 0 of chain k: waited for once chain k + 1 (after its gradient) has started
+            assert tanh[k + 1] < starts[k + 1] < w0 < starts[k + 2], k
+        assert w0 < c1 <= w0 + 3, k  # stage 1 starts right after stage 0 is waited for ...
+        if k + 2 < 6:  # ... and is waited for one chain later
+            assert starts[k + 2] < w1 < starts[k + 3], k
+    assert rep.reductions_bounded >= 8
+
+
 def test_analysis_step_graph_has_the_same_schedule_and_refuses_to_run(fsdp_plan):
     """runtime/memory.py walks a step graph built with executable=False (its code is not
     regenerated after scheduling): same nodes in the same order as the one the runtime runs."""
