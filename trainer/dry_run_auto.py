@@ -30,6 +30,7 @@ import torch
 from models import build_model
 from parallel import _torch as T
 from parallel.auto.cost.memory import format_bytes
+from parallel.auto.plan import Plan
 from parallel.auto.regions import load_balanced_batch
 from parallel.auto.request import data_degree, resolve_planner
 from parallel.auto.runtime.device import off_device
@@ -190,9 +191,10 @@ def _price_against_recipe(pm, mesh, cfg: JobConfig, report: AutoDryRunReport, mi
         return
     step_tokens = report.tokens[0] * report.tokens[1] * data_degree(mesh)
     ep = dict(zip(mesh.mesh_dim_names, mesh.shape))["ep"]
+    name = f"EP recipe (FSDP, experts over ep={ep})"
     report.priced = [priced("auto (the planner's free plan)", plan, step_tokens, report.world_size, micro),
-                     priced(f"EP recipe (FSDP, experts over ep={ep})", recipe[0], step_tokens, report.world_size,
-                            micro, recipe[1])]
+                     priced(name, recipe[0], step_tokens, report.world_size, micro, recipe[1])
+                     if isinstance(recipe[0], Plan) else f"{name}: {recipe[0]}"]
 
 
 def format_auto_report(r: AutoDryRunReport) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.auto.plan import Plan
+from parallel.auto.problem.placement_problem import PlanningError
 from parallel.auto.request import data_axes, planning
 from parallel.auto.search import presets
 from parallel.mesh import EP, axis_names
@@ -35,10 +36,11 @@ class PricedPlan:
     peak_gib: float | None  # None: the memory estimate is off
     tokens_per_s_per_gpu: float
     solve_s: float = 0.0
+    experts: str = ""  # where the plan puts the routed experts (its summary's line)
 
     def row(self) -> str:
         peak = f"{self.peak_gib:9.1f}" if self.peak_gib is not None else f"{'n/a':>9}"
-        return f"    {self.name:<34}{self.step_ms:>11,.1f}{peak}{self.tokens_per_s_per_gpu:>12,.0f}"
+        return f"    {self.name:<38}{self.step_ms:>11,.1f}{peak}{self.tokens_per_s_per_gpu:>12,.0f}"
 
 
 def priced(name: str, plan: Plan, step_tokens: int, world: int, micro_batches: int, solve_s: float = 0.0
@@ -46,12 +48,15 @@ def priced(name: str, plan: Plan, step_tokens: int, world: int, micro_batches: i
     """`plan` priced for this job: `step_tokens`, the global tokens of one micro-batch."""
     step_us = plan.step_time_us(micro_batches)
     peak = plan.memory.peak_bytes / 2**30 if plan.memory is not None else None
-    return PricedPlan(name, step_us / 1e3, peak, step_tokens * micro_batches / (step_us * 1e-6) / world, solve_s)
+    lines = [line.strip() for line in plan.summary().splitlines()]
+    experts = next((line for line in lines if line.startswith("moe.experts.w1:")), "")
+    return PricedPlan(name, step_us / 1e3, peak, step_tokens * micro_batches / (step_us * 1e-6) / world, solve_s,
+                      experts)
 
 
-def ep_recipe(pm, mesh: DeviceMesh, cfg: JobConfig, tokens: tuple[int, int]) -> tuple[Plan, float] | None:
-    """The EP recipe's plan on the free plan's trace (`pm`: the planned ParallelModule) and
-    its solve time; None when the mesh has no ``ep`` axis."""
+def ep_recipe(pm, mesh: DeviceMesh, cfg: JobConfig, tokens: tuple[int, int]) -> tuple[Plan | str, float] | None:
+    """The EP recipe's plan on the free plan's trace (`pm`: the planned ParallelModule), or
+    why it has none (it does not fit), and its solve time; None when the mesh has no ``ep`` axis."""
     names = axis_names(mesh)
     if EP not in names:
         return None
@@ -59,16 +64,21 @@ def ep_recipe(pm, mesh: DeviceMesh, cfg: JobConfig, tokens: tuple[int, int]) -> 
     t0 = time.perf_counter()
     with planning(pm.meta_template, mesh, request, graph=pm.plan_runner.graph) as autop:
         presets.expert_parallel(autop, names.index(EP), data_axes(mesh))
-        plan = autop.optimize_placement(verbose=False)
+        try:
+            plan: Plan | str = autop.optimize_placement(verbose=False)
+        except PlanningError as e:
+            plan = f"no plan ({e})"
     return plan, time.perf_counter() - t0
 
 
-def format_comparison(rows: list[PricedPlan]) -> list[str]:
-    """The table the dry run prints, and the free plan's ratio to the recipe."""
+def format_comparison(rows: list[PricedPlan | str]) -> list[str]:
+    """The table the dry run prints (a str row: a plan that could not be made, and why), and
+    the free plan's ratio to the recipe."""
     lines = ["priced by the same cost model (the plan's step, its memory estimate's peak):",
-             f"    {'plan':<34}{'step ms':>11}{'peak GiB':>9}{'tok/s/GPU':>12}"]
-    lines += [r.row() for r in rows]
-    if len(rows) == 2 and rows[1].tokens_per_s_per_gpu > 0:
+             f"    {'plan':<38}{'step ms':>11}{'peak GiB':>9}{'tok/s/GPU':>12}"]
+    lines += [r.row() if isinstance(r, PricedPlan) else f"    {r}" for r in rows]
+    lines += [f"    {r.name.split(' (')[0]}: {r.experts}" for r in rows if isinstance(r, PricedPlan) and r.experts]
+    if len(rows) == 2 and all(isinstance(r, PricedPlan) for r in rows) and rows[1].tokens_per_s_per_gpu > 0:
         lines.append(f"    free plan / recipe: {rows[0].tokens_per_s_per_gpu / rows[1].tokens_per_s_per_gpu:.3f}x "
                      f"tokens/s (recipe solved in {rows[1].solve_s:.1f} s)")
     return lines

@@ -77,6 +77,26 @@ def test_gpu_job_dry_run_keeps_every_value_on_cuda(name, world, overrides, axes,
 
 
 @pytest.mark.slow
+def test_expert_axis_dry_run_prices_the_ep_recipe_next_to_the_free_plan():
+    """`expert_parallel_degree` in auto mode: the mesh is dp_shard_mod_ep x ep, and the report
+    prices the EP recipe (experts split over ep, gathered over dp_shard_mod_ep) on the same
+    trace and cost model as the free plan."""
+    cfg = _cfg("deepseek_v3_debug_auto", 4, "--parallelism.expert_parallel_degree", "2",
+               "--parallelism.memory_estimate", "false")
+    r = dry_run_auto(cfg, 4)
+    text = format_auto_report(r)
+    print(text)
+    assert r.mesh == "dp_shard_mod_ep=2 x ep=2" and r.off_device == []
+    free, recipe = r.priced
+    assert recipe.name == "EP recipe (FSDP, experts over ep=2)" and free.name.startswith("auto")
+    assert re.search(r"dense_experts \(region moe_dispatch.*\) on dp_shard_mod_ep; expert_parallel "
+                     r"\(region moe_dispatch.*\) on ep$", recipe.experts), recipe.experts
+    # one cost model: the free plan is the optimum over a set that holds the recipe
+    assert 0 < free.step_ms <= recipe.step_ms * (1 + 1e-9) and free.tokens_per_s_per_gpu > 0
+    assert "free plan / recipe:" in text and "EP recipe (FSDP, experts over ep=2)" in text
+
+
+@pytest.mark.slow
 def test_dry_run_of_a_job_over_the_memory_limit_is_one_error(capsys):
     rc = train.main(["--config", "llama3_debug_auto", "--dry-run", "--world-size", "1", "--training.seq_len", "64",
                      "--parallelism.memory_limit_gib", "0.01"])

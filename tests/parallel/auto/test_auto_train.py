@@ -4,6 +4,7 @@ resumes (replaying the saved plan with `parallelism.plan_file`), and a plan made
 another model is refused."""
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -122,14 +123,16 @@ def test_deepseek_v3_auto_mode_with_moe_through_train_py_matches_one_rank(tmp_pa
 @pytest.mark.slow
 def test_qwen3_moe_auto_mode_through_train_py_matches_one_rank(tmp_path):
     """Qwen3-MoE (q/k norms, MoE in every layer, normalised top-k): its dispatch planned as the
-    moe_dispatch region, losses equal to 1 rank."""
+    moe_dispatch region, on a mesh whose axis is `ep` (`expert_parallel_degree` 2 in auto mode:
+    a data axis the planner places on), losses equal to 1 rank."""
     from trainer.trainer import Trainer
 
     small = ["--model.n_layers", "2", "--training.steps", "3"]
     ref = Trainer(make_config(tmp_path, "qwen3_moe_debug", extra=[*small, *SPLIT], job="ref")).train()
-    r = torchrun(tmp_path, "auto", small, config="qwen3_moe_debug_auto")
+    r = torchrun(tmp_path, "auto", [*small, "--parallelism.expert_parallel_degree", "2"], config="qwen3_moe_debug_auto")
     out = r.stdout + r.stderr
-    assert "moe.experts.w1:" in out and "(region moe_dispatch" in out
+    assert "world 2, mesh ep=2," in out  # the planner chooses what the experts do there
+    assert re.search(r"moe.experts.w1: \w+ \(region moe_dispatch, stored [^)]+\) on ep\n", out), out[-3000:]
     assert "runtime: 3 steps as one step graph per rank, 0 deviations from the plan" in out
     two = read_losses(tmp_path, "auto")
     diff = max(abs(two[s] - ref[s]) for s in two)
