@@ -74,7 +74,8 @@ def ep_recipe(pm, mesh: DeviceMesh, cfg: JobConfig, tokens: tuple[int, int]) -> 
 def format_comparison(rows: list[PricedPlan | str]) -> list[str]:
     """The table the dry run prints (a str row: a plan that could not be made, and why), and
     the free plan's ratio to the recipe."""
-    lines = ["priced by the same cost model (the plan's step, its memory estimate's peak):",
+    lines = ["the plan next to the mesh's hand recipe, priced alike by the cost model (the solver's price of a step, "
+             "Plan.step_time_us: compute plus communication; the peak of each plan's memory estimate):",
              f"    {'plan':<38}{'step ms':>11}{'peak GiB':>9}{'tok/s/GPU':>12}"]
     lines += [r.row() if isinstance(r, PricedPlan) else f"    {r}" for r in rows]
     lines += [f"    {r.name.split(' (')[0]}: {r.experts}" for r in rows if isinstance(r, PricedPlan) and r.experts]
