@@ -89,7 +89,7 @@ def resolve_specs(candidates: Candidates, plan: Plan) -> dict[str, Any]:
 
 def block_indices(graph: JointGraph) -> dict[str, int]:
     """node name -> id of the transformer block (layer instance, as the planner finds the
-    repeated blocks: `problem/repeated_blocks.layer_instance`) it belongs to; parameters by their FQN,
+    repeated blocks: `problem/repeated_blocks.layer_instance`) it belongs to; parameters and buffers by their FQN,
     other nodes by the module that produced them. One id per instance: a stack's index
     ('layers.3' -> 3), each further stack (a T5 decoder's 'decoder.block.i' after
     'encoder.block.i') numbered after the previous one, so blocks of the same index in two
@@ -99,7 +99,7 @@ def block_indices(graph: JointGraph) -> dict[str, int]:
         prefix = layer_prefix(path)
         if prefix is not None:
             prefixes[name] = prefix
-    for fqn, node in graph.params.items():
+    for fqn, node in [*graph.params.items(), *graph.buffers.items()]:  # a layer's buffers (MoE expert bias) too
         prefix = layer_prefix(fqn)
         if prefix is not None:
             prefixes[node.name] = prefix

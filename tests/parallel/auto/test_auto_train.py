@@ -4,8 +4,8 @@ resumes (replaying the saved plan with `parallelism.plan_file`), and a plan made
 another model is refused."""
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
