@@ -88,6 +88,8 @@ def _run(args: list[str], world: int) -> dict:
     finally:
         for n, fn in saved.items():
             setattr(dist, n, fn)
+    if world > 1:
+        dist.barrier()  # rank 0 writes losses.json when its run ends (metrics.py): read it after that
     logged = json.loads((tr.run_dir / "losses.json").read_text())
     norms = {int(k): v for k, v in logged["grad_norm"].items()}
     weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
