@@ -1,0 +1,88 @@
+"""A training step laid out in time, predicted or measured: what the plan page draws.
+
+`StepTimeline` is what the step simulation (simulate.py) walked: one lane for compute and
+one per mesh axis for its collectives, each busy interval an event, the forward, backward
+and optimizer phases as spans. Its lanes end at the predicted step time, so the picture and
+the number a user is told are the same figure.
+
+`MeasuredStep` is what a run observed of the same step after its warm-up (the trainer's
+timers, the allocator, and the profiler when the run profiles): the page draws it beside
+the prediction so that a user sees where the model is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+COMPUTE_LANE = "compute"
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass
+class TimelineEvent:
+    """One busy interval on a lane (µs from the step's start)."""
+
+    lane: str  # COMPUTE_LANE or a mesh axis name
+    start_us: float
+    end_us: float
+    label: str  # what ran: ops of a layer, or a collective ("all_reduce 12.5 MiB")
+    phase: str  # one of PHASES
+    nbytes: int = 0  # a collective's bytes (0 for compute)
+
+    @property
+    def us(self) -> float:
+        return self.end_us - self.start_us
+
+
+@dataclass
+class StepTimeline:
+    """A step's lanes and phases, from the simulation that gives its predicted time."""
+
+    step_us: float
+    lanes: list[str]
+    events: list[TimelineEvent] = field(default_factory=list)
+    phases: list[tuple[str, float, float]] = field(default_factory=list)  # (phase, start_us, end_us)
+    source: str = ""  # what drew it: "cost model (profile name)", "measured (timers)", ...
+
+    def lane_end_us(self, lane: str) -> float:
+        """When the lane's last event ends (the compute lane's end is the step time)."""
+        return max((e.end_us for e in self.events if e.lane == lane), default=0.0)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["phases"] = [list(p) for p in self.phases]
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any, source: str = "the timeline") -> StepTimeline:
+        if not isinstance(d, dict) or not {"step_us", "lanes", "events"} <= set(d):
+            raise ValueError(f"{source}: not a step timeline ({str(d)[:120]})")
+        events = [TimelineEvent(**e) for e in d["events"]]
+        phases = [tuple(p) for p in d.get("phases", [])]
+        return cls(d["step_us"], list(d["lanes"]), events, phases, d.get("source", ""))  # type: ignore[arg-type]
+
+
+@dataclass
+class MeasuredStep:
+    """What a run measured of one step after its warm-up (rank-averaged medians)."""
+
+    step_us: float
+    steps: int  # how many steps the median is of
+    peak_bytes: int | None = None  # the allocator's peak (None: no allocator statistics)
+    compute_us: float | None = None  # where the profiler or timers split the step
+    comm_us: float | None = None
+    source: str = "timers"  # "timers", "profiler"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Any, source: str = "the measured step") -> MeasuredStep:
+        names = {f.name for f in fields(cls)}
+        if not isinstance(d, dict) or "step_us" not in d or set(d) - names:
+            raise ValueError(f"{source}: not a measured step ({str(d)[:120]})")
+        return cls(**d)
+
+
+__all__ = ["COMPUTE_LANE", "PHASES", "MeasuredStep", "StepTimeline", "TimelineEvent"]
