@@ -21,6 +21,7 @@ from typing import Any
 
 from parallel.auto.candidates.placements import placement_words
 from parallel.auto.candidates.strategies import GETITEM, SLOT
+from parallel.auto.cost.timeline import MeasuredStep, StepTimeline
 from parallel.auto.plan import NodePlan, Plan, PlanDiff, collapse_layers, linear_roles
 from parallel.auto.trace.joint import layer_prefix
 
@@ -275,9 +276,34 @@ def _title(plan: Plan) -> str:
     return f"Plan: mesh {mesh} ({', '.join(plan.mesh_axis_names)}) on {plan.hardware}"
 
 
-def plan_html(plan: Plan, *, title: str | None = None, total_param_bytes: float | None = None) -> str:
-    """The plan as one self-contained HTML page."""
-    return _page(title or _title(plan), plan_sections(plan, None, total_param_bytes))
+def step_table(timeline: StepTimeline | None, measured: MeasuredStep | None) -> str:
+    """The step's predicted time (the simulation's) beside what the run measured after its warm-up."""
+    def ms(us: float | None) -> str:
+        return "-" if us is None else f"{us / 1e3:,.1f} ms"
+
+    rows = []
+    if timeline is not None:
+        rows.append(("predicted", ms(timeline.step_us), timeline.source, "-"))
+    if measured is not None:
+        peak = fmt_bytes(measured.peak_bytes) if measured.peak_bytes is not None else "-"
+        rows.append(("measured", ms(measured.step_us), f"median of {measured.steps} steps ({measured.source})", peak))
+    if not rows:
+        return '<p class="note">no step simulation or measurement with this plan (a loaded plan)</p>'
+    out = ['<table class="step"><tr><th></th><th>step</th><th>from</th><th>peak memory</th></tr>']
+    out += [f"<tr><th>{_e(a)}</th><td class=\"num\">{_e(b)}</td><td>{_e(c)}</td><td class=\"num\">{_e(d)}</td></tr>"
+            for a, b, c, d in rows]
+    if timeline is not None and measured is not None and timeline.step_us > 0:
+        out.append(f'<tr><th>measured / predicted</th><td class="num">{measured.step_us / timeline.step_us:.2f}</td>'
+                   '<td colspan="2"></td></tr>')
+    return "\n".join(out + ["</table>"])
+
+
+def plan_html(plan: Plan, *, title: str | None = None, total_param_bytes: float | None = None,
+              timeline: StepTimeline | None = None, measured: MeasuredStep | None = None) -> str:
+    """The plan as one self-contained HTML page; `timeline`: the simulated step (StepPrediction's),
+    `measured`: what the run measured of it after its warm-up."""
+    body = "\n".join(["<h2>Step</h2>", step_table(timeline, measured), plan_sections(plan, None, total_param_bytes)])
+    return _page(title or _title(plan), body)
 
 
 def changed_table(diff: PlanDiff, limit: int = MAX_CHANGED) -> str:
