@@ -32,7 +32,7 @@ The labels sum to the peak. Eager execution only: Inductor plans its own buffers
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -70,6 +70,12 @@ class MemoryEstimate:
     all_grads_bytes: int = 0  # every gradient (held until the next zero_grad)
     limit_bytes: int = 0  # the memory limit the plan was checked against (0: none)
     limit_source: str = ""  # where the limit comes from (a profile file, the API, a TOML key)
+    # per layer ('layers.3'; OUTSIDE: embedding, head, loss), for the plan page; {} in plans
+    # written before they were recorded
+    activations_by_block: dict[str, int] = field(default_factory=dict)  # activations at the peak
+    saved_by_block: dict[str, int] = field(default_factory=dict)  # activations when the forward ends
+    recomputed_by_block: dict[str, int] = field(default_factory=dict)  # recomputed values the backward reads
+    recompute: str = ""  # activation checkpointing: "none", "full", "selective op", ... ("": not recorded)
 
     def summary(self) -> str:
         """One line for the plan summary and logs."""
@@ -106,6 +112,14 @@ def _tensors(v: Any) -> list[torch.Tensor]:
         return [t for x in v for t in _tensors(x)]
     return []
 
+
+OUTSIDE = "(outside blocks)"
+"""`MemoryEstimate.activations_by_block`'s key for values made outside the transformer blocks."""
+BLOCK = "memory_block"
+"""Node meta key of a step-graph node: the layer ('layers.3') of the phase-graph node that made it
+(runtime/interpreter.TraceTags), None outside the blocks."""
+RECOMPUTED = "memory_recomputed"
+"""Node meta key of a step-graph node: True where it recomputes a forward op in the backward."""
 
 COPIED_STORAGES = "copied_storages"
 """Node meta key of a step-graph node that is a copy of a repeated block's node
@@ -244,8 +258,7 @@ class _Peak:
     parts: dict[str, int] | None = None
 
 
-def _labels(lv: _Liveness, grad_keys: set[Hashable], boundary: int, n_inputs: int) -> dict[Hashable, str]:
-    state = _derived_from_state(lv.nodes, n_inputs)
+def _labels(lv: _Liveness, grad_keys: set[Hashable], boundary: int, state: set[fx.Node]) -> dict[Hashable, str]:
     out = {}
     for k in lv.internal():
         if k in grad_keys:
@@ -299,7 +312,8 @@ def step_graph_memory(gm: fx.GraphModule, *, n_inputs: int, n_outputs: int, stat
     pos = {n: i for i, n in enumerate(lv.nodes)}
     boundary = max(pos[_forward_end(n)] for n in outs[:n_outputs])  # the loss: the forward ends there
     grad_keys = {k for n in outs[n_outputs:] for k, _ in lv.keys(n)}
-    labels = _labels(lv, grad_keys, boundary, n_inputs)
+    state = _derived_from_state(lv.nodes, n_inputs)
+    labels = _labels(lv, grad_keys, boundary, state)
     peak, saved = _sweep(lv, labels, boundary)
     all_grads = sum(lv.size[k] for k in grad_keys if k in labels)
     parts = dict(peak.parts or {"grads": 0, "activations": 0, "transient": 0})
@@ -312,8 +326,49 @@ def step_graph_memory(gm: fx.GraphModule, *, n_inputs: int, n_outputs: int, stat
         all_grads = reduced_grad_bytes
     if all_grads + optimizer_temp > sum(parts.values()):  # the optimizer step holds more than any op of the graph
         parts, phase = {"grads": all_grads, "activations": 0, "transient": optimizer_temp}, "optimizer"
+    acts = [k for k, label in labels.items() if label == "activations"]
     return MemoryEstimate(
         params_bytes=state_bytes, grads_bytes=parts["grads"], optimizer_bytes=optimizer_bytes,
         activations_bytes=parts["activations"], transient_bytes=parts["transient"],
         peak_bytes=state_bytes + optimizer_bytes + sum(parts.values()), phase=phase, saved_bytes=saved,
-        all_grads_bytes=all_grads)
+        all_grads_bytes=all_grads,
+        activations_by_block=_alive_by_block(lv, acts, peak.at) if parts["activations"] else {},
+        saved_by_block=_alive_by_block(lv, acts, boundary),
+        recomputed_by_block=_recomputed_by_block(lv, labels, boundary, state))
+
+
+def _block(n: fx.Node) -> str:
+    return n.meta.get(BLOCK) or OUTSIDE
+
+
+def _alive_by_block(lv: _Liveness, keys: list[Hashable], at: int) -> dict[str, int]:
+    """Bytes of `keys` alive at node `at`, by the layer that made them (the sweep's rule: alive
+    from the node that makes a storage to its last use, both included)."""
+    out: dict[str, int] = {}
+    for k in keys:
+        if lv.start[k] <= at <= lv.end[k]:
+            b = _block(lv.producer[k])
+            out[b] = out.get(b, 0) + lv.size[k]
+    return out
+
+
+def _recomputed_by_block(lv: _Liveness, labels: dict[Hashable, str], boundary: int,
+                         state: set[fx.Node]) -> dict[str, int]:
+    """Per layer, the bytes of the values the backward recomputes (activation checkpointing)
+    and reads in its own ops: what the forward would otherwise have kept for it, read off
+    this graph (the partition without recomputation is not traced, so it is an estimate of
+    what recomputation saves, not a second walk)."""
+    seen: set[Hashable] = set()
+    out: dict[str, int] = {}
+    for n in lv.nodes[boundary + 1:]:
+        if n.op != "call_function" or n.meta.get(RECOMPUTED):
+            continue
+        for a in n.all_input_nodes:
+            if not a.meta.get(RECOMPUTED) or a in state:
+                continue
+            for k, _ in lv.keys(a):
+                if k in labels and k not in seen and lv.producer[k].meta.get(RECOMPUTED):
+                    seen.add(k)
+                    b = _block(lv.producer[k])
+                    out[b] = out.get(b, 0) + lv.size[k]
+    return out

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from parallel import _torch as T
 from parallel.auto.candidates.placements import bucket_key, placement_str
+from parallel.auto.cost.memory import BLOCK, RECOMPUTED
 from parallel.auto.regions import region_of, run_region
 from parallel.auto.runtime.redistribute import bucketed_redistribute, redistribute
 from parallel.auto.runtime.repeated_blocks import MISSING
@@ -214,16 +215,53 @@ class PlacementOps:
                 and not _keeps_dtype(n.target, v) else v for v in vals]
 
 
+class TraceTags:
+    """Under a trace: each graph node that running a phase-graph node adds gets that node's layer
+    (`BLOCK`) and whether it recomputes a forward op in the backward (`RECOMPUTED`), so the
+    memory walk can say which block holds the activations and what recomputation does."""
+
+    def __init__(self, tracer: Any, layer_of: dict[str, str], recomputed: set[str]):
+        self.graph = tracer.graph
+        self.layer_of = layer_of
+        self.recomputed = recomputed
+
+    def mark(self) -> fx.Node:
+        return next(iter(reversed(self.graph.nodes)))  # iter(): torch < 2.13 returns a list view
+
+    def label(self, marker: fx.Node, n: fx.Node) -> None:
+        """Tag what was added after `marker` while `n` ran (a copied block segment keeps its
+        template's recomputation flags, set node by node when the template ran)."""
+        layer = self.layer_of.get(n.name)
+        if layer is None and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+            layer = self.layer_of.get(n.args[0].name)
+        rec = n.name in self.recomputed
+        m = marker.next
+        while m.op != "root":  # the graph's sentinel: the end of its node list
+            m.meta[BLOCK] = layer
+            m.meta.setdefault(RECOMPUTED, rec)
+            m = m.next
+
+
 class PlacementInterpreter(fx.Interpreter):
     """torch.fx.Interpreter over one phase's GraphModule, ops run through `PlacementOps`."""
 
-    def __init__(self, gm: fx.GraphModule, ops: PlacementOps, copies: Any = None):
-        """`copies`: a repeated_blocks.BlockCopies that copies repeated blocks' traced nodes."""
+    def __init__(self, gm: fx.GraphModule, ops: PlacementOps, copies: Any = None, tags: TraceTags | None = None):
+        """`copies`: a repeated_blocks.BlockCopies that copies repeated blocks' traced nodes;
+        `tags`: labels the traced nodes with their block (the memory walk's)."""
         super().__init__(gm, garbage_collect_values=True)
         self.ops = ops
         self.copies = copies
+        self.tags = tags
 
     def run_node(self, n: fx.Node) -> Any:
+        if self.tags is None:
+            return self._run_node(n)
+        marker = self.tags.mark()
+        out = self._run_node(n)
+        self.tags.label(marker, n)
+        return out
+
+    def _run_node(self, n: fx.Node) -> Any:
         r = self.copies
         if r is not None:
             out = r.value(n, self.env)

@@ -41,7 +41,7 @@ from parallel.auto.candidates.placements import bucket_key, spec_placement_strs
 from parallel.auto.candidates.strategies import PLACEHOLDER, Candidates
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.runtime.device import place_on_device, runtime_device
-from parallel.auto.runtime.interpreter import LAYOUT_OPS, PlacementInterpreter, PlacementOps, is_tensor_node
+from parallel.auto.runtime.interpreter import LAYOUT_OPS, PlacementInterpreter, PlacementOps, TraceTags, is_tensor_node
 from parallel.auto.runtime.options import RuntimeOptions
 from parallel.auto.runtime.redistribute import bucketed_redistribute, redistribute
 from parallel.auto.runtime.repeated_blocks import BlockCopies, BlockLayout, CallCopies, PhaseBlocks
@@ -87,13 +87,8 @@ def resolve_specs(candidates: Candidates, plan: Plan) -> dict[str, Any]:
     return spec
 
 
-def block_indices(graph: JointGraph) -> dict[str, int]:
-    """node name -> id of the transformer block (layer instance, as the planner finds the
-    repeated blocks: `problem/repeated_blocks.layer_instance`) it belongs to; parameters and buffers by their FQN,
-    other nodes by the module that produced them. One id per instance: a stack's index
-    ('layers.3' -> 3), each further stack (a T5 decoder's 'decoder.block.i' after
-    'encoder.block.i') numbered after the previous one, so blocks of the same index in two
-    stacks never share a gather or reduction bucket or a recomputation graph."""
+def block_prefixes(graph: JointGraph) -> dict[str, str]:
+    """node name -> the layer ('layers.3') of the transformer block it belongs to (`block_indices`)."""
     prefixes: dict[str, str] = {}
     for name, path in graph.module_of.items():
         prefix = layer_prefix(path)
@@ -105,6 +100,17 @@ def block_indices(graph: JointGraph) -> dict[str, int]:
             prefixes[node.name] = prefix
         else:
             prefixes.pop(node.name, None)
+    return prefixes
+
+
+def block_indices(graph: JointGraph) -> dict[str, int]:
+    """node name -> id of the transformer block (layer instance, as the planner finds the
+    repeated blocks: `problem/repeated_blocks.layer_instance`) it belongs to; parameters and buffers by their FQN,
+    other nodes by the module that produced them. One id per instance: a stack's index
+    ('layers.3' -> 3), each further stack (a T5 decoder's 'decoder.block.i' after
+    'encoder.block.i') numbered after the previous one, so blocks of the same index in two
+    stacks never share a gather or reduction bucket or a recomputation graph."""
+    prefixes = block_prefixes(graph)
     top: dict[str, int] = {}  # stack ('encoder.block') -> its largest index, in order of appearance
     for prefix in prefixes.values():
         stack, idx = prefix.rsplit(".", 1)
@@ -275,6 +281,7 @@ class PlanRunner:
         self._block_layout: BlockLayout | None = None
         self._phase_blocks: dict[str, PhaseBlocks] = {}
         self.block_copy_counts: Counter = Counter()  # segments copied / traced per phase, last trace
+        self._layer_of: dict[str, str] | None = None  # node name -> its block's layer (trace labels)
 
     def _block_copies(self, phase: str) -> BlockCopies | None:
         """The phase's block copier when a trace is running (None: interpret every node)."""
@@ -289,11 +296,23 @@ class PlanRunner:
             blocks = self._phase_blocks[phase] = PhaseBlocks(gm, self._block_layout, self.spec, self.ops.defer)
         return BlockCopies(blocks, self.ops, self.mesh)
 
+    def _trace_tags(self, phase: str) -> TraceTags | None:
+        """Under a trace, the block and recomputation labels of the traced nodes (a backward
+        node named as a forward one recomputes it)."""
+        tracer = T.active_tracer()
+        if tracer is None:
+            return None
+        if self._layer_of is None:
+            self._layer_of = block_prefixes(self.graph)
+        recomputed = set() if phase == "fwd" else {
+            n.name for n in self.bwd_gm.graph.nodes if n.op == "call_function" and self.graph.phase.get(n.name) == FWD}
+        return TraceTags(tracer, self._layer_of, recomputed)
+
     def _interpret(self, phase: str, args: list[Any]) -> Any:
         gm = self.fwd_gm if phase == "fwd" else self.bwd_gm
         copies = self._block_copies(phase)
         with torch.no_grad():
-            results = PlacementInterpreter(gm, self.ops, copies).run(*args)
+            results = PlacementInterpreter(gm, self.ops, copies, self._trace_tags(phase)).run(*args)
         if copies is not None:
             self.block_copy_counts[f"{phase}_copied"] = copies.copied
             self.block_copy_counts[f"{phase}_refused"] = copies.refused
