@@ -23,6 +23,8 @@ from parallel.auto.candidates.placements import placement_words
 from parallel.auto.candidates.strategies import GETITEM, SLOT
 from parallel.auto.cost.timeline import MeasuredStep, StepTimeline
 from parallel.auto.plan import NodePlan, Plan, PlanDiff, collapse_layers, linear_roles
+from parallel.auto.plan.pictures.memory import memory_pictures
+from parallel.auto.plan.pictures.placements import map_note, placement_map
 from parallel.auto.trace.joint import layer_prefix
 
 TOP = "(top level)"
@@ -252,9 +254,12 @@ def overview(plan: Plan, total_param_bytes: float | None = None) -> str:
 
 
 def plan_sections(plan: Plan, other: Plan | None = None, total_param_bytes: float | None = None) -> str:
-    """One plan's body: overview, parameters per layer group and mesh axis, collectives."""
+    """One plan's body: overview, memory bars, placements map, parameters per layer group and mesh
+    axis, collectives."""
     return "\n".join([
         "<h2>Overview</h2>", overview(plan, total_param_bytes),
+        "<h2>Memory at the peak</h2>", memory_pictures(plan.memory),
+        "<h2>Placements map</h2>", placement_map(plan, param_rows, other) + map_note(plan),
         "<h2>Parameters: forward use and gradient, per mesh axis</h2>", params_table(plan, other),
         "<h2>Collectives (in the objective)</h2>", comm_table(plan),
         "<h2>Collectives by kind, mesh axis and phase</h2>", collectives_table(plan),
