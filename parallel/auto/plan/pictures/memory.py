@@ -140,7 +140,7 @@ def blocks_chart(est: MemoryEstimate) -> str:
 def _blocks_legend(est: MemoryEstimate) -> list[str]:
     items = [(SAVED, f"saved when the forward ends (total {format_bytes(est.saved_bytes)})"),
              (AT_PEAK, f"alive at the peak (total {format_bytes(est.activations_bytes)})"),
-             (RECOMPUTED, "recomputed in the backward")]
+             (RECOMPUTED, "recomputed in the backward")][:3 if est.recomputed_by_block else 2]
     out = []
     for i, (colour, words) in enumerate(items):
         out += [rect(LEFT, 6 + 15 * i, 10, 10, colour), text(LEFT + 14, 15 + 15 * i, words)]
