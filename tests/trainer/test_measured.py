@@ -112,3 +112,29 @@ def test_micro_batches_repeat_the_predicted_step_and_scalars_leave_out_what_nobo
                                   "step_time/predicted_compute_ms": 12.0, "step_time/predicted_comm_ms": 9.0,
                                   "memory/predicted_peak_gib": 2.0}
     assert f.report(0.045).endswith("measured / predicted = 1.50")
+
+
+def test_the_split_of_a_recorded_step_on_cuda_and_on_cpu():
+    """Without a GPU: the profiler's events as step_split reads them (FunctionEvent's fields)."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from parallel.measure import PHASE_PREFIX
+    from trainer.profiling import step_split
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def ev(name, device, start, end, self_us):
+        return NS(name=name, device_type=device, time_range=NS(start=start, end=end),
+                  self_cpu_time_total=self_us if device == cpu else 0,
+                  self_device_time_total=self_us if device == cuda else 0)
+
+    kernels = [ev("ampere_sgemm_128x64", cuda, 0, 300, 300), ev("ncclDevKernel_AllGather_RING_LL", cuda, 0, 120, 120),
+               ev("aten::mm", cpu, 0, 40, 40), ev("nccl:all_gather", cpu, 0, 10, 10)]
+    assert step_split(NS(events=lambda: kernels), cuda=True) == (300, 120)
+    host = [ev(PHASE_PREFIX + "forward_backward", cpu, 100, 900, 5), ev(PHASE_PREFIX + "optimizer", cpu, 950, 1100, 5),
+            ev("aten::mm", cpu, 120, 400, 280), ev("c10d::allreduce_", cpu, 500, 700, 200),
+            ev("gloo:all_reduce", cpu, 500, 700, 0), ev("_c10d_functional::wait_tensor", cpu, 960, 1010, 50),
+            ev("c10d::allreduce_", cpu, 1200, 1300, 100)]  # after the step's phases: a logging reduction
+    assert step_split(NS(events=lambda: host), cuda=False) == (1000 - 250, 250)
