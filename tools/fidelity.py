@@ -22,7 +22,9 @@ machine noise hits all alike) and scores two predictors against the measured med
 For each: Spearman's rho (average ranks for ties) with a bootstrap 95% interval, Kendall's tau-b, mean and median
 absolute percentage error, selection regret (measured time of the predicted-best plan /
 the measured best - 1); and the planner's own regret (the free plan's measured time /
-the measured best - 1). Statistics: tools/rank_stats.py.
+the measured best - 1). Statistics: tools/rank_stats.py. The step simulation against the
+measured medians is also drawn, one point per plan over the y = x line, as an SVG
+(`--scatter`; default fidelity_scatter.svg in --plan-dir, else in outputs/fidelity/).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from parallel.auto.plan.html import write_html
+from parallel.auto.plan.pictures.scatter import scatter_svg
 from parallel.auto.search.mesh_space import MeshSearchError, MeshSpec, parse_mesh
 from parallel.mesh import DP_SHARD, TP
 from tools import rank_stats as st
@@ -258,6 +262,15 @@ def report(result: dict, min_plans: int, out: Any = sys.stdout) -> int:
     return 0
 
 
+def write_scatter(result: dict, path: str | Path) -> Path:
+    """The step simulation (x) against the measured median (y) of every timed plan, in ms, as
+    an SVG with the y = x line (parallel/auto/plan/pictures/scatter.py)."""
+    rows = result["rows"]
+    points = [(n, r["predicted_s"] * 1e3, r["step_s"] * 1e3) for n, r in sorted(rows.items())]
+    write_html(path, scatter_svg(points, title=f"step simulation vs measured ({len(points)} plans)"))
+    return Path(path)
+
+
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Any other --section.key value flag goes to the job (e.g. --model.dim 512).")
@@ -271,6 +284,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                    help=f"distinct plans required (default {MIN_PLANS}, or the number named by --plans)")
     p.add_argument("--plan-dir", default="", help="run folders; a plan an earlier run of this same job saved "
                    "there is loaded, not solved again (a run cut short resumes); default: a fresh temp folder")
+    p.add_argument("--scatter", default="", help="the predicted-vs-measured SVG (default: fidelity_scatter.svg "
+                   "in --plan-dir, else in outputs/fidelity/)")
     p.add_argument("--explain", action="store_true", help="print each plan's objective breakdown and prediction")
     args, extra = p.parse_known_args(argv)
     try:
@@ -306,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.config} ({' '.join(flags[:len(MODELS[args.model])] + extra)}) on {args.nproc} gloo ranks, "
           f"mesh {args.mesh}; {args.steps} timed steps after {args.warmup} warm-up, round-robin ({took:.0f}s)")
     rc = report(result, args.min_plans)
+    if rc == 0:
+        path = write_scatter(result, args.scatter or Path(args.plan_dir or "outputs/fidelity") / "fidelity_scatter.svg")
+        print(f"wrote {path} (step simulation vs measured, one point per plan)")
     if args.explain and rc == 0:
         for name, r in result["rows"].items():
             print(f"\n== {name}\n{r['explain']}")

@@ -10,6 +10,8 @@ only new points. Prints the table (mesh, predicted step time, tokens/s, MFU, mem
 device, OOM, the plan in one line, planning time) and writes DIR/rows.csv, DIR/table.md
 and DIR/sweep.svg (tokens/s and memory against the swept axis; DIR defaults to
 outputs/sweeps/<name>/). A spec error stops before any planning; a failing point is a row.
+Every number is predicted (nothing runs): the predicted-vs-measured scatter is
+scripts/fidelity.py's.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import sys
 import time
 
 from parallel.auto.cost import load_hardware
+from parallel.auto.search import report
 from parallel.auto.search.point import PlanCache, memory_limit
-from parallel.auto.search.report import markdown_table, memory_note, write_csv, write_markdown, write_svg
 from parallel.auto.search.run import Progress, run_points
 from parallel.auto.search.spec import SweepSpecError, load_sweep
 from parallel.process_exit import freezes_at_exit
@@ -51,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = run_points(points, workers=workers, cache=PlanCache(args.cache_dir), progress=Progress(len(points)))
     wall = time.perf_counter() - t0
-    print(markdown_table(rows))
-    note = memory_note(rows)
+    print(report.markdown_table(rows))
+    note = report.memory_note(rows)
     if note:
         print(note)
     planned = [r for r in rows if not r.get("cached")]
@@ -62,11 +64,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(r.get('status') not in ('ok', 'OOM') for r in rows)} failed, "
           f"{sum(r.get('status') == 'OOM' for r in rows)} OOM)")
     limits = {memory_limit(load_hardware(p.hardware)) / 2**30 for p in points}
-    write_csv(rows, os.path.join(out, "rows.csv"))
-    write_markdown(rows, os.path.join(out, "table.md"), title=f"{spec.name}: {spec.description}".rstrip(": "))
-    write_svg(rows, os.path.join(out, "sweep.svg"), spec.x, f"{spec.name} ({len(rows)} points)",
+    report.write_csv(rows, os.path.join(out, "rows.csv"))
+    report.write_markdown(rows, os.path.join(out, "table.md"), title=f"{spec.name}: {spec.description}".rstrip(": "))
+    report.write_svg(rows, os.path.join(out, "sweep.svg"), spec.x, f"{spec.name} ({len(rows)} points)",
               memory_limit_gib=limits.pop() if len(limits) == 1 else None)
-    print(f"wrote {out}/rows.csv, {out}/table.md, {out}/sweep.svg")
+    print(f"wrote {out}/rows.csv, {out}/table.md, {out}/sweep.svg\n{report.PREDICTED_NOTE}")
     return 0
 
 

@@ -92,10 +92,18 @@ def backend(name: str = "auto") -> str:
 
 
 def peak_memory_bytes(device: torch.device) -> int | None:
-    """Peak bytes allocated on a GPU since the start (None on CPU: the caller measures RSS)."""
+    """Peak bytes allocated on a GPU since the start, or since `reset_peak_memory` (the trainer
+    resets it after its warm-up); None on CPU: the caller measures RSS."""
     if device.type == CUDA:
         return torch.cuda.max_memory_allocated(device)
     return None
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new window for `peak_memory_bytes` (the timed steps' peak, not the setup's; a
+    no-op on CPU)."""
+    if device.type == CUDA:
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def synchronize(device: torch.device) -> None:

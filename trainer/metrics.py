@@ -197,6 +197,15 @@ class MetricsLogger:
             self.tb.add_scalar("validation/perplexity", perplexity, step)
             self.tb.flush()
 
+    def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        """TensorBoard scalars logged once, not every step (rank 0): the measured step beside
+        the predicted one after the warm-up (trainer/measured.py)."""
+        if self.tb is None:
+            return
+        for k, v in scalars.items():
+            self.tb.add_scalar(k, v, step)
+        self.tb.flush()
+
     def reset_timer(self) -> None:
         self._tokens = 0
         self._t0 = time.perf_counter()

@@ -9,7 +9,7 @@
 `ManualMode` is `[parallelism] mode = "manual"`: the hand-written recipes (FSDP, HSDP, TP,
 CP, EP), autograd's backward, autocast without FSDP. `AutoMode` is `mode = "auto"`: the plan
 of parallel/auto (trainer/auto_mode.py), one step graph per step, re-planned when the sequence
-length changes, its prediction reported next to the measured step time. The trainer asks
+length changes, its prediction (`predict`) set beside the measured step (trainer/measured.py). The trainer asks
 the mode, never the model, what to do.
 """
 
@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from models import cross_entropy_loss
 from parallel import _torch as T
+from parallel.auto.cost.timeline import COMPUTE_LANE, StepTimeline
 from parallel.auto.regions import load_balanced_batch
 from parallel.auto.runtime import is_parallel_module
 from parallel.mesh import CP, axis_size
@@ -36,6 +37,7 @@ from parallel.recipes.tp import loss_parallel_context, loss_value
 
 from .auto_mode import PlanSource, auto_parallelize_for_training
 from .config import ConfigError, JobConfig
+from .measured import StepForecast, repeated
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -92,9 +94,9 @@ class ParallelismMode:
         into it, or None when it is the same model, how it was made)."""
         return model, None, "same model (manual mode: the recipes do not depend on the sequence length)"
 
-    def step_time_report(self, model: torch.nn.Module, measured_s: float, micro_batches: int = 1) -> Optional[str]:
-        """A line comparing the measured step time (of `micro_batches` forward/backward passes)
-        with the mode's prediction (None: none)."""
+    def predict(self, model: torch.nn.Module, micro_batches: int = 1) -> Optional[StepForecast]:
+        """The mode's prediction of one step of `micro_batches` forward/backward passes, to set
+        beside the measured one (None: the mode predicts nothing)."""
         return None
 
     def run_report(self, model: torch.nn.Module) -> Optional[str]:
@@ -234,15 +236,19 @@ class AutoMode(ParallelismMode):
         new.train(model.training)
         return new, moved, self.origin
 
-    def step_time_report(self, model: torch.nn.Module, measured_s: float, micro_batches: int = 1) -> Optional[str]:
+    def predict(self, model: torch.nn.Module, micro_batches: int = 1) -> Optional[StepForecast]:
+        """The cost model's step (its simulation of the step graph, `micro_batches` times) and
+        the plan's memory estimate; the plan, so that its page shows the measured step too."""
         if not is_parallel_module(model):
             return None
-        pred = model.predict_step()
-        step_us = pred.step_us * micro_batches
-        per = (f"{micro_batches} micro-batches x {pred.step_us / 1e3:,.1f} ms of the step graph without gradient "
-               "reductions (the step's one reduction is not priced); " if micro_batches > 1 else "")
-        return (f"predicted {step_us / 1e3:,.1f} ms by the cost model ({model.plan_cost_model.hw.name}; {per}"
-                f"{pred.summary()}); measured / predicted = {measured_s * 1e6 / step_us:.2f}")
+        pred, n = model.predict_step(), micro_batches
+        per = (f"{n} micro-batches x {pred.step_us / 1e3:,.1f} ms of the step graph without gradient "
+               "reductions (the step's one reduction is not priced); " if n > 1 else "")
+        memory = model.plan.memory
+        return StepForecast(step_us=pred.step_us * n, compute_us=pred.compute_us * n, comm_us=pred.comm_us * n,
+                            peak_bytes=memory.peak_bytes if memory is not None else None,
+                            words=f"{model.plan_cost_model.hw.name}; {per}{pred.summary()}", plan=model.plan,
+                            timeline=repeated(_timeline(pred, model.plan_cost_model.hw.name), n))
 
     def run_report(self, model: torch.nn.Module) -> Optional[str]:
         if not is_parallel_module(model):
@@ -250,6 +256,13 @@ class AutoMode(ParallelismMode):
         st = model.plan_runner.stats
         return (f"runtime: {st['step_graph_steps']} steps as one step graph per rank, "
                 f"{st['deviations']} deviations from the plan")
+
+
+def _timeline(pred: Any, hw: str) -> StepTimeline:
+    """The simulation's timeline of the step; where it has none, the predicted time alone (a
+    lane without events), so the page still sets the prediction beside the measurement."""
+    timeline = getattr(pred, "timeline", None)
+    return timeline if timeline is not None else StepTimeline(pred.step_us, [COMPUTE_LANE], source=f"cost model ({hw})")
 
 
 def parallelism_mode(cfg: JobConfig, mesh: Optional[DeviceMesh], device: torch.device,

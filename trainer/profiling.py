@@ -14,6 +14,9 @@ the caching allocator's history (`rank{R}_memory_snapshot.pickle`, pytorch.org/m
 on CPU, which has no allocator history, the profiler records memory (profile_memory) and
 writes its per-op memory table (`rank{R}_memory.txt`), the trace carrying the memory
 events. (The profiler's `export_memory_timeline` is deprecated in torch 2.13 and not used.)
+
+Each recorded step is also split into compute and communication (`step_split`, taken by the
+trainer with `take_split`: the measured step beside the predicted one, trainer/measured.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from parallel import _torch as T
+from parallel.measure import PHASE_PREFIX
 
 from .config import ConfigError, JobConfig
 from .config_checks import check_writable
@@ -38,6 +42,9 @@ WARMUP_STEPS = 3
 EXPECTED_WARNINGS = ("Incomplete profiler cycle", "Warning: Profiler clears events at the end of each cycle")
 """torch's warnings about what this module means to do: a job ending inside a warm-up (nothing
 was recorded, nothing is lost), and a trace of one step only (acc_events off)."""
+COLLECTIVE_PREFIXES = ("gloo:", "c10d::", "_c10d_functional::", "nccl:", "record_param_comms")
+"""Profiler event names of the collectives on CPU (the backend's own events, the c10d ops); a
+CUDA kernel is one when its name says nccl."""
 
 
 def check_profiling(cfg: JobConfig) -> None:
@@ -76,6 +83,7 @@ class StepProfiler:
         self.step_num = start_step
         self._prof: Optional[profile] = None
         self._closing = False
+        self._split: Optional[tuple[int, float, float]] = None
         # the torch profiler runs for traces, and on CPU for the memory table
         self._profiler_on = self.trace_dir is not None or (self.memory_dir is not None and not self.cuda)
 
@@ -116,6 +124,11 @@ class StepProfiler:
         if self.memory_dir is not None and self.cuda:
             T.record_cuda_memory_history(False)
 
+    def take_split(self) -> Optional[tuple[int, float, float]]:
+        """(step, compute µs, communication µs) of the step recorded since the last call, else None."""
+        split, self._split = self._split, None
+        return split
+
     @staticmethod
     def _folder(root: Path, step: int) -> Path:
         folder = root / f"iteration_{step}"
@@ -126,8 +139,30 @@ class StepProfiler:
         """The recorded step, written once it is over (prof.step_num: that step's number)."""
         if self._closing:
             return
+        self._split = (prof.step_num, *step_split(prof, self.cuda))
         if self.trace_dir is not None:
             prof.export_chrome_trace(str(self._folder(self.trace_dir, prof.step_num) / f"rank{self.rank}_trace.json"))
         if self.memory_dir is not None:
             table = prof.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=40)
             (self._folder(self.memory_dir, prof.step_num) / f"rank{self.rank}_memory.txt").write_text(table + "\n")
+
+
+def step_split(prof: profile, cuda: bool) -> tuple[float, float]:
+    """(compute µs, communication µs) of a recorded step. On CUDA: the kernels' device time,
+    NCCL's against the rest. On CPU: from the step's first phase range to its last (forward
+    and backward, clip, optimizer: what the trainer's step timer holds, less the batch's
+    sharding), the collectives' own CPU time (self time: a nested event counts once) against
+    the rest, which is what a step with no device does when it is not communicating."""
+    events = prof.events()
+    if cuda:
+        kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+        comm = sum(e.self_device_time_total for e in kernels if "nccl" in e.name.lower())
+        return sum(e.self_device_time_total for e in kernels) - comm, comm
+    spans = [e.time_range for e in events if e.name.startswith(PHASE_PREFIX)]
+    spans = spans or [e.time_range for e in events if e.name.startswith("ProfilerStep")]
+    if not spans:
+        return 0.0, 0.0
+    lo, hi = min(r.start for r in spans), max(r.end for r in spans)
+    comm = sum(e.self_cpu_time_total for e in events
+               if e.name.startswith(COLLECTIVE_PREFIXES) and lo <= e.time_range.start < hi)
+    return max(hi - lo - comm, 0.0), comm

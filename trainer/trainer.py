@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from parallel.auto.cost.timeline import MeasuredStep
 from parallel.auto.runtime import CompileError
 from parallel.measure import phase
 from parallel.mesh import build_mesh, dp_rank_and_degree
@@ -33,9 +34,10 @@ from .checkpoint import CheckpointManager, complete_checkpoints, resume_step
 from .config import ConfigError, JobConfig
 from .config_checks import check_writable
 from .data import DataError, build_dataloader, load_tokens, tokenizer_for
-from .device import local_device
+from .device import local_device, peak_memory_bytes, reset_peak_memory
 from .errors import TrainingFault
 from .hf_checkpoint import export_hf_config, load_initial, save_hf
+from .measured import SPLIT_SCALARS, StepForecast, describe, save_measured_page, step_scalars
 from .metrics import MetricsLogger, setup_logging
 from .moe_balance import balance_experts, prepare_moe_step
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, follow_parameters
@@ -46,6 +48,8 @@ from .step_guard import StepGuard
 from .validation import Validator, held_tokens, holdout, validation_tokens
 
 TIMEOUT_WORDS = ("timed out", "timeout")
+WARMUP_STEPS, TIMED_STEPS = 2, 5
+"""Steps before the measured ones (compilation, allocator growth), and the steps whose median is measured."""
 
 
 def _timed_out(e: BaseException) -> bool:
@@ -106,6 +110,9 @@ class Trainer:
         self.step = 0
         self.guard = StepGuard(t.skip_nonfinite_steps, self.rank, self.device)
         self._step_times: list[float] = []
+        self.measured_step: Optional[MeasuredStep] = None  # after the warm-up (_maybe_log_prediction)
+        self.forecast: Optional[StepForecast] = None
+        self._splits: list[tuple[int, float, float]] = []  # profiled steps' splits before it is measured
         self.flops_per_token = self._flops_per_token()
         self.compute_dtype = t.mixed_precision_param if t.dtype == "float32" else t.dtype
         self.metrics: Optional[MetricsLogger] = None
@@ -246,6 +253,7 @@ class Trainer:
                 while self.step < self.cfg.training.steps and not self.guard.stop:
                     self.next_step()
                     prof.step()
+                    self._take_profile(prof)
                 self.guard.at(self.step, "the checkpoint save")
                 self.checkpointer.wait()  # an async save still writing: complete on every rank
         except RuntimeError as e:
@@ -382,24 +390,73 @@ class Trainer:
             t1 = time.perf_counter()
             follow_parameters(self.optimizer, moved)
             self.model = self.checkpointer.model = new
-            self._step_times = []
+            self._step_times, self.measured_step, self._splits = [], None, []  # measured again
             how += (f"; planned and applied in {t1 - t0:.1f}s, parameters and optimizer state moved in "
                     f"{time.perf_counter() - t1:.2f}s")
         if self.rank == 0:
             logger.info(f"step {self.step + 1}: sequence length {old} -> {seq}: {how}")
 
-    def _maybe_log_prediction(self, warmup: int = 2, timed: int = 5) -> None:
-        """Once: the measured step time (median after the warm-up) next to the mode's prediction
-        for the same step (auto mode: the cost model's), so a user sees when the model is off."""
-        last = min(warmup + timed, self.cfg.training.steps - self.step + len(self._step_times))
-        if len(self._step_times) != last:
+    def _maybe_log_prediction(self) -> None:
+        """Once per plan, after the warm-up and the timed steps: the measured step (the median
+        step time, the allocator's peak over the timed steps, the profiler's split when the run
+        profiles) beside the mode's prediction, in the log, TensorBoard and plan.html, so a
+        user sees where the cost model is off."""
+        warmup, n = WARMUP_STEPS, len(self._step_times)
+        last = min(warmup + TIMED_STEPS, self.cfg.training.steps - self.step + n)
+        if n == warmup < last:
+            reset_peak_memory(self.device)  # the peak of the timed steps, not of the setup
+        if n != last:
             return
         times = self._step_times[warmup:] or self._step_times[-1:]
-        measured = self.reduce_mean(statistics.median(times))
-        report = self.parallelizer.step_time_report(self.model, measured, self.micro_batches)
-        if report is not None and self.rank == 0:
-            logger.info(f"step time: measured {measured * 1e3:,.1f} ms (median of {len(times)} steps after the "
-                        f"warm-up), {report}")
+        self.measured_step = MeasuredStep(self.reduce_mean(statistics.median(times)) * 1e6, len(times),
+                                          self.reduce_max(peak_memory_bytes(self.device)))
+        if self._splits:
+            self._set_split(self._splits)
+        self.forecast = self.parallelizer.predict(self.model, self.micro_batches)
+        self._publish_measured()
+
+    def _take_profile(self, prof: StepProfiler) -> None:
+        """A step the profiler recorded after the warm-up: its compute / communication split
+        joins the measured step (now, or when it is measured; all ranks record the same steps)."""
+        split = prof.take_split()
+        if split is None or len(self._step_times) <= WARMUP_STEPS:
+            return
+        if self.measured_step is None:
+            self._splits.append(split)
+        elif self.measured_step.compute_us is None:
+            self._set_split([split])
+            self._publish_measured(split_only=True)
+
+    def _set_split(self, splits: list[tuple[int, float, float]]) -> None:
+        m = self.measured_step
+        m.compute_us = self.reduce_mean(statistics.median(s[1] for s in splits))
+        m.comm_us = self.reduce_mean(statistics.median(s[2] for s in splits))
+        steps = sorted(s[0] for s in splits)
+        m.source = f"timers; split: profiler, step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+        self._splits = []
+
+    def _publish_measured(self, split_only: bool = False) -> None:
+        """The measured step (and the forecast) to the log, TensorBoard and plan.html (rank 0)."""
+        m, f = self.measured_step, self.forecast
+        scalars = step_scalars(m, f)
+        if split_only:  # the rest was written when the step was measured
+            scalars = {k: v for k, v in scalars.items() if k in SPLIT_SCALARS}
+        self.metrics.log_scalars(self.step, scalars)
+        if self.rank != 0:
+            return
+        what = f.report(m.step_us / 1e6) if f is not None else "no prediction (the mode predicts none)"
+        logger.info(f"step time: {describe(m)}, {what}")
+        page = save_measured_page(f, m, self.run_dir)
+        if page is not None and not split_only:
+            logger.info(f"plan picture with the measured step saved to {page}")
+
+    def reduce_max(self, x: Optional[int]) -> Optional[int]:
+        """The largest of a per-rank number over all ranks (None: no rank has one, no collective)."""
+        if x is None or not self.distributed or self.world_size == 1:
+            return x
+        t = torch.tensor([x], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
     def _log_runtime(self) -> None:
         """How the mode ran the steps (auto mode: one graph per step, deviations from the plan)."""

@@ -131,6 +131,16 @@ def test_report_scores_both_predictors_and_the_planner():
     assert "planner regret 20.0%" in text and "NOT met" in text
 
 
+def test_the_scatter_has_a_point_per_timed_plan_at_its_simulated_and_measured_ms(tmp_path):
+    fid = _fidelity()
+    meas, sim = {"auto": 12.0, "fsdp": 10.0, "ddp": 16.0}, {"auto": 11.0, "fsdp": 11.0, "ddp": 20.0}
+    result = {"rows": _rows(meas, {n: 1.0 for n in meas}, sim)}
+    svg = fid.write_scatter(result, tmp_path / "s.svg").read_text()
+    points = re.findall(r'<circle [^>]*data-plan="(\w+)" data-predicted="([\d.]+)" data-measured="([\d.]+)"', svg)
+    assert sorted((n, float(p), float(m)) for n, p, m in points) == sorted((n, sim[n], meas[n]) for n in meas)
+    assert 'class="identity"' in svg
+
+
 def _table(stdout: str) -> dict[str, tuple[float, ...]]:
     """plan -> (objective ms, simulated ms, measured ms, rank obj, rank sim, rank meas) from the
     script's printed table."""
@@ -194,6 +204,7 @@ def test_the_script_on_a_tiny_job_prints_statistics_a_library_recomputes(tmp_pat
         assert mape == pytest.approx(100 * sum(abs(p - m) / m for p, m in zip(pred, meas)) / 3, abs=slack), line
         low = [m for rp, m in zip(r_pred, meas) if rp == min(r_pred)]  # every plan of a tie for the predicted best
         assert regret == pytest.approx(100 * (sum(low) / len(low) / best - 1), abs=_slack(max(low), best)), line
+    assert (tmp_path / "fidelity_scatter.svg").read_text().count("<circle ") == 3
     planner = float(re.search(r"planner regret ([\d.]+)%", r.stdout).group(1))
     auto = table["auto"][2]
     assert planner == pytest.approx(100 * (auto / best - 1), abs=_slack(auto, best))

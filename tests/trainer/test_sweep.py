@@ -11,7 +11,7 @@ from parallel.auto.search import point as sweep_point
 from parallel.auto.search import spec as sweep_spec
 from parallel.auto.search.mesh_search import degrees_of, rank_rows, ranked_table, search_meshes, search_points
 from parallel.auto.search.point import PlanCache, point_key
-from parallel.auto.search.report import markdown_table, svg_picture, write_csv
+from parallel.auto.search.report import PREDICTED_NOTE, markdown_table, svg_picture, write_csv, write_markdown
 from parallel.auto.search.run import Progress, run_points
 from parallel.auto.search.spec import SweepSpecError, more_micro_batches, with_global_batch
 from trainer.auto_mode import base_job, load_base_job
@@ -337,3 +337,11 @@ def test_mesh_auto_config_errors(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config("llama3_debug_auto", overrides, world_size=2)
     assert load_config("llama3_debug_auto", ["--parallelism.mesh", "auto"], world_size=2).parallelism.mesh == "auto"
+
+
+def test_the_table_says_its_numbers_are_predicted_and_where_the_measured_scatter_is(tmp_path):
+    """A sweep runs nothing: no measured column, no predicted-vs-measured scatter; the note says so."""
+    rows = [{"index": 0, "model": "llama3", "global_batch": 8, "seq_len": 128, "step_ms": 12.5, "status": "ok"}]
+    write_markdown(rows, tmp_path / "table.md", title="t")
+    text = (tmp_path / "table.md").read_text()
+    assert PREDICTED_NOTE in text and "scripts/fidelity.py" in PREDICTED_NOTE and "| 12.5 |" in text

@@ -1,5 +1,9 @@
 """A sweep's rows as a Markdown table, a CSV file and a picture (SVG, written by hand:
-matplotlib is not a dependency). Files are written to a temporary name, then renamed."""
+matplotlib is not a dependency). Files are written to a temporary name, then renamed.
+
+A sweep plans; it runs nothing, so its numbers are predictions and it draws no predicted-vs-
+measured scatter (PREDICTED_NOTE says so under the table): scripts/fidelity.py runs plans
+and draws that one (parallel/auto/plan/pictures/scatter.py)."""
 
 from __future__ import annotations
 
@@ -58,6 +62,11 @@ def memory_note(rows: Sequence[dict]) -> str:
     return ""
 
 
+PREDICTED_NOTE = ("step ms, tokens/s, MFU and memory are the cost model's predictions on each point's profile: "
+                  "a sweep plans and runs nothing, so there are no measured step times and no predicted-vs-"
+                  "measured scatter here; scripts/fidelity.py runs plans and draws one (fidelity_scatter.svg)")
+
+
 def _write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -78,8 +87,9 @@ def write_csv(rows: Sequence[dict], path: str | os.PathLike) -> None:
 
 
 def write_markdown(rows: Sequence[dict], path: str | os.PathLike, title: str = "") -> None:
-    note = memory_note(rows)
-    _write(Path(path), (f"# {title}\n\n" if title else "") + markdown_table(rows) + (f"\n\n{note}\n" if note else "\n"))
+    """The table, what its memory column counts, and that its numbers are predicted."""
+    notes = "".join(f"\n{n}\n" for n in (memory_note(rows), PREDICTED_NOTE) if n)
+    _write(Path(path), (f"# {title}\n\n" if title else "") + markdown_table(rows) + "\n" + notes)
 
 
 # ----------------------------------------------------------------------------- picture
