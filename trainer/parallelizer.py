@@ -16,15 +16,19 @@ the mode, never the model, what to do.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from models import cross_entropy_loss
 from parallel import _torch as T
+from parallel.auto.cost.calibrate import BUSY_SHARE, host_busy_share
+from parallel.auto.cost.correction import BAND, correctable, record_correction
 from parallel.auto.regions import load_balanced_batch
 from parallel.auto.runtime import is_parallel_module
 from parallel.mesh import CP, axis_size
@@ -38,6 +42,7 @@ from .auto_mode import PlanSource, auto_parallelize_for_training
 from .config import ConfigError, JobConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+logger = logging.getLogger("autotitan")
 
 
 class ParallelismMode:
@@ -241,8 +246,30 @@ class AutoMode(ParallelismMode):
         step_us = pred.step_us * micro_batches
         per = (f"{micro_batches} micro-batches x {pred.step_us / 1e3:,.1f} ms of the step graph without gradient "
                "reductions (the step's one reduction is not priced); " if micro_batches > 1 else "")
+        if micro_batches == 1:
+            self.record_correction(model, measured_s * 1e6, step_us)
         return (f"predicted {step_us / 1e3:,.1f} ms by the cost model ({model.plan_cost_model.hw.name}; {per}"
                 f"{pred.summary()}); measured / predicted = {measured_s * 1e6 / step_us:.2f}")
+
+    def record_correction(self, model: torch.nn.Module, measured_us: float, predicted_us: float) -> None:
+        """`hardware = "auto"`: a prediction off by more than 25 % after the warm-up goes into the
+        cached profile (cost/correction.py), so the next plan on this machine is priced with
+        the measured ratio; not when other work held the cores meanwhile (the load's ratio,
+        not the model's). One line in the log either way. Call on every rank."""
+        hw = model.plan_cost_model.hw
+        if correctable(hw) is None or BAND[0] <= measured_us / predicted_us <= BAND[1]:
+            return
+        busy = host_busy_share(0.3)
+        if dist.get_rank() != 0:
+            return
+        if busy > BUSY_SHARE:
+            logger.info(f"cost model: measured / predicted = {measured_us / predicted_us:.2f}, not recorded in the "
+                        f"profile: other work held {busy:.0%} of this host's cores (the next quiet run records it)")
+            return
+        line = record_correction(hw, measured_us, predicted_us, {
+            "job": self.cfg.job.name, "config": str(self.cfg.source), "world_size": dist.get_world_size()})
+        if line is not None:
+            logger.info(line)
 
     def run_report(self, model: torch.nn.Module) -> Optional[str]:
         if not is_parallel_module(model):
