@@ -27,8 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from models import cross_entropy_loss
 from parallel import _torch as T
-from parallel.auto.cost.calibrate import BUSY_SHARE, host_busy_share
-from parallel.auto.cost.correction import BAND, correctable, record_correction
+from parallel.auto.cost.correction import BAND, correctable, record_correction, run_delay_s
 from parallel.auto.regions import load_balanced_batch
 from parallel.auto.runtime import is_parallel_module
 from parallel.mesh import CP, axis_size
@@ -185,6 +184,7 @@ class AutoMode(ParallelismMode):
         self.plan_constraints = plan_constraints  # applied to the planner (parallel.auto.search.presets)
         self.plans: dict[int, Any] = {}  # seq_len -> the plan this job trains that length with
         self.origin = ""  # where the current plan came from (solved, replayed, cached, a plan file)
+        self.delays: list[float] = []  # run_delay_s() at the first steps' starts (for the step time report)
 
     def parallelize(self, model: torch.nn.Module, sample_batch: Batch,
                     source: Optional[PlanSource] = None) -> torch.nn.Module:
@@ -208,6 +208,8 @@ class AutoMode(ParallelismMode):
             loss = cross_entropy_loss(model(inputs), labels)
             (loss if scale == 1.0 else loss * scale).backward()
             return loss
+        if len(self.delays) < 64:
+            self.delays.append(run_delay_s())
         args = (inputs, labels) if positions is None else (inputs, labels, positions)
         return model.forward_backward(*args, grad_scale=scale)
 
@@ -251,25 +253,33 @@ class AutoMode(ParallelismMode):
         return (f"predicted {step_us / 1e3:,.1f} ms by the cost model ({model.plan_cost_model.hw.name}; {per}"
                 f"{pred.summary()}); measured / predicted = {measured_s * 1e6 / step_us:.2f}")
 
+    def waited_s(self, warmup: int = 2) -> float:
+        """Median seconds a step after the warm-up waited for a core other work held, the most
+        of any rank (a rank waiting for a core holds the others at the next collective)."""
+        d = self.delays + [run_delay_s()]
+        steps = [b - a for a, b in zip(d, d[1:])][warmup:] or [0.0]
+        t = torch.tensor([sorted(steps)[len(steps) // 2]], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
     def record_correction(self, model: torch.nn.Module, measured_us: float, predicted_us: float) -> None:
         """`hardware = "auto"`: a prediction off by more than 25 % after the warm-up goes into the
         cached profile (cost/correction.py), so the next plan on this machine is priced with
-        the measured ratio; not when other work held the cores meanwhile (the load's ratio,
-        not the model's). One line in the log either way. Call on every rank."""
+        the measured ratio, taken from the step less the time it waited for cores other work
+        held (the load's, not the model's). One line in the log. Call on every rank."""
         hw = model.plan_cost_model.hw
-        if correctable(hw) is None or BAND[0] <= measured_us / predicted_us <= BAND[1]:
+        if correctable(hw) is None:
             return
-        busy = host_busy_share(0.3)
-        if dist.get_rank() != 0:
+        waited_us = self.waited_s() * 1e6
+        own_us = max(measured_us - waited_us, 0.1 * measured_us)
+        if dist.get_rank() != 0 or BAND[0] <= own_us / predicted_us <= BAND[1]:
             return
-        if busy > BUSY_SHARE:
-            logger.info(f"cost model: measured / predicted = {measured_us / predicted_us:.2f}, not recorded in the "
-                        f"profile: other work held {busy:.0%} of this host's cores (the next quiet run records it)")
-            return
-        line = record_correction(hw, measured_us, predicted_us, {
-            "job": self.cfg.job.name, "config": str(self.cfg.source), "world_size": dist.get_world_size()})
+        line = record_correction(hw, own_us, predicted_us, {
+            "job": self.cfg.job.name, "config": str(self.cfg.source), "world_size": dist.get_world_size(),
+            "waited_for_cores_ms": waited_us / 1e3})
         if line is not None:
-            logger.info(line)
+            logger.info(f"{line} (from the step less {waited_us / 1e3:,.1f} ms it waited for cores other work held)")
 
     def run_report(self, model: torch.nn.Module) -> Optional[str]:
         if not is_parallel_module(model):

@@ -12,8 +12,8 @@ came from, and the next plan's step simulation multiplies by it:
     job = "llama3_debug_auto"   config = "..."   when = "2025-..."   measured_ms = ...
 
 Only a profile this host measured and cached is changed (a named profile, h100 ..., holds
-published figures, never a job's), only by rank 0, and only when other work did not hold
-the cores while the job measured (that would be the load's ratio, not the model's). A
+published figures, never a job's), only by rank 0, and from the step less the time its ranks
+waited for a core that other work held (`run_delay_s`: that is the load's, not the model's). A
 recalibration writes a fresh profile: the correction goes with the old one.
 """
 
@@ -32,6 +32,19 @@ log = logging.getLogger("parallel.auto.cost")
 
 BAND = (0.8, 1.25)
 """measured / predicted within this band: the prediction holds, nothing is recorded."""
+
+
+def run_delay_s() -> float:
+    """Seconds this thread has waited for a core so far (Linux schedstat; 0 where unknown).
+
+    Why: on a shared host a step is slower by the time its ranks sat runnable while other
+    work held the cores; that is the load's, not the cost model's, and is taken out of the
+    measured step before it corrects the profile."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def step_time_ratio(hw: HardwareProfile) -> float:
