@@ -248,10 +248,11 @@ class AutoMode(ParallelismMode):
         step_us = pred.step_us * micro_batches
         per = (f"{micro_batches} micro-batches x {pred.step_us / 1e3:,.1f} ms of the step graph without gradient "
                "reductions (the step's one reduction is not priced); " if micro_batches > 1 else "")
-        if micro_batches == 1:
-            self.record_correction(model, measured_s * 1e6, step_us)
+        waited = self.record_correction(model, measured_s * 1e6, step_us) if micro_batches == 1 else 0.0
+        own = (f"; less the {waited / 1e3:,.1f} ms its ranks waited for cores other work held: "
+               f"{(measured_s * 1e6 - waited) / step_us:.2f}" if waited > 0.05 * measured_s * 1e6 else "")
         return (f"predicted {step_us / 1e3:,.1f} ms by the cost model ({model.plan_cost_model.hw.name}; {per}"
-                f"{pred.summary()}); measured / predicted = {measured_s * 1e6 / step_us:.2f}")
+                f"{pred.summary()}); measured / predicted = {measured_s * 1e6 / step_us:.2f}{own}")
 
     def waited_s(self, warmup: int = 2) -> float:
         """Median seconds a step after the warm-up waited for a core other work held, the most
@@ -263,23 +264,23 @@ class AutoMode(ParallelismMode):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
-    def record_correction(self, model: torch.nn.Module, measured_us: float, predicted_us: float) -> None:
+    def record_correction(self, model: torch.nn.Module, measured_us: float, predicted_us: float) -> float:
         """`hardware = "auto"`: a prediction off by more than 25 % after the warm-up goes into the
         cached profile (cost/correction.py), so the next plan on this machine is priced with
         the measured ratio, taken from the step less the time it waited for cores other work
-        held (the load's, not the model's). One line in the log. Call on every rank."""
-        hw = model.plan_cost_model.hw
-        if correctable(hw) is None:
-            return
+        held (the load's, not the model's). One line in the log. Call on every rank; the µs
+        waited."""
         waited_us = self.waited_s() * 1e6
         own_us = max(measured_us - waited_us, 0.1 * measured_us)
-        if dist.get_rank() != 0 or BAND[0] <= own_us / predicted_us <= BAND[1]:
-            return
+        hw = model.plan_cost_model.hw
+        if correctable(hw) is None or dist.get_rank() != 0 or BAND[0] <= own_us / predicted_us <= BAND[1]:
+            return waited_us
         line = record_correction(hw, own_us, predicted_us, {
             "job": self.cfg.job.name, "config": str(self.cfg.source), "world_size": dist.get_world_size(),
             "waited_for_cores_ms": waited_us / 1e3})
         if line is not None:
             logger.info(f"{line} (from the step less {waited_us / 1e3:,.1f} ms it waited for cores other work held)")
+        return waited_us
 
     def run_report(self, model: torch.nn.Module) -> Optional[str]:
         if not is_parallel_module(model):
