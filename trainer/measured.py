@@ -37,11 +37,12 @@ class StepForecast:
     words: str  # how it was predicted, for the log line
     plan: Any = None  # the plan whose page shows the step (None: no page)
     timeline: Optional[StepTimeline] = None  # the simulated step, drawn on the page
+    note: str = ""  # what the mode learnt from the measured step (parallelizer.correct_prediction)
 
     def report(self, measured_s: float) -> str:
         """The log's comparison (tools/gpu_check_report.py reads its "measured / predicted = R")."""
         return (f"predicted {self.step_us / 1e3:,.1f} ms by the cost model ({self.words}); "
-                f"measured / predicted = {measured_s * 1e6 / self.step_us:.2f}")
+                f"measured / predicted = {measured_s * 1e6 / self.step_us:.2f}{self.note}")
 
 
 def repeated(timeline: Optional[StepTimeline], n: int) -> Optional[StepTimeline]:

@@ -16,15 +16,18 @@ the mode, never the model, what to do.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from models import cross_entropy_loss
 from parallel import _torch as T
+from parallel.auto.cost.correction import BAND, correctable, record_correction, run_delay_s
 from parallel.auto.cost.timeline import COMPUTE_LANE, StepTimeline
 from parallel.auto.regions import load_balanced_batch
 from parallel.auto.runtime import is_parallel_module
@@ -40,6 +43,7 @@ from .config import ConfigError, JobConfig
 from .measured import StepForecast, repeated
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+logger = logging.getLogger("autotitan")
 
 
 class ParallelismMode:
@@ -98,6 +102,12 @@ class ParallelismMode:
         """The mode's prediction of one step of `micro_batches` forward/backward passes, to set
         beside the measured one (None: the mode predicts nothing)."""
         return None
+
+    def correct_prediction(self, model: torch.nn.Module, measured_us: float, forecast: Optional[StepForecast],
+                           micro_batches: int = 1) -> str:
+        """What the mode learns from the measured step (auto mode: the cached profile's
+        correction), as words for the log line ("": nothing)."""
+        return ""
 
     def run_report(self, model: torch.nn.Module) -> Optional[str]:
         """How the job's steps ran, at its end (None: nothing to say)."""
@@ -182,6 +192,7 @@ class AutoMode(ParallelismMode):
         self.plan_constraints = plan_constraints  # applied to the planner (parallel.auto.search.presets)
         self.plans: dict[int, Any] = {}  # seq_len -> the plan this job trains that length with
         self.origin = ""  # where the current plan came from (solved, replayed, cached, a plan file)
+        self.delays: list[float] = []  # run_delay_s() at the first steps' starts (for the step time report)
 
     def parallelize(self, model: torch.nn.Module, sample_batch: Batch,
                     source: Optional[PlanSource] = None) -> torch.nn.Module:
@@ -205,6 +216,8 @@ class AutoMode(ParallelismMode):
             loss = cross_entropy_loss(model(inputs), labels)
             (loss if scale == 1.0 else loss * scale).backward()
             return loss
+        if len(self.delays) < 64:
+            self.delays.append(run_delay_s())
         args = (inputs, labels) if positions is None else (inputs, labels, positions)
         return model.forward_backward(*args, grad_scale=scale)
 
@@ -249,6 +262,47 @@ class AutoMode(ParallelismMode):
                             peak_bytes=memory.peak_bytes if memory is not None else None,
                             words=f"{model.plan_cost_model.hw.name}; {per}{pred.summary()}", plan=model.plan,
                             timeline=repeated(_timeline(pred, model.plan_cost_model.hw.name), n))
+
+    def correct_prediction(self, model: torch.nn.Module, measured_us: float, forecast: Optional[StepForecast],
+                           micro_batches: int = 1) -> str:
+        """After the warm-up, on every rank: a prediction off by more than 25 % corrects the
+        cached profile (`record_correction`); words for the log line when the ranks waited for
+        cores other work held (the ratio without that wait)."""
+        if forecast is None or micro_batches != 1 or not is_parallel_module(model):
+            return ""
+        waited = self.record_correction(model, measured_us, forecast.step_us)
+        if waited <= 0.05 * measured_us:
+            return ""
+        return (f"; less the {waited / 1e3:,.1f} ms its ranks waited for cores other work held: "
+                f"{(measured_us - waited) / forecast.step_us:.2f}")
+
+    def waited_s(self, warmup: int = 2) -> float:
+        """Median seconds a step after the warm-up waited for a core other work held, the most
+        of any rank (a rank waiting for a core holds the others at the next collective)."""
+        d = self.delays + [run_delay_s()]
+        steps = [b - a for a, b in zip(d, d[1:])][warmup:] or [0.0]
+        t = torch.tensor([sorted(steps)[len(steps) // 2]], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def record_correction(self, model: torch.nn.Module, measured_us: float, predicted_us: float) -> float:
+        """`hardware = "auto"`: a prediction off by more than 25 % after the warm-up goes into the
+        cached profile (cost/correction.py), so the next plan on this machine is priced with
+        the measured ratio, taken from the step less the time it waited for cores other work
+        held (the load's, not the model's). One line in the log. Call on every rank; the µs
+        waited."""
+        waited_us = self.waited_s() * 1e6
+        own_us = max(measured_us - waited_us, 0.1 * measured_us)
+        hw = model.plan_cost_model.hw
+        if correctable(hw) is None or dist.get_rank() != 0 or BAND[0] <= own_us / predicted_us <= BAND[1]:
+            return waited_us
+        line = record_correction(hw, own_us, predicted_us, {
+            "job": self.cfg.job.name, "config": str(self.cfg.source), "world_size": dist.get_world_size(),
+            "waited_for_cores_ms": waited_us / 1e3})
+        if line is not None:
+            logger.info(f"{line} (from the step less {waited_us / 1e3:,.1f} ms it waited for cores other work held)")
+        return waited_us
 
     def run_report(self, model: torch.nn.Module) -> Optional[str]:
         if not is_parallel_module(model):

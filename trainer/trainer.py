@@ -413,6 +413,9 @@ class Trainer:
         if self._splits:
             self._set_split(self._splits)
         self.forecast = self.parallelizer.predict(self.model, self.micro_batches)
+        if self.forecast is not None:
+            self.forecast.note = self.parallelizer.correct_prediction(self.model, self.measured_step.step_us,
+                                                                      self.forecast, self.micro_batches)
         self._publish_measured()
 
     def _take_profile(self, prof: StepProfiler) -> None:

@@ -11,6 +11,7 @@ and the key, because a silently ignored typo would silently change every plan.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -123,6 +124,9 @@ class HardwareProfile:
       * ``comm_overlap``: the share of a collective's time that runs beside compute (1 on
         GPUs, whose copy engines and NICs move the bytes; lower on CPUs, whose cores also
         drive gloo). The runtime overlaps collectives; the cost model prices what stays.
+      * ``correction``: a calibrated (`hardware = "auto"`) profile's ``step_time_ratio``, a
+        job's measured step over the predicted one when they differed by more than 25 %, and
+        where it came from (cost/correction.py); the step simulation multiplies by it.
     """
 
     name: str
@@ -140,6 +144,7 @@ class HardwareProfile:
     memory_limit_bytes: int = 0  # 0: memory_bytes
     description: str = ""
     source: str = field(default="<dict>", compare=False)
+    correction: Mapping[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ queries
     def peak_flops(self, dtype: torch.dtype | str | None) -> float:
@@ -236,7 +241,7 @@ _TOP_KEYS = {
     "name": True, "description": False, "gpus_per_node": True, "memory_gib": True, "memory_limit_gib": False,
     "memory_bandwidth_gbps": True, "kernel_floor_us": True, "peak_tflops": True,
     "efficiency": True, "intra_node": True, "inter_node": True, "collectives": False,
-    "calibration": False,
+    "calibration": False, "correction": False,
 }
 
 
@@ -360,6 +365,19 @@ def _description(data: Mapping[str, Any], source: str) -> str:
     return desc
 
 
+def _correction(data: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """[correction]: step_time_ratio (> 0) and its provenance (free-form scalars); {} when absent."""
+    corr = data.get("correction", {})
+    if not isinstance(corr, Mapping):
+        raise ProfileError(f"{source}: [correction] must be a table")
+    if not corr:
+        return {}
+    if "step_time_ratio" not in corr:
+        raise ProfileError(f"{source}: missing required key 'step_time_ratio' in [correction]")
+    _num(corr, "step_time_ratio", "correction.", source)
+    return dict(corr)
+
+
 def _memory_limit(data: Mapping[str, Any], source: str) -> int:
     """memory_limit_gib: optional, positive, at most memory_gib; 0 when unset (all the memory)."""
     if "memory_limit_gib" not in data:
@@ -397,6 +415,7 @@ def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Hardwa
         comm_overlap=overlap,
         description=desc,
         source=source,
+        correction=_correction(data, source),
     )
 
 
@@ -436,5 +455,14 @@ def profile_to_toml(hw: HardwareProfile) -> str:
         f"tree_bandwidth_factor = {hw.tree_bandwidth_factor:.6g}",
         f"comm_overlap = {hw.comm_overlap:.6g}",
         "",
+        *_correction_lines(hw.correction),
     ]
     return "\n".join(lines)
+
+
+def _correction_lines(corr: Mapping[str, Any]) -> list[str]:
+    """The [correction] table (none when there is no correction); strings as JSON, which TOML reads."""
+    if not corr:
+        return []
+    return ["[correction]", *[f"{k} = {json.dumps(v) if isinstance(v, str) else f'{v:.6g}'}" for k, v in corr.items()],
+            ""]

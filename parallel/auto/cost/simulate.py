@@ -15,7 +15,8 @@ clocks, one for compute and one for communication:
 `comm_overlap` (a profile figure, 1 on GPUs with their own copy engines, measured on CPUs
 whose cores also drive gloo) is the share of a collective's time that runs beside compute;
 the rest also holds the compute clock. The optimizer step and the gradient-norm all-reduce
-are added from the local parameter bytes. The ILP prices the same schedule with additive
+are added from the local parameter bytes; a calibrated profile's measured correction
+(cost/correction.py) multiplies the whole. The ILP prices the same schedule with additive
 per-edge costs (model.py); this simulation is the step time a plan is predicted to take.
 """
 
@@ -34,6 +35,7 @@ from torch import fx
 from parallel import _torch as T
 
 from .comm import AxisLink, collective_time
+from .correction import step_time_ratio
 
 _KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
           "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
@@ -50,10 +52,14 @@ class StepPrediction:
     optimizer_us: float
     comm_cpu_us: float = 0.0  # what the cores spend driving collectives (1 - comm_overlap of their time)
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)  # "kind@axis" -> count, bytes, us
+    correction: float = 1.0  # the profile's measured step_time_ratio, already in step_us
 
     def summary(self) -> str:
-        return (f"predicted step {self.step_us / 1e3:,.1f} ms = compute {self.compute_us / 1e3:,.1f} ms + driving "
-                f"collectives {self.comm_cpu_us / 1e3:,.1f} ms + waiting for them {self.exposed_comm_us / 1e3:,.1f} ms "
+        corrected = (f" x {self.correction:.2f} (this machine's measured correction of "
+                     f"{self.step_us / self.correction / 1e3:,.1f} ms)" if self.correction != 1.0 else "")
+        return (f"predicted step {self.step_us / 1e3:,.1f} ms{corrected} = compute {self.compute_us / 1e3:,.1f} ms "
+                f"+ driving collectives {self.comm_cpu_us / 1e3:,.1f} ms "
+                f"+ waiting for them {self.exposed_comm_us / 1e3:,.1f} ms "
                 f"(of {self.comm_us / 1e3:,.1f} ms communicating) + optimizer {self.optimizer_us / 1e3:,.1f} ms")
 
 
@@ -125,9 +131,10 @@ def simulate_step(gm: fx.GraphModule, cost_model: Any, links: Mapping[str, AxisL
             clocks.compute += us
             compute += us
     opt = _optimizer_us(cost_model, optimizer_param_bytes, optimizer_tensors)
-    step = max(clocks.compute, max(clocks.link_free.values(), default=0.0)) + opt
+    ratio = step_time_ratio(hw)
+    step = (max(clocks.compute, max(clocks.link_free.values(), default=0.0)) + opt) * ratio
     return StepPrediction(step, compute, clocks.comm, clocks.exposed, opt, clocks.driving,
-                          {k: dict(v) for k, v in per_kind.items()})
+                          {k: dict(v) for k, v in per_kind.items()}, ratio)
 
 
 def _optimizer_us(cost_model: Any, param_bytes: int, tensors: int) -> float:
