@@ -36,6 +36,10 @@ CUDA_ATTENTION_OPS = {
 """The CUDA kernels a traced CPU attention op is lowered to (forward, backward)."""
 GPU = "cuda"
 CPU_ATTENTION_OPS = (CPU_ATTENTION_FWD, CPU_ATTENTION_BWD)
+FUSED_ATTENTION_CAUSAL_ARG = {CPU_ATTENTION_FWD: 4, CPU_ATTENTION_BWD: 7,
+                              CUDA_ATTENTION_OPS["flash"][0]: 4, CUDA_ATTENTION_OPS["flash"][1]: 11,
+                              CUDA_ATTENTION_OPS["efficient"][0]: 6, CUDA_ATTENTION_OPS["efficient"][1]: 11}
+"""Every fused attention op the plan or its step graph holds -> the position of `is_causal`."""
 
 
 def lowers_attention(device_type: str) -> bool:

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 from parallel import _torch as T
 from parallel.cache_dir import cache_root
@@ -91,12 +92,22 @@ def _median_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+def measure_attention(b: int = 2, h: int = 4, s: int = 512, d: int = 64, device: torch.device | None = None) -> float:
+    """This rank's TFLOP/s of the fused SDPA kernel its device runs (the CPU flash kernel on a
+    CPU), forward, fp32, not causal, counted as torch's FLOP counter does (4·b·h·s²·d)."""
+    q, k, v = (torch.randn(b, h, s, d, device=device) for _ in range(3))
+    with torch.no_grad():
+        t = _median_time(lambda: F.scaled_dot_product_attention(q, k, v), 5)
+    return 4 * b * h * s * s * d / t / 1e12
+
+
 def measure_compute(n: int = 768, device: torch.device | None = None) -> dict[str, float]:
     """This rank's matmul TFLOP/s (fp32, bf16), copy GB/s and op floor (µs), all ranks busy."""
     out: dict[str, float] = {}
     for key, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         a, b = torch.randn(n, n, dtype=dt, device=device), torch.randn(n, n, dtype=dt, device=device)
         out[key] = 2 * n**3 / _median_time(lambda: a @ b, 5) / 1e12
+    out["attention"] = measure_attention(device=device)
     x = torch.randn(8 * 1024 * 1024, device=device)
     y = torch.empty_like(x)
     out["copy_gbps"] = 2 * x.numel() * 4 / _median_time(lambda: y.copy_(x), 5) / 1e9
@@ -308,6 +319,7 @@ def measure_in_group(base: str | HardwareProfile = "cpu", device: torch.device |
                                  f"{busy:.0%} of the host's cores busy before measuring",
         peak_tflops={"fp32": comp["fp32"], "bf16": comp["bf16"]}, memory_bandwidth_gbps=comp["copy_gbps"],
         kernel_floor_us=comp["floor_us"], matmul_efficiency=1.0, memory_efficiency=1.0,
+        attention_efficiency=min(1.0, comp["attention"] / comp["fp32"]),  # of the fp32 matmul roof
         memory_bytes=host_memory_per_rank(world), memory_limit_bytes=0)
     if world == 1:  # one rank never communicates: keep the base profile's link, measure compute only
         log.info("calibrated in %.1fs (1 rank, compute only): fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s, copy %.1f GB/s",

@@ -136,3 +136,18 @@ def test_the_traced_op_runs_as_the_cuda_kernel_on_fake_cuda(dtype, kernel):
                 assert out.placements == lse.placements == (p,) and lse.shape == out.shape[:3]
                 assert all(g.placements == (p,) and g.to_local().device.type == "cuda" for g in grads)
     assert fwd_op in seen and bwd_op in seen and T.CPU_ATTENTION_FWD not in seen
+
+
+def test_attention_efficiency_in_the_profile_and_its_cpu_measurement():
+    from parallel.auto.cost.calibrate import measure_attention
+    from parallel.auto.cost.hardware import load_hardware, profile_from_dict, profile_to_toml
+
+    try:
+        import tomllib
+    except ImportError:  # pragma: no cover
+        import tomli as tomllib
+    h100 = load_hardware("h100")
+    assert h100.attention_eff == 0.35 and load_hardware("cpu").attention_eff == load_hardware("cpu").matmul_efficiency
+    again = profile_from_dict(tomllib.loads(profile_to_toml(h100.replace(attention_efficiency=0.5))))
+    assert again.attention_eff == 0.5
+    assert measure_attention(b=1, h=2, s=64, d=16) > 0  # TFLOP/s of the CPU flash kernel
