@@ -78,12 +78,7 @@ from torch.fx.experimental.proxy_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
-from torch.utils.flop_counter import (
-    flop_registry,
-    register_flop_formula,
-    sdpa_backward_flop_count,
-    sdpa_flop_count,
-)
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 # torch 2.13 names that older torches (the GPU image's 2.11) lack: the same behaviour under
 # their older names, so the trainer also runs on a GPU machine's own torch.
@@ -98,6 +93,22 @@ except ImportError:  # torch < 2.13: the autograd all-gather had its older name
         all_gather_tensor_autograd as all_gather_single_autograd,
     )
 
+from parallel._torch_attention import (  # the attention half of the adapter, re-exported
+    CPU_ATTENTION_BWD,
+    CPU_ATTENTION_FWD,
+    CPU_ATTENTION_OPS,
+    CPU_ATTENTION_PACKETS,
+    CUDA_ATTENTION_OPS,
+    FUSED_ATTENTION_CAUSAL_ARG,
+    attention_bwd_flops,
+    attention_bwd_rule,
+    attention_fwd_flops,
+    attention_fwd_rule,
+    cpu_attention,
+    fused_kernel,
+    lowers_attention,
+    run_lowered,
+)
 from parallel._torch_checkpoint import SafeFileSystemReader, UnsafeCheckpoint  # noqa: F401 (re-exported)
 from parallel._torch_memory import (  # the memory half of the adapter, re-exported
     cpu_allocator_report_flag,
@@ -125,13 +136,12 @@ __all__ = [
     "tree_map", "tree_unflatten",
     "unflatten_mesh",
     "CPU_ATTENTION_BWD", "CPU_ATTENTION_FWD", "dump_cuda_memory_snapshot", "record_cuda_memory_history",
-    "cpu_allocator_report_flag", "profiler_allocations",
+    "cpu_allocator_report_flag", "profiler_allocations", "cpu_attention", "fused_kernel", "run_lowered",
+    "CPU_ATTENTION_OPS", "CUDA_ATTENTION_OPS", "FUSED_ATTENTION_CAUSAL_ARG", "lowers_attention",
 ]
 
 aten = torch.ops.aten
 
-CPU_ATTENTION_FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
-CPU_ATTENTION_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 FAKE_DEVICE = "cpu"
 """Device type of fake tensors and fake meshes for planning, where no device is needed. A
@@ -466,34 +476,11 @@ def fake_world(world_size: int) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------
-# CPU flash attention: sharding rule + FLOP formula
+# CPU flash attention: sharding rule + FLOP formula (parallel/_torch_attention.py)
 # ---------------------------------------------------------------------------
 
 _registered = False
 _lock = threading.Lock()
-
-
-def _attention_fwd_rule(op: Any, args_schema: Any, kwargs_schema: Any) -> list[list[Any]]:
-    # outputs (out [B,H,S,D], logsumexp [B,H,S]); inputs (q, k, v [, attn_mask])
-    n_in = 3 + (1 if isinstance(kwargs_schema.get("attn_mask"), TensorMeta) else 0)
-    # batch or heads; sequence sharding needs a context-parallel region
-    return [[ShardingPlaceholder(d)] * (2 + n_in) for d in (0, 1)]
-
-
-def _attention_bwd_rule(op: Any, args_schema: Any, kwargs_schema: Any) -> list[list[Any]]:
-    # outputs (grad_q, grad_k, grad_v); inputs (grad_out, q, k, v, out, logsumexp [, attn_mask])
-    n_in = 6 + (1 if isinstance(kwargs_schema.get("attn_mask"), TensorMeta) else 0)
-    return [[ShardingPlaceholder(d)] * (3 + n_in) for d in (0, 1)]
-
-
-def _attention_fwd_flops(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
-    # torch's SDPA convention (causal masking not discounted)
-    return sdpa_flop_count(query.shape, key.shape, value.shape)
-
-
-def _attention_bwd_flops(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_val: Any = None,
-                         **kwargs: Any) -> int:
-    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
 
 
 def register_planner_ops() -> None:
@@ -509,14 +496,12 @@ def register_planner_ops() -> None:
         if _registered:
             return
         prop = sharding_propagator()
-        rules = ((CPU_ATTENTION_FWD, _attention_fwd_rule, 4), (CPU_ATTENTION_BWD, _attention_bwd_rule, 6))
+        rules = ((CPU_ATTENTION_FWD, attention_fwd_rule, 4), (CPU_ATTENTION_BWD, attention_bwd_rule, 6))
         for op, rule, static_argnum in rules:
             if op not in prop.op_single_dim_strategy_funcs and op not in prop.op_strategy_funcs:
                 info = RuntimeSchemaInfo(static_argnum=static_argnum, static_kwargkey=["scale"])
                 register_single_dim_strategy(op, schema_info=info)(rule)
-        packets = ((aten._scaled_dot_product_flash_attention_for_cpu, _attention_fwd_flops),
-                   (aten._scaled_dot_product_flash_attention_for_cpu_backward, _attention_bwd_flops))
-        for packet, formula in packets:
+        for packet, formula in zip(CPU_ATTENTION_PACKETS, (attention_fwd_flops, attention_bwd_flops)):
             if packet not in flop_registry:
                 register_flop_formula(packet, get_raw=True)(formula)
         _alias_rule(prop, aten.copy.default, aten.copy_.default)

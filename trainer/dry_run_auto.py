@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -63,6 +64,7 @@ class AutoDryRunReport:
     regions: list = field(default_factory=list)  # local_map regions the plan places around
     graphs: dict = field(default_factory=dict)  # graph name -> number of nodes
     off_device: list = field(default_factory=list)  # "graph: node (what): device"
+    attention: dict = field(default_factory=dict)  # attention kernel op (or bmm / _softmax) -> nodes, step graph
     notes: list = field(default_factory=list)
     seconds: float = 0.0
     plan_seconds: float = 0.0  # the free plan: trace + solve + memory estimate (plan.timings)
@@ -102,6 +104,14 @@ def _count_collectives(gm: torch.fx.GraphModule, axis_of_group: dict[str, str], 
         entry = report.collectives.setdefault((kind, axis), [0, 0])
         entry[0] += 1
         entry[1] += nbytes
+
+
+def _count_attention(gm: torch.fx.GraphModule, report: AutoDryRunReport) -> None:
+    """The step graph's attention kernels, and the ops of the math path (bmm, softmax) if any."""
+    for n in gm.graph.nodes:
+        name = T.op_name(n.target) if n.op == "call_function" and n.target is not operator.getitem else ""
+        if "attention" in name or name in ("bmm", "_softmax", "_softmax_backward_data"):
+            report.attention[name] = report.attention.get(name, 0) + 1
 
 
 def _check_graphs(graphs: dict[str, tuple[torch.fx.GraphModule, bool]], device: str,
@@ -171,6 +181,7 @@ def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
         report.predicted_step = pm.predict_step().summary()
         _price_against_recipe(pm, mesh, cfg, report, micro)
         _count_collectives(sg.gm, group_axis_names(pm, mesh), report)
+        _count_attention(sg.gm, report)
         _check_graphs({"step graph": (sg.gm, True), "local forward": (local.fwd, True),
                            "local backward": (local.bwd, True), "forward phase": (runner.fwd_gm, False),
                            "backward phase": (runner.bwd_gm, False)}, device.type, report)
@@ -212,6 +223,8 @@ def format_auto_report(r: AutoDryRunReport) -> str:
         lines.append(f"    {kind:<15}{axis:<18}{cnt:>7}{nb / 2**20:>13.1f} MiB")
     if not r.collectives:
         lines.append("    (none)")
+    lines.append("attention in the step graph: " + (", ".join(f"{k} x{v}" for k, v in sorted(r.attention.items()))
+                                                     or "none"))
     graphs = ", ".join(f"{k} ({v} nodes)" for k, v in r.graphs.items())
     if r.off_device:
         lines.append(f"device check: FAILED, {len(r.off_device)} values not on {r.device}: "

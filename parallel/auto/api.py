@@ -176,7 +176,7 @@ class AutoParallel:
             self.graph = self._given_graph
         else:
             self.graph = trace_joint(self.model, inputs, self.loss_fn, device=self.mesh.device_type,
-                                     regions=self.regions)
+                                     regions=self.regions, compute_dtype=self.mp_dtype)
         self.timings["trace"] = time.perf_counter() - t0 if self._given_graph is None else 0.0  # 0: not traced here
         t1 = time.perf_counter()
         if not self._seeded():  # seeded candidates are enumerated in optimize_placement

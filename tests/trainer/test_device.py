@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEVICE_CHOOSERS = {ROOT / "trainer" / "device.py",  # the job's device
                    ROOT / "parallel" / "_torch.py",  # the fake world's (planning, dry runs)
                    ROOT / "parallel" / "_torch_memory.py",  # the CUDA allocator's history (profiling)
+                   ROOT / "parallel" / "_torch_attention.py",  # the CUDA attention kernels (lowering)
                    ROOT / "parallel" / "measure.py"}  # the allocator's peak (CUDA: max_memory_allocated)
 
 

@@ -10,8 +10,10 @@ forward+backward graph with its node count, the modules it comes from and how it
   * `replicate fallback`: DTensor has no rule; the op runs on replicated inputs (correct,
     never sharded) - the reason is listed;
 
-then the data-dependent reads kept out of the graph (folded at trace time, fold.py), and
-the nodes the planner cannot place, with their modules (`unhandled`; planning refuses them).
+then the data-dependent reads kept out of the graph (folded at trace time, fold.py), one
+note per attention call no fused kernel of the job's device takes (traced through torch's
+math path, trace/attention.py), and the nodes the planner cannot place, with their modules
+(`unhandled`; planning refuses them).
 
     report = coverage_report(graph, mesh)       # or AutoParallel(...).coverage()
     print(report); assert report.ok
@@ -51,6 +53,7 @@ class GraphCoverage:
     ops: list[OpUse]
     folded: list[FoldedRead]
     unhandled: list[Unhandled]
+    attention_notes: list[str] = field(default_factory=list)  # SDPA calls planned through the math path
 
     @property
     def ok(self) -> bool:
@@ -63,7 +66,8 @@ class GraphCoverage:
 
     def __str__(self) -> str:
         lines = [f"coverage: {len(self.ops)} (op, handling) pairs, {sum(u.nodes for u in self.ops)} op nodes, "
-                 f"{len(self.folded)} folded reads, {len(self.unhandled)} unhandled nodes"]
+                 f"{len(self.folded)} folded reads, {len(self.unhandled)} unhandled nodes, "
+                 f"{len(self.attention_notes)} attention calls through the math path"]
         width = max((len(u.op) for u in self.ops), default=10)
         for u in sorted(self.ops, key=lambda u: (u.how != FALLBACK, u.how, u.op)):
             mods = ", ".join(sorted(m or "(root)" for m in u.modules)[:3]) + (" ..." if len(u.modules) > 3 else "")
@@ -71,6 +75,7 @@ class GraphCoverage:
             lines.append(f"  {u.op:<{width}} {u.nodes:>5}  {u.how}  ({mods}){why}")
         for f in self.folded:
             lines.append(f"  folded at trace time: {f.op} in '{f.module or '(root)'}' at {f.where} -> {f.value}")
+        lines += [f"  note: {note}" for note in self.attention_notes]
         if self.unhandled:
             lines.append("unhandled (planning refuses the graph):")
             lines += [f"  {u}" for u in self.unhandled]
@@ -94,7 +99,8 @@ def coverage_of(cands: Candidates) -> GraphCoverage:
         u = uses.setdefault((op, how), OpUse(op, how, reason=reasons.get(op, "") if how == FALLBACK else ""))
         u.nodes += 1
         u.modules.add(module_of.get(name, ""))
-    return GraphCoverage(list(uses.values()), list(cands.graph.folded), list(cands.unhandled))
+    return GraphCoverage(list(uses.values()), list(cands.graph.folded), list(cands.unhandled),
+                         list(cands.graph.attention_notes))
 
 
 def coverage_report(graph: JointGraph, mesh: DeviceMesh) -> GraphCoverage:

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 from parallel import _torch as T
 from parallel.cache_dir import cache_root
@@ -139,6 +140,17 @@ def _linear_time(n: int, dt: torch.dtype, device: torch.device | None) -> tuple[
     return sum(t for t, _ in best) / 3, max(sp for _, sp in best)
 
 
+def measure_attention(b: int = 2, h: int = 4, s: int = 512, d: int = 64,
+                      device: torch.device | None = None) -> tuple[float, float]:
+    """(TFLOP/s, spread) of the fused SDPA kernel this rank's device runs (the CPU flash kernel
+    on a CPU), forward, fp32, not causal, counted as torch's FLOP counter does (4·b·h·s²·d);
+    the best of short repeated calls, as the matmul."""
+    q, k, v = (torch.randn(b, h, s, d, device=device) for _ in range(3))
+    with torch.no_grad():
+        t, spread = _best_time(lambda: F.scaled_dot_product_attention(q, k, v))
+    return 4 * b * h * s * s * d / t / 1e12, spread
+
+
 def measure_compute(n: int = 384, device: torch.device | None = None) -> dict[str, float]:
     """This rank's matmul TFLOP/s (fp32, bf16), copy GB/s and op floor (µs), all ranks busy,
     each the best of short repeated measurements; `spread`: the widest median / best - 1."""
@@ -147,6 +159,8 @@ def measure_compute(n: int = 384, device: torch.device | None = None) -> dict[st
     for key, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         t, spread = _linear_time(n, dt, device)
         out[key], spreads = 2 * n**3 / t / 1e12, spreads + [spread]
+    out["attention"], spread = measure_attention(device=device)
+    spreads.append(spread)
     x = torch.randn(2 * 1024 * 1024, device=device)  # 8 MiB: more than a core's L2, as activations are
     y = torch.empty_like(x)
     t, spread = _best_time(lambda: y.copy_(x))
@@ -370,6 +384,7 @@ def measure_in_group(base: str | HardwareProfile = "cpu", device: torch.device |
                                  f"compute figures the best of repeated runs (median {comp['spread']:.0%} slower)",
         peak_tflops={"fp32": comp["fp32"], "bf16": comp["bf16"]}, memory_bandwidth_gbps=comp["copy_gbps"],
         kernel_floor_us=comp["floor_us"], matmul_efficiency=1.0, memory_efficiency=1.0,
+        attention_efficiency=min(1.0, comp["attention"] / comp["fp32"]),  # of the fp32 matmul roof
         memory_bytes=host_memory_per_rank(world), memory_limit_bytes=0)
     if world == 1:  # one rank never communicates: keep the base profile's link, measure compute only
         log.info("calibrated in %.1fs (1 rank, compute only): fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s, copy %.1f GB/s",

@@ -10,7 +10,9 @@ kernel and cost 0.
 
 CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward)
 counts 0 FLOPs in FlopCounterMode until ``parallel._torch.register_planner_ops()``
-registers torch's SDPA formulas for it; `FlopCache` makes sure it has.
+registers torch's SDPA formulas for it; `FlopCache` makes sure it has. A fused attention op
+is priced as its kernel (`attention_flops`): torch's count at the profile's attention
+efficiency, halved when causal (the kernels skip the masked blocks).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ __all__ = [
     "ComputeEstimate",
     "FlopCache",
     "TensorLike",
+    "attention_flops",
     "is_zero_cost",
     "op_name",
     "roofline_us",
@@ -65,11 +68,22 @@ def is_zero_cost(op: Any) -> bool:
     return op_name(op) in ZERO_COST_OPS
 
 
-def roofline_us(hw: HardwareProfile, flops: float, nbytes: float, dtype: torch.dtype | str | None) -> float:
-    """max(compute time, memory time) + kernel floor, in µs."""
-    t_flop = flops / (hw.peak_flops(dtype) * hw.matmul_efficiency) if flops > 0 else 0.0
+def roofline_us(hw: HardwareProfile, flops: float, nbytes: float, dtype: torch.dtype | str | None,
+                efficiency: float | None = None) -> float:
+    """max(compute time, memory time) + kernel floor, in µs; `efficiency`: the compute roof's
+    fraction the kernel reaches (default the profile's matmul efficiency)."""
+    t_flop = flops / (hw.peak_flops(dtype) * (efficiency or hw.matmul_efficiency)) if flops > 0 else 0.0
     t_mem = nbytes / (hw.memory_bandwidth * hw.memory_efficiency) if nbytes > 0 else 0.0
     return max(t_flop, t_mem) * 1e6 + hw.kernel_floor_us
+
+
+def attention_flops(op: Any, args: Sequence[Any], flops: float) -> float | None:
+    """The FLOPs a fused attention kernel runs for `op(*args)` (torch's count, which ignores
+    causal masking, halved when `is_causal`), None for any other op."""
+    at = T.FUSED_ATTENTION_CAUSAL_ARG.get(op)
+    if at is None:
+        return None
+    return flops / 2 if len(args) > at and args[at] is True else flops
 
 
 # ------------------------------------------------------------------ tensor descriptions

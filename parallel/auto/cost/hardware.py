@@ -113,6 +113,9 @@ class HardwareProfile:
     Why each field exists:
       * ``peak_tflops`` per dtype + ``matmul_efficiency``: the compute roof of the roofline.
       * ``memory_bandwidth_gbps`` + ``memory_efficiency``: the memory roof.
+      * ``attention_efficiency``: a fused attention kernel (flash, memory-efficient, the CPU
+        flash kernel) reaches its own fraction of the compute roof, below a big GEMM's
+        (0: ``matmul_efficiency``).
       * ``kernel_floor_us``: many tiny kernels are launch-bound, not roof-bound.
       * ``gpus_per_node``: decides which mesh axes ride NVLink and which the NIC.
       * ``tree_bandwidth_factor``: tree all-reduce reaches this fraction of the ring's
@@ -141,6 +144,7 @@ class HardwareProfile:
     inter_node: InterNodeLink
     tree_bandwidth_factor: float = 0.45
     comm_overlap: float = 1.0
+    attention_efficiency: float = 0.0  # 0: matmul_efficiency
     memory_limit_bytes: int = 0  # 0: memory_bytes
     description: str = ""
     source: str = field(default="<dict>", compare=False)
@@ -157,6 +161,11 @@ class HardwareProfile:
             if key in seen:  # pragma: no cover - fp32 is required, so unreachable
                 break
         return float(self.peak_tflops[key]) * 1e12
+
+    @property
+    def attention_eff(self) -> float:
+        """The fraction of the compute roof a fused attention kernel reaches."""
+        return self.attention_efficiency or self.matmul_efficiency
 
     @property
     def memory_limit(self) -> int:
@@ -290,13 +299,15 @@ def _peak_table(data: Mapping[str, Any], source: str) -> dict[str, float]:
     return {k: _num(peaks, k, "peak_tflops.", source) for k in peaks}
 
 
-def _efficiencies(data: Mapping[str, Any], source: str) -> tuple[float, float]:
-    """[efficiency]: (matmul, memory), each a fraction of its roof."""
+def _efficiencies(data: Mapping[str, Any], source: str) -> tuple[float, float, float]:
+    """[efficiency]: (matmul, memory, attention), each a fraction of its roof (attention
+    optional: 0, the matmul figure)."""
     eff = data["efficiency"]
-    _check_keys(eff, {"matmul": True, "memory": True}, "efficiency", source)
+    _check_keys(eff, {"matmul": True, "memory": True, "attention": False}, "efficiency", source)
     matmul = _num(eff, "matmul", "efficiency.", source, at_most=1.0)
     memory = _num(eff, "memory", "efficiency.", source, at_most=1.0)
-    return matmul, memory
+    attention = _num(eff, "attention", "efficiency.", source, at_most=1.0) if "attention" in eff else 0.0
+    return matmul, memory, attention
 
 
 def _group_size_factor(intra: Mapping[str, Any], source: str) -> dict[int, float]:
@@ -394,7 +405,7 @@ def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Hardwa
     _check_keys(data, _TOP_KEYS, "", source)
     name, gpn = _name_and_size(data, source)
     peak = _peak_table(data, source)
-    mm_eff, mem_eff = _efficiencies(data, source)
+    mm_eff, mem_eff, att_eff = _efficiencies(data, source)
     intra_link = _intra_link(data, source)
     inter_link = _inter_link(data, source)
     tree_f, overlap = _collective_figures(data, source)
@@ -408,6 +419,7 @@ def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Hardwa
         memory_bandwidth_gbps=_num(data, "memory_bandwidth_gbps", "", source),
         matmul_efficiency=mm_eff,
         memory_efficiency=mem_eff,
+        attention_efficiency=att_eff,
         kernel_floor_us=_num(data, "kernel_floor_us", "", source, positive=False),
         intra_node=intra_link,
         inter_node=inter_link,
@@ -438,6 +450,7 @@ def profile_to_toml(hw: HardwareProfile) -> str:
         "[efficiency]",
         f"matmul = {hw.matmul_efficiency:.6g}",
         f"memory = {hw.memory_efficiency:.6g}",
+        *([f"attention = {hw.attention_efficiency:.6g}"] if hw.attention_efficiency else []),
         "",
         "[intra_node]",
         f"latency_us = {hw.intra_node.latency_us:.6g}",

@@ -33,7 +33,16 @@ from .comm import (
     transition_template,
 )
 from .comm_matrix import redistribution_costs
-from .compute import FlopCache, _as_shape_dtype, _freeze, _nbytes, _tensor_list, is_zero_cost, roofline_us
+from .compute import (
+    FlopCache,
+    _as_shape_dtype,
+    _freeze,
+    _nbytes,
+    _tensor_list,
+    attention_flops,
+    is_zero_cost,
+    roofline_us,
+)
 from .hardware import HardwareProfile, load_hardware
 
 __all__ = ["CostModel", "RuntimeSchedule"]
@@ -215,6 +224,9 @@ class CostModel:
         scale_dt = cdt if (cdt is not None and cdt.is_floating_point) else None
         nbytes = _nbytes(ins, scale_dt) + _nbytes(outs, scale_dt)
         dtype = self._op_dtype(ins, outs, cdt)
+        fused = attention_flops(op, args, n_flops)  # a fused attention kernel: its own efficiency
+        if fused is not None:
+            return roofline_us(self.hw, fused, nbytes, dtype, self.hw.attention_eff)
         return roofline_us(self.hw, n_flops, nbytes, dtype)
 
     def local_shape(self, global_shape: Sequence[int], placements: PlacementsLike) -> tuple[int, ...]:

@@ -61,7 +61,8 @@ def region_cost(cm: Any, node: Any, spec: Any, mesh_shape: tuple) -> float:
     outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
     nbytes = item * (sum(math.prod(s) for s in shapes)
                      + sum(math.prod(local_shape(tuple(o.tensor_meta.shape), o.placements, mesh_shape)) for o in outs))
-    t = roofline_us(cm.hw, flops, nbytes, cdt)
+    # an attention region runs the fused SDPA kernel inside (its FLOPs counted chunk by chunk)
+    t = roofline_us(cm.hw, flops, nbytes, cdt, cm.hw.attention_eff if "attention" in r.name else None)
     for i, o in enumerate(axis_options(r, backward, spec)):
         for k in o.gather:
             g = item * math.prod(local_shape(tuple(ins[k].tensor_meta.shape), ins[k].placements, mesh_shape,

@@ -83,6 +83,8 @@ class PlacementOps:
         self.param_values: dict[str, DTensor] = {}  # this phase's parameter shards (compute dtype)
         self.cache: dict[str, DTensor] = {}
         self.stats: Counter = Counter()
+        # a GPU job runs the traced CPU attention op as its CUDA kernel (trace/attention.py)
+        self.lower_attention = T.lowers_attention(mesh.device_type)
 
     def gathered(self, name: str) -> DTensor | None:
         """The replicated copy of parameter `name`, gathering its whole bucket (one flat
@@ -162,7 +164,9 @@ class PlacementOps:
         if region_of(n.target) is not None:  # a local_map region: its local function on shards
             return run_region(n, args, self.spec[n.name], self.mesh, self.load_balance)
         try:
-            if self.planned_strategies and as_planned and k == len(in_specs) and isinstance(n.target, T.OpOverload):
+            if self.lower_attention and n.target in T.CPU_ATTENTION_OPS:  # the job's CUDA kernel, by DTensor's rules
+                out = T.run_lowered(n.target, args, kwargs)
+            elif self.planned_strategies and as_planned and k == len(in_specs) and isinstance(n.target, T.OpOverload):
                 with T.planned_strategy(n.target, self.spec[n.name]):
                     out = n.target(*args, **kwargs)
             else:

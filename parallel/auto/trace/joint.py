@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from parallel import _torch as T
 from parallel.auto.regions import regions_in, traced_regions
+from parallel.auto.trace.attention import SdpaCalls
 from parallel.auto.trace.fold import ConstantReads, FoldedRead
 from parallel.auto.trace.repeated_blocks import BlockRun, CopyRefused, block_run, copy_repeated_blocks, truncate
 
@@ -135,6 +135,10 @@ class JointGraph:
     constants: dict[str, fx.Node] = field(default_factory=dict)
     folded: list[FoldedRead] = field(default_factory=list)  # distinct data-dependent reads folded at trace time
     regions: list[str] = field(default_factory=list)  # local_map regions traced as one node each
+    # SDPA calls: the fused kernel of each call shape on the job's device ("flash", "efficient",
+    # "flash_cpu"), and one note per call taken through the math path (trace/attention.py)
+    attention_kernels: dict[str, str] = field(default_factory=dict)
+    attention_notes: list[str] = field(default_factory=list)
     # the device type the joint graph's values and factory ops were traced on (T.autograd_device):
     # the runtime moves what it finds there to the job's device when the two differ
     traced_device: str = T.FAKE_DEVICE
@@ -219,6 +223,7 @@ def trace_joint(
     device: str = T.FAKE_DEVICE,
     regions: tuple[str, ...] = (),
     copy_blocks: bool = True,
+    compute_dtype: torch.dtype | None = None,
 ) -> JointGraph:
     """Trace model (+ loss_fn(model, *inputs)) into a labelled joint fwd+bwd graph.
 
@@ -230,7 +235,8 @@ def trace_joint(
     local_map regions whose marked modules are traced as one node each (regions/);
     functions decorated with `regions.region` always are. `copy_blocks`: a model that
     names its repeated blocks is traced with two of the last run and the rest are copied
-    (trace/repeated_blocks.py); False traces every block.
+    (trace/repeated_blocks.py); False traces every block. `compute_dtype`: the dtype the job
+    computes in (mixed precision's parameter dtype), which picks a GPU job's attention kernel.
     """
     T.register_planner_ops()
     t0 = time.perf_counter()
@@ -239,7 +245,8 @@ def trace_joint(
     if not isinstance(sample_inputs, tuple):
         sample_inputs = (sample_inputs,)
     run = block_run(model) if copy_blocks else None
-    traced = _trace(model, sample_inputs, loss_fn, device, regions, run)
+    sdpa = SdpaCalls(device, compute_dtype)
+    traced = _trace(model, sample_inputs, loss_fn, device, regions, run, sdpa)
     if run is not None:
         try:
             added = copy_repeated_blocks(traced.gm, traced.module_of, run, traced.fake_mode)
@@ -248,12 +255,15 @@ def trace_joint(
                      run.kept, run.total, run.total - run.kept, added)
         except CopyRefused as e:
             log.info("trace: blocks not copied (%s); tracing all %d", e, run.total)
-            traced = _trace(model, sample_inputs, loss_fn, device, regions, None)
+            traced = _trace(model, sample_inputs, loss_fn, device, regions, None, sdpa)
     jg = _label(traced.gm, traced.fake_mode)
     jg.module_of = traced.module_of
     jg.folded = traced.folded
     jg.regions = regions_in(traced.gm)
     jg.traced_device = traced.device
+    jg.attention_kernels, jg.attention_notes = dict(sdpa.kernels), list(sdpa.notes)
+    for note in jg.attention_notes:
+        log.warning("trace: %s", note)
     jg.fingerprint = model_fingerprint(model)
     flat = T.tree_flatten(sample_inputs)[0]
     jg.input_shapes = [(list(x.shape), str(x.dtype)) for x in flat if isinstance(x, torch.Tensor)]
@@ -273,10 +283,10 @@ class _Traced:
 
 
 def _trace(model: nn.Module, sample_inputs: tuple, loss_fn: Callable[..., torch.Tensor] | None, device: str,
-           regions: tuple[str, ...], run: BlockRun | None) -> _Traced:
+           regions: tuple[str, ...], run: BlockRun | None, sdpa: SdpaCalls) -> _Traced:
     """AOTAutograd's joint export of a fake copy of the model (cut to `run`'s blocks)."""
     fake_mode = T.FakeTensorMode(allow_non_fake_inputs=True)
-    lowering, device = device, T.autograd_device(device)  # lowering: which kernels the job's device runs
+    device = T.autograd_device(device)
     fake_model = _fake_copy(model, fake_mode, device, run)
     wrapper = _LossModule(fake_model, loss_fn)
     flat, spec = T.tree_flatten(sample_inputs)
@@ -287,10 +297,7 @@ def _trace(model: nn.Module, sample_inputs: tuple, loss_fn: Callable[..., torch.
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(reads)
-            if lowering != "cpu":
-                # CUDA's fused attention kernels return RNG/bookkeeping outputs that DTensor's
-                # rules leave without a placement; attention as plain ATen ops plans everywhere
-                stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+            stack.enter_context(sdpa)  # attention as the fused CPU op (or the math path, noted)
             stack.enter_context(traced_regions(fake_model, regions))
             joint = _export(stack, wrapper, tuple(fake_inputs))
     finally:
