@@ -23,6 +23,7 @@ from parallel.auto.candidates.placements import placement_words
 from parallel.auto.candidates.strategies import GETITEM, SLOT
 from parallel.auto.cost.timeline import MeasuredStep, StepTimeline
 from parallel.auto.plan import NodePlan, Plan, PlanDiff, collapse_layers, linear_roles
+from parallel.auto.plan.pictures.timeline import cannot_draw_timeline, timeline_svg
 from parallel.auto.trace.joint import layer_prefix
 
 TOP = "(top level)"
@@ -42,6 +43,7 @@ th.group{background:#e8eef8}code{font-size:12px}
 .fwd{color:#124}.bwd{color:#531}.tag{font-weight:600;font-size:11px;color:#777;margin-right:4px}
 .changed{background:#fff2a8}.side{display:flex;gap:24px;align-items:flex-start}
 .side>div{flex:1;min-width:0;overflow-x:auto}.note{color:#666;font-size:12px}
+svg.timeline{max-width:100%;height:auto;display:block;margin:4px 0}
 """
 
 
@@ -288,7 +290,7 @@ def step_table(timeline: StepTimeline | None, measured: MeasuredStep | None) -> 
         peak = fmt_bytes(measured.peak_bytes) if measured.peak_bytes is not None else "-"
         rows.append(("measured", ms(measured.step_us), f"median of {measured.steps} steps ({measured.source})", peak))
     if not rows:
-        return '<p class="note">no step simulation or measurement with this plan (a loaded plan)</p>'
+        return ""  # the Step section says why there is nothing to show
     out = ['<table class="step"><tr><th></th><th>step</th><th>from</th><th>peak memory</th></tr>']
     out += [f"<tr><th>{_e(a)}</th><td class=\"num\">{_e(b)}</td><td>{_e(c)}</td><td class=\"num\">{_e(d)}</td></tr>"
             for a, b, c, d in rows]
@@ -298,11 +300,35 @@ def step_table(timeline: StepTimeline | None, measured: MeasuredStep | None) -> 
     return "\n".join(out + ["</table>"])
 
 
+def _no_timeline(plan: Plan) -> str:
+    """Why a plan has no step simulation to draw."""
+    if plan.costs is None:
+        return ("this plan was loaded from its JSON file, which does not keep the step simulation (the planner "
+                "simulates the step on its memory estimate's step graph): plan it again (tools/plan.py --html), or "
+                "open the plan.html written when it was planned")
+    return "the planner has no simulation of this plan's step (its step graph could not be traced or simulated: see "\
+           "the planning log)"
+
+
+def step_section(plan: Plan, timeline: StepTimeline | None = None, measured: MeasuredStep | None = None, *,
+                 t_max: float | None = None) -> str:
+    """The step as a timeline (the plan's own simulation unless `timeline` is given) with the
+    measured step under it, then the step table; a plan without a simulation says why."""
+    tl = timeline if timeline is not None else plan.timeline
+    out = ["<h2>Step</h2>"]
+    if tl is not None or measured is not None:
+        out.append(timeline_svg(tl, measured, t_max=t_max))
+    if tl is None:
+        out.append(cannot_draw_timeline(_no_timeline(plan)))
+    out.append(step_table(tl, measured))
+    return "\n".join(out)
+
+
 def plan_html(plan: Plan, *, title: str | None = None, total_param_bytes: float | None = None,
               timeline: StepTimeline | None = None, measured: MeasuredStep | None = None) -> str:
-    """The plan as one self-contained HTML page; `timeline`: the simulated step (StepPrediction's),
-    `measured`: what the run measured of it after its warm-up."""
-    body = "\n".join(["<h2>Step</h2>", step_table(timeline, measured), plan_sections(plan, None, total_param_bytes)])
+    """The plan as one self-contained HTML page; `timeline`: the simulated step (StepPrediction's;
+    default the planner's, `plan.timeline`), `measured`: what the run measured of it after its warm-up."""
+    body = "\n".join([step_section(plan, timeline, measured), plan_sections(plan, None, total_param_bytes)])
     return _page(title or _title(plan), body)
 
 
@@ -328,8 +354,9 @@ def _io(n: NodePlan) -> str:
 def plan_diff_html(a: Plan, b: Plan, *, names: tuple[str, str] = ("A", "B"), title: str | None = None) -> str:
     """Two plans side by side, the cells that differ highlighted, then the changed nodes."""
     diff = a.diff(b)
-    cols = "".join(f"<div><h2>{_e(label)}: {_e(_title(p))}</h2>\n{plan_sections(p, q)}</div>"
-                   for label, p, q in ((names[0], a, b), (names[1], b, a)))
+    t_max = max((p.timeline.step_us for p in (a, b) if p.timeline is not None), default=None)  # one time axis
+    cols = "".join(f"<div><h2>{_e(label)}: {_e(_title(p))}</h2>\n{step_section(p, t_max=t_max)}\n"
+                   f"{plan_sections(p, q)}</div>" for label, p, q in ((names[0], a, b), (names[1], b, a)))
     body = (f'<div class="side">{cols}</div>\n<h2>Changed nodes ({_e(names[0])} → {_e(names[1])})</h2>\n'
             f"{changed_table(diff)}")
     return _page(title or f"Plan diff: {names[0]} vs {names[1]}", body)
