@@ -215,3 +215,18 @@ def test_script_writes_html_and_diff(plans, tmp_path, capsys):
     assert page.count('class="timeline"') == 1 and page.count('data-picture="timeline"') == 1  # the loaded side
     with pytest.raises(SystemExit):
         main(args + ["--diff", str(other)])  # --diff needs --html
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("{not json", "is not a plan file (invalid JSON: "),
+    ('{"format_version": 0, "nodes": []}', ": plan file format is not version "),
+    ("[1, 2]", " is not a plan (a JSON object was expected)"),
+])
+def test_script_refuses_a_damaged_or_other_version_diff_in_one_line(tmp_path, capsys, content, problem):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    code = _script().main(["--config", "llama3_debug", "--mesh", "2", "--html", str(tmp_path / "d.html"),
+                           "--diff", str(bad)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and str(bad) in err and problem in err, err
+    assert not (tmp_path / "d.html").exists()
