@@ -6,7 +6,8 @@ the number the page states. A collective is drawn on its axis's lane under the c
 runs beside: where compute goes on above it, the collective is hidden; where the compute
 lane says "waiting for", it is exposed. The forward, backward and optimizer phases are a
 band above the lanes. Every rectangle has a hover title (what ran, bytes, µs) and `data-*`
-attributes with its numbers (the browser test sums them).
+attributes with its numbers (the browser test sums them); runs of events too short to see
+(under two pixels) are one rectangle whose title lists the longest of them.
 
 A `MeasuredStep` adds a "measured" lane set under the prediction on the same time axis: the
 measured step as one bar, split into compute and communication where the run knew them, and
@@ -80,19 +81,54 @@ class _Axis:
         out = []
         for t in _ticks(self.t_max):
             out.append(line(self.x(t), y_top, self.x(t), y_bottom, stroke="#ddd"))
-            out.append(text(self.x(t), y_bottom + 12, fmt_us(t), anchor="middle", fill="#666", size=10))
+            label = f"{t / 1e3:g} ms" if self.t_max >= 2000 else f"{t:g} µs"
+            out.append(text(self.x(t), y_bottom + 12, label, anchor="middle", fill="#666", size=10))
         return out
+
+
+def _groups(events: list[TimelineEvent], min_us: float) -> list[list[TimelineEvent]]:
+    """Runs of events narrower than `min_us` (a couple of pixels) drawn as one rectangle each,
+    until the run is that wide; a 32-layer step has thousands of short waits and collectives."""
+    out: list[list[TimelineEvent]] = []
+    for e in sorted(events, key=lambda e: e.start_us):
+        last = out[-1] if out else None
+        if (last is not None and e.us < min_us and last[-1].us < min_us and e.start_us - last[-1].end_us < min_us / 4
+                and last[-1].end_us - last[0].start_us < min_us):
+            last.append(e)
+        else:
+            out.append([e])
+    return out
+
+
+def _group_rect(axis: _Axis, y: float, group: list[TimelineEvent]) -> str:
+    first, end = group[0], group[-1].end_us
+    us, nbytes = sum(e.us for e in group), sum(e.nbytes for e in group)
+    if len(group) == 1:
+        title = _title(first)
+    else:
+        top = sorted(group, key=lambda e: -e.us)[:4]
+        title = (f"{len(group)} events, {fmt_us(us)} busy, {fmt_us(first.start_us)} → {fmt_us(end)}"
+                 + (f", {_size(nbytes)}" if nbytes else "") + ": "
+                 + "; ".join(f"{e.label} {fmt_us(e.us)}" for e in top) + ("; …" if len(group) > 4 else ""))
+    by_fill: dict[str, float] = {}
+    for e in group:
+        by_fill[_fill(e)] = by_fill.get(_fill(e), 0.0) + e.us
+    data = {"lane": first.lane, "start-us": f"{first.start_us:.3f}", "us": f"{us:.3f}", "phase": first.phase}
+    if first.lane != COMPUTE_LANE:
+        data["bytes"] = nbytes
+    if len(group) > 1:
+        data["events"] = len(group)
+    return rect(axis.x(first.start_us), y, (end - first.start_us) * axis.scale, LANE_H,
+                max(by_fill, key=by_fill.__getitem__), cls="event", title=title, data=data)
 
 
 def _lane(axis: _Axis, y: float, name: str, events: list[TimelineEvent]) -> list[str]:
     out = [rect(LEFT, y, axis.width - LEFT - RIGHT, LANE_H, "#f6f6f6", cls="lane", data={"lane": name}),
            text(LEFT - 6, y + LANE_H / 2 + 4, name if name == COMPUTE_LANE else f"{name} (comm)", anchor="end")]
-    for e in events:
-        w = e.us * axis.scale
-        out.append(rect(axis.x(e.start_us), y, w, LANE_H, _fill(e), cls="event", title=_title(e),
-                        data={"lane": e.lane, "start-us": e.start_us, "us": e.us, "phase": e.phase,
-                              "bytes": e.nbytes, "label": e.label}))
-        if w > 80 and e.lane == COMPUTE_LANE and ":" in e.label:  # the layer's name where it fits
+    for group in _groups(events, 2.0 / axis.scale):
+        out.append(_group_rect(axis, y, group))
+        e, w = group[0], group[-1].end_us * axis.scale - group[0].start_us * axis.scale
+        if len(group) == 1 and w > 80 and e.lane == COMPUTE_LANE and ":" in e.label:  # the layer, where it fits
             out.append(text(axis.x(e.start_us) + 3, y + LANE_H / 2 + 4, e.label.split(":")[0][: int(w / 6.5)],
                             fill="#fff", size=10))
     return out
