@@ -278,14 +278,17 @@ def _title(plan: Plan) -> str:
     return f"Plan: mesh {mesh} ({', '.join(plan.mesh_axis_names)}) on {plan.hardware}"
 
 
-def step_table(timeline: StepTimeline | None, measured: MeasuredStep | None) -> str:
-    """The step's predicted time (the simulation's) beside what the run measured after its warm-up."""
+def step_table(timeline: StepTimeline | None, measured: MeasuredStep | None,
+               predicted_peak: float | None = None) -> str:
+    """The step's predicted time (the simulation's) and peak (the memory estimate's) beside what
+    the run measured after its warm-up."""
     def ms(us: float | None) -> str:
         return "-" if us is None else f"{us / 1e3:,.1f} ms"
 
     rows = []
     if timeline is not None:
-        rows.append(("predicted", ms(timeline.step_us), timeline.source, "-"))
+        peak = fmt_bytes(predicted_peak) if predicted_peak is not None else "-"
+        rows.append(("predicted", ms(timeline.step_us), timeline.source, peak))
     if measured is not None:
         peak = fmt_bytes(measured.peak_bytes) if measured.peak_bytes is not None else "-"
         rows.append(("measured", ms(measured.step_us), f"median of {measured.steps} steps ({measured.source})", peak))
@@ -320,7 +323,7 @@ def step_section(plan: Plan, timeline: StepTimeline | None = None, measured: Mea
         out.append(timeline_svg(tl, measured, t_max=t_max))
     if tl is None:
         out.append(cannot_draw_timeline(_no_timeline(plan)))
-    out.append(step_table(tl, measured))
+    out.append(step_table(tl, measured, plan.memory.peak_bytes if plan.memory is not None else None))
     return "\n".join(out)
 
 
