@@ -419,7 +419,10 @@ class AutoParallel:
         """The traced step on the cost model: its timeline (None, with a warning, where the
         simulation fails: the plan is no worse for it, its page says so)."""
         try:
-            return predict_traced(step, self.mesh, self.cost_model()).timeline
+            tl = predict_traced(step, self.mesh, self.cost_model()).timeline
+            if tl is not None and step.options.micro_batches > 1:  # the graph each micro-batch runs
+                tl.source += f", one of {step.options.micro_batches} micro-batches (gradients reduced once a step)"
+            return tl
         except Exception as e:  # noqa: BLE001 - a picture, not the plan
             log.warning("step simulation failed (%s: %s); the plan page draws no timeline", type(e).__name__,
                         str(e)[:300])

@@ -114,6 +114,9 @@ def test_svg_has_a_lane_per_axis_and_its_compute_events_sum_to_the_step():
     parts = re.findall(r'class="measured" data-part="(\w+)"', page)
     assert parts == ["compute", "comm", "other"]  # the split, and what it does not account for
     assert "measured / predicted = 2.00" in page
+    alone = timeline_svg(None, MeasuredStep(step_us=1000.0, steps=5))  # a loaded plan, measured in a run
+    assert re.findall(r'class="lane" data-lane="([^"]+)"', alone) == ["measured"]
+    assert re.findall(r'class="measured" data-part="(\w+)"', alone) == ["step"] and "predicted" not in alone
 
 
 def test_events_too_short_to_see_are_drawn_as_one_rectangle_that_keeps_their_time():
