@@ -15,10 +15,12 @@ states, activations, transients, with the config's activation checkpointing) aga
 memory limit (--memory-limit, [parallelism] memory_limit_gib, else the profile's); a plan
 over it is re-solved more sharded, and when none fits the script says what does not fit.
 
---html writes the plan as a self-contained page (parameters per layer group and mesh axis,
-collectives, memory); with --diff OTHER it is the side-by-side diff of OTHER (a saved plan)
-and this one instead. --coverage prints every ATen op of the traced graph and how the
-planner handles it (DTensor rule, constant, lifted constant, fallback, folded, unhandled).
+--html writes the plan as a self-contained page (the step as a timeline, parameters per layer
+group and mesh axis, collectives, memory); with --diff OTHER it is the side-by-side diff of
+OTHER (a saved plan: its page says which pictures a loaded plan cannot draw) and this one
+instead; an OTHER that is damaged or of another version is one line naming it, exit 2.
+--coverage prints every ATen op of the traced graph and how the planner handles it (DTensor
+rule, constant, lifted constant, fallback, folded, unhandled).
 
 The job is planned exactly as the trainer plans it (parallel/auto/request.py): every
 [parallelism] planner setting of the config and its overrides (--parallelism.split_seeding_rounds 2)
@@ -162,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--diff needs --html (the page it writes)")
     try:
         other = Plan.load(args.diff) if args.diff else None  # fail before planning, not after
-    except PlanMismatchError as e:
-        ap.error(str(e))
+    except PlanMismatchError as e:  # damaged, not a plan, or another version's: one line naming the file
+        print(f"error: --diff {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     if (args.mesh == "auto") != (args.world_size is not None):
         ap.error("--mesh auto and --world-size N go together")
     try:

@@ -37,6 +37,7 @@ from parallel.auto.candidates.strategies import Candidates, mesh_candidates
 from parallel.auto.config import PlannerConfig, resolve_planner
 from parallel.auto.cost import CostModel, RuntimeSchedule
 from parallel.auto.cost.memory import GIB, MemoryEstimate, format_bytes
+from parallel.auto.cost.timeline import StepTimeline
 from parallel.auto.plan import Plan, PlanMismatchError, build_plan
 from parallel.auto.plan.replay import replay_labels, replay_plan
 from parallel.auto.problem.feasibility import memory_advice
@@ -50,7 +51,7 @@ from parallel.auto.problem.placement_problem import (
 )
 from parallel.auto.regions import CP_ATTENTION  # declares the causal-attention region
 from parallel.auto.runtime import RuntimeOptions, apply_plan
-from parallel.auto.runtime.memory import TracedStep, step_memory, trace_step
+from parallel.auto.runtime.memory import TracedStep, predict_traced, step_memory, trace_step
 from parallel.auto.runtime.runner import same_graph_options
 from parallel.auto.runtime.step_graph import fake_constants
 from parallel.auto.solve import Solution, solve
@@ -372,12 +373,15 @@ class AutoParallel:
     @pauses_collector
     def estimate_memory(self, plan: Plan, options: RuntimeOptions | None = None) -> MemoryEstimate:
         """Peak bytes per device of a training step of `plan` run with `options` (default:
-        this planner's runtime options), checked against `memory_limit()` (cost/memory.py)."""
+        this planner's runtime options), checked against `memory_limit()` (cost/memory.py).
+        With this planner's options, the same step graph simulated on the cost model becomes
+        `plan.timeline` (the plan page's lanes; not saved with the plan)."""
         jg = self._need_graph()
         if self.candidates is None:  # seeded mesh and nothing solved here: a replayed or received plan
             self.candidates = plan_candidates(jg, self.mesh, plan)
         t0 = time.perf_counter()
         self.traced_step = None  # release the previous plan's graph before tracing this one
+        own = options is None or options == self.runtime
         options = options if options is not None else self.runtime
         key = (id(self.mesh), plan.placement_digest(), tuple(sorted(_strategies(plan).items())),
                dataclasses.replace(options, compile=False), str(self.mp_dtype),
@@ -388,14 +392,19 @@ class AutoParallel:
         if kept is not None and kept[0] is self.mesh and kept[2] != id(self):
             est = dataclasses.replace(kept[1])
             est.limit_bytes, est.limit_source = self.memory_limit()
+            if own and kept[3] is not None and kept[3][0] == self.cost_model().hw:  # simulated on this hardware
+                plan.timeline = kept[3][1]
             self.timings["memory"] = self.timings.get("memory", 0.0) + time.perf_counter() - t0
             log.info("memory: the estimate of this plan on this mesh, made earlier, reused")
             return est
         step = trace_step(jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy, options=options)
         est = step_memory(step, self.mesh, self.planner.optimizer)
+        if own:
+            plan.timeline = self._simulate(step)
         while len(jg.kept_estimates) >= ESTIMATES_KEPT:
             jg.kept_estimates.pop(next(iter(jg.kept_estimates)))
-        jg.kept_estimates[key] = (self.mesh, dataclasses.replace(est), id(self))
+        simulated = (self.cost_model().hw, plan.timeline) if own and plan.timeline is not None else None
+        jg.kept_estimates[key] = (self.mesh, dataclasses.replace(est), id(self), simulated)
         est.limit_bytes, est.limit_source = self.memory_limit()
         consts = fake_constants(step.step_graph.gm)
         if consts:
@@ -405,6 +414,19 @@ class AutoParallel:
             self.traced_step = step
         self.timings["memory"] = self.timings.get("memory", 0.0) + time.perf_counter() - t0
         return est
+
+    def _simulate(self, step: TracedStep) -> StepTimeline | None:
+        """The traced step on the cost model: its timeline (None, with a warning, where the
+        simulation fails: the plan is no worse for it, its page says so)."""
+        try:
+            tl = predict_traced(step, self.mesh, self.cost_model()).timeline
+            if tl is not None and step.options.micro_batches > 1:  # the graph each micro-batch runs
+                tl.source += f", one of {step.options.micro_batches} micro-batches (gradients reduced once a step)"
+            return tl
+        except Exception as e:  # noqa: BLE001 - a picture, not the plan
+            log.warning("step simulation failed (%s: %s); the plan page draws no timeline", type(e).__name__,
+                        str(e)[:300])
+            return None
 
     def _fit_memory(self, plan: Plan, low: float | None, high: float | None, level: int) -> Plan:
         """Estimate the plan's peak; over the limit, shard the parameters more and re-solve

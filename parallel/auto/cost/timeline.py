@@ -12,6 +12,7 @@ the prediction so that a user sees where the model is wrong.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -63,6 +64,17 @@ class StepTimeline:
         return cls(d["step_us"], list(d["lanes"]), events, phases, d.get("source", ""))  # type: ignore[arg-type]
 
 
+def scaled(timeline: StepTimeline, ratio: float) -> StepTimeline:
+    """`timeline` with every time multiplied by `ratio` (a profile's measured correction of the
+    whole step), so that its lanes still end at the corrected prediction."""
+    if ratio == 1.0:
+        return timeline
+    events = [dataclasses.replace(e, start_us=e.start_us * ratio, end_us=e.end_us * ratio) for e in timeline.events]
+    phases = [(p, a * ratio, b * ratio) for p, a, b in timeline.phases]
+    return dataclasses.replace(timeline, step_us=timeline.step_us * ratio, events=events, phases=phases,
+                               source=f"{timeline.source}, x {ratio:.2f} measured correction")
+
+
 @dataclass
 class MeasuredStep:
     """What a run measured of one step after its warm-up (rank-averaged medians)."""
@@ -85,4 +97,4 @@ class MeasuredStep:
         return cls(**d)
 
 
-__all__ = ["COMPUTE_LANE", "PHASES", "MeasuredStep", "StepTimeline", "TimelineEvent"]
+__all__ = ["COMPUTE_LANE", "PHASES", "MeasuredStep", "StepTimeline", "TimelineEvent", "scaled"]

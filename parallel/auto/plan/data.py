@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.auto.cost.memory import MemoryEstimate
+from parallel.auto.cost.timeline import StepTimeline
 from parallel.auto.plan import report
 from parallel.auto.plan.costs import PlanCosts
 from parallel.auto.trace.joint import BUFFER, GRAD_PARAM, INPUT, PARAM, NodeRole
@@ -100,6 +101,8 @@ class Plan:
     grad_reduction_us: float = 0.0
     # in-memory only (not saved): the solved problem, for explain / costs_for_node / collectives
     costs: PlanCosts | None = field(default=None, repr=False, compare=False)
+    # in-memory only (not saved): the step simulated on the memory estimate's step graph (the plan page's lanes)
+    timeline: StepTimeline | None = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ lookup
     def _resolve(self, node: Any) -> str:
@@ -184,7 +187,7 @@ class Plan:
     # ------------------------------------------------------------------ save / load
     def to_json(self) -> dict:
         d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
-             if f.name not in ("costs", "nodes", "memory")}
+             if f.name not in ("costs", "timeline", "nodes", "memory")}
         d["memory"] = self.memory.to_json() if self.memory is not None else None
         d["format_version"] = FORMAT_VERSION
         d["nodes"] = [n.to_json() for n in self.nodes.values()]

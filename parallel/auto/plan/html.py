@@ -25,6 +25,7 @@ from parallel.auto.cost.timeline import MeasuredStep, StepTimeline
 from parallel.auto.plan import NodePlan, Plan, PlanDiff, collapse_layers, linear_roles
 from parallel.auto.plan.pictures.memory import memory_pictures
 from parallel.auto.plan.pictures.placements import map_note, placement_map
+from parallel.auto.plan.pictures.timeline import cannot_draw_timeline, timeline_svg
 from parallel.auto.trace.joint import layer_prefix
 
 TOP = "(top level)"
@@ -44,6 +45,7 @@ th.group{background:#e8eef8}code{font-size:12px}
 .fwd{color:#124}.bwd{color:#531}.tag{font-weight:600;font-size:11px;color:#777;margin-right:4px}
 .changed{background:#fff2a8}.side{display:flex;gap:24px;align-items:flex-start}
 .side>div{flex:1;min-width:0;overflow-x:auto}.note{color:#666;font-size:12px}
+svg.timeline{max-width:100%;height:auto;display:block;margin:4px 0}
 """
 
 
@@ -254,12 +256,12 @@ def overview(plan: Plan, total_param_bytes: float | None = None) -> str:
 
 
 def plan_sections(plan: Plan, other: Plan | None = None, total_param_bytes: float | None = None) -> str:
-    """One plan's body: overview, memory bars, placements map, parameters per layer group and mesh
-    axis, collectives."""
+    """One plan's body: the pictures (memory bars, placements map), then the tables (overview,
+    parameters per layer group and mesh axis, collectives)."""
     return "\n".join([
-        "<h2>Overview</h2>", overview(plan, total_param_bytes),
         "<h2>Memory at the peak</h2>", memory_pictures(plan.memory),
         "<h2>Placements map</h2>", placement_map(plan, param_rows, other) + map_note(plan),
+        "<h2>Overview</h2>", overview(plan, total_param_bytes),
         "<h2>Parameters: forward use and gradient, per mesh axis</h2>", params_table(plan, other),
         "<h2>Collectives (in the objective)</h2>", comm_table(plan),
         "<h2>Collectives by kind, mesh axis and phase</h2>", collectives_table(plan),
@@ -281,19 +283,22 @@ def _title(plan: Plan) -> str:
     return f"Plan: mesh {mesh} ({', '.join(plan.mesh_axis_names)}) on {plan.hardware}"
 
 
-def step_table(timeline: StepTimeline | None, measured: MeasuredStep | None) -> str:
-    """The step's predicted time (the simulation's) beside what the run measured after its warm-up."""
+def step_table(timeline: StepTimeline | None, measured: MeasuredStep | None,
+               predicted_peak: float | None = None) -> str:
+    """The step's predicted time (the simulation's) and peak (the memory estimate's) beside what
+    the run measured after its warm-up."""
     def ms(us: float | None) -> str:
         return "-" if us is None else f"{us / 1e3:,.1f} ms"
 
     rows = []
     if timeline is not None:
-        rows.append(("predicted", ms(timeline.step_us), timeline.source, "-"))
+        peak = fmt_bytes(predicted_peak) if predicted_peak is not None else "-"
+        rows.append(("predicted", ms(timeline.step_us), timeline.source, peak))
     if measured is not None:
         peak = fmt_bytes(measured.peak_bytes) if measured.peak_bytes is not None else "-"
         rows.append(("measured", ms(measured.step_us), f"median of {measured.steps} steps ({measured.source})", peak))
     if not rows:
-        return '<p class="note">no step simulation or measurement with this plan (a loaded plan)</p>'
+        return ""  # the Step section says why there is nothing to show
     out = ['<table class="step"><tr><th></th><th>step</th><th>from</th><th>peak memory</th></tr>']
     out += [f"<tr><th>{_e(a)}</th><td class=\"num\">{_e(b)}</td><td>{_e(c)}</td><td class=\"num\">{_e(d)}</td></tr>"
             for a, b, c, d in rows]
@@ -303,11 +308,35 @@ def step_table(timeline: StepTimeline | None, measured: MeasuredStep | None) -> 
     return "\n".join(out + ["</table>"])
 
 
+def _no_timeline(plan: Plan) -> str:
+    """Why a plan has no step simulation to draw."""
+    if plan.costs is None:
+        return ("this plan was loaded from its JSON file, which does not keep the step simulation (the planner "
+                "simulates the step on its memory estimate's step graph): plan it again (tools/plan.py --html), or "
+                "open the plan.html written when it was planned")
+    return "the planner has no simulation of this plan's step (its step graph could not be traced or simulated: see "\
+           "the planning log)"
+
+
+def step_section(plan: Plan, timeline: StepTimeline | None = None, measured: MeasuredStep | None = None, *,
+                 t_max: float | None = None) -> str:
+    """The step as a timeline (the plan's own simulation unless `timeline` is given) with the
+    measured step under it, then the step table; a plan without a simulation says why."""
+    tl = timeline if timeline is not None else plan.timeline
+    out = ["<h2>Step</h2>"]
+    if tl is not None or measured is not None:
+        out.append(timeline_svg(tl, measured, t_max=t_max))
+    if tl is None:
+        out.append(cannot_draw_timeline(_no_timeline(plan)))
+    out.append(step_table(tl, measured, plan.memory.peak_bytes if plan.memory is not None else None))
+    return "\n".join(out)
+
+
 def plan_html(plan: Plan, *, title: str | None = None, total_param_bytes: float | None = None,
               timeline: StepTimeline | None = None, measured: MeasuredStep | None = None) -> str:
-    """The plan as one self-contained HTML page; `timeline`: the simulated step (StepPrediction's),
-    `measured`: what the run measured of it after its warm-up."""
-    body = "\n".join(["<h2>Step</h2>", step_table(timeline, measured), plan_sections(plan, None, total_param_bytes)])
+    """The plan as one self-contained HTML page; `timeline`: the simulated step (StepPrediction's;
+    default the planner's, `plan.timeline`), `measured`: what the run measured of it after its warm-up."""
+    body = "\n".join([step_section(plan, timeline, measured), plan_sections(plan, None, total_param_bytes)])
     return _page(title or _title(plan), body)
 
 
@@ -333,8 +362,9 @@ def _io(n: NodePlan) -> str:
 def plan_diff_html(a: Plan, b: Plan, *, names: tuple[str, str] = ("A", "B"), title: str | None = None) -> str:
     """Two plans side by side, the cells that differ highlighted, then the changed nodes."""
     diff = a.diff(b)
-    cols = "".join(f"<div><h2>{_e(label)}: {_e(_title(p))}</h2>\n{plan_sections(p, q)}</div>"
-                   for label, p, q in ((names[0], a, b), (names[1], b, a)))
+    t_max = max((p.timeline.step_us for p in (a, b) if p.timeline is not None), default=None)  # one time axis
+    cols = "".join(f"<div><h2>{_e(label)}: {_e(_title(p))}</h2>\n{step_section(p, t_max=t_max)}\n"
+                   f"{plan_sections(p, q)}</div>" for label, p, q in ((names[0], a, b), (names[1], b, a)))
     body = (f'<div class="side">{cols}</div>\n<h2>Changed nodes ({_e(names[0])} → {_e(names[1])})</h2>\n'
             f"{changed_table(diff)}")
     return _page(title or f"Plan diff: {names[0]} vs {names[1]}", body)

@@ -9,7 +9,8 @@ takes seconds. On gloo ranks the all-gathers' staging buffers are counted too.
 The runner and the graph are returned too (`TracedStep`, from `trace_step`): the graph is
 traced under `no_grad` as `forward_backward` traces it, so it is the very graph the first
 training step runs, and AutoParallel hands both to the ParallelModule of that plan
-(one trace per plan).
+(one trace per plan). The same graph is simulated on the cost model (`predict_traced`,
+cost/simulate.py) for the step time and the timeline the plan page draws.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,14 +28,16 @@ from torch.distributed.tensor import DTensor
 from parallel import _torch as T
 from parallel.auto.candidates.placements import local_shape
 from parallel.auto.candidates.strategies import Candidates
+from parallel.auto.cost.comm import AxisLink
 from parallel.auto.cost.memory import MemoryEstimate, optimizer_temp_bytes, step_graph_memory
+from parallel.auto.cost.simulate import StepPrediction, simulate_step
 from parallel.auto.plan import Plan
 from parallel.auto.runtime.device import runtime_device
 from parallel.auto.runtime.options import RuntimeOptions
 from parallel.auto.runtime.redistribute import contiguous_stride
 from parallel.auto.runtime.runner import PlanRunner
 from parallel.auto.runtime.step_graph import StepGraph
-from parallel.auto.trace.joint import JointGraph
+from parallel.auto.trace.joint import JointGraph, layer_prefix
 
 log = logging.getLogger("parallel.auto.runtime")
 
@@ -114,3 +118,22 @@ def step_memory(step: TracedStep, mesh: DeviceMesh, optimizer: str = "foreach") 
     log.debug("memory: %s", est.summary())
     return est
 
+
+
+def param_groups(names: list[str]) -> list[str]:
+    """The layer ('layers.3') or top-level module ('output') of each parameter: what the
+    timeline's compute events are named after."""
+    return [layer_prefix(f.rpartition(".")[0]) or f.split(".")[0] for f in names]
+
+
+def step_links(mesh: DeviceMesh, cost_model: Any) -> dict[str, AxisLink]:
+    """Process-group name -> the link of its mesh axis, as the step graph's collectives name them."""
+    return {mesh.get_group(i).group_name: cost_model.links[i] for i in range(mesh.ndim)}
+
+
+def predict_traced(step: TracedStep, mesh: DeviceMesh, cost_model: Any) -> StepPrediction:
+    """The traced step simulated on `cost_model` (what `ParallelModule.predict_step` gives once
+    it runs this graph): the step time and its timeline, at planning time."""
+    return simulate_step(step.step_graph.gm, cost_model, step_links(mesh, cost_model),
+                         optimizer_param_bytes=sum(step.param_bytes), optimizer_tensors=len(step.param_bytes),
+                         param_groups=param_groups(step.runner.param_names))

@@ -32,6 +32,7 @@ from parallel.auto.cost import CostModel
 from parallel.auto.cost.simulate import StepPrediction, simulate_step
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.runtime.local_graphs import PlanFunction
+from parallel.auto.runtime.memory import param_groups, step_links
 from parallel.auto.runtime.options import RuntimeOptions
 from parallel.auto.runtime.redistribute import contiguous_stride, local_shard
 from parallel.auto.runtime.runner import PlanRunner
@@ -282,11 +283,11 @@ class ParallelModuleMixin:
             raise RuntimeError("predict_step needs the step graph: call forward_backward once first")
         cm = cost_model if cost_model is not None else self.plan_cost_model
         sg = next(iter(self.step_graphs.values()))
-        mesh = self.plan_runner.mesh
-        links = {mesh.get_group(i).group_name: cm.links[i] for i in range(mesh.ndim)}
-        params = [self.param_refs[f]() for f in self.plan_runner.param_names]
+        names = self.plan_runner.param_names
+        params = [self.param_refs[f]() for f in names]
         local_bytes = sum(p.to_local().numel() * 4 for p in params)  # fp32 master weights and states
-        return simulate_step(sg.gm, cm, links, optimizer_param_bytes=local_bytes, optimizer_tensors=len(params))
+        return simulate_step(sg.gm, cm, step_links(self.plan_runner.mesh, cm), optimizer_param_bytes=local_bytes,
+                             optimizer_tensors=len(params), param_groups=param_groups(names))
 
 
 class _FallbackOnCompileError:

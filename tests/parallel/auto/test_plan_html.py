@@ -1,9 +1,15 @@
-"""plan.html: one self-contained page per plan (layer groups x mesh axes, collectives, memory),
-rendered from a loaded plan too; two plans side by side with the changed nodes; scripts/plan.py --html/--diff."""
+"""plan.html: one self-contained page per plan (the step as a timeline, layer groups x mesh axes,
+collectives, memory), rendered from a loaded plan too (without the pictures it cannot draw);
+two plans side by side with the changed nodes; scripts/plan.py --html/--diff; the page opened
+in headless Chromium."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
 
 import pytest
 import torch
@@ -13,6 +19,7 @@ from torch.distributed.tensor import Replicate
 from models import build_model
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.config import PlannerConfig
+from parallel.auto.cost.timeline import COMPUTE_LANE
 from parallel.auto.plan import Plan
 from parallel.auto.plan.html import TOP, fmt_bytes, params_table, plan_diff_html, plan_html, save_html
 
@@ -92,6 +99,68 @@ def test_loaded_plan_renders_from_json(plans, tmp_path):
     assert path.read_text(encoding="utf-8") == page and not list(tmp_path.glob("sub/*.tmp"))
 
 
+def test_page_draws_the_planners_step_timeline_and_a_loaded_plan_says_why_not(plans, tmp_path):
+    plan, _ = plans
+    tl = plan.timeline  # simulated on the memory estimate's step graph while planning
+    assert tl is not None and tl.lanes == [COMPUTE_LANE, "dp", "tp"] and tl.source == "cost model (h100)"
+    assert sum(e.us for e in tl.events if e.lane == COMPUTE_LANE) == pytest.approx(tl.step_us, rel=1e-9)
+    assert [p[0] for p in tl.phases] == ["forward", "backward", "optimizer"]
+    assert any(e.label.startswith("layers.1 backward: ") for e in tl.events)
+    page = plan_html(plan)
+    assert re.search(r'<svg[^>]* class="timeline"', page).start() < page.index("<h2>Overview")
+    assert 'class="cannot-draw' not in page and f"{tl.step_us / 1e3:,.1f} ms" in page
+    plan.save(str(tmp_path / "plan.json"))
+    loaded = Plan.load(str(tmp_path / "plan.json"))
+    assert loaded.timeline is None and "timeline" not in json.loads((tmp_path / "plan.json").read_text())
+    page = plan_html(loaded)
+    assert 'class="timeline"' not in page and 'data-lane="' not in page  # no empty lanes
+    assert re.search(r'<p class="note cannot-draw" data-picture="timeline">The step as a timeline is not drawn: '
+                     r"this plan was loaded from its JSON file, which does not keep the step simulation", page)
+
+
+class _Lanes(HTMLParser):
+    """The timeline SVG's lanes and events, from the DOM a browser rendered."""
+
+    def __init__(self):
+        super().__init__()
+        self.svgs, self.lanes, self.events = [], [], []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "svg" and "timeline" in a.get("class", ""):
+            self.svgs.append(a)
+        elif tag == "rect" and a.get("class") == "lane":
+            self.lanes.append(a["data-lane"])
+        elif tag == "rect" and a.get("class") == "event":
+            self.events.append(a)
+
+
+def test_timeline_in_headless_chromium(plans, tmp_path):
+    """The page as a browser renders it (Debian's chromium; CI installs it best-effort): a lane for
+    compute and one per mesh axis, the compute lane's events summing to the predicted step."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no chromium on PATH (CI installs Debian's chromium: .ci/run)")
+    plan, _ = plans
+    path = tmp_path / "plan.html"
+    save_html(plan, path)
+    flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run(flags + ["--dump-dom", path.as_uri()], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    shot = tmp_path / "plan.png"  # a screenshot for a person debugging this test, never in the repository
+    subprocess.run(flags + [f"--screenshot={shot}", "--window-size=1100,900", path.as_uri()], capture_output=True,
+                   timeout=120, check=False)
+    parsed = _Lanes()
+    parsed.feed(dom)
+    assert len(parsed.svgs) == 1 and parsed.lanes == [COMPUTE_LANE, *plan.mesh_axis_names]
+    compute = [float(e["data-us"]) for e in parsed.events if e["data-lane"] == COMPUTE_LANE]
+    predicted = float(parsed.svgs[0]["data-step-us"])
+    assert predicted == pytest.approx(plan.timeline.step_us)
+    assert sum(compute) == pytest.approx(predicted, rel=0.01)
+    assert {e["data-lane"] for e in parsed.events} == {COMPUTE_LANE, *plan.mesh_axis_names}
+    assert any(int(e["data-bytes"]) > 0 for e in parsed.events if e["data-lane"] != COMPUTE_LANE)
+
+
 def test_ddp_plan_reduces_gradients_with_all_reduce(plans):
     _, ddp = plans
     assert set(ddp.param_placements().values()) == {"(R, R)"}
@@ -109,6 +178,10 @@ def test_diff_page_side_by_side_with_changed_nodes(plans):
     assert "<h2>sharded: " in page and "<h2>ddp: " in page
     assert f"{a.objective_us:,.1f}" in page and f"{b.objective_us:,.1f}" in page
     assert f"{len(diff)} nodes changed" in page
+    # both steps as timelines, on one time axis (the slower plan's step spans the same width on both sides)
+    steps = [float(x) for x in re.findall(r'class="timeline"[^>]* data-step-us="([^"]+)"', page)]
+    assert steps == [a.timeline.step_us, b.timeline.step_us]
+    assert re.findall(r'class="timeline"[^>]* data-t-max-us="([^"]+)"', page) == [str(max(steps))] * 2
     name, na, nb = diff.changed[0]
     assert f"<code>{name}</code>" in page
     assert page.count('class="changed"') > len(diff.changed[:500])  # listed, and cells highlighted
@@ -139,5 +212,21 @@ def test_script_writes_html_and_diff(plans, tmp_path, capsys):
     assert main(args + ["--html", str(diff_path), "--diff", str(other)]) == 0
     page = diff_path.read_text(encoding="utf-8")
     assert "<h2>ddp.json: " in page and "<h2>this plan: " in page and "nodes changed" in page
+    assert page.count('class="timeline"') == 1 and page.count('data-picture="timeline"') == 1  # the loaded side
     with pytest.raises(SystemExit):
         main(args + ["--diff", str(other)])  # --diff needs --html
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("{not json", "is not a plan file (invalid JSON: "),
+    ('{"format_version": 0, "nodes": []}', ": plan file format is not version "),
+    ("[1, 2]", " is not a plan (a JSON object was expected)"),
+])
+def test_script_refuses_a_damaged_or_other_version_diff_in_one_line(tmp_path, capsys, content, problem):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    code = _script().main(["--config", "llama3_debug", "--mesh", "2", "--html", str(tmp_path / "d.html"),
+                           "--diff", str(bad)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and str(bad) in err and problem in err, err
+    assert not (tmp_path / "d.html").exists()
