@@ -28,7 +28,6 @@ from torch.distributed.fsdp import FSDPModule
 from models import cross_entropy_loss
 from parallel import _torch as T
 from parallel.auto.cost.correction import BAND, correctable, record_correction, run_delay_s
-from parallel.auto.cost.timeline import COMPUTE_LANE, StepTimeline
 from parallel.auto.regions import load_balanced_batch
 from parallel.auto.runtime import is_parallel_module
 from parallel.mesh import CP, axis_size
@@ -261,7 +260,7 @@ class AutoMode(ParallelismMode):
         return StepForecast(step_us=pred.step_us * n, compute_us=pred.compute_us * n, comm_us=pred.comm_us * n,
                             peak_bytes=memory.peak_bytes if memory is not None else None,
                             words=f"{model.plan_cost_model.hw.name}; {per}{pred.summary()}", plan=model.plan,
-                            timeline=repeated(_timeline(pred, model.plan_cost_model.hw.name), n))
+                            timeline=repeated(pred.timeline, n))
 
     def correct_prediction(self, model: torch.nn.Module, measured_us: float, forecast: Optional[StepForecast],
                            micro_batches: int = 1) -> str:
@@ -310,13 +309,6 @@ class AutoMode(ParallelismMode):
         st = model.plan_runner.stats
         return (f"runtime: {st['step_graph_steps']} steps as one step graph per rank, "
                 f"{st['deviations']} deviations from the plan")
-
-
-def _timeline(pred: Any, hw: str) -> StepTimeline:
-    """The simulation's timeline of the step; where it has none, the predicted time alone (a
-    lane without events), so the page still sets the prediction beside the measurement."""
-    timeline = getattr(pred, "timeline", None)
-    return timeline if timeline is not None else StepTimeline(pred.step_us, [COMPUTE_LANE], source=f"cost model ({hw})")
 
 
 def parallelism_mode(cfg: JobConfig, mesh: Optional[DeviceMesh], device: torch.device,
