@@ -14,6 +14,7 @@ allocator statistic without a profiler (parallel.measure.AllocatorPeak) and leav
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +22,43 @@ from typing import Any, Optional
 
 from parallel.auto.cost.timeline import MeasuredStep, StepTimeline
 from parallel.auto.plan.html import save_html
+from parallel.measure import AllocatorPeak, state_bytes
 
 SPLIT_SCALARS = ("step_time/measured_compute_ms", "step_time/measured_comm_ms")
 """The scalars of the profiler's split, written when a later profiled step brings it."""
+PEAK_SCALARS = ("memory/measured_peak_gib",)
+"""The scalar of the CPU allocator's peak, written after the step `CpuPeakProbe` watched."""
+
+
+class CpuPeakProbe:
+    """A CPU run's allocator peak: torch has no `max_memory_allocated` on CPU, so one step
+    after the timed ones runs under `AllocatorPeak` (the profiler's allocator events; that
+    step is slower, and is not one the median is of). Bytes alive before the step (parameter
+    shards, buffers, optimizer states: `state_bytes`) plus the step's own peak above them."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self._mem: Optional[AllocatorPeak] = None
+        self._base = 0
+
+    def watch(self, measured: Optional[MeasuredStep], device: Any, model: Any, optimizer: Any,
+              profiling: bool) -> contextlib.AbstractContextManager:
+        """The context to run the next step in: the allocator's window when this step is the
+        one to watch (a CPU run, its step measured without a peak, not profiled already)."""
+        if self.done or measured is None or measured.peak_bytes is not None or device.type != "cpu" or profiling:
+            return contextlib.nullcontext()
+        self.done = True
+        optimizer.zero_grad(set_to_none=True)  # the step's own first act: the base holds no gradients
+        self._base = state_bytes(model, optimizer)
+        self._mem = AllocatorPeak(device)
+        return self._mem
+
+    def take(self) -> Optional[int]:
+        """This rank's peak bytes of the watched step (once; None otherwise)."""
+        mem, self._mem = self._mem, None
+        if mem is None or mem.result is None:
+            return None
+        return self._base + mem.result.peak_bytes
 
 
 @dataclass
@@ -98,4 +133,5 @@ def describe(measured: MeasuredStep) -> str:
             f"{split}{peak})")
 
 
-__all__ = ["SPLIT_SCALARS", "StepForecast", "describe", "repeated", "save_measured_page", "step_scalars"]
+__all__ = ["PEAK_SCALARS", "SPLIT_SCALARS", "CpuPeakProbe", "StepForecast", "describe", "repeated",
+           "save_measured_page", "step_scalars"]

@@ -37,7 +37,15 @@ from .data import DataError, build_dataloader, load_tokens, tokenizer_for
 from .device import local_device, peak_memory_bytes, reset_peak_memory
 from .errors import TrainingFault
 from .hf_checkpoint import export_hf_config, load_initial, save_hf
-from .measured import SPLIT_SCALARS, StepForecast, describe, save_measured_page, step_scalars
+from .measured import (
+    PEAK_SCALARS,
+    SPLIT_SCALARS,
+    CpuPeakProbe,
+    StepForecast,
+    describe,
+    save_measured_page,
+    step_scalars,
+)
 from .metrics import MetricsLogger, setup_logging
 from .moe_balance import balance_experts, prepare_moe_step
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, follow_parameters
@@ -113,6 +121,7 @@ class Trainer:
         self.measured_step: Optional[MeasuredStep] = None  # after the warm-up (_maybe_log_prediction)
         self.forecast: Optional[StepForecast] = None
         self._splits: list[tuple[int, float, float]] = []  # profiled steps' splits before it is measured
+        self._peak_probe = CpuPeakProbe()  # a CPU run's allocator peak, one step after the timed ones
         self.flops_per_token = self._flops_per_token()
         self.compute_dtype = t.mixed_precision_param if t.dtype == "float32" else t.dtype
         self.metrics: Optional[MetricsLogger] = None
@@ -344,8 +353,11 @@ class Trainer:
                               f"the rest when it is reached)") from None
         self.guard.at(self.step, "the forward and backward")
         t0 = time.perf_counter()
-        loss, grad_norm = self._checked_step(inputs, labels)
+        with self._peak_probe.watch(self.measured_step, self.device, self.model, self.optimizer,
+                                    self.cfg.profiling.enable_profiling):
+            loss, grad_norm = self._checked_step(inputs, labels)
         self._step_times.append(time.perf_counter() - t0)
+        self._take_peak()
         self._maybe_log_prediction()
         self.metrics.add_tokens(inputs.numel() * self.dp_degree)
         if self.metrics.should_log(self.step, self.cfg.training.steps):
@@ -391,6 +403,7 @@ class Trainer:
             follow_parameters(self.optimizer, moved)
             self.model = self.checkpointer.model = new
             self._step_times, self.measured_step, self._splits = [], None, []  # measured again
+            self._peak_probe = CpuPeakProbe()
             how += (f"; planned and applied in {t1 - t0:.1f}s, parameters and optimizer state moved in "
                     f"{time.perf_counter() - t1:.2f}s")
         if self.rank == 0:
@@ -438,19 +451,31 @@ class Trainer:
         m.source = f"timers; split: profiler, step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
         self._splits = []
 
-    def _publish_measured(self, split_only: bool = False) -> None:
-        """The measured step (and the forecast) to the log, TensorBoard and plan.html (rank 0)."""
+    def _take_peak(self) -> None:
+        """After the step `CpuPeakProbe` watched: the allocator's peak (the most of any rank)
+        joins the measured step, to TensorBoard and the page."""
+        peak = self._peak_probe.take()
+        if peak is None:
+            return
+        self.measured_step.peak_bytes = self.reduce_max(peak)
+        self.measured_step.source += f"; peak: CPU allocator, step {self.step}"
+        self._publish_measured(only=PEAK_SCALARS)
+
+    def _publish_measured(self, split_only: bool = False, only: tuple[str, ...] = ()) -> None:
+        """The measured step (and the forecast) to the log, TensorBoard and plan.html (rank 0);
+        `split_only` / `only`: a later addition (the profiler's split, the CPU allocator's peak)."""
         m, f = self.measured_step, self.forecast
         scalars = step_scalars(m, f)
-        if split_only:  # the rest was written when the step was measured
-            scalars = {k: v for k, v in scalars.items() if k in SPLIT_SCALARS}
+        only = SPLIT_SCALARS if split_only else only
+        if only:  # the rest was written when the step was measured
+            scalars = {k: v for k, v in scalars.items() if k in only}
         self.metrics.log_scalars(self.step, scalars)
         if self.rank != 0:
             return
         what = f.report(m.step_us / 1e6) if f is not None else "no prediction (the mode predicts none)"
         logger.info(f"step time: {describe(m)}, {what}")
         page = save_measured_page(f, m, self.run_dir)
-        if page is not None and not split_only:
+        if page is not None and not only:
             logger.info(f"plan picture with the measured step saved to {page}")
 
     def reduce_max(self, x: Optional[int]) -> Optional[int]:

@@ -32,9 +32,9 @@ def _worker(rank: int, world: int, tmp: str, freq: int) -> dict:
     from trainer.config import load_config
     from trainer.trainer import Trainer
 
+    profiled = ["--profiling.enable_profiling", "true", "--profiling.profile_freq", str(freq)] if freq else []
     cfg = load_config("llama3_debug", [*TINY, "--training.steps", "8", "--parallelism.mode", "auto",
-                                       "--parallelism.hardware", "cpu", "--profiling.enable_profiling", "true",
-                                       "--profiling.profile_freq", str(freq), "--job.dump_folder", tmp,
+                                       "--parallelism.hardware", "cpu", *profiled, "--job.dump_folder", tmp,
                                        "--job.name", f"freq{freq}"], world_size=world)
     tr = Trainer(cfg)  # sets the trainer's logging up
     lines: list[str] = []
@@ -81,6 +81,23 @@ def test_measured_step_in_plan_page_log_and_tensorboard_with_the_profilers_split
         assert f"profiler, step {freq}" in (run / "plan.html").read_text()
         # measured with its split (one line), or measured, then split when step 8 is recorded (two)
         assert len(out[0]["lines"]) == (1 if freq == 4 else 2) and f"profiler, step {freq}" in out[0]["lines"][-1]
+
+
+@pytest.mark.slow
+def test_cpu_run_measures_the_allocator_peak_on_the_step_after_the_timed_ones(tmp_path):
+    """No profiler asked for: step 8 runs under the CPU allocator's window (steps 3..7 timed),
+    its peak (the most of any rank, above the state alive before it) joins the measured step,
+    TensorBoard and the page; the plan's estimate is checked by it within 25 %."""
+    out = run_distributed(_worker, 2, str(tmp_path), 0, timeout=300)
+    m, run = out[0]["measured"], tmp_path / "freq0"
+    assert all(o["measured"] == m for o in out) and m.peak_bytes is not None
+    assert m.source == "timers; peak: CPU allocator, step 8"
+    assert 0.75 < m.peak_bytes / out[0]["peak"] < 1.25, (m.peak_bytes, out[0]["peak"])
+    tb = _scalars(run)
+    assert tb["memory/measured_peak_gib"] == [(8, m.peak_bytes / 2**30)] or \
+        abs(tb["memory/measured_peak_gib"][0][1] - m.peak_bytes / 2**30) < 1e-6
+    assert len(out[0]["lines"]) == 2 and "allocator peak" in out[0]["lines"][1]
+    assert "peak: CPU allocator, step 8" in (run / "plan.html").read_text()
 
 
 def test_manual_mode_writes_the_measured_scalars_only(tmp_path):
