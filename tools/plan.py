@@ -2,6 +2,7 @@
 
     python scripts/plan.py --config llama3_8b.toml --mesh 4x8 [--hardware h100] [--out plan.json]
         [--html plan.html] [--diff other_plan.json] [--coverage]
+    python scripts/plan.py --show saved_plan.json --html plan.html [--diff other_plan.json]
     python scripts/plan.py --config llama3_8b.toml --mesh auto --world-size 32 --hardware h100 [--workers 2]
 
 --mesh auto plans every mesh of --world-size devices (parallel/auto/search/mesh_search.py; cached) at one
@@ -19,6 +20,8 @@ over it is re-solved more sharded, and when none fits the script says what does 
 group and mesh axis, collectives, memory); with --diff OTHER it is the side-by-side diff of
 OTHER (a saved plan: its page says which pictures a loaded plan cannot draw) and this one
 instead; an OTHER that is damaged or of another version is one line naming it, exit 2.
+--show SAVED draws a saved plan (its step simulation saved with it) without planning: no
+--config or --mesh; a SAVED that is damaged or of another version is one line, exit 2.
 --coverage prints every ATen op of the traced graph and how the planner handles it (DTensor
 rule, constant, lifted constant, fallback, folded, unhandled).
 
@@ -132,11 +135,38 @@ def search_job(args: argparse.Namespace) -> Plan:
     return plan
 
 
-@freezes_at_exit  # the process ends after main: no collector walk over the planner's objects
-def main(argv: list[str] | None = None) -> int:
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The combinations of flags that make sense (argparse's usage error, exit 2, otherwise)."""
+    if args.show:
+        if not args.html:
+            ap.error("--show needs --html (the page it writes)")
+        if args.config or args.mesh or args.overrides:
+            ap.error("--show draws a saved plan: it takes no --config, --mesh or config overrides")
+        return
+    if not args.config or not args.mesh:
+        ap.error("--config and --mesh are required (or --show SAVED_PLAN_JSON --html PAGE)")
+    if args.diff and not args.html:
+        ap.error("--diff needs --html (the page it writes)")
+    if (args.mesh == "auto") != (args.world_size is not None):
+        ap.error("--mesh auto and --world-size N go together")
+
+
+def _load(path: str | None, flag: str) -> Plan | None:
+    """A saved plan named on the command line; PlanMismatchError with the flag in front."""
+    if not path:
+        return None
+    try:
+        return Plan.load(path)
+    except PlanMismatchError as e:
+        raise PlanMismatchError(f"{flag} {e}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, help="job TOML (path or name under configs/)")
-    ap.add_argument("--mesh", required=True, help="mesh shape, e.g. 8 or 4x8; auto: search every mesh of --world-size")
+    ap.add_argument("--config", default=None, help="job TOML (path or name under configs/)")
+    ap.add_argument("--mesh", default=None, help="mesh shape, e.g. 8 or 4x8; auto: search every mesh of --world-size")
+    ap.add_argument("--show", default=None, metavar="SAVED_PLAN_JSON",
+                    help="with --html: draw this saved plan instead of planning (no --config, --mesh)")
     ap.add_argument("--world-size", type=int, default=None, help="with --mesh auto: the number of devices")
     ap.add_argument("--workers", type=int, default=2, help="with --mesh auto: planning processes")
     ap.add_argument("--cache-dir", default=None, help="with --mesh auto: plan cache (default ~/.cache/autotitan/plans)")
@@ -157,20 +187,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--free-inputs", action="store_true", help="do not constrain inputs to batch sharding")
     ap.add_argument("--coverage", action="store_true",
                     help="print every ATen op of the traced graph and how the planner handles it")
+    return ap
+
+
+@freezes_at_exit  # the process ends after main: no collector walk over the planner's objects
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     # anything else is a config override, e.g. --training.seq_len 2048
     args, extra = ap.parse_known_args(argv)
     args.overrides = extra
-    if args.diff and not args.html:
-        ap.error("--diff needs --html (the page it writes)")
-    try:
-        other = Plan.load(args.diff) if args.diff else None  # fail before planning, not after
+    _check_args(ap, args)
+    try:  # fail before planning, not after
+        other = _load(args.diff, "--diff")
+        shown = _load(args.show, "--show")
     except PlanMismatchError as e:  # damaged, not a plan, or another version's: one line naming the file
-        print(f"error: --diff {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    if (args.mesh == "auto") != (args.world_size is not None):
-        ap.error("--mesh auto and --world-size N go together")
     try:
-        if args.mesh == "auto":
+        if shown is not None:
+            plan = shown
+        elif args.mesh == "auto":
             plan = search_job(args)
         else:
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
@@ -185,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         plan.save(args.out)
         print(f"plan written to {args.out}")
     if args.html and other is not None:
-        save_diff_html(other, plan, args.html, names=(os.path.basename(args.diff), "this plan"))
+        mine = os.path.basename(args.show) if args.show else "this plan"
+        save_diff_html(other, plan, args.html, names=(os.path.basename(args.diff), mine))
         print(f"{len(other.diff(plan))} nodes changed; diff page written to {args.html}")
     elif args.html:
         save_html(plan, args.html)

@@ -57,11 +57,41 @@ class StepTimeline:
 
     @classmethod
     def from_json(cls, d: Any, source: str = "the timeline") -> StepTimeline:
-        if not isinstance(d, dict) or not {"step_us", "lanes", "events"} <= set(d):
+        """Read a saved timeline back; anything damaged is one ValueError naming `source` and
+        what is wrong (a page never draws half a timeline)."""
+        if not isinstance(d, dict) or not {"step_us", "lanes", "events"} <= set(d) or set(d) - _KEYS:
             raise ValueError(f"{source}: not a step timeline ({str(d)[:120]})")
-        events = [TimelineEvent(**e) for e in d["events"]]
-        phases = [tuple(p) for p in d.get("phases", [])]
-        return cls(d["step_us"], list(d["lanes"]), events, phases, d.get("source", ""))  # type: ignore[arg-type]
+        if not _number(d["step_us"]) or not isinstance(d["lanes"], list) or \
+                not all(isinstance(lane, str) for lane in d["lanes"]):
+            raise ValueError(f"{source}: 'step_us' must be a number and 'lanes' a list of names")
+        if not isinstance(d["events"], list):
+            raise ValueError(f"{source}: 'events' must be a list")
+        events = [_event(e, i, d["lanes"], source) for i, e in enumerate(d["events"])]
+        phases = d.get("phases", [])
+        if not isinstance(phases, list) or not all(
+                isinstance(p, list) and len(p) == 3 and p[0] in PHASES and _number(p[1]) and _number(p[2])
+                for p in phases):
+            raise ValueError(f"{source}: 'phases' must be [phase, start_us, end_us] entries ({str(phases)[:120]})")
+        return cls(d["step_us"], list(d["lanes"]), events, [tuple(p) for p in phases],  # type: ignore[misc]
+                   str(d.get("source", "")))
+
+
+_KEYS = {f.name for f in fields(StepTimeline)}
+_EVENT_KEYS = {f.name for f in fields(TimelineEvent)}
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _event(e: Any, i: int, lanes: list[str], source: str) -> TimelineEvent:
+    """One saved event, checked: its fields, numbers where times are, a lane the timeline has."""
+    ok = (isinstance(e, dict) and {"lane", "start_us", "end_us", "label", "phase"} <= set(e) <= _EVENT_KEYS
+          and e["lane"] in lanes and _number(e["start_us"]) and _number(e["end_us"])
+          and isinstance(e["label"], str) and e["phase"] in PHASES and _number(e.get("nbytes", 0)))
+    if not ok:
+        raise ValueError(f"{source}: event {i} is not a timeline event ({str(e)[:120]})")
+    return TimelineEvent(**e)
 
 
 def scaled(timeline: StepTimeline, ratio: float) -> StepTimeline:

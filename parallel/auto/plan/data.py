@@ -38,6 +38,17 @@ class PlanMismatchError(ValueError):
     """A saved plan was made for a different model, inputs or mesh."""
 
 
+def _timeline(d: Any, source: str) -> StepTimeline | None:
+    """A saved plan's simulated step (None: saved without one); damaged, it is the file's error."""
+    if d is None:
+        return None
+    try:
+        return StepTimeline.from_json(d, source="'timeline'")
+    except ValueError as e:
+        raise PlanMismatchError(f"{source}: the saved step simulation is damaged ({e}); re-plan, or delete "
+                                "its 'timeline' key (the page then draws no timeline)") from None
+
+
 @dataclass
 class NodePlan:
     """Chosen strategy of one node, in words that survive JSON."""
@@ -101,7 +112,8 @@ class Plan:
     grad_reduction_us: float = 0.0
     # in-memory only (not saved): the solved problem, for explain / costs_for_node / collectives
     costs: PlanCosts | None = field(default=None, repr=False, compare=False)
-    # in-memory only (not saved): the step simulated on the memory estimate's step graph (the plan page's lanes)
+    # the step simulated on the memory estimate's step graph (the plan page's lanes); saved with the plan
+    # (plans saved before it have none: their page says why); not compared (it is derived from the rest)
     timeline: StepTimeline | None = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ lookup
@@ -189,6 +201,8 @@ class Plan:
         d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
              if f.name not in ("costs", "timeline", "nodes", "memory")}
         d["memory"] = self.memory.to_json() if self.memory is not None else None
+        if self.timeline is not None:  # optional: a plan without a simulation has no key
+            d["timeline"] = self.timeline.to_json()
         d["format_version"] = FORMAT_VERSION
         d["nodes"] = [n.to_json() for n in self.nodes.values()]
         return d
@@ -207,10 +221,12 @@ class Plan:
         d = dict(d)
         if d.pop("format_version", None) != FORMAT_VERSION:
             raise PlanMismatchError(f"{source}: plan file format is not version {FORMAT_VERSION}; re-plan")
+        timeline = _timeline(d.pop("timeline", None), source)
         try:
             nodes = {n["name"]: NodePlan.from_json(n) for n in d.pop("nodes")}
             memory = d.pop("memory", None)  # plans written before the estimate have none
-            return cls(nodes=nodes, memory=MemoryEstimate.from_json(memory, source) if memory else None, **d)
+            return cls(nodes=nodes, memory=MemoryEstimate.from_json(memory, source) if memory else None,
+                       timeline=timeline, **d)
         except (KeyError, TypeError, ValueError) as e:
             raise PlanMismatchError(f"{source} is not a complete plan ({type(e).__name__}: {e}); re-plan") from None
 

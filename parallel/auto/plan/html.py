@@ -4,8 +4,9 @@ A plan is thousands of nodes; what a person checks is what each projection does 
 mesh axis in the forward and the backward, what the collectives cost, and how much
 parameter memory a device holds. The page is standard-library HTML with inline CSS (no
 scripts, fonts or URLs) so that it opens anywhere, offline, and can be attached to an
-issue. It renders from the plan's JSON fields alone (a loaded plan); the in-memory plan
-of `optimize_placement` adds its collectives one by one.
+issue. It renders from the plan's JSON fields alone (a loaded plan: its saved step
+simulation included, when it has one); the in-memory plan of `optimize_placement` adds
+its collectives one by one.
 
 This module reads `plan/`; `plan/` does not import it (no import circle), so callers
 use `save_html(plan, path)` / `plan_diff_html(a, b)` from here.
@@ -311,8 +312,8 @@ def step_table(timeline: StepTimeline | None, measured: MeasuredStep | None,
 def _no_timeline(plan: Plan) -> str:
     """Why a plan has no step simulation to draw."""
     if plan.costs is None:
-        return ("this plan was loaded from its JSON file, which does not keep the step simulation (the planner "
-                "simulates the step on its memory estimate's step graph): plan it again (tools/plan.py --html), or "
+        return ("this plan was loaded from a JSON file without the step simulation (saved before plans kept it, "
+                "or planned where the step could not be simulated): plan it again (tools/plan.py --html), or "
                 "open the plan.html written when it was planned")
     return "the planner has no simulation of this plan's step (its step graph could not be traced or simulated: see "\
            "the planning log)"

@@ -20,7 +20,7 @@ from models import build_model
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
 from parallel.auto.config import PlannerConfig
 from parallel.auto.cost.timeline import COMPUTE_LANE
-from parallel.auto.plan import Plan
+from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.plan.html import TOP, fmt_bytes, params_table, plan_diff_html, plan_html, save_html
 
 pytestmark = pytest.mark.slow  # plans the debug LLaMA on a fake 2x2 (~15-20 s setup)
@@ -109,13 +109,36 @@ def test_page_draws_the_planners_step_timeline_and_a_loaded_plan_says_why_not(pl
     page = plan_html(plan)
     assert re.search(r'<svg[^>]* class="timeline"', page).start() < page.index("<h2>Overview")
     assert 'class="cannot-draw' not in page and f"{tl.step_us / 1e3:,.1f} ms" in page
-    plan.save(str(tmp_path / "plan.json"))
-    loaded = Plan.load(str(tmp_path / "plan.json"))
-    assert loaded.timeline is None and "timeline" not in json.loads((tmp_path / "plan.json").read_text())
+    # saved with the plan: a loaded plan draws the same step
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    d = json.loads(path.read_text())
+    assert len(d["timeline"]["events"]) < 200 and len(path.read_text()) < 2 * len(json.dumps(plan.to_json()))
+    loaded = Plan.load(str(path))
+    assert loaded.timeline == tl
     page = plan_html(loaded)
+    assert 'class="cannot-draw' not in page and re.findall(r'class="timeline"[^>]* data-step-us="([^"]+)"', page)
+    # a plan file saved without one (before plans kept it): it loads, and its page says why there are no lanes
+    del d["timeline"]
+    old = Plan.from_json(d, source=str(path))
+    assert old.timeline is None and old.placement_digest() == plan.placement_digest()
+    page = plan_html(old)
     assert 'class="timeline"' not in page and 'data-lane="' not in page  # no empty lanes
     assert re.search(r'<p class="note cannot-draw" data-picture="timeline">The step as a timeline is not drawn: '
-                     r"this plan was loaded from its JSON file, which does not keep the step simulation", page)
+                     r"this plan was loaded from a JSON file without the step simulation", page)
+
+
+def test_a_damaged_saved_timeline_is_the_files_one_line_error(plans, tmp_path):
+    plan, _ = plans
+    d = plan.to_json()
+    d["timeline"]["events"][3] = {"lane": "compute", "start_us": None}
+    path = tmp_path / "damaged.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanMismatchError) as e:
+        Plan.load(str(path))
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: the saved step simulation is damaged ('timeline': event 3 is not a timeline "
+                          "event") and "\n" not in msg
 
 
 class _Lanes(HTMLParser):
@@ -208,25 +231,36 @@ def test_script_writes_html_and_diff(plans, tmp_path, capsys):
     _self_contained(page)
     assert "layers.0-1" in page and '<th class="axis">tp</th>' in page
     assert "plan page written to" in capsys.readouterr().out
-    # the diff against a saved plan, rendered from its JSON fields
+    # the diff against a saved plan, rendered from its JSON fields (its saved timeline included)
     assert main(args + ["--html", str(diff_path), "--diff", str(other)]) == 0
     page = diff_path.read_text(encoding="utf-8")
     assert "<h2>ddp.json: " in page and "<h2>this plan: " in page and "nodes changed" in page
-    assert page.count('class="timeline"') == 1 and page.count('data-picture="timeline"') == 1  # the loaded side
+    assert len(re.findall(r'<svg[^>]* class="timeline"', page)) == 2 and 'data-picture="timeline"' not in page
     with pytest.raises(SystemExit):
         main(args + ["--diff", str(other)])  # --diff needs --html
+    # a saved plan's page, without planning (no config, no mesh)
+    shown = tmp_path / "shown.html"
+    assert main(["--show", str(other), "--html", str(shown)]) == 0
+    page = shown.read_text(encoding="utf-8")
+    _self_contained(page)
+    assert len(re.findall(r'<svg[^>]* class="timeline"', page)) == 1 and "(R, R) → (R, R)" in page
+    for bad in (["--show", str(other)], ["--show", str(other), "--html", "x.html", "--mesh", "2"], ["--mesh", "2"]):
+        with pytest.raises(SystemExit):
+            main(bad)
 
 
 @pytest.mark.parametrize("content, problem", [
     ("{not json", "is not a plan file (invalid JSON: "),
     ('{"format_version": 0, "nodes": []}', ": plan file format is not version "),
     ("[1, 2]", " is not a plan (a JSON object was expected)"),
+    ('{"format_version": 1, "nodes": [], "timeline": {"step_us": 1}}', ": the saved step simulation is damaged "),
 ])
-def test_script_refuses_a_damaged_or_other_version_diff_in_one_line(tmp_path, capsys, content, problem):
+@pytest.mark.parametrize("flag", ["--diff", "--show"])
+def test_script_refuses_a_damaged_or_other_version_plan_in_one_line(tmp_path, capsys, content, problem, flag):
     bad = tmp_path / "bad.json"
     bad.write_text(content)
-    code = _script().main(["--config", "llama3_debug", "--mesh", "2", "--html", str(tmp_path / "d.html"),
-                           "--diff", str(bad)])
+    args = ["--html", str(tmp_path / "d.html"), flag, str(bad)]
+    code = _script().main(args + (["--config", "llama3_debug", "--mesh", "2"] if flag == "--diff" else []))
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "\n" not in err and str(bad) in err and problem in err, err
+    assert code == 2 and "\n" not in err and err.startswith(f"error: {flag} {bad}") and problem in err, err
     assert not (tmp_path / "d.html").exists()

@@ -135,3 +135,26 @@ def test_events_too_short_to_see_are_drawn_as_one_rectangle_that_keeps_their_tim
     assert 100 < len(gathers) < 600 and sum(float(u) for u, _ in gathers) == pytest.approx(2000.0, rel=1e-6)
     assert sum(int(b) for _, b in gathers) == 2000 * 2**20  # busy time and bytes kept, idle gaps not drawn busy
     assert re.search(r"<title>\d+ events, [\d.]+ µs busy, ", page) and len(page) < 400_000
+
+
+def test_timeline_json_round_trips_and_a_damaged_one_names_what_is_wrong():
+    """What a plan file keeps of its simulated step: read back equal; a damaged entry is one
+    ValueError naming the source and the entry, never half a timeline."""
+    import json
+
+    from parallel.auto.cost.timeline import StepTimeline
+
+    tl = _simulate(1 << 16)[0].timeline
+    d = json.loads(json.dumps(tl.to_json()))  # as a file holds it
+    assert StepTimeline.from_json(d) == tl
+    bad_event = {**d, "events": [*d["events"][:1], {"lane": "dp", "start_us": "soon"}]}
+    with pytest.raises(ValueError, match=r"^saved: event 1 is not a timeline event \(\{'lane': 'dp'"):
+        StepTimeline.from_json(bad_event, source="saved")
+    other_lane = {**d, "events": [{**d["events"][0], "lane": "tp"}]}
+    with pytest.raises(ValueError, match="event 0 is not a timeline event"):
+        StepTimeline.from_json(other_lane)
+    with pytest.raises(ValueError, match="'phases' must be"):
+        StepTimeline.from_json({**d, "phases": [["warmup", 0, 1]]})
+    for broken in ([1, 2], {**d, "extra": 1}, {"step_us": 1.0}):
+        with pytest.raises(ValueError, match="not a step timeline"):
+            StepTimeline.from_json(broken)
