@@ -9,7 +9,11 @@ Plans are cached by what decides them (default ~/.cache/autotitan/plans), so a r
 only new points. Prints the table (mesh, predicted step time, tokens/s, MFU, memory per
 device, OOM, the plan in one line, planning time) and writes DIR/rows.csv, DIR/table.md
 and DIR/sweep.svg (tokens/s and memory against the swept axis; DIR defaults to
-outputs/sweeps/<name>/). A spec error stops before any planning; a failing point is a row.
+outputs/sweeps/<name>/). Then the best point (the highest predicted tokens/s per device that
+fits) is planned again with the FSDP preset's constraints (cached too): DIR/best_vs_preset.html
+draws both plans side by side (step timelines, memory, placements maps) and one line gives both
+predicted step times and their ratio (--no-compare: not). A spec error stops before any
+planning; a failing point is a row.
 Every number is predicted (nothing runs): the predicted-vs-measured scatter is
 scripts/fidelity.py's.
 """
@@ -23,6 +27,7 @@ import time
 
 from parallel.auto.cost import load_hardware
 from parallel.auto.search import report
+from parallel.auto.search.compare import best_vs_preset
 from parallel.auto.search.point import PlanCache, memory_limit
 from parallel.auto.search.run import Progress, run_points
 from parallel.auto.search.spec import SweepSpecError, load_sweep
@@ -38,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="output folder (default outputs/sweeps/<name>)")
     ap.add_argument("--cache-dir", default=None, help="plan cache folder (default ~/.cache/autotitan/plans)")
     ap.add_argument("--limit", type=int, default=None, help="plan only the first N points")
+    ap.add_argument("--no-compare", action="store_true",
+                    help="do not plan the best point with the FSDP preset (no best_vs_preset.html)")
     args = ap.parse_args(argv)
     if args.workers is not None and args.workers < 1:
         ap.error(f"--workers {args.workers}: must be >= 1")
@@ -51,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or os.path.join("outputs", "sweeps", spec.name)
     print(f"sweep {spec.name}: {len(points)} points ({spec.source}), {workers} workers; x axis {spec.x}", flush=True)
     t0 = time.perf_counter()
-    rows = run_points(points, workers=workers, cache=PlanCache(args.cache_dir), progress=Progress(len(points)))
+    cache = PlanCache(args.cache_dir)
+    rows = run_points(points, workers=workers, cache=cache, progress=Progress(len(points)))
     wall = time.perf_counter() - t0
     print(report.markdown_table(rows))
     note = report.memory_note(rows)
@@ -69,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     report.write_svg(rows, os.path.join(out, "sweep.svg"), spec.x, f"{spec.name} ({len(rows)} points)",
               memory_limit_gib=limits.pop() if len(limits) == 1 else None)
     print(f"wrote {out}/rows.csv, {out}/table.md, {out}/sweep.svg\n{report.PREDICTED_NOTE}")
+    if not args.no_compare:
+        print(best_vs_preset(points, rows, cache, out, workers=workers), flush=True)
     return 0
 
 

@@ -345,3 +345,47 @@ def test_the_table_says_its_numbers_are_predicted_and_where_the_measured_scatter
     write_markdown(rows, tmp_path / "table.md", title="t")
     text = (tmp_path / "table.md").read_text()
     assert PREDICTED_NOTE in text and "scripts/fidelity.py" in PREDICTED_NOTE and "| 12.5 |" in text
+
+
+def test_sweep_compares_its_best_point_with_the_fsdp_preset(tmp_path, capsys):
+    """scripts/sweep.py plans its best point again with the FSDP preset (cached under its own key)
+    and draws both plans side by side: two step timelines, two placements maps, one line."""
+    import re
+
+    from tools import sweep
+
+    spec = spec_file(tmp_path, TINY + "mesh = '2'\n")
+    out, args = tmp_path / "out", ["--workers", "1", "--cache-dir", str(tmp_path / "cache")]
+    assert sweep.main([spec, "--out", str(out), *args]) == 0
+    text = capsys.readouterr().out
+    line = next(ln for ln in text.splitlines() if ln.startswith("best vs FSDP preset at "))
+    assert re.search(r"best [\d.]+ ms, FSDP preset [\d.]+ ms per step predicted \(the table's\), "
+                     r"(the preset's step is [\d.]+x the best's|the best plan IS the FSDP preset's)", line), line
+    assert line.endswith(f"wrote {out}/best_vs_preset.html")
+    page = (out / "best_vs_preset.html").read_text(encoding="utf-8")
+    assert "<h2>FSDP preset: " in page and "<h2>best: " in page and "cannot-draw" not in page
+    assert len(re.findall(r'<svg[^>]* class="timeline"', page)) == 2  # both plans' simulated steps, saved and loaded
+    assert len(re.findall(r'<svg[^>]* class="placement-map"', page)) == 2
+    assert page.count('class="lane" data-lane="compute"') == 2 and page.count('class="lane" data-lane="dp_shard"') == 2
+    rows = (out / "rows.csv").read_text()
+    assert rows.count("\n") == 2 and "preset" not in rows.splitlines()[0]  # the preset point is not a row
+    # run again: both plans from the cache; the same page
+    assert sweep.main([spec, "--out", str(out), *args]) == 0
+    assert "[sweep] 1/1 done (1 cached" in capsys.readouterr().err
+
+
+def test_a_preset_that_plans_the_best_placements_says_so(tmp_path, monkeypatch):
+    """A preset that constrains nothing plans the free plan again: the line says it is the same."""
+    from parallel.auto.search.compare import best_vs_preset
+
+    monkeypatch.setitem(sweep_point.PRESETS, "fsdp", lambda autop, point: None)
+    spec = load_sweep(spec_file(tmp_path, TINY + "mesh = '2'\n"))
+    cache = PlanCache(tmp_path / "cache")
+    rows = run_points(spec.points, workers=1, cache=cache, progress=quiet())
+    line = best_vs_preset(spec.points, rows, cache, tmp_path / "out", progress=quiet())
+    assert "the best plan IS the FSDP preset's (same placements)" in line
+    assert (tmp_path / "out" / "best_vs_preset.html").exists()
+    nothing = [{**rows[0], "status": "OOM", "oom": True}]
+    assert best_vs_preset(spec.points, nothing, cache, tmp_path / "none") == \
+        "best vs FSDP preset: skipped (no point fits: nothing to compare)"
+    assert not (tmp_path / "none").exists()

@@ -31,6 +31,7 @@ from parallel.auto.cost import load_hardware
 from parallel.auto.plan import Plan, linear_roles
 from parallel.auto.problem.placement_problem import MemoryLimitError, PlanningError
 from parallel.auto.request import planning, request_key
+from parallel.auto.search import presets
 from parallel.auto.search.mesh_space import uses_context_parallel
 from parallel.cache_dir import cache_root
 
@@ -42,6 +43,11 @@ _TRACES: dict[tuple, Any] = {}  # this process's last joint graph, by trace key
 _STATS = {"traced": 0, "reused": 0}
 _NEIGHBOURS: dict[tuple, Plan] = {}  # this process's last plan per model and mesh: the next one's warm start
 NEIGHBOURS_KEPT = 16
+PRESETS: dict[str, Any] = {
+    # FSDP-shaped: parameters fully sharded, gathered for every matmul; activations batch-sharded on the data axes
+    "fsdp": lambda autop, point: presets.fsdp(autop, point.mesh.data_axes()),
+}
+"""A point's `preset` -> how it constrains the planner (parallel/auto/search/presets.py)."""
 
 
 def point_key(point: Point) -> str:
@@ -51,6 +57,8 @@ def point_key(point: Point) -> str:
              "sharded": point.memory_high is None}
     if point.micro_batches > 1:  # the plan is the micro-batch's; the row's step is all of them
         model["micro_batches"] = point.micro_batches
+    if point.preset:  # constrained to a preset's shape (the keys of free points are unchanged)
+        model["preset"] = point.preset
     return request_key(model, (point.mesh.shape, point.mesh.names), point.request)
 
 
@@ -63,9 +71,10 @@ def trace_key(point: Point) -> tuple:
 
 def neighbour_key(point: Point) -> tuple:
     """Points whose plans warm-start each other: one model on one mesh (any budget, hardware,
-    sequence or batch: placements are by node name, and the solver checks each start)."""
+    sequence or batch: placements are by node name, and the solver checks each start), free
+    or shaped by one preset (a preset's plan would start a free solve far from its optimum)."""
     return (point.model, point.flavor, point.model_args, point.vocab_size, tuple(point.mesh.shape),
-            tuple(point.mesh.names), uses_context_parallel(point.mesh))
+            tuple(point.mesh.names), uses_context_parallel(point.mesh), point.preset)
 
 
 def _keep_neighbour(key: tuple, plan: Plan) -> None:
@@ -149,7 +158,7 @@ def base_row(point: Point) -> dict:
             "global_batch": point.global_batch, "local_batch": point.local_batch_size,
             "micro_batches": point.micro_batches, "seq_len": point.seq_len,
             "ac_mode": point.ac_mode, "budget": point.memory_high, "cached": False, "mesh_auto": point.mesh_auto,
-            **dict(point.model_args)}
+            **dict(point.model_args), **({"preset": point.preset} if point.preset else {})}
 
 
 def failure_row(point: Point, reason: str) -> dict:
@@ -201,6 +210,8 @@ def _plan(point: Point, hw: Any) -> tuple[Plan, int, int, float | None]:
             _TRACES[tkey] = (model, autop.graph)  # one graph a process: an 8B trace holds ~0.5 GB
             if point.memory_high is None:  # "sharded": fully sharded, whatever the rule would free
                 autop.add_parameter_memory_constraint(low=point.request.planner.memory_budget_low, high=None)
+            if point.preset:
+                PRESETS[point.preset](autop, point)
             high = autop.memory_high
             nkey = neighbour_key(point)
             warm = _NEIGHBOURS.get(nkey) if _MESHES.active else None  # within one run of points only

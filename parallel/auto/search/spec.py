@@ -71,6 +71,9 @@ class Point:
     global_batch_size: int | None = None
     micro_batches: int = 1
     reject: str = ""
+    # "": the planner's free choice; a preset's name (point.PRESETS, e.g. "fsdp"): its plan constraints
+    # applied, what the sweep compares its best point with
+    preset: str = ""
 
     @property
     def local_batch_size(self) -> int:
