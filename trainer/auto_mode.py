@@ -115,9 +115,11 @@ def load_base_job(config: str | None) -> BaseJob:
 
 
 def plan_digest(plan: Plan) -> str:
-    """A short hash of the plan without its timings: equal on ranks that hold the same plan."""
+    """A short hash of the plan without its timings and its simulated step (derived from the
+    rest, and absent from plan files saved before it was kept): equal on ranks that hold the same plan."""
     d = plan.to_json()
     d.pop("timings", None)
+    d.pop("timeline", None)
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
