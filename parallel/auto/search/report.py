@@ -1,9 +1,11 @@
 """A sweep's rows as a Markdown table, a CSV file and a picture (SVG, written by hand:
 matplotlib is not a dependency). Files are written to a temporary name, then renamed.
 
-A sweep plans; it runs nothing, so its numbers are predictions and it draws no predicted-vs-
-measured scatter (PREDICTED_NOTE says so under the table): scripts/fidelity.py runs plans
-and draws that one (parallel/auto/plan/pictures/scatter.py)."""
+A sweep plans; it runs nothing, so its numbers are predictions (PREDICTED_NOTE says so under
+the table) -- unless `scripts/sweep.py --measure` ran the points this machine can run
+(tools/sweep_measure.py): then the table gains the MEASURE_COLUMNS (MEASURED_NOTE says what they
+are) and `write_scatter` draws predicted against measured, one point per distinct plan
+(parallel/auto/plan/pictures/scatter.py, the picture scripts/fidelity.py draws)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from parallel.auto.plan.pictures.scatter import scatter_svg
+
 COLUMNS = [  # (header, row key, format)
     ("rank", "rank", "{}"), ("#", "index", "{}"), ("model", "model", "{}"), ("hw", "hardware", "{}"),
     ("world", "world", "{}"), ("mesh", "mesh", "{}"), ("batch x seq", None, ""), ("local", "local_batch", "{}"),
@@ -23,6 +27,10 @@ COLUMNS = [  # (header, row key, format)
     ("step ms", "step_ms", "{:,.1f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"), ("MFU", "mfu", "{:.1%}"),
     ("mem GiB", "mem_gib", "{:.2f}"), ("OOM", "oom", ""), ("plan s", "plan_s", "{:.1f}"), ("status", "status", "{}"),
     ("plan", "summary", "{}"),
+]
+MEASURE_COLUMNS = [  # shown when the sweep measured (a row with a "measure" key)
+    ("predicted ms", "predicted_ms", "{:,.2f}"), ("measured ms", "measured_ms", "{:,.2f}"),
+    ("measured / predicted", "measured_ratio", "{:.2f}"), ("measurement", "measure", "{}"),
 ]
 
 
@@ -46,7 +54,8 @@ def _cell(row: dict, key: str | None, fmt: str) -> str:
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
     """The rows as a Markdown table (``columns``: headers to keep, default all but rank)."""
-    cols = [c for c in COLUMNS if (c[0] != "rank" if columns is None else c[0] in columns)]
+    every = COLUMNS + (MEASURE_COLUMNS if any("measure" in r for r in rows) else [])
+    cols = [c for c in every if (c[0] != "rank" if columns is None else c[0] in columns)]
     lines = ["| " + " | ".join(h for h, _, _ in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
         lines.append("| " + " | ".join(_cell(r, k, f).replace("|", "/") for _, k, f in cols) + " |")
@@ -64,7 +73,23 @@ def memory_note(rows: Sequence[dict]) -> str:
 
 PREDICTED_NOTE = ("step ms, tokens/s, MFU and memory are the cost model's predictions on each point's profile: "
                   "a sweep plans and runs nothing, so there are no measured step times and no predicted-vs-"
-                  "measured scatter here; scripts/fidelity.py runs plans and draws one (fidelity_scatter.svg)")
+                  "measured scatter here; `scripts/sweep.py --measure` runs the points this machine can run "
+                  "and draws one (scatter.svg), as scripts/fidelity.py does (fidelity_scatter.svg)")
+
+
+def measured_note(rows: Sequence[dict]) -> str:
+    """What the measured columns are (said under a table that has them), else PREDICTED_NOTE."""
+    if not any("measure" in r for r in rows):
+        return PREDICTED_NOTE
+    preds = {r["predictor"] for r in rows if r.get("predictor")}
+    what = {"step simulation": "the step simulation (Plan.timeline: what scripts/fidelity.py draws)",
+            "ILP objective": "the ILP objective's step (step ms) where a plan has no simulation or the point "
+                             "runs several micro-batches"}
+    return ("step ms, tokens/s, MFU and memory are predicted. measured ms: the median timed step of the points "
+            "this machine could run (--measure: their cached plans run by the trainer on gloo ranks after "
+            "warm-up steps, round-robin per world size); predicted ms: "
+            + ("; ".join(what.get(p, p) for p in sorted(preds, reverse=True)) or "-")
+            + "; a point duplicating another's job and placements takes its measurement")
 
 
 def _write(path: Path, text: str) -> None:
@@ -87,8 +112,8 @@ def write_csv(rows: Sequence[dict], path: str | os.PathLike) -> None:
 
 
 def write_markdown(rows: Sequence[dict], path: str | os.PathLike, title: str = "") -> None:
-    """The table, what its memory column counts, and that its numbers are predicted."""
-    notes = "".join(f"\n{n}\n" for n in (memory_note(rows), PREDICTED_NOTE) if n)
+    """The table, what its memory column counts, and which of its numbers are predicted."""
+    notes = "".join(f"\n{n}\n" for n in (memory_note(rows), measured_note(rows)) if n)
     _write(Path(path), (f"# {title}\n\n" if title else "") + markdown_table(rows) + "\n" + notes)
 
 
@@ -170,6 +195,11 @@ _ROW_KEYS = {"local_batch_size": "local_batch", "memory_budget_high": "budget", 
 
 def _esc(s: str) -> str:
     return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def write_scatter(points: Sequence[tuple[str, float, float]], path: str | os.PathLike, title: str) -> None:
+    """(name, predicted ms, measured ms) per distinct plan, over the y = x line."""
+    _write(Path(path), scatter_svg(points, title=title))
 
 
 def write_svg(rows: Sequence[dict], path: str | os.PathLike, x: str, title: str,

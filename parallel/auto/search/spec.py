@@ -118,6 +118,7 @@ class SweepSpec:
     x: str
     workers: int = 2
     description: str = ""
+    config: str | None = None  # the base job config the spec names (None: the trainer's default)
 
 
 def resolve_sweep_path(spec: str) -> Path:
@@ -160,7 +161,7 @@ def sweep_from_dict(data: dict, source: str, base_job: Callable[[str | None], Ba
         raise SweepSpecError(f"{source}: 'sweep.x' = {x!r} is not an axis; axes: {', '.join(AXIS_KEYS)}")
     name = head.get("name") or Path(source).stem
     return SweepSpec(name=name, source=source, axes=axes, points=points, x=x, workers=head.get("workers", 2),
-                     description=head.get("description", ""))
+                     description=head.get("description", ""), config=head.get("config"))
 
 
 def _check_head(head: dict, source: str) -> dict:
