@@ -52,6 +52,8 @@ def test_only_cpu_points_within_the_rank_cap_run_here(tmp_path):
     assert why[("cpu", 2)] == ""
     assert why[("h100", 2)] == "planned for h100, not this machine (cpu)"
     assert why[("cpu", 16)] == "world 16 > 8 gloo ranks"
+    shipped = load_sweep("llama3_debug_cpu", load_base_job).points  # the docs' --measure example
+    assert len(shipped) == 6 and not any(runs_here(p) for p in shipped)
 
 
 def test_measure_with_nothing_runnable_is_exit_2_before_planning(tmp_path, capsys):
