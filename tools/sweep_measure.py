@@ -149,7 +149,10 @@ def _entries(points: Sequence[Point], rows: list[dict], cache: PlanCache, folder
             continue
         first[same] = i
         path = plan_file(cache, row["key"], folder)
-        by_world.setdefault(p.mesh.world, []).append((f"p{i}", trainer_flags(p, path or "")))
+        if path is None:  # never run without the plan: the trainer would solve its own
+            row["measure"] = f"not measured: its plan is missing from the cache {cache.folder}"
+            continue
+        by_world.setdefault(p.mesh.world, []).append((f"p{i}", trainer_flags(p, path)))
     return by_world, dups
 
 
