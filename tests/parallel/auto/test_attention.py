@@ -150,4 +150,4 @@ def test_attention_efficiency_in_the_profile_and_its_cpu_measurement():
     assert h100.attention_eff == 0.35 and load_hardware("cpu").attention_eff == load_hardware("cpu").matmul_efficiency
     again = profile_from_dict(tomllib.loads(profile_to_toml(h100.replace(attention_efficiency=0.5))))
     assert again.attention_eff == 0.5
-    assert measure_attention(b=1, h=2, s=64, d=16) > 0  # TFLOP/s of the CPU flash kernel
+    assert measure_attention(b=1, h=2, s=64, d=16)[0] > 0  # TFLOP/s of the CPU flash kernel (and its spread)
