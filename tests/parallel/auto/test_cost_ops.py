@@ -3,9 +3,8 @@ measured, kept in the profile's TOML, used by the roofline and the optimizer est
 named profile without them prices as before."""
 from __future__ import annotations
 
-import tomllib
-
 import pytest
+import tomllib
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
