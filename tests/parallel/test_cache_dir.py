@@ -53,7 +53,8 @@ def test_a_busy_host_is_said_and_written_into_the_profile(tmp_path, monkeypatch,
                 assert "60 %" in said[0] and "--world-size 1 --recalibrate" in said[0]
         monkeypatch.setattr(calibrate, "_cpu_times", iter([(0, 100), (60, 200)]).__next__)
         monkeypatch.setattr(calibrate, "measure_compute",
-                            lambda device=None: {"fp32": 1e-3, "bf16": 1e-3, "copy_gbps": 1.0, "floor_us": 1.0})
+                            lambda device=None: {"fp32": 1e-3, "bf16": 1e-3, "attention": 1e-3, "copy_gbps": 1.0,
+                                                    "floor_us": 1.0, "spread": 0.1})
         hw = calibrate.measure_in_group("cpu")
         assert "60% of the host's cores busy" in hw.description
     finally:

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from parallel import _torch as T
 from parallel.cache_dir import cache_root
 
+from .calibrate_ops import measure_op_bandwidths, measure_optimizer
 from .hardware import (
     COLLECTIVE_KINDS,
     HardwareProfile,
@@ -49,6 +50,7 @@ from .hardware import (
     profile_from_dict,
     profile_to_toml,
 )
+from .timing import _best_time, _times
 
 try:  # Python >= 3.11
     import tomllib as _toml
@@ -67,18 +69,13 @@ def cache_path(world_size: int) -> Path:
     return root / f"{socket.gethostname()}-w{world_size}-torch{version}-m{METHOD_VERSION}.toml"
 
 
-METHOD_VERSION = 4
+METHOD_VERSION = 5
 """Bumped when what is measured changes, so older cached profiles are measured again
 (2: the latency of a 2-rank group fixes the per-hop latency; 3: latency from a stream of
 asynchronous collectives, as the runtime issues them; 4: compute figures the best of short
 repeated measurements, matmul in a linear layer's three layouts, collectives the lower
-quartile: robust to other work on the host)."""
-
-
-def _sync() -> None:
-    """Wait for the accelerator's queued work (timing GPU kernels needs it; no-op on CPU)."""
-    if torch.accelerator.is_available():
-        torch.accelerator.synchronize()
+quartile: robust to other work on the host; 5: the bandwidth of each memory-bound op class
+and a real optimizer step, cost/calibrate_ops.py)."""
 
 
 def _low_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
@@ -87,44 +84,6 @@ def _low_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
     shared cores a collective's best is the rare call where every rank happened to be
     scheduled at once, which a training step does not get every time."""
     return sorted(_times(fn, reps, warmup))[reps // 4]
-
-
-def _times(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[float]:
-    """Seconds of `reps` calls of `fn` (after `warmup` calls), each timed alone."""
-    for _ in range(warmup):
-        fn()
-    _sync()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        ts.append(time.perf_counter() - t0)
-    return ts
-
-
-SPREAD_LIMIT = 0.5
-"""How much slower than the best of its short measurements a figure's median may be before
-it is measured again (median / best - 1): wider, other work took the cores meanwhile."""
-ROUNDS = 3
-
-
-def _best_time(fn: Callable[[], object], reps: int = 9) -> tuple[float, float]:
-    """(best seconds, spread) of short repeated calls of `fn`, measured again (up to `ROUNDS`
-    rounds) while the spread is over `SPREAD_LIMIT`.
-
-    Why the best and not the median: other work on the host only ever slows a call down, so
-    the fastest of many short calls is the machine's own speed, while a median over a busy
-    window rates it at whatever share the other work left (a profile measured with 51 % of
-    the cores taken rated a run 2.4x slow, and was cached and planned with)."""
-    best, spread = float("inf"), float("inf")
-    for _ in range(ROUNDS):
-        ts = sorted(_times(fn, reps))
-        best = min(best, ts[0])
-        spread = min(spread, ts[len(ts) // 2] / ts[0] - 1)
-        if spread <= SPREAD_LIMIT:
-            break
-    return best, spread
 
 
 def _linear_time(n: int, dt: torch.dtype, device: torch.device | None) -> tuple[float, float]:
@@ -152,8 +111,10 @@ def measure_attention(b: int = 2, h: int = 4, s: int = 512, d: int = 64,
 
 
 def measure_compute(n: int = 384, device: torch.device | None = None) -> dict[str, float]:
-    """This rank's matmul TFLOP/s (fp32, bf16), copy GB/s and op floor (µs), all ranks busy,
-    each the best of short repeated measurements; `spread`: the widest median / best - 1."""
+    """This rank's matmul TFLOP/s (fp32, bf16), copy GB/s, op floor (µs), the bandwidth of each
+    memory-bound op class (`op_<class>`) and the optimizer's (`optimizer_gbps`,
+    `optimizer_tensor_us`; cost/calibrate_ops.py), all ranks busy, each the best of short
+    repeated measurements; `spread`: the widest median / best - 1."""
     out: dict[str, float] = {}
     spreads = []
     for key, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -168,8 +129,19 @@ def measure_compute(n: int = 384, device: torch.device | None = None) -> dict[st
     s = torch.randn(16, device=device)
     t, spread = _best_time(lambda: [s.add(s) for _ in range(100)])
     out["floor_us"], spreads = t / 100 * 1e6, spreads + [spread]
-    out["spread"] = max(spreads)
+    ops, opt = measure_op_bandwidths(device=device), measure_optimizer(device=device)
+    out.update({f"op_{k}": v for k, v in ops.items() if k != "spread"})
+    out.update({f"optimizer_{k}": v for k, v in opt.items() if k != "spread"})
+    out["spread"] = max(spreads + [ops["spread"], opt["spread"]])
     return out
+
+
+def _measured_tables(comp: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The profile's [op_bandwidth_gbps] and [optimizer] from `measure_compute`'s figures
+    (none where they were not measured)."""
+    ops = {k[3:]: v for k, v in comp.items() if k.startswith("op_")}
+    opt = {k[10:]: v for k, v in comp.items() if k.startswith("optimizer_")}
+    return {"op_bandwidth_gbps": ops, "optimizer": opt if len(opt) == 2 else {}}
 
 
 def _collective_fn(kind: str, numel: int, group: dist.ProcessGroup | None,
@@ -385,7 +357,7 @@ def measure_in_group(base: str | HardwareProfile = "cpu", device: torch.device |
         peak_tflops={"fp32": comp["fp32"], "bf16": comp["bf16"]}, memory_bandwidth_gbps=comp["copy_gbps"],
         kernel_floor_us=comp["floor_us"], matmul_efficiency=1.0, memory_efficiency=1.0,
         attention_efficiency=min(1.0, comp["attention"] / comp["fp32"]),  # of the fp32 matmul roof
-        memory_bytes=host_memory_per_rank(world), memory_limit_bytes=0)
+        memory_bytes=host_memory_per_rank(world), memory_limit_bytes=0, **_measured_tables(comp))
     if world == 1:  # one rank never communicates: keep the base profile's link, measure compute only
         log.info("calibrated in %.1fs (1 rank, compute only): fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s, copy %.1f GB/s",
                  time.perf_counter() - t0, comp["fp32"] * 1e3, comp["bf16"] * 1e3, comp["copy_gbps"])
@@ -413,11 +385,19 @@ def measure_in_group(base: str | HardwareProfile = "cpu", device: torch.device |
                                  group_size_factor=gsf))
     log.info("calibrated in %.1fs: fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s, copy %.1f GB/s, op floor %.1f µs "
              "(best of repeated runs, their median %.0f %% slower); "
-             "gloo latency %.0f µs (fixed %.0f + %.0f per hop), bus GB/s %s, comm overlap %.2f",
+             "%s; gloo latency %.0f µs (fixed %.0f + %.0f per hop), bus GB/s %s, comm overlap %.2f",
              time.perf_counter() - t0, comp["fp32"] * 1e3, comp["bf16"] * 1e3, comp["copy_gbps"], comp["floor_us"],
-             comp["spread"] * 100, lat, base_lat, hop_lat,
+             comp["spread"] * 100, _ops_words(hw), lat, base_lat, hop_lat,
              {k: round(v, 2) for k, v in bws.items()}, overlap)
     return hw
+
+
+def _ops_words(hw: HardwareProfile) -> str:
+    """The memory-bound op classes' and the optimizer's figures, for the log."""
+    ops = ", ".join(f"{k} {v:.1f}" for k, v in hw.op_bandwidth_gbps.items())
+    opt = hw.optimizer
+    return (f"op GB/s {ops}; optimizer {opt['gbps']:.2f} GB/s of parameters + {opt['tensor_us']:.0f} µs a tensor"
+            if opt else f"op GB/s {ops or 'not measured'}")
 
 
 def save_profile(hw: HardwareProfile, path: Path) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "TensorLike",
     "attention_flops",
     "is_zero_cost",
+    "op_class",
     "op_name",
     "roofline_us",
 ]
@@ -68,12 +69,33 @@ def is_zero_cost(op: Any) -> bool:
     return op_name(op) in ZERO_COST_OPS
 
 
+#: memory-bound ops by class (a calibrated profile's `op_bandwidth_gbps`, cost/calibrate_ops.py):
+#: transcendentals are compute-bound on a CPU core, reductions and `cat` run their own
+#: kernels; every other op without FLOPs is "elementwise"
+OP_CLASS_OF: dict[str, str] = {
+    **dict.fromkeys(("silu", "silu_backward", "sigmoid", "sigmoid_backward", "exp", "exp2", "expm1", "log",
+                     "log1p", "log2", "tanh", "tanh_backward", "gelu", "gelu_backward", "erf", "rsqrt", "sqrt",
+                     "sin", "cos", "_softmax", "_softmax_backward_data", "_log_softmax",
+                     "_log_softmax_backward_data", "softplus", "logsumexp"), "transcendental"),
+    **dict.fromkeys(("sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "std", "prod", "norm",
+                     "linalg_vector_norm", "argmax", "argmin", "any", "all"), "reduction"),
+    **dict.fromkeys(("cat", "stack"), "cat"),
+}
+
+
+def op_class(op: Any) -> str:
+    """The memory-bound class an op without FLOPs is priced in (see OP_CLASS_OF)."""
+    return OP_CLASS_OF.get(op_name(op), "elementwise")
+
+
 def roofline_us(hw: HardwareProfile, flops: float, nbytes: float, dtype: torch.dtype | str | None,
-                efficiency: float | None = None) -> float:
+                efficiency: float | None = None, op_class: str | None = None) -> float:
     """max(compute time, memory time) + kernel floor, in µs; `efficiency`: the compute roof's
-    fraction the kernel reaches (default the profile's matmul efficiency)."""
+    fraction the kernel reaches (default the profile's matmul efficiency); `op_class`: an op
+    without FLOPs moves its bytes at that class's calibrated bandwidth (else the memory roof)."""
     t_flop = flops / (hw.peak_flops(dtype) * (efficiency or hw.matmul_efficiency)) if flops > 0 else 0.0
-    t_mem = nbytes / (hw.memory_bandwidth * hw.memory_efficiency) if nbytes > 0 else 0.0
+    bandwidth = hw.op_bandwidth(op_class if flops <= 0 else None)
+    t_mem = nbytes / bandwidth if nbytes > 0 else 0.0
     return max(t_flop, t_mem) * 1e6 + hw.kernel_floor_us
 
 

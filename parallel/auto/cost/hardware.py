@@ -127,6 +127,13 @@ class HardwareProfile:
       * ``comm_overlap``: the share of a collective's time that runs beside compute (1 on
         GPUs, whose copy engines and NICs move the bytes; lower on CPUs, whose cores also
         drive gloo). The runtime overlaps collectives; the cost model prices what stays.
+      * ``op_bandwidth_gbps``: a calibrated profile's bandwidth per class of memory-bound op
+        (elementwise, transcendental, reduction, cat; cost/calibrate_ops.py): a training step's
+        such ops run below the copy roof (fresh outputs, activations out of cache); a class
+        without a figure (every named profile) is priced at the memory roof.
+      * ``optimizer``: a calibrated profile's measured optimizer phase (AdamW and gradient
+        clipping): ``gbps``, local fp32 parameter bytes stepped per second, and ``tensor_us``
+        per parameter tensor; empty (named profiles): memory-bound passes at the memory roof.
       * ``correction``: a calibrated (`hardware = "auto"`) profile's ``step_time_ratio``, a
         job's measured step over the predicted one when they differed by more than 25 %, and
         where it came from (cost/correction.py); the step simulation multiplies by it.
@@ -149,6 +156,8 @@ class HardwareProfile:
     description: str = ""
     source: str = field(default="<dict>", compare=False)
     correction: Mapping[str, Any] = field(default_factory=dict)
+    op_bandwidth_gbps: Mapping[str, float] = field(default_factory=dict)
+    optimizer: Mapping[str, float] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ queries
     def peak_flops(self, dtype: torch.dtype | str | None) -> float:
@@ -166,6 +175,12 @@ class HardwareProfile:
     def attention_eff(self) -> float:
         """The fraction of the compute roof a fused attention kernel reaches."""
         return self.attention_efficiency or self.matmul_efficiency
+
+    def op_bandwidth(self, op_class: str | None) -> float:
+        """Bytes/s a memory-bound op of `op_class` moves (compute.op_class): the calibrated
+        figure, else the memory roof."""
+        gbps = self.op_bandwidth_gbps.get(op_class) if op_class else None
+        return gbps * 1e9 if gbps else self.memory_bandwidth * self.memory_efficiency
 
     @property
     def memory_limit(self) -> int:
@@ -250,7 +265,7 @@ _TOP_KEYS = {
     "name": True, "description": False, "gpus_per_node": True, "memory_gib": True, "memory_limit_gib": False,
     "memory_bandwidth_gbps": True, "kernel_floor_us": True, "peak_tflops": True,
     "efficiency": True, "intra_node": True, "inter_node": True, "collectives": False,
-    "calibration": False, "correction": False,
+    "calibration": False, "correction": False, "op_bandwidth_gbps": False, "optimizer": False,
 }
 
 
@@ -389,6 +404,21 @@ def _correction(data: Mapping[str, Any], source: str) -> dict[str, Any]:
     return dict(corr)
 
 
+OP_BANDWIDTH_KEYS = ("elementwise", "transcendental", "reduction", "cat")
+OPTIMIZER_KEYS = ("gbps", "tensor_us")
+
+
+def _measured_tables(data: Mapping[str, Any], source: str) -> tuple[dict[str, float], dict[str, float]]:
+    """[op_bandwidth_gbps] (any of OP_BANDWIDTH_KEYS, > 0) and [optimizer] (gbps > 0 and
+    tensor_us >= 0, both or neither): a calibrated profile's; {} when absent."""
+    ops = data.get("op_bandwidth_gbps", {})
+    _check_keys(ops, {k: False for k in OP_BANDWIDTH_KEYS}, "op_bandwidth_gbps", source)
+    opt = data.get("optimizer", {})
+    _check_keys(opt, {k: bool(opt) for k in OPTIMIZER_KEYS}, "optimizer", source)
+    return ({k: _num(ops, k, "op_bandwidth_gbps.", source) for k in ops},
+            {k: _num(opt, k, "optimizer.", source, positive=k == "gbps") for k in opt})
+
+
 def _memory_limit(data: Mapping[str, Any], source: str) -> int:
     """memory_limit_gib: optional, positive, at most memory_gib; 0 when unset (all the memory)."""
     if "memory_limit_gib" not in data:
@@ -410,6 +440,7 @@ def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Hardwa
     inter_link = _inter_link(data, source)
     tree_f, overlap = _collective_figures(data, source)
     desc = _description(data, source)
+    op_bw, opt = _measured_tables(data, source)
     return HardwareProfile(
         name=name,
         gpus_per_node=gpn,
@@ -428,6 +459,8 @@ def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Hardwa
         description=desc,
         source=source,
         correction=_correction(data, source),
+        op_bandwidth_gbps=op_bw,
+        optimizer=opt,
     )
 
 
@@ -468,9 +501,16 @@ def profile_to_toml(hw: HardwareProfile) -> str:
         f"tree_bandwidth_factor = {hw.tree_bandwidth_factor:.6g}",
         f"comm_overlap = {hw.comm_overlap:.6g}",
         "",
+        *_table_lines("op_bandwidth_gbps", hw.op_bandwidth_gbps),
+        *_table_lines("optimizer", hw.optimizer),
         *_correction_lines(hw.correction),
     ]
     return "\n".join(lines)
+
+
+def _table_lines(name: str, table: Mapping[str, float]) -> list[str]:
+    """A table of numbers (none when it is empty)."""
+    return [f"[{name}]", *[f"{k} = {v:.6g}" for k, v in table.items()], ""] if table else []
 
 
 def _correction_lines(corr: Mapping[str, Any]) -> list[str]:

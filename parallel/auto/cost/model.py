@@ -41,6 +41,7 @@ from .compute import (
     _tensor_list,
     attention_flops,
     is_zero_cost,
+    op_class,
     roofline_us,
 )
 from .hardware import HardwareProfile, load_hardware
@@ -227,7 +228,7 @@ class CostModel:
         fused = attention_flops(op, args, n_flops)  # a fused attention kernel: its own efficiency
         if fused is not None:
             return roofline_us(self.hw, fused, nbytes, dtype, self.hw.attention_eff)
-        return roofline_us(self.hw, n_flops, nbytes, dtype)
+        return roofline_us(self.hw, n_flops, nbytes, dtype, op_class=op_class(op))
 
     def local_shape(self, global_shape: Sequence[int], placements: PlacementsLike) -> tuple[int, ...]:
         """Per-device shape under ``placements`` (largest shard when uneven)."""
@@ -367,7 +368,11 @@ class CostModel:
     def optimizer_cost(self, local_param_bytes: float) -> float:
         """µs of the optimizer step and gradient clipping over this many local fp32 parameter
         bytes: memory-bound passes over each rank's own shard, so a plan that shards a
-        parameter also shards its update (charged to the parameter's placement)."""
+        parameter also shards its update (charged to the parameter's placement). A calibrated
+        profile's measured rate (`optimizer.gbps`: a real AdamW step and clipping) when it has
+        one, else the passes' bytes at the memory roof."""
+        if self.hw.optimizer:
+            return local_param_bytes / (self.hw.optimizer["gbps"] * 1e9) * 1e6
         elems = local_param_bytes / 4
         return elems * OPTIMIZER_BYTES_PER_PARAM / (self.hw.memory_bandwidth * self.hw.memory_efficiency) * 1e6
 

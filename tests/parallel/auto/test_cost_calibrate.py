@@ -7,6 +7,7 @@ import pytest
 
 from parallel.auto.cost import CostModel, load_hardware
 from parallel.auto.cost.calibrate import cache_path, calibrated_profile
+from parallel.auto.cost.calibrate_ops import OP_CLASSES
 from parallel.auto.cost.comm import collective_time
 
 
@@ -23,6 +24,8 @@ def test_calibration_measures_caches_and_reuses(tmp_path, monkeypatch, capsys) -
     assert hw.name == "auto" and hw.peak_tflops["fp32"] > 0 and hw.matmul_efficiency == 1.0
     assert all(v > 0 for v in hw.intra_node.bus_bandwidth_gbps.values()) and hw.intra_node.latency_us > 0
     assert 0.0 <= hw.comm_overlap <= 1.0
+    assert set(hw.op_bandwidth_gbps) == set(OP_CLASSES) and all(v > 0 for v in hw.op_bandwidth_gbps.values())
+    assert hw.optimizer["gbps"] > 0 and hw.optimizer["tensor_us"] >= 0  # a real AdamW step, measured
     cached = cache_path(2)
     assert cached.is_file() and cached.read_text() == out.read_text()
     mtime = cached.stat().st_mtime
