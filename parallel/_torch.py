@@ -99,6 +99,7 @@ from parallel._torch_attention import (  # the attention half of the adapter, re
     CPU_ATTENTION_OPS,
     CPU_ATTENTION_PACKETS,
     CUDA_ATTENTION_OPS,
+    FUSED_ATTENTION_BACKWARD,
     FUSED_ATTENTION_CAUSAL_ARG,
     attention_bwd_flops,
     attention_bwd_rule,
@@ -137,7 +138,8 @@ __all__ = [
     "unflatten_mesh",
     "CPU_ATTENTION_BWD", "CPU_ATTENTION_FWD", "dump_cuda_memory_snapshot", "record_cuda_memory_history",
     "cpu_allocator_report_flag", "profiler_allocations", "cpu_attention", "fused_kernel", "run_lowered",
-    "CPU_ATTENTION_OPS", "CUDA_ATTENTION_OPS", "FUSED_ATTENTION_CAUSAL_ARG", "lowers_attention",
+    "CPU_ATTENTION_OPS", "CUDA_ATTENTION_OPS", "FUSED_ATTENTION_CAUSAL_ARG", "FUSED_ATTENTION_BACKWARD",
+    "lowers_attention",
 ]
 
 aten = torch.ops.aten

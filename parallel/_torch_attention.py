@@ -40,6 +40,10 @@ FUSED_ATTENTION_CAUSAL_ARG = {CPU_ATTENTION_FWD: 4, CPU_ATTENTION_BWD: 7,
                               CUDA_ATTENTION_OPS["flash"][0]: 4, CUDA_ATTENTION_OPS["flash"][1]: 11,
                               CUDA_ATTENTION_OPS["efficient"][0]: 6, CUDA_ATTENTION_OPS["efficient"][1]: 11}
 """Every fused attention op the plan or its step graph holds -> the position of `is_causal`."""
+FUSED_ATTENTION_BACKWARD = frozenset({CPU_ATTENTION_BWD, CUDA_ATTENTION_OPS["flash"][1],
+                                      CUDA_ATTENTION_OPS["efficient"][1]})
+"""The backward ones among them: their query is the second argument (after the output's
+gradient), the forward's the first."""
 
 
 def lowers_attention(device_type: str) -> bool:

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from parallel import _torch as T
 from parallel.cache_dir import cache_root
 
+from .calibrate_attention import measure_attention_grid
 from .calibrate_ops import measure_op_bandwidths, measure_optimizer
 from .hardware import (
     COLLECTIVE_KINDS,
@@ -69,13 +70,14 @@ def cache_path(world_size: int) -> Path:
     return root / f"{socket.gethostname()}-w{world_size}-torch{version}-m{METHOD_VERSION}.toml"
 
 
-METHOD_VERSION = 5
+METHOD_VERSION = 6
 """Bumped when what is measured changes, so older cached profiles are measured again
 (2: the latency of a 2-rank group fixes the per-hop latency; 3: latency from a stream of
 asynchronous collectives, as the runtime issues them; 4: compute figures the best of short
 repeated measurements, matmul in a linear layer's three layouts, collectives the lower
 quartile: robust to other work on the host; 5: the bandwidth of each memory-bound op class
-and a real optimizer step, cost/calibrate_ops.py)."""
+and a real optimizer step, cost/calibrate_ops.py; 6: the fused attention kernel's
+efficiency per direction, head dim and sequence length, cost/calibrate_attention.py)."""
 
 
 def _low_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
@@ -113,7 +115,8 @@ def measure_attention(b: int = 2, h: int = 4, s: int = 512, d: int = 64,
 def measure_compute(n: int = 384, device: torch.device | None = None) -> dict[str, float]:
     """This rank's matmul TFLOP/s (fp32, bf16), copy GB/s, op floor (µs), the bandwidth of each
     memory-bound op class (`op_<class>`) and the optimizer's (`optimizer_gbps`,
-    `optimizer_tensor_us`; cost/calibrate_ops.py), all ranks busy, each the best of short
+    `optimizer_tensor_us`; cost/calibrate_ops.py), the attention kernel's (`attn_<key>`, TFLOP/s;
+    cost/calibrate_attention.py), all ranks busy, each the best of short
     repeated measurements; `spread`: the widest median / best - 1."""
     out: dict[str, float] = {}
     spreads = []
@@ -132,16 +135,19 @@ def measure_compute(n: int = 384, device: torch.device | None = None) -> dict[st
     ops, opt = measure_op_bandwidths(device=device), measure_optimizer(device=device)
     out.update({f"op_{k}": v for k, v in ops.items() if k != "spread"})
     out.update({f"optimizer_{k}": v for k, v in opt.items() if k != "spread"})
-    out["spread"] = max(spreads + [ops["spread"], opt["spread"]])
+    grid = measure_attention_grid(device=device)
+    out.update({f"attn_{k}": v for k, v in grid.items() if k != "spread"})
+    out["spread"] = max(spreads + [ops["spread"], opt["spread"], grid["spread"]])
     return out
 
 
 def _measured_tables(comp: dict[str, float]) -> dict[str, dict[str, float]]:
-    """The profile's [op_bandwidth_gbps] and [optimizer] from `measure_compute`'s figures
-    (none where they were not measured)."""
+    """The profile's [op_bandwidth_gbps], [optimizer] and [attention_efficiency] (of the fp32
+    matmul roof) from `measure_compute`'s figures (none where they were not measured)."""
     ops = {k[3:]: v for k, v in comp.items() if k.startswith("op_")}
     opt = {k[10:]: v for k, v in comp.items() if k.startswith("optimizer_")}
-    return {"op_bandwidth_gbps": ops, "optimizer": opt if len(opt) == 2 else {}}
+    att = {k[5:]: min(4.0, v / comp["fp32"]) for k, v in comp.items() if k.startswith("attn_")}
+    return {"op_bandwidth_gbps": ops, "optimizer": opt if len(opt) == 2 else {}, "attention_grid": att}
 
 
 def _collective_fn(kind: str, numel: int, group: dist.ProcessGroup | None,

@@ -12,7 +12,9 @@ CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu`` and its bac
 counts 0 FLOPs in FlopCounterMode until ``parallel._torch.register_planner_ops()``
 registers torch's SDPA formulas for it; `FlopCache` makes sure it has. A fused attention op
 is priced as its kernel (`attention_flops`): torch's count at the profile's attention
-efficiency, halved when causal (the kernels skip the masked blocks).
+efficiency, halved when causal (the kernels skip the masked blocks), at the efficiency a
+calibrated profile measured for the kernel's direction, head dim and sequence length
+(`attention_efficiency`; the CPU kernel's speed varies ~2x over them).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ __all__ = [
     "ComputeEstimate",
     "FlopCache",
     "TensorLike",
+    "attention_efficiency",
     "attention_flops",
     "is_zero_cost",
     "op_class",
@@ -106,6 +109,17 @@ def attention_flops(op: Any, args: Sequence[Any], flops: float) -> float | None:
     if at is None:
         return None
     return flops / 2 if len(args) > at and args[at] is True else flops
+
+
+def attention_efficiency(hw: HardwareProfile, op: Any, args: Sequence[Any]) -> float:
+    """The fraction of the compute roof the fused attention op `op(*args)` reaches: the
+    profile's figure for its direction and query's (head dim, length) when it has a grid."""
+    backward = op in T.FUSED_ATTENTION_BACKWARD
+    at = 1 if backward else 0
+    query = _as_shape_dtype(args[at]) if len(args) > at and hw.attention_grid else None
+    if query is None or len(query[0]) < 2:
+        return hw.attention_eff
+    return hw.attention_eff_for(backward, query[0][-1], query[0][-2])
 
 
 # ------------------------------------------------------------------ tensor descriptions

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,11 @@ class HardwareProfile:
       * ``attention_efficiency``: a fused attention kernel (flash, memory-efficient, the CPU
         flash kernel) reaches its own fraction of the compute roof, below a big GEMM's
         (0: ``matmul_efficiency``).
+      * ``attention_grid``: a calibrated profile's ``[attention_efficiency]`` table, the CPU
+        flash kernel's efficiency per direction, head dim and sequence length (keys
+        ``fwd_d32_s128``; cost/calibrate_attention.py): its speed varies ~2x over the shapes
+        jobs run and its backward is slower than its forward; a shape is priced at the
+        nearest grid point (`attention_eff_for`). Empty (named profiles): the single figure.
       * ``kernel_floor_us``: many tiny kernels are launch-bound, not roof-bound.
       * ``gpus_per_node``: decides which mesh axes ride NVLink and which the NIC.
       * ``tree_bandwidth_factor``: tree all-reduce reaches this fraction of the ring's
@@ -158,6 +164,7 @@ class HardwareProfile:
     correction: Mapping[str, Any] = field(default_factory=dict)
     op_bandwidth_gbps: Mapping[str, float] = field(default_factory=dict)
     optimizer: Mapping[str, float] = field(default_factory=dict)
+    attention_grid: Mapping[str, float] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ queries
     def peak_flops(self, dtype: torch.dtype | str | None) -> float:
@@ -175,6 +182,21 @@ class HardwareProfile:
     def attention_eff(self) -> float:
         """The fraction of the compute roof a fused attention kernel reaches."""
         return self.attention_efficiency or self.matmul_efficiency
+
+    def attention_eff_for(self, backward: bool, head_dim: int, seq: int) -> float:
+        """The efficiency of a fused attention kernel of `head_dim` and `seq` (the query's
+        length): the measured grid point nearest in log space (head dim first), else
+        `attention_eff`."""
+        want = "bwd" if backward else "fwd"
+        best, eff = None, 0.0
+        for key, value in self.attention_grid.items():
+            direction, d, s = _attention_key(key)
+            if direction != want:
+                continue
+            dist = (abs(math.log2(d / max(head_dim, 1))) * 4 + abs(math.log2(s / max(seq, 1))), d, s)
+            if best is None or dist < best:
+                best, eff = dist, value
+        return eff or self.attention_eff
 
     def op_bandwidth(self, op_class: str | None) -> float:
         """Bytes/s a memory-bound op of `op_class` moves (compute.op_class): the calibrated
@@ -266,6 +288,7 @@ _TOP_KEYS = {
     "memory_bandwidth_gbps": True, "kernel_floor_us": True, "peak_tflops": True,
     "efficiency": True, "intra_node": True, "inter_node": True, "collectives": False,
     "calibration": False, "correction": False, "op_bandwidth_gbps": False, "optimizer": False,
+    "attention_efficiency": False,
 }
 
 
@@ -419,6 +442,31 @@ def _measured_tables(data: Mapping[str, Any], source: str) -> tuple[dict[str, fl
             {k: _num(opt, k, "optimizer.", source, positive=k == "gbps") for k in opt})
 
 
+_ATTENTION_KEY = re.compile(r"(fwd|bwd)_d([1-9][0-9]*)_s([1-9][0-9]*)")
+
+
+def _attention_key(key: str) -> tuple[str, int, int]:
+    """("fwd" | "bwd", head dim, sequence length) of an [attention_efficiency] key."""
+    m = _ATTENTION_KEY.fullmatch(key)
+    if m is None:
+        raise ProfileError(f"[attention_efficiency] key {key!r} is not like 'fwd_d64_s512' or 'bwd_d32_s128'")
+    return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def _attention_grid(data: Mapping[str, Any], source: str) -> dict[str, float]:
+    """[attention_efficiency]: keys `_attention_key`, each a fraction (> 0, at most 4: a causal
+    kernel's halved count may beat the matmul roof) of the fp32 compute roof; {} when absent."""
+    grid = data.get("attention_efficiency", {})
+    if not isinstance(grid, Mapping):
+        raise ProfileError(f"{source}: [attention_efficiency] must be a table, got {type(grid).__name__}")
+    for key in grid:
+        try:
+            _attention_key(key)
+        except ProfileError as e:
+            raise ProfileError(f"{source}: {e}") from None
+    return {k: _num(grid, k, "attention_efficiency.", source, at_most=4.0) for k in grid}
+
+
 def _memory_limit(data: Mapping[str, Any], source: str) -> int:
     """memory_limit_gib: optional, positive, at most memory_gib; 0 when unset (all the memory)."""
     if "memory_limit_gib" not in data:
@@ -461,6 +509,7 @@ def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Hardwa
         correction=_correction(data, source),
         op_bandwidth_gbps=op_bw,
         optimizer=opt,
+        attention_grid=_attention_grid(data, source),
     )
 
 
@@ -503,6 +552,7 @@ def profile_to_toml(hw: HardwareProfile) -> str:
         "",
         *_table_lines("op_bandwidth_gbps", hw.op_bandwidth_gbps),
         *_table_lines("optimizer", hw.optimizer),
+        *_table_lines("attention_efficiency", hw.attention_grid),
         *_correction_lines(hw.correction),
     ]
     return "\n".join(lines)

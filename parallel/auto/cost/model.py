@@ -39,6 +39,7 @@ from .compute import (
     _freeze,
     _nbytes,
     _tensor_list,
+    attention_efficiency,
     attention_flops,
     is_zero_cost,
     op_class,
@@ -227,7 +228,7 @@ class CostModel:
         dtype = self._op_dtype(ins, outs, cdt)
         fused = attention_flops(op, args, n_flops)  # a fused attention kernel: its own efficiency
         if fused is not None:
-            return roofline_us(self.hw, fused, nbytes, dtype, self.hw.attention_eff)
+            return roofline_us(self.hw, fused, nbytes, dtype, attention_efficiency(self.hw, op, args))
         return roofline_us(self.hw, n_flops, nbytes, dtype, op_class=op_class(op))
 
     def local_shape(self, global_shape: Sequence[int], placements: PlacementsLike) -> tuple[int, ...]:
