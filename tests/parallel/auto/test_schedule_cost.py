@@ -93,6 +93,25 @@ def test_simulation_charges_only_the_communication_compute_does_not_hide():
     assert pred.step_us >= pred.compute_us
 
 
+def test_the_functional_all_reduce_pays_its_input_copy_on_the_cores():
+    """torch's functional all-reduce clones its input before reducing it in place: a
+    memory-bound copy of its bytes on the compute lane, at the elementwise bandwidth."""
+    from torch.distributed import _functional_collectives as funcol
+
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        group = mesh.get_group(0).group_name
+        with T.FakeTensorMode():
+            gm = make_fx(lambda g: funcol.all_reduce(g, "sum", (mesh, 0)) + 0, tracing_mode="fake")(
+                torch.randn(1 << 18))
+        cm = CostModel("cpu", (2,), ("dp",))
+        cm.hw = cm.hw.replace(op_bandwidth_gbps={"elementwise": 4.0})
+        pred = simulate_step(gm, cm, {group: cm.links[0]})
+    add = next(n for n in gm.graph.nodes if n.op == "call_function" and T.op_name(n.target) == "add")
+    copy = 2 * (1 << 20) / 4e9 * 1e6 + cm.hw.kernel_floor_us
+    assert pred.collectives and pred.compute_us == pytest.approx(cm.compute_cost(add) + copy, rel=1e-6)
+
+
 def test_calibration_fits_and_caches_by_host_world_and_torch(tmp_path, monkeypatch):
     lat, bw = 300e-6, 2e9  # seconds, bytes/s on the bus
     n = 4
