@@ -269,11 +269,14 @@ class AutoMode(ParallelismMode):
         cores other work held (the ratio without that wait)."""
         if forecast is None or micro_batches != 1 or not is_parallel_module(model):
             return ""
-        waited = self.record_correction(model, measured_us, forecast.step_us)
+        load = getattr(model.plan_cost_model.hw, "contention", 1.0)
+        quiet_us = forecast.step_us / load  # the step waiting for cores is compared with: no load in it
+        waited = self.record_correction(model, measured_us, quiet_us)
         if waited <= 0.05 * measured_us:
             return ""
-        return (f"; less the {waited / 1e3:,.1f} ms its ranks waited for cores other work held: "
-                f"{(measured_us - waited) / forecast.step_us:.2f}")
+        quiet = f" the quiet machine's {quiet_us / 1e3:,.1f} ms:" if load != 1.0 else ""
+        return (f"; less the {waited / 1e3:,.1f} ms its ranks waited for cores other work held, against{quiet} "
+                f"{(measured_us - waited) / quiet_us:.2f}")
 
     def waited_s(self, warmup: int = 2) -> float:
         """Median seconds a step after the warm-up waited for a core other work held, the most

@@ -43,6 +43,7 @@ from parallel.cache_dir import cache_root
 
 from .calibrate_attention import measure_attention_grid
 from .calibrate_ops import measure_op_bandwidths, measure_optimizer
+from .contention import contention_factor, host_cores
 from .hardware import (
     COLLECTIVE_KINDS,
     HardwareProfile,
@@ -465,7 +466,21 @@ def profile_for_group(*, recalibrate: bool = False, base: str = "cpu",
             save_profile(hw, path)
         text = [profile_to_toml(hw) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(text, src=0)
-    return profile_from_dict(_toml.loads(text[0]), source=str(path))
+    hw = profile_from_dict(_toml.loads(text[0]), source=str(path))
+    return with_host_contention(hw, world)
+
+
+def with_host_contention(hw: HardwareProfile, world: int) -> HardwareProfile:
+    """`hw` with this job's `contention` (cost/contention.py): the host's other work measured
+    now, while every rank waits here; one log line when it slows the step (call on every rank)."""
+    share = host_busy_share()
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+    factor = contention_factor(share, ranks)
+    if factor > 1.05 and dist.get_rank() == 0:
+        log.warning("other work holds %.1f of this host's %d cores as the job starts: its %d ranks get a share "
+                    "of them, and the step is predicted %.2fx the quiet machine's (the cached profile keeps the "
+                    "quiet figures)", share * host_cores(), host_cores(), ranks, factor)
+    return hw.replace(contention=factor)
 
 
 def in_real_group() -> bool:

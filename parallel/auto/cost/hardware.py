@@ -165,6 +165,9 @@ class HardwareProfile:
     op_bandwidth_gbps: Mapping[str, float] = field(default_factory=dict)
     optimizer: Mapping[str, float] = field(default_factory=dict)
     attention_grid: Mapping[str, float] = field(default_factory=dict)
+    # this job's share of its host, measured when it started (cost/contention.py; never saved):
+    # other work holding cores slows every rank's step by this factor (1: a quiet host)
+    contention: float = field(default=1.0, compare=False)
 
     # ------------------------------------------------------------------ queries
     def peak_flops(self, dtype: torch.dtype | str | None) -> float:

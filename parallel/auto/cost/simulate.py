@@ -18,7 +18,8 @@ the rest also holds the compute clock; the functional all-reduce first clones it
 (torch's out-of-place all_reduce), a memory-bound copy on the compute lane (~5 ms a step of
 the debug LLaMA's gradients on 2 CPU ranks). The optimizer step and the gradient-norm all-reduce
 are added from the local parameter bytes; a calibrated profile's measured correction
-(cost/correction.py) multiplies the whole. The ILP prices the same schedule with additive
+(cost/correction.py) and the host's other work when the job started (cost/contention.py)
+multiply the whole. The ILP prices the same schedule with additive
 per-edge costs (model.py); this simulation is the step time a plan is predicted to take.
 
 The same walk records the step as a `StepTimeline` (timeline.py, what the plan page draws):
@@ -63,11 +64,16 @@ class StepPrediction:
     comm_cpu_us: float = 0.0  # what the cores spend driving collectives (1 - comm_overlap of their time)
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)  # "kind@axis" -> count, bytes, us
     correction: float = 1.0  # the profile's measured step_time_ratio, already in step_us
+    contention: float = 1.0  # the host's other work when the job started (cost/contention.py), already in step_us
     timeline: StepTimeline | None = field(default=None, repr=False)  # the walk in time (the plan page's lanes)
 
     def summary(self) -> str:
-        corrected = (f" x {self.correction:.2f} (this machine's measured correction of "
-                     f"{self.step_us / self.correction / 1e3:,.1f} ms)" if self.correction != 1.0 else "")
+        base = self.step_us / self.correction / self.contention
+        corrected = f" x {self.correction:.2f} (this machine's measured correction)" if self.correction != 1.0 else ""
+        if self.contention != 1.0:
+            corrected += f" x {self.contention:.2f} (other work on the host as the job started)"
+        if corrected:
+            corrected = f" = {base / 1e3:,.1f} ms{corrected}"
         return (f"predicted step {self.step_us / 1e3:,.1f} ms{corrected} = compute {self.compute_us / 1e3:,.1f} ms "
                 f"+ driving collectives {self.comm_cpu_us / 1e3:,.1f} ms "
                 f"+ waiting for them {self.exposed_comm_us / 1e3:,.1f} ms "
@@ -235,10 +241,11 @@ def simulate_step(gm: fx.GraphModule, cost_model: Any, links: Mapping[str, AxisL
             clocks.compute += us
             compute += us
     opt = _optimizer_us(cost_model, optimizer_param_bytes, optimizer_tensors)
-    ratio = step_time_ratio(hw)
-    timeline = scaled(_finish(lanes, clocks, opt, cost_model), ratio)
+    ratio, load = step_time_ratio(hw), getattr(hw, "contention", 1.0)
+    why = ", ".join(w for w, f in (("measured correction", ratio), ("other work on the host", load)) if f != 1.0)
+    timeline = scaled(_finish(lanes, clocks, opt, cost_model), ratio * load, why)
     return StepPrediction(timeline.step_us, compute, clocks.comm, clocks.exposed, opt, clocks.driving,
-                          {k: dict(v) for k, v in per_kind.items()}, ratio, timeline)
+                          {k: dict(v) for k, v in per_kind.items()}, ratio, load, timeline)
 
 
 def _finish(lanes: _Lanes, clocks: _Clocks, opt: float, cost_model: Any) -> StepTimeline:

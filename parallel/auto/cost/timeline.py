@@ -94,15 +94,15 @@ def _event(e: Any, i: int, lanes: list[str], source: str) -> TimelineEvent:
     return TimelineEvent(**e)
 
 
-def scaled(timeline: StepTimeline, ratio: float) -> StepTimeline:
+def scaled(timeline: StepTimeline, ratio: float, why: str = "measured correction") -> StepTimeline:
     """`timeline` with every time multiplied by `ratio` (a profile's measured correction of the
-    whole step), so that its lanes still end at the corrected prediction."""
+    whole step, the host's other work), so that its lanes still end at the prediction."""
     if ratio == 1.0:
         return timeline
     events = [dataclasses.replace(e, start_us=e.start_us * ratio, end_us=e.end_us * ratio) for e in timeline.events]
     phases = [(p, a * ratio, b * ratio) for p, a, b in timeline.phases]
     return dataclasses.replace(timeline, step_us=timeline.step_us * ratio, events=events, phases=phases,
-                               source=f"{timeline.source}, x {ratio:.2f} measured correction")
+                               source=f"{timeline.source}, x {ratio:.2f} {why}")
 
 
 @dataclass
