@@ -49,6 +49,8 @@ def _run(config: str, steps: int, cache: str, folder: str, load: bool) -> tuple[
             spinner.kill()
             spinner.wait()
     log = out.stdout + out.stderr
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / "run.log").write_text(log)  # kept while the bench runs (--keep: after it)
     if out.returncode != 0:
         print(log[-3000:], file=sys.stderr)
         raise SystemExit(f"run failed (exit {out.returncode}): {' '.join(cmd)}")
@@ -97,15 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=3, help="pairs of runs per condition (default 3)")
     p.add_argument("--steps", type=int, default=20, help="steps per run (the prediction is checked at step 7)")
     p.add_argument("--conditions", default="loaded,quiet", help="loaded, quiet or both (default)")
+    p.add_argument("--keep", default="", help="a folder to keep every run's folder and log in (default: none)")
     args = p.parse_args(argv)
     conds = [c.strip() for c in args.conditions.split(",") if c.strip()]
     if not conds or set(conds) - {"loaded", "quiet"}:
         p.error(f"--conditions {args.conditions!r}: give loaded, quiet or loaded,quiet")
     rows = []
     with tempfile.TemporaryDirectory(prefix="first-run-") as tmp:
+        root = Path(args.keep) if args.keep else Path(tmp)
         for k in range(args.pairs):
             for cond in conds:
-                rows.append(_pair(args, cond == "loaded", k, Path(tmp)))
+                rows.append(_pair(args, cond == "loaded", k, root))
     return report(rows)
 
 
