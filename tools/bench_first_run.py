@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-RATIO = re.compile(r"measured / predicted = ([\d.]+)")
+RATIO = re.compile(r"step time: .*?measured / predicted = ([\d.]+)")
 CORRECTION = re.compile(r"recorded step_time_ratio = ([\d.]+)")
 FIRST, SECOND = (0.8, 1.25), (0.9, 1.1)
 

@@ -266,17 +266,15 @@ class AutoMode(ParallelismMode):
                            micro_batches: int = 1) -> str:
         """After the warm-up, on every rank: a prediction off by more than 25 % corrects the
         cached profile (`record_correction`); words for the log line when the ranks waited for
-        cores other work held (the ratio without that wait)."""
+        cores other work held (the prediction already counts the host's load as the job
+        started: cost/contention.py)."""
         if forecast is None or micro_batches != 1 or not is_parallel_module(model):
             return ""
-        load = getattr(model.plan_cost_model.hw, "contention", 1.0)
-        quiet_us = forecast.step_us / load  # the step waiting for cores is compared with: no load in it
-        waited = self.record_correction(model, measured_us, quiet_us)
+        waited = self.waited_s() * 1e6
+        self.record_correction(model, measured_us, forecast.step_us, waited)
         if waited <= 0.05 * measured_us:
             return ""
-        quiet = f" the quiet machine's {quiet_us / 1e3:,.1f} ms:" if load != 1.0 else ""
-        return (f"; less the {waited / 1e3:,.1f} ms its ranks waited for cores other work held, against{quiet} "
-                f"{(measured_us - waited) / quiet_us:.2f}")
+        return f"; its ranks waited {waited / 1e3:,.1f} ms a step for cores other work held"
 
     def waited_s(self, warmup: int = 2) -> float:
         """Median seconds a step after the warm-up waited for a core other work held, the most
@@ -288,23 +286,21 @@ class AutoMode(ParallelismMode):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
-    def record_correction(self, model: torch.nn.Module, measured_us: float, predicted_us: float) -> float:
+    def record_correction(self, model: torch.nn.Module, measured_us: float, predicted_us: float,
+                          waited_us: float) -> None:
         """`hardware = "auto"`: a prediction off by more than 25 % after the warm-up goes into the
         cached profile (cost/correction.py), so the next plan on this machine is priced with
-        the measured ratio, taken from the step less the time it waited for cores other work
-        held (the load's, not the model's). One line in the log. Call on every rank; the µs
-        waited."""
-        waited_us = self.waited_s() * 1e6
-        own_us = max(measured_us - waited_us, 0.1 * measured_us)
+        the measured ratio. The prediction counts the host's other work as the job started
+        (the profile's `contention`), so the ratio is the cost model's error, not the load's.
+        One line in the log (rank 0)."""
         hw = model.plan_cost_model.hw
-        if correctable(hw) is None or dist.get_rank() != 0 or BAND[0] <= own_us / predicted_us <= BAND[1]:
-            return waited_us
-        line = record_correction(hw, own_us, predicted_us, {
+        if correctable(hw) is None or dist.get_rank() != 0 or BAND[0] <= measured_us / predicted_us <= BAND[1]:
+            return
+        line = record_correction(hw, measured_us, predicted_us, {
             "job": self.cfg.job.name, "config": str(self.cfg.source), "world_size": dist.get_world_size(),
-            "waited_for_cores_ms": waited_us / 1e3})
+            "host_contention": getattr(hw, "contention", 1.0), "waited_for_cores_ms": waited_us / 1e3})
         if line is not None:
-            logger.info(f"{line} (from the step less {waited_us / 1e3:,.1f} ms it waited for cores other work held)")
-        return waited_us
+            logger.info(line)
 
     def run_report(self, model: torch.nn.Module) -> Optional[str]:
         if not is_parallel_module(model):

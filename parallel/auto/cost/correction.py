@@ -12,8 +12,8 @@ came from, and the next plan's step simulation multiplies by it:
     job = "llama3_debug_auto"   config = "..."   when = "2025-..."   measured_ms = ...
 
 Only a profile this host measured and cached is changed (a named profile, h100 ..., holds
-published figures, never a job's), only by rank 0, and from the step less the time its ranks
-waited for a core that other work held (`run_delay_s`: that is the load's, not the model's). A
+published figures, never a job's), only by rank 0, and against a prediction that counts the
+host's other work as the job started (cost/contention.py: the load's share is not the model's). A
 recalibration writes a fresh profile: the correction goes with the old one.
 """
 
