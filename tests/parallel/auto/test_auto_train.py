@@ -132,7 +132,7 @@ def test_qwen3_moe_auto_mode_through_train_py_matches_one_rank(tmp_path):
     r = torchrun(tmp_path, "auto", [*small, "--parallelism.expert_parallel_degree", "2"], config="qwen3_moe_debug_auto")
     out = r.stdout + r.stderr
     assert "world 2, mesh ep=2," in out  # the planner chooses what the experts do there
-    assert re.search(r"moe.experts.w1: \w+ \(region moe_dispatch, stored [^)]+\) on ep\n", out), out[-3000:]
+    assert re.search(r"moe.experts.w1: [\w -]+ \(region moe_dispatch, stored .+\) on ep\n", out), out[-3000:]
     assert "runtime: 3 steps as one step graph per rank, 0 deviations from the plan" in out
     two = read_losses(tmp_path, "auto")
     diff = max(abs(two[s] - ref[s]) for s in two)
