@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,8 +34,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from models import transformer_blocks
 from parallel import _torch as T
 
-__all__ = ["apply_ac", "sac_policy_context", "SAC_SAVE_OPS", "checkpointed_blocks", "recompute_parameter_views",
-           "tag_recomputation"]
+__all__ = ["AC_CHOICES", "apply_ac", "block_policies", "sac_policy_context", "SAC_SAVE_OPS",
+           "recompute_parameter_views", "tag_recomputation"]
 
 aten = torch.ops.aten
 
@@ -155,46 +156,64 @@ def recompute_parameter_views(forward_nodes: list[Any], params: set[str], block_
     return tagged
 
 
-def checkpointed_blocks(mode: str, selective_ac_option: str | int, n_blocks: int) -> set[int]:
-    """Indices of the blocks whose activations are recomputed under `mode`."""
-    if mode == "none":
-        return set()
-    if mode == "full" or str(selective_ac_option) == "op":
-        return set(range(n_blocks))
-    every = int(str(selective_ac_option))
-    return {i for i in range(n_blocks) if i % every == 0}
+AC_CHOICES = ("none", "op", "full")
+"""Activation checkpointing of one transformer block on the joint graph: keep every activation
+("none"), per-op SAC as the "op" policy above ("op"), or keep only the block's input and
+recompute the whole block ("full")."""
 
 
-def tag_recomputation(forward_nodes: list[Any], block_of: dict[str, int], mode: str,
-                      selective_ac_option: str | int = "op") -> int:
-    """Tag the forward nodes of a joint graph for torch's partitioner, per the AC policy.
+def block_policies(mode: str, selective_ac_option: str | int, n_blocks: int) -> tuple[str, ...]:
+    """The `AC_CHOICES` entry of each of `n_blocks` blocks under the job's `mode` and
+    `selective_ac_option` (every N-th block: "full" on blocks 0, N, 2N, ..., "none" elsewhere)."""
+    if mode in ("none", "full"):
+        return (mode,) * n_blocks
+    opt = str(selective_ac_option)
+    if mode != "selective" or not (opt == "op" or (opt.isdigit() and int(opt) >= 1)):
+        raise ValueError(f"activation checkpointing mode {mode!r} with option {opt!r}: use mode none|full|"
+                         "selective, and with selective the option 'op' or a positive integer N")
+    if opt == "op":
+        return ("op",) * n_blocks
+    return tuple("full" if i % int(opt) == 0 else "none" for i in range(n_blocks))
+
+
+def _op_policy(n: Any, mm_count: dict[int, int], b: int) -> Any:
+    """Per-op SAC of one node of block `b`: every other matmul and the attention outputs saved."""
+    if n.target in _MM_OPS:
+        mm_count[b] += 1
+        return CheckpointPolicy.MUST_SAVE if mm_count[b] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+    if n.target in SAC_SAVE_OPS or (n.target is operator.getitem and n.args[0].target in SAC_SAVE_OPS):
+        return CheckpointPolicy.MUST_SAVE  # attention outputs (and their getitems)
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def tag_recomputation(forward_nodes: list[Any], block_of: dict[str, int], policies: Sequence[str]) -> int:
+    """Tag the forward nodes of a joint graph for torch's partitioner, block by block.
 
     `block_of`: node name -> transformer block index (nodes outside blocks are never
-    recomputed). Full AC (and every-N-th block) recomputes every op of a checkpointed
-    block, so only block inputs are saved; per-op SAC ("op") saves attention outputs and
-    every other matmul of each block and recomputes the rest, as the eager policy above
-    does. Each block is its own region (`ac_graph_id`), so values crossing blocks are
-    saved. Returns the number of nodes tagged for recomputation.
+    recomputed); `policies[i]`: block i's `AC_CHOICES` entry (`block_policies` maps the job's
+    settings). "full" recomputes every op of the block, so only its inputs are saved; "op"
+    saves attention outputs and every other matmul of the block (a counter per block) and
+    recomputes the rest, as the eager policy above does; "none" tags nothing. Each block is its
+    own region (`ac_graph_id`), so values crossing blocks are saved. Returns the number of
+    nodes tagged for recomputation.
     """
+    bad = [p for p in policies if p not in AC_CHOICES]
+    if bad:
+        raise ValueError(f"activation checkpointing choices {bad}: use one of {', '.join(AC_CHOICES)}")
     for n in forward_nodes:  # a graph may be tagged again with another policy
         n.meta.pop("recompute", None)
         n.meta.pop("ac_graph_id", None)
-    blocks = checkpointed_blocks(mode, selective_ac_option, max(block_of.values(), default=-1) + 1)
-    per_op = mode == "selective" and str(selective_ac_option) == "op"
     mm_count: dict[int, int] = defaultdict(int)
     tagged = 0
     for n in forward_nodes:
         b = block_of.get(n.name)
-        if b is None or b not in blocks or n.op != "call_function":
+        if b is None or n.op != "call_function":
             continue
-        policy = CheckpointPolicy.PREFER_RECOMPUTE
-        if per_op and n.target in _MM_OPS:
-            mm_count[b] += 1
-            if mm_count[b] % 2 == 1:
-                policy = CheckpointPolicy.MUST_SAVE
-        elif per_op and (n.target in SAC_SAVE_OPS
-                         or (n.target is operator.getitem and n.args[0].target in SAC_SAVE_OPS)):
-            policy = CheckpointPolicy.MUST_SAVE  # attention outputs (and their getitems)
+        if b >= len(policies):
+            raise ValueError(f"block {b} has no activation checkpointing choice ({len(policies)} given)")
+        if policies[b] == "none":
+            continue
+        policy = _op_policy(n, mm_count, b) if policies[b] == "op" else CheckpointPolicy.PREFER_RECOMPUTE
         if _seeded(n):  # the partitioner would thread RNG state through a recomputed random op
             policy = CheckpointPolicy.MUST_SAVE
         n.meta["recompute"] = policy

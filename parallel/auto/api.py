@@ -460,9 +460,9 @@ class AutoParallel:
 
     def memory_advice_text(self, est: MemoryEstimate) -> str:
         """The dominant part of the peak and the setting that lowers it, then the general fixes."""
-        advice = memory_advice(est, self.runtime.ac_mode, self.runtime.reshard_after_forward,
+        advice = memory_advice(est, self.runtime.ac_level, self.runtime.reshard_after_forward,
                                getattr(self.mp_policy, "param_dtype", None), self.planner.optimizer)
-        return f"{advice}; {memory_fix(self.runtime.ac_mode)}"
+        return f"{advice}; {memory_fix(self.runtime.ac_level)}"
 
     @pauses_collector
     def replay_placement(self, plan: Plan) -> Plan:

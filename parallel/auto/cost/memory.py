@@ -75,7 +75,9 @@ class MemoryEstimate:
     activations_by_block: dict[str, int] = field(default_factory=dict)  # activations at the peak
     saved_by_block: dict[str, int] = field(default_factory=dict)  # activations when the forward ends
     recomputed_by_block: dict[str, int] = field(default_factory=dict)  # recomputed values the backward reads
-    recompute: str = ""  # activation checkpointing: "none", "full", "selective op", ... ("": not recorded)
+    recompute: str = ""  # activation checkpointing: "none", "full", "selective op", "per block: full, op", ...
+    # ("": not recorded); per layer, its choice ("none", "op", "full"): {} without checkpointing
+    recompute_by_block: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
         """One line for the plan summary and logs."""

@@ -194,9 +194,9 @@ def memory_advice(est: Any, ac_mode: str = "none", reshard_after_forward: bool =
     if name == "activations":
         mode = "full" if ac_mode == "selective" else "selective"
         knob = (f"[activation_checkpoint] mode = \"{mode}\" in the job's TOML (API: RuntimeOptions(ac_mode="
-                f"\"{mode}\")), or a smaller [training] local_batch_size / seq_len" if ac_mode != "full" else
-                "a smaller [training] local_batch_size or seq_len in the job's TOML (activations are already "
-                "fully checkpointed)")
+                f"\"{mode}\")), or a smaller [training] local_batch_size / seq_len" if ac_mode not in ("full", "auto")
+                else "a smaller [training] local_batch_size or seq_len in the job's TOML (activations are already "
+                "checkpointed as far as they can be)")
     elif name == "transient" and est.phase == "optimizer" and optimizer == "foreach":
         knob = ("[optimizer] implementation = \"for-loop\" in the job's TOML (API: PlannerConfig(optimizer="
                 "\"for-loop\")): AdamW's foreach temporaries are one tensor per parameter")

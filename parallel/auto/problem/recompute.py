@@ -29,20 +29,19 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from parallel.activation_checkpoint import tag_recomputation
+from parallel.activation_checkpoint import AC_CHOICES, tag_recomputation
 from parallel.auto.candidates.placements import shard_factor
 from parallel.auto.candidates.strategies import Candidates
 from parallel.auto.problem.placement_problem import Edge
 from parallel.auto.trace.blocks import block_indices
 from parallel.auto.trace.joint import BWD, FWD
 
-CHOICES = ("none", "op", "full")
+CHOICES = AC_CHOICES
 """Per-block settings: keep everything, per-op SAC (matmul and attention outputs kept), full."""
 
 RECOMPUTE_GROUP = "activation checkpointing"
 """The member name of the choice group (no node of the graph has it)."""
 
-_AS_SETTING = {"none": ("none", "op"), "op": ("selective", "op"), "full": ("full", "op")}
 
 
 @dataclass(frozen=True)
@@ -188,16 +187,16 @@ def block_values(jg: Any, block_of: dict[str, int]) -> dict[int, dict[str, Block
     forward = _forward_nodes(jg)
     blocks = sorted(set(block_of.values()))
     out: dict[int, dict[str, BlockValues]] = {b: {} for b in blocks}
+    n_blocks = max(blocks) + 1
     try:
         for choice in CHOICES:
-            mode, opt = _AS_SETTING[choice]
-            tag_recomputation(forward, block_of, mode, opt)
+            tag_recomputation(forward, block_of, (choice,) * n_blocks)
             saved, recomputed = _walk(jg, forward, block_of)
             for b in blocks:
                 out[b][choice] = BlockValues(frozenset(n for n in saved if block_of.get(n) == b),
                                              frozenset(n for n in recomputed if block_of.get(n) == b))
     finally:
-        tag_recomputation(forward, block_of, "none", "op")  # the runtime tags its own partition
+        tag_recomputation(forward, block_of, ("none",) * n_blocks)  # the runtime tags its own partition
     return out
 
 

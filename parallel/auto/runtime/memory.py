@@ -113,8 +113,10 @@ def step_memory(step: TracedStep, mesh: DeviceMesh, optimizer: str = "foreach") 
                             optimizer_temp=optimizer_temp_bytes(trained, optimizer),
                             gather_staging=_on_gloo(mesh),
                             reduced_grad_bytes=None if sg.reduces else sum(trained))
-    opts = step.options
-    est.recompute = opts.ac_mode if opts.ac_mode != "selective" else f"selective {opts.ac_option}"
+    est.recompute = step.options.ac_label
+    by_layer = step.runner.ac_by_layer()
+    if set(by_layer.values()) - {"none"}:  # the picture labels each block's choice
+        est.recompute_by_block = by_layer
     log.debug("memory: %s", est.summary())
     return est
 

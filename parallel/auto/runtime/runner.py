@@ -171,12 +171,13 @@ def phase_graphs(graph: JointGraph, block_of: dict[str, int], options: RuntimeOp
     The partition (a second or more on an 8B graph) does not depend on the plan, so it is made
     once per graph and policy and kept on the graph: the memory estimate's rounds, the plans of
     a sweep or mesh search on one trace, and `apply_placement` after an estimate reuse it."""
-    key = (options.ac_mode, str(options.ac_option), options.reshard_after_forward, str(device))
+    policies = options.ac_policies(max(block_of.values(), default=-1) + 1)
+    key = (policies, options.reshard_after_forward, str(device))
     hit = graph.phase_graphs.get(key)
     if hit is not None:
         return hit
     forward = [n for n in graph.gm.graph.nodes if graph.phase.get(n.name) == FWD and n.op == "call_function"]
-    recomputed = tag_recomputation(forward, block_of, options.ac_mode, options.ac_option)
+    recomputed = tag_recomputation(forward, block_of, policies)
     if options.reshard_after_forward:  # the backward gathers its parameters again (FSDP)
         params = {n.name for n in graph.params.values()}
         recomputed += recompute_parameter_views(forward, params, block_of)
@@ -257,6 +258,13 @@ class PlanRunner:
             gm = self.fwd_gm if phase == "fwd" else self.bwd_gm
             blocks = self._phase_blocks[phase] = PhaseBlocks(gm, self._block_layout, self.spec, self.ops.defer)
         return BlockCopies(blocks, self.ops, self.mesh)
+
+    def ac_by_layer(self) -> dict[str, str]:
+        """Layer ('layers.3') -> its block's activation checkpointing choice (`AC_CHOICES`)."""
+        policies = self.options.ac_policies(max(self.block_of.values(), default=-1) + 1)
+        if self._layer_of is None:
+            self._layer_of = block_prefixes(self.graph)
+        return {layer: policies[self.block_of[name]] for name, layer in self._layer_of.items() if name in self.block_of}
 
     def _trace_tags(self, phase: str) -> TraceTags | None:
         """Under a trace, the block and recomputation labels of the traced nodes (a backward

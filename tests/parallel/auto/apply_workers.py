@@ -138,7 +138,7 @@ def run_job(mesh, job: dict) -> dict:
     from parallel.auto.runtime import local_shard
 
     with _planner(job["model"], mesh, hardware="cpu") as autop:
-        pm = autop.apply_placement(Plan.from_json(job["plan"]))
+        pm = autop.apply_placement(Plan.from_json(job["plan"]), job.get("options"))  # RuntimeOptions
         model = autop.model
     pm.to_empty(device="cpu")
     torch.manual_seed(0)
@@ -159,7 +159,7 @@ def run_job(mesh, job: dict) -> dict:
         losses.append(loss.item())
     return {"losses": losses, "grads": grads, "deviations": runner.stats["deviations"],
             "local_graphs": bool(runner.local_graphs_cache), "stats": dict(runner.stats),
-            "block_copies": dict(runner.block_copy_counts),
+            "block_copies": dict(runner.block_copy_counts), "recomputed": runner.recomputed,
             "placements": {n: tuple(p.placements) for n, p in pm.named_parameters()}}
 
 

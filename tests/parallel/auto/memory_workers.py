@@ -45,18 +45,29 @@ def constrain(autop, kind: str) -> None:
         raise ValueError(kind)
 
 
+def runtime_options(ac, micro_batches: int = 1):
+    """RuntimeOptions of an AC choice: a mode ("none", "full"), "op" (per-op SAC on every block)
+    or a tuple of per-block choices (ac_blocks)."""
+    from parallel.auto.runtime import RuntimeOptions
+
+    if isinstance(ac, tuple):
+        return RuntimeOptions(ac_blocks=ac, micro_batches=micro_batches)
+    if ac == "op":
+        return RuntimeOptions(ac_mode="selective", ac_option="op", micro_batches=micro_batches)
+    return RuntimeOptions(ac_mode=ac, micro_batches=micro_batches)
+
+
 # one joint-graph trace per process: it depends neither on the mesh nor on the plan, so the
 # plans of a module share it (as apply_workers' plans do)
 _GRAPH: list = []
 
 
-def plan_and_estimate(world: int, kind: str, ac_modes: list[str]) -> tuple[dict, dict]:
-    """(plan JSON, AC mode -> estimated peak bytes) on a fake world of `world` ranks."""
+def plan_and_estimate(world: int, kind: str, ac_modes: list) -> tuple[dict, dict]:
+    """(plan JSON, AC choice (`runtime_options`) -> estimate JSON) on a fake world of `world` ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from parallel.auto.api import AutoParallel, fake_world, lm_loss
     from parallel.auto.config import PlannerConfig
-    from parallel.auto.runtime import RuntimeOptions
 
     with fake_world(world):
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
@@ -67,11 +78,11 @@ def plan_and_estimate(world: int, kind: str, ac_modes: list[str]) -> tuple[dict,
             _GRAPH[:] = [autop.graph]
             constrain(autop, kind)
             plan = autop.optimize_placement(verbose=False)
-            est = {ac: autop.estimate_memory(plan, RuntimeOptions(ac_mode=ac)) for ac in ac_modes}
+            est = {ac: autop.estimate_memory(plan, runtime_options(ac)) for ac in ac_modes}
     return plan.to_json(), {ac: e.to_json() for ac, e in est.items()}
 
 
-def measure(mesh, plan_json: dict, ac: str, micro_batches: int = 1) -> dict:
+def measure(mesh, plan_json: dict, ac, micro_batches: int = 1) -> dict:
     """Train two steps (AdamW foreach, clipping, as the trainer does); the second is measured.
     `micro_batches` > 1: each step accumulates that many batches of the plan's shape, all but
     the last under `no_gradient_sync` (as the trainer does)."""
@@ -80,14 +91,14 @@ def measure(mesh, plan_json: dict, ac: str, micro_batches: int = 1) -> dict:
     from parallel.auto.api import AutoParallel, lm_loss
     from parallel.auto.config import PlannerConfig
     from parallel.auto.plan import Plan
-    from parallel.auto.runtime import RuntimeOptions, local_shard
+    from parallel.auto.runtime import local_shard
     from parallel.measure import AllocatorPeak, phase, state_bytes
     from trainer.optim import clip_grad_norm_
 
     model, inputs = _model_and_inputs()
     with AutoParallel(model, inputs, mesh, loss_fn=lm_loss, planner=PlannerConfig(hardware="cpu")) as autop:
         plan = Plan.from_json(plan_json)
-        options = RuntimeOptions(ac_mode=ac, micro_batches=micro_batches)
+        options = runtime_options(ac, micro_batches)
         pm = autop.apply_placement(plan, options)
         est = autop.estimate_memory(plan, options).to_json()  # on gloo: as the trainer's
     pm.to_empty(device="cpu")
@@ -117,7 +128,7 @@ def measure(mesh, plan_json: dict, ac: str, micro_batches: int = 1) -> dict:
 
 
 def worker(rank: int, world_size: int, jobs: list[tuple]) -> list[dict]:
-    """`jobs`: (plan JSON, AC mode[, micro-batches])."""
+    """`jobs`: (plan JSON, AC choice (`runtime_options`)[, micro-batches])."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))

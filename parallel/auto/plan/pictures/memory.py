@@ -90,9 +90,15 @@ def _layer_key(name: str) -> tuple:
     return (name == OUTSIDE, m.group(1) if m else name, int(m.group(2)) if m else -1)
 
 
+def _first_layer(row: str) -> str:
+    """A row's (first) layer: 'layers.0-3' -> 'layers.0'."""
+    return re.sub(r"-\d+$", "", row)
+
+
 def block_rows(est: MemoryEstimate) -> list[tuple[str, int, tuple[int, int, int]]]:
     """(layer or 'layers.0-3', count, (saved, at the peak, recomputed) bytes of each) with
-    consecutive blocks of the same figures folded; values outside the blocks last."""
+    consecutive blocks of the same figures (and checkpointing choice) folded; values outside
+    the blocks last."""
     series = (est.saved_by_block, est.activations_by_block, est.recomputed_by_block)
     names = sorted({k for s in series for k in s}, key=_layer_key)
     rows: list[tuple[str, int, tuple[int, int, int]]] = []
@@ -102,7 +108,9 @@ def block_rows(est: MemoryEstimate) -> list[tuple[str, int, tuple[int, int, int]
         if rows and m:
             prev, count, pv = rows[-1]
             pm = re.match(r"(.*)\.(\d+)(?:-(\d+))?$", prev)
-            if pm and pm.group(1) == m.group(1) and pv == v and int(pm.group(3) or pm.group(2)) + 1 == int(m.group(2)):
+            same_ac = est.recompute_by_block.get(name) == est.recompute_by_block.get(_first_layer(prev))
+            if (pm and pm.group(1) == m.group(1) and pv == v and same_ac
+                    and int(pm.group(3) or pm.group(2)) + 1 == int(m.group(2))):
                 rows[-1] = (f"{pm.group(1)}.{pm.group(2)}-{m.group(2)}", count + 1, v)
                 continue
         rows.append((name, 1, v))
@@ -119,8 +127,10 @@ def blocks_chart(est: MemoryEstimate) -> str:
     y = 56
     for name, count, (saved, at_peak, recomputed) in rows:
         label = f"{name} ×{count}" if count > 1 else name
+        choice = est.recompute_by_block.get(_first_layer(name))
+        label += f" (AC {choice})" if choice else ""
         body.append(text(4, y + 10, label))
-        common = {"block": name, "count": count}
+        common = {"block": name, "count": count, **({"ac": choice} if choice else {})}
         body.append(rect(LEFT, y, saved * px, 9, SAVED, cls="mem-saved", data={**common, "bytes": saved},
                          title=f"{label}: saved when the forward ends {format_bytes(saved)} each"))
         body.append(rect(LEFT + saved * px, y, recomputed * px, 9, RECOMPUTED, cls="mem-recomputed",
