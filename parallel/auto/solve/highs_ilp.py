@@ -150,6 +150,19 @@ def _local_search(stage: _Stage, labels: dict[int, int], memory: bool, rounds: i
     return labels
 
 
+def _repair_row(prob: Problem, labels: dict[int, int]) -> dict[int, int]:
+    """A rounding over the recomputation row moved to the first option that recomputes
+    enough (options go from none to every block full), so the local search starts inside it."""
+    choice = prob.recompute
+    if choice is None or not choice.limited or choice.group not in labels:
+        return labels
+    for a in range(labels[choice.group], len(choice.options)):
+        labels[choice.group] = a
+        if RowTracker(prob, labels).value <= choice.row.limit:
+            break
+    return labels
+
+
 def _infeasible(prob: Problem) -> PlanningError:
     check_feasible(prob)  # names the conflicting constraints when it can
     return PlanningError("the ILP is infeasible under the given constraints: "
@@ -205,7 +218,7 @@ def solve_highs(prob: Problem, *, time_limit: float | None = 600.0, verbose: boo
         value, reduced_cost = np.asarray(sol.col_value), np.asarray(sol.col_dual)
         bound = relax.getInfo().objective_function_value
         rounded = read_labels(m, value)
-        labels = _local_search(first, dict(rounded), memory)
+        labels = _local_search(first, _repair_row(prob, dict(rounded)), memory)
         full = first.full_labels(labels)
         value_of = prob.energy(full)
         if budget_holds(budgeted, full) and np.isfinite(value_of):  # a rounding may use a forbidden pair

@@ -316,10 +316,14 @@ ROW_STEPS = 8
 
 
 def _priced_activations(prob: Problem, lam: float) -> Problem:
-    """`prob` with `lam` µs per kept activation byte on the recomputation edges."""
+    """`prob` with `lam` µs per byte of the row: kept activations on the recomputation edges,
+    model states on the parameter groups."""
     edges = [dataclasses.replace(e, cost=e.cost + lam * e.memory) if e.kind == "recompute" and e.memory is not None
              else e for e in prob.edges]
-    return dataclasses.replace(prob, edges=edges)
+    unary = list(prob.unary)
+    for g in prob.param_groups:
+        unary[g] = unary[g] + lam * prob.recompute.row.state_factor * prob.param_bytes[g]
+    return dataclasses.replace(prob, edges=edges, unary=unary)
 
 
 def _solve_with_row(prob: Problem, solve: Any) -> Solution:
