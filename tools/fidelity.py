@@ -5,6 +5,8 @@
     python scripts/fidelity.py --model wide            # 6 layers, dim 512, seq 512
     python scripts/fidelity.py --config qwen3_debug --mesh 2x2
     python scripts/fidelity.py --config llama3_debug --model none --training.seq_len 1024 --model.n_layers 2
+    python scripts/fidelity.py --repeats 3 --goal         # medians of 3 interleaved runs; exit 1 on a miss
+    python scripts/fidelity.py --suite issue49 --repeats 3  # the issue-49 goal: 5 jobs, one row each
 
 For one job (`--config`, a `--model` preset of shape flags, then any `--section.key value`
 override, e.g. `--model.dim 512`) and mesh (`N`: dp_shard N; `AxB`: dp_shard A x tp B) it

@@ -1,6 +1,8 @@
 """tools/fidelity.py: its statistics against hand-computed values (ties included), the
 plan digest that deduplicates its plans, exit 2 when too few distinct plans remain, and
-(slow) the script end to end on a tiny job (2 gloo ranks, 3 plans)."""
+(slow) the script end to end on a tiny job (2 gloo ranks, 3 plans, 2 repeats); the repeats'
+medians, their bootstrap intervals, the goal's exit status and the issue-49 suite on synthetic
+figures."""
 
 from __future__ import annotations
 
@@ -171,7 +173,7 @@ _STAT = re.compile(r"Spearman rho\s+(-?[\d.]+)\s+Kendall tau-b\s+(-?[\d.]+)\s+me
 
 @pytest.mark.slow
 def test_the_script_on_a_tiny_job_prints_statistics_a_library_recomputes(tmp_path):
-    """2 gloo ranks, 3 plans, run as a user runs it: its rank statistics equal scipy's over the
+    """2 gloo ranks, 3 plans, 2 repeats, run as a user runs it: its rank statistics equal scipy's over the
     ranks it prints (which are scipy's ranks of the printed values wherever those differ), its
     APE and regrets equal the table's arithmetic within what printing 0.1 ms can move them."""
     import os
@@ -183,7 +185,7 @@ def test_the_script_on_a_tiny_job_prints_statistics_a_library_recomputes(tmp_pat
     job = ["--model", "none", "--model.n_layers", "1", "--model.dim", "64", "--training.seq_len", "32",
            "--training.local_batch_size", "2", "--steps", "3", "--warmup", "1", "--plan-dir", str(tmp_path)]
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "fidelity.py"), "--mesh", "2",
-                        "--plans", "auto,fsdp,tp", *job],
+                        "--plans", "auto,fsdp,tp", "--repeats", "2", *job],
                        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     table = _table(r.stdout)
@@ -210,6 +212,12 @@ def test_the_script_on_a_tiny_job_prints_statistics_a_library_recomputes(tmp_pat
     planner = float(re.search(r"planner regret ([\d.]+)%", r.stdout).group(1))
     auto = table["auto"][2]
     assert planner == pytest.approx(100 * (auto / best - 1), abs=_slack(auto, best))
+    # --repeats 2: two interleaved runs a plan, their min-max around the printed median
+    assert "medians of 2 runs each" in r.stdout and "(over the repeats)" in r.stdout
+    for parts in (ln.split() for ln in r.stdout.splitlines()):
+        if len(parts) == 10 and parts[0] in table:  # a table row: 9 columns and the runs' min-max
+            low, high = map(float, parts[-1].replace(",", "").split("-"))
+            assert low - 0.05 <= table[parts[0]][2] <= high + 0.05, parts
 
 
 # --- repeats, the goal and the suite (issue 49) ---
