@@ -25,11 +25,13 @@ import dataclasses
 import operator
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from models import build_model
+from models import build_model, model_args
 from parallel import _torch as T
+from parallel.auto.cost import load_hardware
 from parallel.auto.cost.memory import format_bytes
 from parallel.auto.plan import Plan
 from parallel.auto.regions import load_balanced_batch
@@ -43,7 +45,7 @@ from .build import build_parallel_model
 from .config import ConfigError, JobConfig
 from .device import CUDA, check_fake_cuda, simulated_device
 from .dry_run import OP_KINDS, group_axis_names
-from .dry_run_recipe import ep_recipe, format_comparison, priced
+from .dry_run_recipe import ep_recipe, format_comparison, fsdp_preset, priced
 from .parallelizer import AutoMode
 from .tokenizer import tokenizer_vocab
 
@@ -59,6 +61,7 @@ class AutoDryRunReport:
     plan_origin: str = ""
     objective_us: float = 0.0
     predicted_step: str = ""
+    throughput: str = ""  # "predicted N tok/s/GPU (...)"
     memory: str = ""
     collectives: dict = field(default_factory=dict)  # (kind, axis) -> [count, bytes]
     regions: list = field(default_factory=list)  # local_map regions the plan places around
@@ -193,18 +196,32 @@ def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
     return report
 
 
+def _flops(cfg: JobConfig, mp_dtype: Any, hardware: str) -> tuple[float, float] | None:
+    """(training FLOPs per token, peak FLOP/s of one device) for the MFU; None when unknown."""
+    try:
+        args = model_args(cfg.model.name, cfg.model.flavor, **cfg.model.arg_overrides())
+        return float(args.flops_per_token(cfg.training.seq_len)), load_hardware(hardware).peak_flops(mp_dtype)
+    except (AttributeError, TypeError, ValueError, OSError):
+        return None
+
+
 def _price_against_recipe(pm, mesh, cfg: JobConfig, report: AutoDryRunReport, micro: int) -> None:
-    """The free plan and the mesh's hand recipe (an ep axis: the EP recipe), priced alike."""
+    """The free plan and the mesh's hand recipe (an ep axis: the EP recipe; else the FSDP
+    preset with per-op SAC), priced alike; and the free plan's tokens/s line."""
     plan = pm.plan
     report.plan_seconds = sum(plan.timings.values())
-    recipe = ep_recipe(pm, mesh, cfg, report.tokens)
-    if recipe is None:
-        return
     step_tokens = report.tokens[0] * report.tokens[1] * data_degree(mesh)
-    ep = dict(zip(mesh.mesh_dim_names, mesh.shape))["ep"]
-    name = f"EP recipe (FSDP, experts over ep={ep})"
-    report.priced = [priced("auto (the planner's free plan)", plan, step_tokens, report.world_size, micro),
-                     priced(name, recipe[0], step_tokens, report.world_size, micro, recipe[1])
+    flops = _flops(cfg, cfg.training.mixed_precision_param, plan.hardware)
+    mine = priced("auto (the planner's free plan)", plan, step_tokens, report.world_size, micro, flops=flops)
+    report.throughput = (f"predicted {mine.tokens_per_s_per_gpu:,.0f} tok/s/GPU (step {mine.step_ms:,.1f} ms"
+                         + (f", MFU {mine.mfu:.1%}" if mine.mfu is not None else "") + ")")
+    recipe = ep_recipe(pm, mesh, cfg, report.tokens)
+    if recipe is not None:
+        name = f"EP recipe (FSDP, experts over ep={dict(zip(mesh.mesh_dim_names, mesh.shape))['ep']})"
+    else:
+        recipe, name = fsdp_preset(pm, mesh, cfg, report.tokens), "FSDP preset (per-op SAC)"
+    report.priced = [mine, priced(name, recipe[0], step_tokens, report.world_size, micro, recipe[1], flops=flops,
+                                  recompute="" if "EP" in name else "op on every block")
                      if isinstance(recipe[0], Plan) else f"{name}: {recipe[0]}"]
 
 
@@ -216,6 +233,7 @@ def format_auto_report(r: AutoDryRunReport) -> str:
              f"predicted step (cost model on the step graph): {r.predicted_step}",
              f"predicted peak memory: {r.memory}",
              f"planning: {r.plan_seconds:.1f} s (trace, candidates, solve, memory estimate)",
+             *([r.throughput] if r.throughput else []),
              *(format_comparison(r.priced) if r.priced else []),
              "collectives per training step (rank 0's step graph):",
              f"    {'kind':<15}{'mesh axis':<18}{'count':>7}{'bytes':>16}"]

@@ -12,6 +12,7 @@ memory estimate's peak, tokens per second per GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -29,7 +30,9 @@ from .config import JobConfig
 
 @dataclass(frozen=True)
 class PricedPlan:
-    """One plan of the job as the cost model prices it."""
+    """One plan of the job as the cost model prices it: the step graph simulated (with what
+    its activation checkpointing recomputes) where the memory estimate made one, else the
+    solver's price; MFU by the model's FLOPs per token on the profile's peak."""
 
     name: str
     step_ms: float
@@ -37,21 +40,45 @@ class PricedPlan:
     tokens_per_s_per_gpu: float
     solve_s: float = 0.0
     experts: str = ""  # where the plan puts the routed experts (its summary's line)
+    mfu: float | None = None
+    recompute: str = ""  # what the plan recomputes
 
     def row(self) -> str:
         peak = f"{self.peak_gib:9.1f}" if self.peak_gib is not None else f"{'n/a':>9}"
-        return f"    {self.name:<38}{self.step_ms:>11,.1f}{peak}{self.tokens_per_s_per_gpu:>12,.0f}"
+        mfu = f"{self.mfu:>7.1%}" if self.mfu is not None else f"{'n/a':>7}"
+        return f"    {self.name:<44}{self.step_ms:>11,.1f}{peak}{self.tokens_per_s_per_gpu:>12,.0f}{mfu}"
 
 
-def priced(name: str, plan: Plan, step_tokens: int, world: int, micro_batches: int, solve_s: float = 0.0
-           ) -> PricedPlan:
-    """`plan` priced for this job: `step_tokens`, the global tokens of one micro-batch."""
+def priced(name: str, plan: Plan, step_tokens: int, world: int, micro_batches: int, solve_s: float = 0.0,
+           flops: tuple[float, float] | None = None, recompute: str = "") -> PricedPlan:
+    """`plan` priced for this job: `step_tokens`, the global tokens of one micro-batch;
+    `flops`: (FLOPs per token, peak FLOP/s per device) for the MFU."""
     step_us = plan.step_time_us(micro_batches)
+    if plan.timeline is not None and micro_batches == 1:  # the step graph as it runs, recomputation in it
+        step_us = plan.timeline.step_us
     peak = plan.memory.peak_bytes / 2**30 if plan.memory is not None else None
     lines = [line.strip() for line in plan.summary().splitlines()]
     experts = next((line for line in lines if line.startswith("moe.experts.w1:")), "")
-    return PricedPlan(name, step_us / 1e3, peak, step_tokens * micro_batches / (step_us * 1e-6) / world, solve_s,
-                      experts)
+    tps = step_tokens * micro_batches / (step_us * 1e-6) / world
+    mfu = tps * flops[0] / flops[1] if flops else None
+    return PricedPlan(name, step_us / 1e3, peak, tps, solve_s, experts, mfu,
+                      recompute or plan.recompute.get("summary", ""))
+
+
+def fsdp_preset(pm, mesh: DeviceMesh, cfg: JobConfig, tokens: tuple[int, int]) -> tuple[Plan | str, float]:
+    """The FSDP preset (parameters fully sharded on the data axes, gathered for every matmul)
+    with per-op SAC on the free plan's trace, or why it has none, and its solve time."""
+    request = plan_request(cfg, mesh, local_batch_size=tokens[0], seq_len=tokens[1])
+    request = dataclasses.replace(request, runtime=dataclasses.replace(request.runtime, ac_mode="selective",
+                                                                       ac_option="op", ac_blocks=None))
+    t0 = time.perf_counter()
+    with planning(pm.meta_template, mesh, request, graph=pm.plan_runner.graph) as autop:
+        presets.fsdp(autop, data_axes(mesh))
+        try:
+            plan: Plan | str = autop.optimize_placement(verbose=False)
+        except PlanningError as e:
+            plan = f"no plan ({e})"
+    return plan, time.perf_counter() - t0
 
 
 def ep_recipe(pm, mesh: DeviceMesh, cfg: JobConfig, tokens: tuple[int, int]) -> tuple[Plan | str, float] | None:
@@ -76,10 +103,13 @@ def format_comparison(rows: list[PricedPlan | str]) -> list[str]:
     the free plan's ratio to the recipe."""
     lines = ["the plan next to the mesh's hand recipe, priced alike by the cost model (the solver's price of a step, "
              "Plan.step_time_us: compute plus communication; the peak of each plan's memory estimate):",
-             f"    {'plan':<38}{'step ms':>11}{'peak GiB':>9}{'tok/s/GPU':>12}"]
+             f"    {'plan':<44}{'step ms':>11}{'peak GiB':>9}{'tok/s/GPU':>12}{'MFU':>7}"]
     lines += [r.row() if isinstance(r, PricedPlan) else f"    {r}" for r in rows]
     lines += [f"    {r.name.split(' (')[0]}: {r.experts}" for r in rows if isinstance(r, PricedPlan) and r.experts]
+    lines += [f"    {r.name.split(' (')[0]} recomputes: {r.recompute}" for r in rows
+              if isinstance(r, PricedPlan) and r.recompute]
     if len(rows) == 2 and all(isinstance(r, PricedPlan) for r in rows) and rows[1].tokens_per_s_per_gpu > 0:
         lines.append(f"    free plan / recipe: {rows[0].tokens_per_s_per_gpu / rows[1].tokens_per_s_per_gpu:.3f}x "
-                     f"tokens/s (recipe solved in {rows[1].solve_s:.1f} s)")
+                     f"tokens/s, step {rows[0].step_ms / rows[1].step_ms:.3f}x (recipe solved in "
+                     f"{rows[1].solve_s:.1f} s)")
     return lines

@@ -23,7 +23,7 @@ from typing import Any
 from parallel.auto.candidates.placements import placement_words
 from parallel.auto.candidates.strategies import GETITEM, SLOT
 from parallel.auto.cost.timeline import MeasuredStep, StepTimeline
-from parallel.auto.plan import NodePlan, Plan, PlanDiff, collapse_layers, linear_roles
+from parallel.auto.plan import NodePlan, Plan, PlanDiff, collapse_layers, linear_roles, report
 from parallel.auto.plan.pictures.memory import memory_pictures
 from parallel.auto.plan.pictures.placements import map_note, placement_map
 from parallel.auto.plan.pictures.timeline import cannot_draw_timeline, timeline_svg
@@ -239,6 +239,7 @@ def overview(plan: Plan, total_param_bytes: float | None = None) -> str:
         ("objective", f"{plan.objective_us:,.1f} µs = compute {plan.compute_us:,.1f} µs + comm {comm:,.1f} µs"),
         ("memory", memory_line(plan, total_param_bytes)),
         ("peak memory", plan.memory.summary() if plan.memory is not None else "not estimated"),
+        ("recomputation", report.recompute_line(plan) or "as the job set it ([activation_checkpoint] mode)"),
         ("mesh", f"{mesh} ({len(plan.mesh_shape)}-D)"),
         ("hardware", plan.hardware),
         ("solver", f"{plan.solver}, {plan.status}, {plan.num_vars:,} variables"),

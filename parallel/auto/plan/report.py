@@ -21,6 +21,26 @@ def breakdown(plan: Any) -> str:
         lines.append(f"  {k:<28} {plan.comm_us[k]:>12,.1f} µs  {plan.comm_bytes.get(k, 0) / 2**20:>10,.1f} MiB")
     return "\n".join(lines)
 
+def recompute_line(plan: Any) -> str | None:
+    """What the solve chose to recompute, block runs first ("full: blocks 0-11; op: blocks
+    12-31"), the forward time the backward spends again and the activations kept; None when
+    the job fixed its activation checkpointing."""
+    rc = getattr(plan, "recompute", None) or {}
+    blocks = rc.get("blocks")
+    if not blocks:
+        return None
+    runs: list[list] = []
+    for i, c in enumerate(blocks):
+        if runs and runs[-1][0] == c:
+            runs[-1][2] = i
+        else:
+            runs.append([c, i, i])
+    where = "; ".join(f"{c}: block{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''}" for c, a, b in runs)
+    return (f"activation checkpointing chosen in the solve: {where} (none: keep all, op: per-op SAC, full: "
+            f"recompute the block); the backward recomputes {rc.get('recompute_us', 0.0) / 1e3:,.1f} ms of forward, "
+            f"the blocks keep {rc.get('activation_bytes', 0.0) / 2**30:,.2f} GiB of activations")
+
+
 def summary(plan: Any) -> str:
     """Per-layer table: what each projection does on each mesh axis, in words."""
     rows = linear_roles(plan)
@@ -37,6 +57,9 @@ def summary(plan: Any) -> str:
     ]
     if plan.memory is not None:
         lines.append(plan.memory.summary())
+    rc = recompute_line(plan)
+    if rc:
+        lines.append(rc)
     collapsed = collapse_layers(by_module)
     for layer, items in collapsed:
         lines.append(f"{layer or '(top)'}:")
