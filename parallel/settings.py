@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "auto")
+"""\"auto\": the planner chooses each block's recomputation in its solve (auto mode only)."""
 
 
 class SettingError(ValueError):
@@ -75,14 +76,22 @@ class ParallelDegrees:
 
 @dataclass
 class ActivationCheckpoint:
-    """Activation checkpointing: mode "none" | "full" | "selective"; selective_ac_option "op"
-    (per-op SAC) or an integer N as a string (every N-th block)."""
+    """Activation checkpointing: mode "none" | "full" | "selective" | "auto" (the planner
+    chooses per block; auto mode only); selective_ac_option "op" (per-op SAC) or an integer N
+    as a string (every N-th block). Unset (""): "auto" in auto mode, "none" in manual mode
+    (`resolved`)."""
 
-    mode: str = "none"
+    mode: str = ""
     selective_ac_option: str = "op"
 
+    def resolved(self, parallelism_mode: str) -> str:
+        """The mode in effect: an unset mode is the parallelism mode's default."""
+        if self.mode:
+            return self.mode
+        return "auto" if parallelism_mode == "auto" else "none"
+
     def check(self) -> None:
-        if self.mode not in AC_MODES:
+        if self.mode and self.mode not in AC_MODES:
             raise SettingError("mode", self.mode, f"must be one of {', '.join(map(repr, AC_MODES))}")
         opt = self.selective_ac_option
         if self.mode == "selective" and opt != "op" and not (opt.isdigit() and int(opt) >= 1):

@@ -5,6 +5,8 @@
     python scripts/fidelity.py --model wide            # 6 layers, dim 512, seq 512
     python scripts/fidelity.py --config qwen3_debug --mesh 2x2
     python scripts/fidelity.py --config llama3_debug --model none --training.seq_len 1024 --model.n_layers 2
+    python scripts/fidelity.py --repeats 3 --goal         # medians of 3 interleaved runs; exit 1 on a miss
+    python scripts/fidelity.py --suite issue49 --repeats 3  # the issue-49 goal: 5 jobs, one row each
 
 For one job (`--config`, a `--model` preset of shape flags, then any `--section.key value`
 override, e.g. `--model.dim 512`) and mesh (`N`: dp_shard N; `AxB`: dp_shard A x tp B) it
@@ -25,22 +27,44 @@ the measured best - 1); and the planner's own regret (the free plan's measured t
 the measured best - 1). Statistics: tools/rank_stats.py. The step simulation against the
 measured medians is also drawn, one point per plan over the y = x line, as an SVG
 (`--scatter`; default fidelity_scatter.svg in --plan-dir, else in outputs/fidelity/).
+
+Repeats (`--repeats N`, default 1): every plan is timed N times, interleaved (round r of
+every plan before round r + 1 of any, and inside a round step i of every plan before step
+i + 1 of any; the warm-up only in the first round); a plan's measured step is the median of
+its N figures (each the median of a round's timed steps), and the table adds their min–max.
+With N >= 2 the 95% intervals of rho and of the planner's regret are bootstrapped over the
+repeats (each plan's N figures resampled on their own, the predictions fixed: the run-to-run
+noise of these plans, which is what the goal is about; see `rank_stats.repeats_interval`);
+with N = 1 rho's interval resamples the plans instead (all one run can give). The repeats
+share the trainers of one launch: they draw the machine's drift over the job's time, not
+what a fresh launch would change.
+
+The goal (issue 49): the ILP objective's rho >= 0.9 (`--goal-rho`) and the planner regret
+<= 2 % (`--goal-regret`), judged on the medians; `--goal` makes a miss exit 1 with one line
+naming the figure that missed (exit 2 stays bad input or too few distinct plans).
+`--suite issue49` runs five jobs (LLaMA 3, Qwen3 and DeepSeek-V3 debug; meshes 4 and 2x2;
+seq 128 and 1024) one after another, each reported in full, then one row a job (rho, its
+interval, regret, met or not); the goal is always checked and any job that misses it makes
+the exit 1 (2 when a job had too few distinct plans).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from parallel.auto.plan.html import write_html
-from parallel.auto.plan.pictures.scatter import scatter_svg
 from parallel.auto.search.mesh_space import MeshSearchError, MeshSpec, parse_mesh
 from parallel.mesh import DP_SHARD, TP
 from tools import rank_stats as st
 from tools.bench_common import run_on_ranks, temp_folder, time_round_robin
+from tools.fidelity_report import Goal, Verdict, report, report_job, suite_table, write_scatter
+
+__all__ = ["Goal", "Verdict", "main", "report", "report_job", "suite_table", "write_scatter"]
 
 MODELS = {  # shape presets; later --section.key flags override them
     "debug": ["--training.seq_len", "128", "--training.local_batch_size", "4"],
@@ -51,6 +75,29 @@ MODELS = {  # shape presets; later --section.key flags override them
 COMMON = ["--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "100000",
           "--parallelism.mode", "auto", "--validation.enable", "false"]
 MIN_PLANS = 10
+
+
+@dataclass(frozen=True)
+class SuiteJob:
+    """One job of a suite: a config, a --model preset, a mesh and its own flags."""
+
+    name: str
+    config: str
+    mesh: str
+    model: str = "debug"
+    flags: tuple[str, ...] = ()
+
+
+SUITES = {  # issue 49: 3 families, 1-D and 2-D meshes, seq 128 and 1024 (docs/measurements.md#fidelity)
+    "issue49": (
+        SuiteJob("llama3_mesh4_seq128", "llama3_debug", "4"),
+        SuiteJob("llama3_2x2_seq128", "llama3_debug", "2x2"),
+        SuiteJob("qwen3_2x2_seq128", "qwen3_debug", "2x2"),
+        SuiteJob("deepseek_v3_mesh4_seq128", "deepseek_v3_debug", "4"),
+        SuiteJob("llama3_mesh4_seq1024", "llama3_debug", "4", "none",
+                 ("--training.seq_len", "1024", "--model.n_layers", "2", "--training.local_batch_size", "1")),
+    ),
+}
 
 
 def fidelity_mesh(text: str) -> MeshSpec:
@@ -137,6 +184,22 @@ def _repriced(auto: Any, plans: dict[str, Any]) -> dict[str, float]:
         return {n: autop.replay_placement(p).objective_us for n, p in plans.items()}
 
 
+def time_repeats(built: dict[str, Any], warmup: int, steps: int, repeats: int) -> dict[str, dict]:
+    """`repeats` rounds of `time_round_robin` over the same trainers, the warm-up in the first
+    only: round r of every plan before round r + 1 of any. A plan's row: `runs_s` its rounds'
+    step figures (each a median over the round's timed steps), `step_s` their median, the
+    losses of every round."""
+    rounds = [time_round_robin(built, warmup if r == 0 else 0, steps) for r in range(repeats)]
+    rows = {}
+    for name in built:
+        runs = [rd[name]["step_s"] for rd in rounds]
+        row = dict(rounds[0][name])
+        row.update(step_s=statistics.median(runs), runs_s=runs, tokens_per_s=row["tokens"] / statistics.median(runs),
+                   losses=[x for rd in rounds for x in rd[name]["losses"]])
+        rows[name] = row
+    return rows
+
+
 class _Job:
     """Every rank: plan each variant (rank 0 solves, via the trainer), drop duplicate plans,
     time the distinct ones round-robin, predict each step on rank 0."""
@@ -150,7 +213,8 @@ class _Job:
         from trainer.trainer import Trainer
 
         a = self.args
-        flags = [*self.flags, "--training.steps", str(a.warmup + a.steps + 1), "--job.dump_folder", self.folder,
+        steps = a.warmup + a.steps * a.repeats + 1
+        flags = [*self.flags, "--training.steps", str(steps), "--job.dump_folder", self.folder,
                  "--job.name", name]
         if how == "h100":
             flags += ["--parallelism.hardware", "h100"]
@@ -179,7 +243,7 @@ class _Job:
         if len(kept) < a.min_plans:
             return out  # too few distinct plans: nothing is timed
         built = {n: built[n] for n in kept}
-        rows = time_round_robin(built, a.warmup, a.steps)
+        rows = time_repeats(built, a.warmup, a.steps, a.repeats)
         if dist.get_rank() == 0:
             auto = built["auto"].model
             cm, hw = auto.plan_cost_model, auto.plan.hardware
@@ -205,72 +269,6 @@ class _Job:
         return out
 
 
-def _scores(name: str, pred: list[float], meas: list[float], names: list[str]) -> str:
-    best = min(pred)
-    picked = [n for n, p in zip(names, pred) if p == best]
-    rho, tau = st.spearman(pred, meas), st.kendall_tau_b(pred, meas)
-    low, high = st.spearman_interval(pred, meas)
-    return (f"{name:<16} Spearman rho {rho:6.3f}   Kendall tau-b {tau:6.3f}   "
-            f"mean APE {st.mean_ape(pred, meas):6.1f}%   median APE {st.median_ape(pred, meas):6.1f}%   "
-            f"selection regret {st.selection_regret(pred, meas) * 100:5.1f}% (predicted best: {', '.join(picked)})   "
-            f"rho 95% bootstrap interval [{low:.2f}, {high:.2f}]")
-
-
-def report(result: dict, min_plans: int, out: Any = sys.stdout) -> int:
-    """Print the table and statistics (0), or why there are none: fewer distinct plans than
-    requested (2)."""
-    dups, failed = result["duplicates"], result["failed"]
-    for n, why in failed.items():
-        print(f"plan {n}: not planned ({why})", file=out)
-    for n, same in dups.items():
-        print(f"plan {n}: duplicate of {same} (placement digest {result['digests'][n]})", file=out)
-    n_distinct = len(result["digests"]) - len(dups)
-    if n_distinct < min_plans:
-        print(f"only {n_distinct} distinct plans of {len(result['digests']) + len(failed)} variants "
-              f"({len(dups)} duplicates, {len(failed)} not planned); {min_plans} were requested: no statistics "
-              "over duplicates. Ask for fewer (--min-plans) or other plans (--plans)", file=out)
-        return 2
-    rows = result["rows"]
-    names = sorted(rows, key=lambda n: rows[n]["step_s"])
-    meas = [rows[n]["step_s"] * 1e3 for n in names]
-    obj = [rows[n]["objective_us"] / 1e3 for n in names]
-    sim = [rows[n]["predicted_s"] * 1e3 for n in names]
-    r_meas, r_obj, r_sim = st.average_ranks(meas), st.average_ranks(obj), st.average_ranks(sim)
-    print(f"{'plan':<28} {'digest':<16} {'objective ms':>12} {'sim ms':>9} {'measured ms':>11} "
-          f"{'rank obj':>8} {'rank sim':>8} {'rank meas':>9} {'meas/sim':>8}", file=out)
-    for i, n in enumerate(names):
-        mark = "*" if rows[n].get("repriced") else ""
-        print(f"{n:<28} {rows[n]['digest']:<16} {obj[i]:>11.1f}{mark:1} {sim[i]:>9.1f} {meas[i]:>11.1f} "
-              f"{r_obj[i]:>8.1f} {r_sim[i]:>8.1f} {r_meas[i]:>9.1f} {meas[i] / sim[i]:>8.2f}", file=out)
-    if any(r.get("repriced") for r in rows.values()):
-        own, again = result.get("reprice_check", (None, None))
-        print("* solved on another profile; its placements re-priced on the free plan's job and calibrated profile"
-              + (f" (check: auto's objective {own / 1e3:.1f} ms, re-priced {again / 1e3:.1f} ms)" if again else ""),
-              file=out)
-    if result.get("reprice_error"):
-        print(f"re-pricing failed ({result['reprice_error']}): plans of another profile keep its objective",
-              file=out)
-    planner = st.regret_of(rows["auto"]["step_s"] * 1e3, meas)
-    rho_ok = min(st.spearman(obj, meas), st.spearman(sim, meas)) >= 0.9
-    print(f"\n{len(names)} distinct plans (measured best: {names[0]})", file=out)
-    print(_scores("ILP objective", obj, meas, names), file=out)
-    print(_scores("step simulation", sim, meas, names), file=out)
-    print(f"planner regret {planner * 100:.1f}% (the free plan 'auto' measured {rows['auto']['step_s'] * 1e3:.1f} ms)",
-          file=out)
-    print(f"goal (rho >= 0.9 for both predictors, planner regret <= 2%): "
-          f"{'met' if rho_ok and planner <= 0.02 else 'NOT met'}", file=out)
-    return 0
-
-
-def write_scatter(result: dict, path: str | Path) -> Path:
-    """The step simulation (x) against the measured median (y) of every timed plan, in ms, as
-    an SVG with the y = x line (parallel/auto/plan/pictures/scatter.py)."""
-    rows = result["rows"]
-    points = [(n, r["predicted_s"] * 1e3, r["step_s"] * 1e3) for n, r in sorted(rows.items())]
-    write_html(path, scatter_svg(points, title=f"step simulation vs measured ({len(points)} plans)"))
-    return Path(path)
-
-
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Any other --section.key value flag goes to the job (e.g. --model.dim 512).")
@@ -279,6 +277,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--mesh", default="4", help="N (dp_shard N) or AxB (dp_shard A x tp B); default 4")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="time every plan N times, interleaved; its measured "
+                   "step is the median of the N (default 1)")
     p.add_argument("--plans", default="", help="comma-separated subset of the plans (default: all)")
     p.add_argument("--min-plans", type=int, default=None,
                    help=f"distinct plans required (default {MIN_PLANS}, or the number named by --plans)")
@@ -287,7 +287,15 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--scatter", default="", help="the predicted-vs-measured SVG (default: fidelity_scatter.svg "
                    "in --plan-dir, else in outputs/fidelity/)")
     p.add_argument("--explain", action="store_true", help="print each plan's objective breakdown and prediction")
+    p.add_argument("--goal", action="store_true", help="exit 1 when the goal is not met (always with --suite)")
+    p.add_argument("--goal-rho", type=float, default=Goal.rho, help="the ILP objective's rho at least (0.9)")
+    p.add_argument("--goal-regret", type=float, default=Goal.regret * 100,
+                   help="the planner's regret at most, in percent (2)")
+    p.add_argument("--suite", choices=list(SUITES), default="",
+                   help="run a suite of jobs (replaces --config, --model and --mesh); the goal is checked")
     args, extra = p.parse_known_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: give 1 or more")
     try:
         args.mesh_spec = fidelity_mesh(args.mesh)
     except ValueError as e:
@@ -296,38 +304,92 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     args.plans = [x for x in args.plans.split(",") if x]
     if args.min_plans is None:
         args.min_plans = len(args.plans) if args.plans else MIN_PLANS
+    args.goal = Goal(args.goal_rho, args.goal_regret / 100, enforce=args.goal or bool(args.suite))
     return args, extra
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, extra = _parse(argv)
+def _job_flags(args: argparse.Namespace, extra: list[str]) -> tuple[list[str], str | None]:
+    """The job's flags, and why it cannot run (a bad flag or value, an unknown plan) or None:
+    checked here, before any rank starts."""
     from trainer.config import load_config
     from trainer.errors import ConfigError
 
     flags = [*MODELS[args.model], *COMMON, *mesh_flags(args.mesh_spec), *extra]
-    try:  # a bad flag or value stops here, before any rank starts
+    try:
         load_config(args.config, flags, world_size=args.nproc)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return flags, f"config error: {e}"
     known = _variants(len(args.mesh_spec.shape))
     unknown = sorted(set(args.plans) - set(known))
     if unknown:
-        print(f"--plans: unknown plan(s) {unknown}; known: {', '.join(known)}", file=sys.stderr)
-        return 2
+        return flags, f"--plans: unknown plan(s) {unknown}; known: {', '.join(known)}"
+    return flags, None
+
+
+def run_job(args: argparse.Namespace, flags: list[str], extra: list[str]) -> tuple[int, Verdict | None]:
+    """Time the job's plans on spawned ranks, print its report, its scatter and (--explain) each
+    plan's breakdown: `report_job`'s (exit status, verdict)."""
     t0 = time.perf_counter()
     result = run_on_ranks(_Job(args, flags), args.nproc)
     took = time.perf_counter() - t0
+    rounds = f", {args.repeats} rounds interleaved" if args.repeats > 1 else ""
     print(f"\n{args.config} ({' '.join(flags[:len(MODELS[args.model])] + extra)}) on {args.nproc} gloo ranks, "
-          f"mesh {args.mesh}; {args.steps} timed steps after {args.warmup} warm-up, round-robin ({took:.0f}s)")
-    rc = report(result, args.min_plans)
-    if rc == 0:
+          f"mesh {args.mesh}; {args.steps} timed steps after {args.warmup} warm-up, round-robin{rounds} ({took:.0f}s)")
+    rc, verdict = report_job(result, args.min_plans, goal=args.goal)
+    if rc != 2:
         path = write_scatter(result, args.scatter or Path(args.plan_dir or "outputs/fidelity") / "fidelity_scatter.svg")
         print(f"wrote {path} (step simulation vs measured, one point per plan)")
-    if args.explain and rc == 0:
+    if args.explain and rc != 2:
         for name, r in result["rows"].items():
             print(f"\n== {name}\n{r['explain']}")
-    return rc
+    return rc, verdict
+
+
+def _suite_args(args: argparse.Namespace, job: SuiteJob) -> argparse.Namespace:
+    """The suite's shared flags with the job's config, model preset and mesh; its own
+    subfolder of --plan-dir and scatter."""
+    out = argparse.Namespace(**vars(args))
+    out.config, out.model, out.mesh = job.config, job.model, job.mesh
+    out.mesh_spec = fidelity_mesh(job.mesh)
+    out.nproc = out.mesh_spec.world
+    out.plan_dir = str(Path(args.plan_dir) / job.name) if args.plan_dir else ""
+    out.scatter = str(Path(out.plan_dir or f"outputs/fidelity/{job.name}") / "fidelity_scatter.svg")
+    return out
+
+
+def run_suite(args: argparse.Namespace, extra: list[str]) -> int:
+    """Every job of `--suite` in turn (bad input in any: exit 2 before the first starts), then
+    `suite_table`."""
+    jobs = []
+    for job in SUITES[args.suite]:
+        jargs = _suite_args(args, job)
+        flags, err = _job_flags(jargs, [*job.flags, *extra])
+        if err:
+            print(f"suite {args.suite}, job {job.name}: {err}", file=sys.stderr)
+            return 2
+        jobs.append((job, jargs, flags))
+    rows = []
+    for job, jargs, flags in jobs:
+        print(f"\n=== {args.suite}: {job.name}", flush=True)
+        try:
+            rc, verdict = run_job(jargs, flags, [*job.flags, *extra])
+            why = "too few distinct plans" if rc == 2 else ""
+        except RuntimeError as e:  # a rank failed or timed out: this job missed, the others still run
+            print(f"job {job.name} failed: {str(e)[-2000:]}")
+            rc, verdict, why = 1, None, f"failed ({str(e).splitlines()[0][:80]})"
+        rows.append((job.name, rc, verdict, why))
+    return suite_table(rows, args.goal)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = _parse(argv)
+    if args.suite:
+        return run_suite(args, extra)
+    flags, err = _job_flags(args, extra)
+    if err:
+        print(err, file=sys.stderr)
+        return 2
+    return run_job(args, flags, extra)[0]
 
 
 if __name__ == "__main__":

@@ -4,7 +4,11 @@
   is never broken by the other variable's order, which would inflate a rank correlation;
 * `spearman`: Spearman's rho with average ranks for ties (`scipy.stats.spearmanr`);
 * `spearman_interval`: a bootstrap confidence interval for rho (`scipy.stats.bootstrap`, the
-  (predicted, measured) pairs resampled together);
+  (predicted, measured) pairs resampled together): what another draw of *plans* could give;
+* `repeats_interval`: a bootstrap confidence interval for any statistic of the plans' median
+  step times when each plan was timed several times (`scipy.stats.bootstrap` with one sample
+  per plan, unpaired: each plan's repeats resampled on their own, the predictions fixed):
+  what another round of *runs* of the same plans could give, i.e. the run-to-run noise;
 * `kendall_tau_b`: Kendall's tau-b (`scipy.stats.kendalltau(variant="b")`);
 * `ape`: absolute percentage errors |predicted - measured| / measured, their mean (MAPE)
   and median (MdAPE) reported separately;
@@ -18,7 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from scipy import stats
 
@@ -59,6 +63,34 @@ def spearman_interval(a: Sequence[float], b: Sequence[float], confidence: float 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # scipy's note on a degenerate resample distribution
         res = stats.bootstrap((list(a), list(b)), _rho_or_zero, paired=True, vectorized=False,
+                              confidence_level=confidence, n_resamples=n_resamples, method="percentile",
+                              rng=seed)
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def repeats_interval(runs: Sequence[Sequence[float]], statistic: Callable[[list[float]], float],
+                     confidence: float = 0.95, n_resamples: int = 2000,
+                     seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of `statistic(medians)`, `runs[i]` being plan i's repeated
+    step figures and `medians[i]` their median: every resample draws each plan's repeats with
+    replacement, independently of the other plans (`scipy.stats.bootstrap`, one sample per
+    plan, `paired=False`). (nan, nan) below 3 plans or 2 repeats a plan. Seeded.
+
+    Why over the repeats and not over the plans: the plans are not a random sample of a
+    population (they are the variants this script builds, the same every run), and the goal is
+    about *this* set of plans ranking the same way run after run; what moves between runs is
+    the clock, and resampling each plan's repeats draws exactly that. A resample with a
+    constant side scores 0 (`_rho_or_zero`), not nan."""
+    if len(runs) < 3 or min(len(r) for r in runs) < 2:
+        return math.nan, math.nan
+
+    def on_medians(*samples: Sequence[float]) -> float:
+        value = statistic([float(statistics.median(s)) for s in samples])
+        return 0.0 if math.isnan(value) else value
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # scipy's note on a degenerate resample distribution
+        res = stats.bootstrap(tuple(list(r) for r in runs), on_medians, paired=False, vectorized=False,
                               confidence_level=confidence, n_resamples=n_resamples, method="percentile",
                               rng=seed)
     return float(res.confidence_interval.low), float(res.confidence_interval.high)

@@ -94,7 +94,7 @@ def runtime_options(job_config: JobConfig) -> RuntimeOptions:
     """How the plan runs, from the job: AC, resharding, overlap, Inductor compilation (the
     request builder adds the load-balanced sequence order of a cp axis)."""
     ac, par, t = job_config.activation_checkpoint, job_config.parallelism, job_config.training
-    return RuntimeOptions(ac_mode=ac.mode, ac_option=ac.selective_ac_option,
+    return RuntimeOptions(ac_mode=ac.resolved(par.mode), ac_option=ac.selective_ac_option,
                           reshard_after_forward=par.reshard_after_forward,
                           overlap=par.overlap, reduce_bucket_bytes=int(par.reduce_bucket_mb * 2**20),
                           compile=t.compile, compile_fallback=t.compile_fallback,

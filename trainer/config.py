@@ -540,6 +540,8 @@ def load_config(config: Optional[str] = None, overrides=(), *,
         _set(cfg, section, key, value, where, from_cli=True, old_keys=old_keys)
     for section, key in sorted(old_keys):
         logger.warning("%s", deprecated_key_note(section, key))
+    ac = cfg.activation_checkpoint  # unset: the parallelism mode's default, made concrete once
+    ac.mode = ac.resolved(cfg.parallelism.mode)
     if validate:
         validate_config(cfg, world_size=world_size)
     return cfg

@@ -98,6 +98,9 @@ def _validate_ranges(cfg: JobConfig) -> None:
         cfg.activation_checkpoint.check()
     except SettingError as e:
         raise _err(cfg, "activation_checkpoint", e.key, e.fix) from None
+    if cfg.activation_checkpoint.mode == "auto" and cfg.parallelism.mode != "auto":
+        raise _err(cfg, "activation_checkpoint", "mode", "the planner chooses the recomputation only in auto mode "
+                   "([parallelism] mode = \"auto\"); with a recipe use \"none\", \"selective\" or \"full\"")
     if t.skip_nonfinite_steps < 0:
         raise _err(cfg, "training", "skip_nonfinite_steps", "must be >= 0 (0: stop at the first non-finite step)")
     if not cfg.parallelism.reduce_bucket_mb >= 0:
@@ -361,7 +364,7 @@ def _validate_runtime(cfg: JobConfig, simulated_device: bool = False) -> None:
     why = None if simulated_device else check_device(cfg.job.device)
     if why:
         raise _err(cfg, "job", "device", why)
-    if cfg.activation_checkpoint.mode != "none":
+    if cfg.activation_checkpoint.mode in ("full", "selective"):
         why = _no_blocks(cfg)
         if why:
             raise _err(cfg, "activation_checkpoint", "mode", f"{why}; set mode = \"none\"")

@@ -40,7 +40,7 @@ from parallel.auto.cost.memory import GIB, MemoryEstimate, format_bytes
 from parallel.auto.cost.timeline import StepTimeline
 from parallel.auto.plan import Plan, PlanMismatchError, build_plan
 from parallel.auto.plan.replay import replay_labels, replay_plan
-from parallel.auto.problem.feasibility import memory_advice
+from parallel.auto.problem.feasibility import memory_advice, memory_fix
 from parallel.auto.problem.formulation import build_problem
 from parallel.auto.problem.placement_problem import (
     Constraint,
@@ -49,6 +49,7 @@ from parallel.auto.problem.placement_problem import (
     Problem,
     min_parameter_fraction,
 )
+from parallel.auto.recompute_fit import RowState, chooses_recompute, fit_with_recompute, plan_options
 from parallel.auto.regions import CP_ATTENTION  # declares the causal-attention region
 from parallel.auto.runtime import RuntimeOptions, apply_plan
 from parallel.auto.runtime.memory import TracedStep, predict_traced, step_memory, trace_step
@@ -66,16 +67,6 @@ __all__ = ["AutoParallel", "CP_ATTENTION", "MemoryLimitError", "PlanningError", 
 
 MEMORY_ROUNDS = 3  # re-solves with a tighter parameter budget when a plan is over the memory limit
 ESTIMATES_KEPT = 4  # peak-memory estimates kept per joint graph (JointGraph.kept_estimates)
-_AC_FIX = {"none": "use activation checkpointing ([activation_checkpoint] mode = \"selective\" or \"full\", "
-                   "RuntimeOptions(ac_mode=...)), ",
-           "selective": "use full activation checkpointing ([activation_checkpoint] mode = \"full\"), ", "full": ""}
-
-
-def _memory_fix(ac_mode: str) -> str:
-    """What lowers the peak, given the activation checkpointing already in use."""
-    return f"{_AC_FIX.get(ac_mode, '')}a smaller local batch or sequence, or more ranks"
-
-
 def _over_limit(est: MemoryEstimate) -> str:
     return (f"no plan fits in the memory limit: predicted peak {format_bytes(est.peak_bytes)} per device "
             f"({est.parts()}, in the {est.phase}) > {format_bytes(est.limit_bytes)} ({est.limit_source})")
@@ -151,6 +142,7 @@ class AutoParallel:
         # hands them to its ParallelModule (one trace per plan); replaced by each estimate
         self.traced_step: TracedStep | None = None
         self._warm_start: Plan | None = None  # optimize_placement's, for every solve of that call
+        self.recompute_row: RowState | None = None  # mode "auto": the recomputation row (recompute_fit.py)
 
     # ------------------------------------------------------------------ context
     @pauses_collector
@@ -322,6 +314,7 @@ class AutoParallel:
         starting point for the MRF's local search: the better plan wins)."""
         jg = self._need_graph()
         self._warm_start = warm_start
+        self.recompute_row = RowState(self.memory_limit()[0]) if chooses_recompute(self.runtime) else None
         level = logging.INFO if verbose else logging.DEBUG
         cm = self.cost_model()
         if self._seeded():
@@ -349,13 +342,19 @@ class AutoParallel:
         self.problem = prob
         log.log(level, "solve: objective %.1f µs, %s, %.2fs (%s, %d vars)", sol.objective, sol.status, sol.seconds,
                 sol.solver, sol.num_vars)
-        plan = self._plan(prob, sol, low, high)
+        plan = self.plan_of(prob, sol, low, high)
         if not self.planner.memory_estimate:
             log.log(level, "memory: not estimated (memory_estimate is off): the memory limit is not checked")
             return plan
+        if self.recompute_row is not None:
+            return fit_with_recompute(self, plan, low, high, level)
         return self._fit_memory(plan, low, high, level)
 
-    def _plan(self, prob: Problem, sol: Solution, low: float | None, high: float | None) -> Plan:
+    def build_and_solve(self, low: float | None, high: float | None) -> tuple[Problem, Solution]:
+        """The problem on the current candidates, solved (recompute_fit.py's rounds)."""
+        return self._build_and_solve(self.candidates, low, high)
+
+    def plan_of(self, prob: Problem, sol: Solution, low: float | None, high: float | None) -> Plan:
         cm = self.cost_model()
         return build_plan(prob, sol.labels, solver=sol.solver, status=sol.status, timings=self.timings,
                           num_vars=sol.num_vars, hardware=cm.hw.name,
@@ -382,7 +381,7 @@ class AutoParallel:
         t0 = time.perf_counter()
         self.traced_step = None  # release the previous plan's graph before tracing this one
         own = options is None or options == self.runtime
-        options = options if options is not None else self.runtime
+        options = plan_options(options if options is not None else self.runtime, plan)
         key = (id(self.mesh), plan.placement_digest(), tuple(sorted(_strategies(plan).items())),
                dataclasses.replace(options, compile=False), str(self.mp_dtype),
                str(getattr(self.mp_policy, "reduce_dtype", None)), self.planner.optimizer)
@@ -454,16 +453,16 @@ class AutoParallel:
                 prob, sol = self._build_and_solve(self.candidates, low, cur)
             except PlanningError as e:
                 raise MemoryLimitError(f"{_over_limit(est)}, and the constraints allow no more sharding "
-                                       f"({e}); {self._memory_advice(est)}", est) from None
-            plan = self._plan(prob, sol, low, cur)
+                                       f"({e}); {self.memory_advice_text(est)}", est) from None
+            plan = self.plan_of(prob, sol, low, cur)
         raise MemoryLimitError(f"{_over_limit(est)}, even with the parameters as sharded as they can be (parameter "
-                               f"budget high={plan.memory_fraction:.4g}); {self._memory_advice(est)}", est)
+                               f"budget high={plan.memory_fraction:.4g}); {self.memory_advice_text(est)}", est)
 
-    def _memory_advice(self, est: MemoryEstimate) -> str:
+    def memory_advice_text(self, est: MemoryEstimate) -> str:
         """The dominant part of the peak and the setting that lowers it, then the general fixes."""
         advice = memory_advice(est, self.runtime.ac_level, self.runtime.reshard_after_forward,
                                getattr(self.mp_policy, "param_dtype", None), self.planner.optimizer)
-        return f"{advice}; {_memory_fix(self.runtime.ac_level)}"
+        return f"{advice}; {memory_fix(self.runtime.ac_level)}"
 
     @pauses_collector
     def replay_placement(self, plan: Plan) -> Plan:
@@ -490,7 +489,8 @@ class AutoParallel:
     def _build_and_solve(self, cands: Candidates, low: float | None, high: float | None) -> tuple[Problem, Solution]:
         t0 = time.perf_counter()
         prob = build_problem(cands, self.cost_model(), constraints=self.constraints, memory_low=low, memory_high=high,
-                             repeated_blocks=self.planner.repeated_blocks, mp_dtype=self.mp_dtype)
+                             repeated_blocks=self.planner.repeated_blocks, mp_dtype=self.mp_dtype,
+                             recompute=self.recompute_row.row() if self.recompute_row is not None else None)
         self.timings["build"] = self.timings.get("build", 0.0) + time.perf_counter() - t0
         sol = solve(prob, self.planner.solver, time_limit=self.planner.time_limit, start=self._start_labels(prob))
         self.timings["solve"] = self.timings.get("solve", 0.0) + sol.seconds
@@ -518,7 +518,7 @@ class AutoParallel:
         jg = self._need_graph()
         if self.candidates is None:  # seeded mesh and nothing solved here: a replayed or received plan
             self.candidates = plan_candidates(jg, self.mesh, plan)
-        options = options if options is not None else self.runtime
+        options = plan_options(options if options is not None else self.runtime, plan)
         step, self.traced_step = self._traced_step_of(plan, options), None  # handed over or released
         jg.kept_candidates = None  # the module keeps the graph, not the candidates (strategies.mesh_candidates)
         return apply_plan(self.model, jg, self.candidates, plan, self.mesh, mp_policy=self.mp_policy,

@@ -61,7 +61,7 @@ def apply_recipe(model: nn.Module, mesh: DeviceMesh, job_config: Any, *, ddp: bo
         experts_dp, ep_mesh = build_ep_meshes(mesh, par.degrees.expert_parallel_degree)
         apply_ep(model, ep_mesh)
     ac = job_config.activation_checkpoint
-    apply_ac(model, ac.mode, ac.selective_ac_option)
+    apply_ac(model, ac.resolved("manual"), ac.selective_ac_option)
     if training.compile:
         apply_compile(model)
     if is_ddp_mesh(mesh):

@@ -16,6 +16,7 @@ from parallel.auto.plan.data import NodePlan, Plan
 from parallel.auto.problem.formulation import edge_roles
 from parallel.auto.problem.placement_problem import Problem
 from parallel.auto.problem.pricing import StrategyPricer, comm_dtype
+from parallel.auto.problem.recompute import activation_bytes, recompute_us
 from parallel.auto.trace.joint import GRAD_PARAM, OTHER, OUTPUT
 
 
@@ -67,6 +68,8 @@ def comm_breakdown(prob: Problem, labels: list[int]) -> tuple[dict[str, float], 
     grad_slots = _grad_slots(prob)
     cm = prob.cost_model
     for e in prob.edges:
+        if e.kind == "recompute":  # not a collective: recompute.py
+            continue
         a, b = e.src_cls[labels[e.src]], e.dst_cls[labels[e.dst]]
         src, dst = e.src_placements[a], e.dst_placements[b]
         if src != dst:
@@ -98,6 +101,17 @@ def comm_breakdown(prob: Problem, labels: list[int]) -> tuple[dict[str, float], 
     return dict(acc[0]), dict(acc[1]), grad_us
 
 
+def recompute_summary(prob: Problem, labels: list[int]) -> dict:
+    """What the solve chose to recompute (empty when the problem had no choice): the setting
+    of each block, the forward time the backward spends again and the activation bytes kept."""
+    choice = prob.recompute
+    if choice is None:
+        return {}
+    label = int(labels[choice.group])
+    return {"blocks": list(choice.options[label]), "summary": choice.describe(label),
+            "recompute_us": recompute_us(prob, labels), "activation_bytes": activation_bytes(prob, labels)}
+
+
 def build_plan(prob: Problem, labels: list[int], *, solver: str, status: str, timings: dict[str, float], num_vars: int,
                hardware: str, memory_budget: tuple, constraints: list[str]) -> Plan:
     """The Plan of a solved Problem: one NodePlan per node, the objective and its breakdown."""
@@ -118,5 +132,5 @@ def build_plan(prob: Problem, labels: list[int], *, solver: str, status: str, ti
         memory_fraction=mem / prob.total_param_bytes if prob.total_param_bytes else 0.0,
         total_param_bytes=float(prob.total_param_bytes or 0.0),
         memory_budget=list(memory_budget), constraints=list(constraints), regions=list(jg.regions),
-        costs=PlanCosts(prob, list(labels)),
+        recompute=recompute_summary(prob, labels), costs=PlanCosts(prob, list(labels)),
     )

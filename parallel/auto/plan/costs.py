@@ -28,6 +28,8 @@ class PlanCosts:
         cm = prob.cost_model
         out = []
         for e in prob.edges:
+            if e.kind == "recompute":
+                continue
             a = e.src_cls[self.labels[e.src]]
             b = e.dst_cls[self.labels[e.dst]]
             src, dst = e.src_placements[a], e.dst_placements[b]

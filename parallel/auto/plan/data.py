@@ -110,6 +110,10 @@ class Plan:
     # the part of comm_us that brings gradients to their parameters' placements (reductions):
     # paid once per optimizer step, however many micro-batches (0: not recorded, plans saved before)
     grad_reduction_us: float = 0.0
+    # the recomputation the solve chose ([activation_checkpoint] mode = "auto"): "blocks" (one
+    # setting per transformer block: none / op / full), "summary", "recompute_us",
+    # "activation_bytes"; empty when the job fixed its AC setting (plans saved before: empty)
+    recompute: dict = field(default_factory=dict)
     # in-memory only (not saved): the solved problem, for explain / costs_for_node / collectives
     costs: PlanCosts | None = field(default=None, repr=False, compare=False)
     # the step simulated on the memory estimate's step graph (the plan page's lanes); saved with the plan

@@ -35,6 +35,19 @@ def _strategy_index(prob: Problem, name: str, plan: Plan) -> int:
                             "a dimension no longer divides?); re-plan for this shape")
 
 
+def _recompute_label(prob: Problem, plan: Plan) -> int:
+    """The plan's recomputation option among this problem's (every block "none" for a plan
+    that fixed its AC setting: replayed, it is priced without recomputation)."""
+    blocks = tuple(plan.recompute.get("blocks", ()))
+    options = prob.recompute.options
+    if not blocks:
+        return 0
+    if blocks not in options:
+        raise PlanMismatchError(f"the plan's recomputation ({len(blocks)} blocks: {plan.recompute.get('summary')}) "
+                                f"is not an option of this graph ({len(options[0])} blocks); re-plan")
+    return options.index(blocks)
+
+
 def replay_labels(prob: Problem, plan: Plan) -> list[int]:
     """One strategy index per decision group of `prob`, reproducing `plan`'s placements.
 
@@ -42,6 +55,9 @@ def replay_labels(prob: Problem, plan: Plan) -> list[int]:
     together); a plan that splits a group raises PlanMismatchError."""
     labels: list[int] = []
     for g, members in enumerate(prob.groups):
+        if prob.recompute is not None and g == prob.recompute.group:
+            labels.append(_recompute_label(prob, plan))
+            continue
         idx = {_strategy_index(prob, name, plan) for name in members}
         if len(idx) != 1:
             raise PlanMismatchError(f"the plan gives the tied nodes {members[:4]} different placements: it was "

@@ -194,9 +194,9 @@ def memory_advice(est: Any, ac_mode: str = "none", reshard_after_forward: bool =
     if name == "activations":
         mode = "full" if ac_mode == "selective" else "selective"
         knob = (f"[activation_checkpoint] mode = \"{mode}\" in the job's TOML (API: RuntimeOptions(ac_mode="
-                f"\"{mode}\")), or a smaller [training] local_batch_size / seq_len" if ac_mode != "full" else
-                "a smaller [training] local_batch_size or seq_len in the job's TOML (activations are already "
-                "fully checkpointed)")
+                f"\"{mode}\")), or a smaller [training] local_batch_size / seq_len" if ac_mode not in ("full", "auto")
+                else "a smaller [training] local_batch_size or seq_len in the job's TOML (activations are already "
+                "checkpointed as far as they can be)")
     elif name == "transient" and est.phase == "optimizer" and optimizer == "foreach":
         knob = ("[optimizer] implementation = \"for-loop\" in the job's TOML (API: PlannerConfig(optimizer="
                 "\"for-loop\")): AdamW's foreach temporaries are one tensor per parameter")
@@ -211,3 +211,14 @@ def memory_advice(est: Any, ac_mode: str = "none", reshard_after_forward: bool =
         knob = ("more ranks on the sharding axis: a larger [parallelism] data_parallel_shard_degree (or world "
                 "size) in the job's TOML (API: a larger mesh); each rank then holds a smaller shard")
     return f"{head}: {knob}"
+
+
+_AC_FIX = {"none": "use activation checkpointing ([activation_checkpoint] mode = \"auto\", \"selective\" or \"full\", "
+                   "RuntimeOptions(ac_mode=...)), ",
+           "selective": "use full activation checkpointing ([activation_checkpoint] mode = \"full\"), "}
+
+
+def memory_fix(ac_mode: str) -> str:
+    """What lowers the peak, given the activation checkpointing already in use ("auto" and
+    "full" have recomputed all they can)."""
+    return f"{_AC_FIX.get(ac_mode, '')}a smaller local batch or sequence, or more ranks"

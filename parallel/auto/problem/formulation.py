@@ -24,6 +24,7 @@ from parallel.auto.cost import CostModel
 from parallel.auto.problem.feasibility import apply_constraint, check_feasible
 from parallel.auto.problem.placement_problem import Constraint, Edge, Problem
 from parallel.auto.problem.pricing import ACTIVATION, EdgeRole, StrategyPricer
+from parallel.auto.problem.recompute import RECOMPUTE_GROUP, RecomputeRow, recompute_edges, row_can_bind
 from parallel.auto.problem.repeated_blocks import decision_groups
 from parallel.auto.trace.joint import BWD, FWD, layer_prefix
 
@@ -165,12 +166,37 @@ def _price_optimizer(cands: Candidates, group_of: dict[str, int], cost_model: Co
         unary[group_of[pnode.name]] += us
 
 
+def _add_recompute_choice(cands: Candidates, groups: list[list[str]], group_of: dict[str, int],
+                          compute: dict[str, np.ndarray], mp_dtype: torch.dtype | None, n_strat: list[int],
+                          unary: list[np.ndarray], edges: list[Edge]) -> Any:
+    """The recomputation choice as the last group, and its edges (recompute.py); None for a
+    graph without transformer blocks (nothing to recompute)."""
+    made = recompute_edges(cands, group_of, compute, mp_dtype, len(groups))
+    if made is None:
+        log.info("activation checkpointing: the graph has no transformer blocks; nothing to choose")
+        return None
+    choice, rc_edges = made
+    groups.append([RECOMPUTE_GROUP])
+    n_strat.append(len(choice.options))
+    unary.append(np.zeros(len(choice.options)))
+    edges.extend(rc_edges)
+    return choice
+
+
+def without_recompute(prob: Problem) -> Problem:
+    """`prob` without its recomputation choice (the last group and its edges)."""
+    g = prob.recompute.group
+    return dataclasses.replace(prob, groups=prob.groups[:g], n_strategies=prob.n_strategies[:g],
+                               unary=prob.unary[:g], allowed=prob.allowed[:g],
+                               edges=[e for e in prob.edges if e.kind != "recompute"], recompute=None)
+
+
 PRICED_KEPT = 2
 """Priced problems kept per Candidates (formulation of one plan's budget rounds, a sweep's budget points)."""
 
 
 def priced_problem(cands: Candidates, cost_model: CostModel, *, repeated_blocks: bool = True,
-                   mp_dtype: torch.dtype | None = None) -> Problem:
+                   mp_dtype: torch.dtype | None = None, recompute: bool = False) -> Problem:
     """Every strategy and edge of `cands` priced and grouped, without constraints or budget.
 
     Kept on `cands` by the cost model's pricing key: the prices do not depend on the
@@ -178,7 +204,8 @@ def priced_problem(cands: Candidates, cost_model: CostModel, *, repeated_blocks:
     budget points of a sweep price once. The result is read-only: `build_problem` copies
     what it changes (`allowed`)."""
     # a duck-typed cost model without a pricing key is priced every time (an id could be reused)
-    key = (cost_model.pricing_key(), repeated_blocks, str(mp_dtype)) if hasattr(cost_model, "pricing_key") else None
+    key = ((cost_model.pricing_key(), repeated_blocks, str(mp_dtype), recompute)
+           if hasattr(cost_model, "pricing_key") else None)
     hit = cands.priced.get(key) if key is not None else None
     if hit is not None:
         return dataclasses.replace(hit, candidates=cands)
@@ -194,11 +221,13 @@ def priced_problem(cands: Candidates, cost_model: CostModel, *, repeated_blocks:
     edges = _price_edges(cands, group_of, unary, pricer, edge_roles(cands, cost_model))
     param_groups, param_bytes, total = _parameter_bytes(cands, group_of)
     _price_optimizer(cands, group_of, cost_model, compute, unary)
+    choice = _add_recompute_choice(cands, groups, group_of, compute, mp_dtype, n_strat, unary, edges) \
+        if recompute else None
     prob = Problem(candidates=cands, cost_model=cost_model, groups=groups, group_of=group_of, n_strategies=n_strat,
                    unary=unary, compute=compute, edges=edges, allowed=[np.isfinite(u) for u in unary],
                    param_groups=param_groups, param_bytes=param_bytes, total_param_bytes=total,
                    memory_low=None, memory_high=None, constraints=[], mp_dtype=mp_dtype,
-                   build_seconds=time.perf_counter() - t0)
+                   build_seconds=time.perf_counter() - t0, recompute=choice)
     if key is None:
         return prob
     while len(cands.priced) >= PRICED_KEPT:
@@ -211,14 +240,28 @@ def priced_problem(cands: Candidates, cost_model: CostModel, *, repeated_blocks:
 
 def build_problem(cands: Candidates, cost_model: CostModel, *, constraints: list[Constraint] | None = None,
                   memory_low: float | None = None, memory_high: float | None = None, repeated_blocks: bool = True,
-                  mp_dtype: torch.dtype | None = None) -> Problem:
+                  mp_dtype: torch.dtype | None = None, recompute: RecomputeRow | None = None) -> Problem:
     """The priced problem (`priced_problem`, kept) with the constraints and budget applied,
-    checked for feasibility."""
+    checked for feasibility. `recompute`: the recomputation of each block is chosen in the
+    solve, its kept activations and the model states under `recompute.limit` bytes."""
     t0 = time.perf_counter()
-    priced = priced_problem(cands, cost_model, repeated_blocks=repeated_blocks, mp_dtype=mp_dtype)
+    priced = priced_problem(cands, cost_model, repeated_blocks=repeated_blocks, mp_dtype=mp_dtype,
+                            recompute=recompute is not None)
     constraints = list(constraints or [])
+    choice = priced.recompute
+    if choice is not None:  # the kept problem's choice is shared: the row is this build's
+        choice = dataclasses.replace(choice, row=recompute)
     prob = dataclasses.replace(priced, cost_model=cost_model, allowed=[a.copy() for a in priced.allowed],
-                               memory_low=memory_low, memory_high=memory_high, constraints=constraints)
+                               memory_low=memory_low, memory_high=memory_high, constraints=constraints,
+                               recompute=choice)
+    if choice is not None and recompute.full_only:
+        only = np.zeros(len(choice.options), dtype=bool)
+        only[choice.full_option()] = True
+        prob.allowed[choice.group] = only
+    elif choice is not None and not row_can_bind(prob):
+        log.info("activation checkpointing: every plan's activations and model states fit the memory limit; "
+                 "nothing is recomputed")
+        prob = without_recompute(prob)
     for con in constraints:
         if con.kind != "memory":
             apply_constraint(prob, con)

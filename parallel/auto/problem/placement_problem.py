@@ -64,6 +64,8 @@ class Edge:
     cost: np.ndarray  # [n_src_classes, n_dst_classes], weighted, inf = not allowed
     members: list[tuple[str, str, int]] = field(default_factory=list)  # (producer, consumer, input pos)
     tensor: tuple = ()  # (global shape, dtype) of the tensor crossing the edge
+    kind: str = "redistribution"  # or "recompute": a placement group to the recomputation choice (recompute.py)
+    memory: np.ndarray | None = None  # "recompute": activation bytes kept, same shape as cost
 
     def full(self) -> np.ndarray:
         return self.cost[np.ix_(self.src_cls, self.dst_cls)]
@@ -90,6 +92,7 @@ class Problem:
     constraints: list[Constraint]
     build_seconds: float = 0.0
     mp_dtype: torch.dtype | None = None
+    recompute: Any = None  # recompute.RecomputeChoice: the last group chooses each block's recomputation
 
     @property
     def num_groups(self) -> int:

@@ -45,7 +45,8 @@ from parallel.auto.runtime.interpreter import LAYOUT_OPS, PlacementInterpreter, 
 from parallel.auto.runtime.options import RuntimeOptions
 from parallel.auto.runtime.redistribute import bucketed_redistribute, redistribute
 from parallel.auto.runtime.repeated_blocks import BlockCopies, BlockLayout, CallCopies, PhaseBlocks
-from parallel.auto.trace.joint import FWD, JointGraph, layer_prefix
+from parallel.auto.trace.blocks import block_indices, block_prefixes
+from parallel.auto.trace.joint import FWD, JointGraph
 
 log = logging.getLogger("parallel.auto.runtime")
 
@@ -85,45 +86,6 @@ def resolve_specs(candidates: Candidates, plan: Plan) -> dict[str, Any]:
                 f"inputs {want[1]} ({len(c.specs)} candidates); the plan was made for a different graph")
         spec[name] = found
     return spec
-
-
-def block_prefixes(graph: JointGraph) -> dict[str, str]:
-    """node name -> the layer ('layers.3') of the transformer block it belongs to (`block_indices`)."""
-    prefixes: dict[str, str] = {}
-    for name, path in graph.module_of.items():
-        prefix = layer_prefix(path)
-        if prefix is not None:
-            prefixes[name] = prefix
-    for fqn, node in [*graph.params.items(), *graph.buffers.items()]:  # a layer's buffers (MoE expert bias) too
-        prefix = layer_prefix(fqn)
-        if prefix is not None:
-            prefixes[node.name] = prefix
-        else:
-            prefixes.pop(node.name, None)
-    return prefixes
-
-
-def block_indices(graph: JointGraph) -> dict[str, int]:
-    """node name -> id of the transformer block (layer instance, as the planner finds the
-    repeated blocks: `problem/repeated_blocks.layer_instance`) it belongs to; parameters and buffers by their FQN,
-    other nodes by the module that produced them. One id per instance: a stack's index
-    ('layers.3' -> 3), each further stack (a T5 decoder's 'decoder.block.i' after
-    'encoder.block.i') numbered after the previous one, so blocks of the same index in two
-    stacks never share a gather or reduction bucket or a recomputation graph."""
-    prefixes = block_prefixes(graph)
-    top: dict[str, int] = {}  # stack ('encoder.block') -> its largest index, in order of appearance
-    for prefix in prefixes.values():
-        stack, idx = prefix.rsplit(".", 1)
-        top[stack] = max(top.get(stack, -1), int(idx))
-    offset, start = 0, {}
-    for stack, last in top.items():
-        start[stack] = offset
-        offset += last + 1
-    out: dict[str, int] = {}
-    for name, prefix in prefixes.items():
-        stack, idx = prefix.rsplit(".", 1)
-        out[name] = start[stack] + int(idx)
-    return out
 
 
 def merge_small_buckets(pending: dict[tuple, list[tuple[int, tuple]]], grads: list[Any],

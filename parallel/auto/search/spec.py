@@ -44,7 +44,7 @@ SWEEP_KEYS = {"name": str, "description": str, "config": str, "x": str, "workers
 MODEL_DIMS = ARG_KEYS
 AXIS_KEYS = ("model", "flavor", *MODEL_DIMS, "hardware", "world_size", "mesh", "local_batch_size",
              "global_batch_size", "seq_len", "ac_mode", "memory_budget_high")
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "auto")
 BUDGET_WORDS = ("auto", "sharded")
 
 

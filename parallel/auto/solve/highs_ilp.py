@@ -25,7 +25,8 @@ import numpy as np
 
 from parallel.auto.problem.feasibility import check_feasible
 from parallel.auto.problem.placement_problem import PlanningError, Problem
-from parallel.auto.solve.highs_model import ArrayModel, build_array_model, read_labels, to_highs_lp
+from parallel.auto.problem.recompute import RowTracker
+from parallel.auto.solve.highs_model import ArrayModel, PeakRow, build_array_model, read_labels, to_highs_lp
 from parallel.auto.solve.presolve import (
     Reduced,
     budget_bytes,
@@ -51,19 +52,43 @@ class _Stage:
 
     @classmethod
     def of(cls, prob: Problem, memory: bool, eliminate: bool) -> "_Stage":
-        protect = set(prob.param_groups) if memory else set()
+        protect = (set(prob.param_groups) if memory else set()) | peak_groups(prob)
         red = Reduced(prob, protect if eliminate else set(range(prob.num_groups)))
         alive = [g for g in range(prob.num_groups) if red.alive[g]]
         budget = ({g: prob.param_bytes[g] for g in prob.param_groups}, prob.total_param_bytes,
                   prob.memory_low, prob.memory_high) if memory else None
-        edges = [e for _, e in sorted(red.edges.items())]
-        return cls(prob, red, build_array_model(red.unary, edges, alive, budget))
+        ids = sorted(red.edges)
+        edges = [red.edges[i] for i in ids]
+        return cls(prob, red, build_array_model(red.unary, edges, alive, budget, _peak_row(prob, ids)))
 
     def full_labels(self, labels: dict[int, int]) -> list[int]:
         out: list[int | None] = [None] * self.prob.num_groups
         for g, s in labels.items():
             out[g] = s
         return self.red.recover(out)
+
+
+def peak_groups(prob: Problem) -> set[int]:
+    """Groups in the recomputation choice's memory row: kept from elimination (which is
+    exact for the objective only)."""
+    choice = prob.recompute
+    if choice is None or not choice.limited:
+        return set()
+    kept = {e.src for e in prob.edges if e.kind == "recompute" and e.memory is not None and e.memory.any()}
+    return kept | set(prob.param_groups) | {choice.group}
+
+
+def _peak_row(prob: Problem, ids: list[int]) -> PeakRow | None:
+    """The memory row over the reduced problem's edges (`ids`: their ids; the original edges
+    keep theirs, and an edge of the row joins two protected groups, so it is never merged)."""
+    choice = prob.recompute
+    if choice is None or not choice.limited:
+        return None
+    n = len(prob.edges)
+    edge_bytes = {pos: prob.edges[i].memory for pos, i in enumerate(ids)
+                  if i < n and prob.edges[i].kind == "recompute" and prob.edges[i].memory is not None}
+    factor = choice.row.state_factor
+    return PeakRow(edge_bytes, {g: factor * prob.param_bytes[g] for g in prob.param_groups}, choice.row.limit)
 
 
 def _highs(model: ArrayModel, *, integer: bool, time_limit: float | None, verbose: bool) -> highspy.Highs:
@@ -97,6 +122,7 @@ def _local_search(stage: _Stage, labels: dict[int, int], memory: bool, rounds: i
     params = set(prob.param_groups) if memory else set()
     least, most = budget_bytes(prob)
     used = sum(float(prob.param_bytes[g][labels[g]]) for g in params)
+    row = RowTracker(prob, labels) if prob.recompute is not None and prob.recompute.limited else None
     for _ in range(rounds):
         changed = False
         for g, (idx, _first) in stage.model.x_cols.items():
@@ -106,15 +132,33 @@ def _local_search(stage: _Stage, labels: dict[int, int], memory: bool, rounds: i
             if g in params:
                 after = used - float(prob.param_bytes[g][labels[g]]) + prob.param_bytes[g][idx]
                 cost = np.where((after >= least) & (after <= most), cost, np.inf)
+            row_after = row.after(g, idx, labels) if row is not None and g in row.groups else None
+            if row_after is not None:  # never further over the row than now
+                cost = np.where(row_after <= max(row.limit, row.value) * (1 + 1e-9), cost, np.inf)
             here = int(np.searchsorted(idx, labels[g]))
             best = int(np.argmin(cost))
             if np.isfinite(cost[best]) and (not np.isfinite(cost[here])
                                             or cost[best] < cost[here] - 1e-9 * max(1.0, abs(cost[here]))):
                 if g in params:
                     used += float(prob.param_bytes[g][idx[best]] - prob.param_bytes[g][labels[g]])
+                if row_after is not None:
+                    row.value = float(row_after[best])
                 labels[g] = int(idx[best])
                 changed = True
         if not changed:
+            break
+    return labels
+
+
+def _repair_row(prob: Problem, labels: dict[int, int]) -> dict[int, int]:
+    """A rounding over the recomputation row moved to the first option that recomputes
+    enough (options go from none to every block full), so the local search starts inside it."""
+    choice = prob.recompute
+    if choice is None or not choice.limited or choice.group not in labels:
+        return labels
+    for a in range(labels[choice.group], len(choice.options)):
+        labels[choice.group] = a
+        if RowTracker(prob, labels).value <= choice.row.limit:
             break
     return labels
 
@@ -174,7 +218,7 @@ def solve_highs(prob: Problem, *, time_limit: float | None = 600.0, verbose: boo
         value, reduced_cost = np.asarray(sol.col_value), np.asarray(sol.col_dual)
         bound = relax.getInfo().objective_function_value
         rounded = read_labels(m, value)
-        labels = _local_search(first, dict(rounded), memory)
+        labels = _local_search(first, _repair_row(prob, dict(rounded)), memory)
         full = first.full_labels(labels)
         value_of = prob.energy(full)
         if budget_holds(budgeted, full) and np.isfinite(value_of):  # a rounding may use a forbidden pair

@@ -77,11 +77,28 @@ def _cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
 
 
+@dataclass(frozen=True)
+class PeakRow:
+    """The recomputation choice's memory row (problem/recompute.py) in the model's terms:
+    bytes per class pair of the edges that keep activations (by position in the edge list),
+    bytes per strategy of the groups holding model states, and the limit."""
+
+    edge_bytes: dict[int, np.ndarray]
+    group_bytes: dict[int, np.ndarray]
+    limit: float
+
+
+PEAK_UNIT = float(2**30)
+"""The peak row is in GiB: HiGHS' tolerance (1e-7 of a unit) is ~100 bytes."""
+
+
 def build_array_model(unary: list[np.ndarray], edges: list, alive: list[int],
-                      budget: tuple[dict[int, np.ndarray], float, float | None, float | None] | None) -> ArrayModel:
+                      budget: tuple[dict[int, np.ndarray], float, float | None, float | None] | None,
+                      peak: PeakRow | None = None) -> ArrayModel:
     """The ILP over the `alive` groups' finite strategies and the given edges (objects with
     u, v, cu, cv, cost); `budget`: (bytes per strategy of each parameter group, total bytes,
-    low, high fraction of the total) or None."""
+    low, high fraction of the total) or None; `peak`: the memory row of a solve that
+    chooses recomputation, or None."""
     b = _Builder()
     x_cols: dict[int, tuple[np.ndarray, int]] = {}
     for g in alive:
@@ -91,7 +108,8 @@ def build_array_model(unary: list[np.ndarray], edges: list, alive: list[int],
         row = b.rows(1, 1.0, 1.0)
         b.entries(np.full(len(idx), row), first + np.arange(len(idx)), 1.0)
     n_y = 0
-    for e in edges:
+    peak_row = b.rows(1, -np.inf, peak.limit / PEAK_UNIT) if peak is not None else None
+    for pos, e in enumerate(edges):
         (su, fu), (sv, fv) = x_cols[e.u], x_cols[e.v]
         src_cls, src_of = np.unique(e.cu[su], return_inverse=True)  # classes present, each x's class position
         dst_cls, dst_of = np.unique(e.cv[sv], return_inverse=True)
@@ -106,6 +124,13 @@ def build_array_model(unary: list[np.ndarray], edges: list, alive: list[int],
         b.entries(md + ib, y, 1.0)
         b.entries(ms + src_of, fu + np.arange(len(su)), -1.0)
         b.entries(md + dst_of, fv + np.arange(len(sv)), -1.0)
+        if peak_row is not None and pos in peak.edge_bytes:
+            kept = peak.edge_bytes[pos][np.ix_(src_cls, dst_cls)][ia, ib] / PEAK_UNIT
+            b.entries(np.full(len(ia), peak_row), y, kept)
+    if peak_row is not None:
+        for g, gb in peak.group_bytes.items():
+            idx, first = x_cols[g]
+            b.entries(np.full(len(idx), peak_row), first + np.arange(len(idx)), gb[idx] / PEAK_UNIT)
     if budget is not None:
         param_bytes, total, low, high = budget
         scale = BUDGET_SCALE / total

@@ -180,6 +180,10 @@ def solve_ilp(
         from parallel.auto.solve.highs_ilp import solve_highs
 
         return solve_highs(prob, time_limit=time_limit, verbose=verbose, eliminate=eliminate, start=start)
+    if prob.recompute is not None and prob.recompute.limited:
+        raise PlanningError("choosing activation checkpointing under a memory limit needs the HiGHS ILP or the "
+                            f"MRF, not {name}: [planner] solver = \"highs\" or \"mrf\" in the job's TOML (or a "
+                            "fixed [activation_checkpoint] mode)")
     t0 = time.perf_counter()
     prob, memory = prune_to_budget(prob)  # the same problem, fewer strategies
     protect = set(prob.param_groups) if memory else set()

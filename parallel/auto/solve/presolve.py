@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from parallel.auto.problem.placement_problem import Problem
+from parallel.auto.problem.recompute import row_holds
 
 
 @dataclass
@@ -229,7 +230,10 @@ def budget_bytes(prob: Problem) -> tuple[float, float]:
 
 
 def budget_holds(prob: Problem, labels: dict[int, int] | list[int]) -> bool:
-    """Whether the plan's parameter bytes meet the budget."""
+    """Whether the plan's parameter bytes meet the budget (and the recomputation choice's
+    memory row, when the problem has one)."""
+    if not row_holds(prob, labels):
+        return False
     if not memory_constrained(prob):
         return True
     least, most = budget_bytes(prob)

@@ -10,16 +10,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from parallel.auto.candidates.placements import strategy_key
 from parallel.auto.problem.placement_problem import PlanningError, Problem
+from parallel.auto.problem.recompute import row_holds
 from parallel.auto.solve.mrf import (
     FORBIDDEN,
     MRFSolution,
@@ -308,11 +311,71 @@ def _from_start(prob: Problem, allowed: list[np.ndarray], start: list[int]) -> t
     return _repair_within_budget(prob, allowed, list(start))
 
 
+ROW_STEPS = 8
+"""MRF solves spent finding the multiplier of the recomputation row (doubling, then bisection)."""
+
+
+def _priced_activations(prob: Problem, lam: float) -> Problem:
+    """`prob` with `lam` µs per byte of the row: kept activations on the recomputation edges,
+    model states on the parameter groups."""
+    edges = [dataclasses.replace(e, cost=e.cost + lam * e.memory) if e.kind == "recompute" and e.memory is not None
+             else e for e in prob.edges]
+    unary = list(prob.unary)
+    for g in prob.param_groups:
+        unary[g] = unary[g] + lam * prob.recompute.row.state_factor * prob.param_bytes[g]
+    return dataclasses.replace(prob, edges=edges, unary=unary)
+
+
+def _solve_with_row(prob: Problem, solve: Any) -> Solution:
+    """The recomputation choice's memory row by a multiplier on kept activation bytes (the
+    paper's treatment of the parameter budget, §4.3): double it until the plan keeps the
+    row, then bisect; the best plan that keeps it, by the true objective."""
+    sol = solve(prob)
+    if row_holds(prob, sol.labels):
+        return sol
+    lo, hi, lam = 0.0, None, max(sol.objective, 1.0) / max(prob.recompute.row.limit, 1.0)
+    best: Solution | None = None
+
+    def attempt(lam: float) -> bool:
+        nonlocal best
+        found = solve(_priced_activations(prob, lam))
+        if not row_holds(prob, found.labels):
+            return False
+        objective = prob.energy(found.labels)
+        if best is None or objective < best.objective:
+            best = dataclasses.replace(found, objective=objective)
+        return True
+
+    for _ in range(ROW_STEPS):  # doubling (by four) until the row holds
+        if attempt(lam):
+            hi = lam
+            break
+        lo, lam = lam, lam * 4
+    if hi is None or best is None:
+        raise PlanningError("the MRF found no plan whose kept activations and model states fit the memory row")
+    for _ in range(ROW_STEPS // 2):  # then bisection: a smaller multiplier recomputes less
+        lam = (lo + hi) / 2
+        if attempt(lam):
+            hi = lam
+        else:
+            lo = lam
+    log.info("mrf: recomputation row kept with a multiplier of %.3g µs/byte", hi)
+    return best
+
+
 def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 1000, bisection_steps: int = 12,
                       time_budget: float | None = 60.0, start: list[int] | None = None) -> Solution:
-    """Solve `prob` as a pairwise MRF (paper §4.3), honouring the parameter-memory budget.
-    `start` (a neighbouring plan's strategies, a warm start) is improved by local search
-    too; the better of the two plans is returned."""
+    """Solve `prob` as a pairwise MRF (paper §4.3), honouring the parameter-memory budget
+    (and the recomputation choice's memory row, when the problem has one). `start` (a
+    neighbouring plan's strategies, a warm start) is improved by local search too; the
+    better of the two plans is returned."""
+    if prob.recompute is not None and prob.recompute.limited:
+        return _solve_with_row(prob, lambda p: _solve_unrowed(p, max_sweeps, bisection_steps, time_budget, start))
+    return _solve_unrowed(prob, max_sweeps, bisection_steps, time_budget, start)
+
+
+def _solve_unrowed(prob: Problem, max_sweeps: int, bisection_steps: int, time_budget: float | None,
+                   start: list[int] | None) -> Solution:
     t0 = time.perf_counter()
     run = _Runner(prob, repeated_layer_groups(prob), max_sweeps, time_budget)
     base = [a.copy() for a in prob.allowed]

@@ -1,0 +1,102 @@
+"""Fitting a plan in memory when the solve chooses the recomputation ([activation_checkpoint]
+mode = "auto"): the solve's memory row holds the kept activations and the model states
+(problem/recompute.py); what the row leaves out (activations outside the blocks, transients,
+the allocator's view of the peak) is read off the memory estimate of the plan the solve
+made, and the row's limit is lowered by it for the next solve, a few rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from parallel.auto.cost.memory import format_bytes
+from parallel.auto.plan import Plan
+from parallel.auto.problem.placement_problem import MemoryLimitError, PlanningError
+from parallel.auto.problem.recompute import RecomputeRow
+from parallel.auto.runtime import RuntimeOptions
+
+log = logging.getLogger("parallel.auto.api")
+
+ROUNDS = 4
+"""Solves after the first one, each with the row lowered by what the last estimate added."""
+
+
+def chooses_recompute(runtime: RuntimeOptions) -> bool:
+    return runtime.ac_mode == "auto"
+
+
+def plan_options(runtime: RuntimeOptions, plan: Plan) -> RuntimeOptions:
+    """The options a plan runs with: under mode "auto" the plan's own per-block choice
+    (every block kept when the solve had nothing to choose)."""
+    if not chooses_recompute(runtime):
+        return runtime
+    blocks = plan.recompute.get("blocks")
+    if not blocks:
+        return dataclasses.replace(runtime, ac_mode="none", ac_blocks=None)
+    return dataclasses.replace(runtime, ac_mode="none", ac_blocks=tuple(blocks))
+
+
+@dataclasses.dataclass
+class RowState:
+    """The row's limit for the next solve: the memory limit less what the estimate adds to it."""
+
+    limit: int  # bytes (0: no limit)
+    outside: float = 0.0  # the estimate's peak less the row's value, largest seen
+    full_only: bool = False  # every block recomputed, no row (the plan a refusal names)
+
+    def row(self) -> RecomputeRow:
+        if self.full_only:
+            return RecomputeRow(None, full_only=True)
+        return RecomputeRow(self.limit - self.outside if self.limit else None)
+
+
+def row_value(plan: Plan, state_factor: float) -> float:
+    """The row's value of a plan: its kept activations and model states (bytes)."""
+    return plan.recompute.get("activation_bytes", 0.0) + state_factor * plan.memory_fraction * plan.total_param_bytes
+
+
+def fit_with_recompute(autop: Any, plan: Plan, low: float | None, high: float | None, level: int) -> Plan:
+    """Estimate the plan; over the limit, lower the row by what the estimate adds and solve
+    again (recomputing more, sharding more); MemoryLimitError naming the parts under full
+    recomputation when nothing fits."""
+    state: RowState = autop.recompute_row
+    est = None
+    for round_ in range(ROUNDS + 1):
+        est = autop.estimate_memory(plan)
+        plan.memory = est
+        if est.fits or not plan.recompute:
+            return plan if est.fits else _refuse(autop, plan, est, low, high)
+        outside = est.peak_bytes - row_value(plan, RecomputeRow(None).state_factor)
+        state.outside = max(state.outside, outside)
+        if round_ == ROUNDS:
+            break
+        log.log(level, "memory: peak %s > %s with recomputation %s: solving again with %s outside the row",
+                format_bytes(est.peak_bytes), format_bytes(est.limit_bytes), plan.recompute.get("summary"),
+                format_bytes(state.outside))
+        try:
+            prob, sol = autop.build_and_solve(low, high)
+        except PlanningError:
+            return _refuse(autop, plan, est, low, high)
+        plan = autop.plan_of(prob, sol, low, high)
+    return _refuse(autop, plan, est, low, high)
+
+
+def _refuse(autop: Any, plan: Plan, est: Any, low: float | None, high: float | None) -> Plan:
+    """MemoryLimitError with the estimate of the plan that recomputes every block."""
+    state: RowState = autop.recompute_row
+    full = plan
+    if plan.recompute and set(plan.recompute["blocks"]) != {"full"}:
+        saved, autop.recompute_row = state, dataclasses.replace(state, full_only=True)
+        try:
+            prob, sol = autop.build_and_solve(low, high)
+            full = autop.plan_of(prob, sol, low, high)
+            est = autop.estimate_memory(full)
+        finally:
+            autop.recompute_row = saved
+    what = "with every block recomputed" if full.recompute else "(the graph has no blocks to recompute)"
+    raise MemoryLimitError(
+        f"no plan fits in the memory limit {what}: predicted peak {format_bytes(est.peak_bytes)} per device "
+        f"({est.parts()}, in the {est.phase}) > {format_bytes(est.limit_bytes)} ({est.limit_source}); "
+        f"{autop.memory_advice_text(est)}", est)
