@@ -100,6 +100,20 @@ def test_bad_ac_blocks_raise(joint):
     assert opts.ac_level == "selective" and RuntimeOptions(ac_blocks=("full", "full")).ac_level == "full"
 
 
+def test_blocks_of_other_choices_are_not_copies_and_the_step_graph_is_the_traced_one():
+    """Repeated blocks copied only where the choices agree (runtime/repeated_blocks.py): the step
+    graph is the one traced block by block, and so is the estimate."""
+    from test_repeated_blocks_runtime import _form, _traced_both
+
+    choices = ("full", "op", "op", "none", "full", "op")
+    (copied, est), (traced, ref) = _traced_both("llama3", (4,), ("dp",), RuntimeOptions(ac_blocks=choices))
+    counts = copied.runner.block_copy_counts
+    assert counts["fwd_copied"] >= 1 and counts["bwd_copied"] >= 1, counts  # layers.2: a copy of layers.1
+    assert _form(copied.step_graph.gm) == _form(traced.step_graph.gm)
+    assert est.peak_bytes == ref.peak_bytes and est.recompute == "per block: " + ", ".join(choices)
+    assert est.recompute_by_block == {f"layers.{i}": c for i, c in enumerate(choices)}
+
+
 CHOICES = {"none": RuntimeOptions(), "op": RuntimeOptions(ac_mode="selective", ac_option="op"),
            "full": RuntimeOptions(ac_mode="full"), "full,op": RuntimeOptions(ac_blocks=("full", "op")),
            "blocks none,full": RuntimeOptions(ac_blocks=("none", "full"))}
