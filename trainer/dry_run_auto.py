@@ -219,9 +219,9 @@ def _price_against_recipe(pm, mesh, cfg: JobConfig, report: AutoDryRunReport, mi
     if recipe is not None:
         name = f"EP recipe (FSDP, experts over ep={dict(zip(mesh.mesh_dim_names, mesh.shape))['ep']})"
     else:
-        recipe, name = fsdp_preset(pm, mesh, cfg, report.tokens), "FSDP preset (per-op SAC)"
+        *recipe, name = fsdp_preset(pm, mesh, cfg, report.tokens)
     report.priced = [mine, priced(name, recipe[0], step_tokens, report.world_size, micro, recipe[1], flops=flops,
-                                  recompute="" if "EP" in name else "op on every block")
+                                  recompute="op on every block" if "per-op" in name else "")
                      if isinstance(recipe[0], Plan) else f"{name}: {recipe[0]}"]
 
 

@@ -22,7 +22,7 @@ from parallel.auto.plan import Plan
 from parallel.auto.problem.placement_problem import PlanningError
 from parallel.auto.request import data_axes, planning
 from parallel.auto.search import presets
-from parallel.mesh import EP, axis_names
+from parallel.mesh import EP, TP, axis_names
 
 from .auto_mode import plan_request
 from .config import JobConfig
@@ -65,15 +65,23 @@ def priced(name: str, plan: Plan, step_tokens: int, world: int, micro_batches: i
                       recompute or plan.recompute.get("summary", ""))
 
 
-def fsdp_preset(pm, mesh: DeviceMesh, cfg: JobConfig, tokens: tuple[int, int]) -> tuple[Plan | str, float]:
-    """The FSDP preset (parameters fully sharded on the data axes, gathered for every matmul)
-    with per-op SAC on the free plan's trace, or why it has none, and its solve time."""
+def fsdp_preset(pm, mesh: DeviceMesh, cfg: JobConfig, tokens: tuple[int, int]) -> tuple[Plan | str, float, str]:
+    """The expert's recipe shape on the free plan's trace: with a ``tp`` axis FSDP·TP
+    (Megatron projections on tp, their weights sharded on the data axes too) and the same
+    recomputation options as the free plan; without one the FSDP preset (parameters fully
+    sharded on the data axes, gathered for every matmul) with per-op SAC. Its plan (or why it
+    has none), its solve time and its name."""
     request = plan_request(cfg, mesh, local_batch_size=tokens[0], seq_len=tokens[1])
-    request = dataclasses.replace(request, runtime=dataclasses.replace(request.runtime, ac_mode="selective",
-                                                                       ac_option="op", ac_blocks=None))
+    names = axis_names(mesh)
+    if TP not in names:
+        request = dataclasses.replace(request, runtime=dataclasses.replace(request.runtime, ac_mode="selective",
+                                                                           ac_option="op", ac_blocks=None))
     t0 = time.perf_counter()
     with planning(pm.meta_template, mesh, request, graph=pm.plan_runner.graph) as autop:
-        presets.fsdp(autop, data_axes(mesh))
+        if TP in names:
+            presets.megatron(autop, names.index(TP), fsdp_other_axes=True, data_axes=data_axes(mesh))
+        else:
+            presets.fsdp(autop, data_axes(mesh))
         try:
             plan: Plan | str = autop.optimize_placement(verbose=False)
         except PlanningError as e:
@@ -95,7 +103,9 @@ def ep_recipe(pm, mesh: DeviceMesh, cfg: JobConfig, tokens: tuple[int, int]) -> 
             plan: Plan | str = autop.optimize_placement(verbose=False)
         except PlanningError as e:
             plan = f"no plan ({e})"
-    return plan, time.perf_counter() - t0
+    name = (f"FSDP·TP{mesh.shape[names.index(TP)]} preset (AC chosen alike)" if TP in names
+            else "FSDP preset (per-op SAC)")
+    return plan, time.perf_counter() - t0, name
 
 
 def format_comparison(rows: list[PricedPlan | str]) -> list[str]:

@@ -49,7 +49,7 @@ from parallel.auto.problem.placement_problem import (
     Problem,
     min_parameter_fraction,
 )
-from parallel.auto.recompute_fit import RowState, chooses_recompute, fit_with_recompute, plan_options
+from parallel.auto.recompute_fit import RowState, chooses_recompute, first_solve, fit_with_recompute, plan_options
 from parallel.auto.regions import CP_ATTENTION  # declares the causal-attention region
 from parallel.auto.runtime import RuntimeOptions, apply_plan
 from parallel.auto.runtime.memory import TracedStep, predict_traced, step_memory, trace_step
@@ -326,7 +326,7 @@ class AutoParallel:
             self.timings["seed"] = time.perf_counter() - t0  # seed.py logs its summary
         assert self.candidates is not None
         low, high = self._memory_bounds()
-        prob, sol = self._build_and_solve(self.candidates, low, high)
+        prob, sol = first_solve(self, low, high)
         rounds = self.planner.split_seeding_rounds if self._seeded() else 1
         for _ in range(rounds - 1):  # re-seed around the plan (seed.py)
             t1 = time.perf_counter()

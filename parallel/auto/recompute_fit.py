@@ -83,11 +83,24 @@ def fit_with_recompute(autop: Any, plan: Plan, low: float | None, high: float | 
     return _refuse(autop, plan, est, low, high)
 
 
-def _refuse(autop: Any, plan: Plan, est: Any, low: float | None, high: float | None) -> Plan:
+def first_solve(autop: Any, low: float | None, high: float | None) -> tuple[Any, Any]:
+    """The first solve; when no plan keeps the row (even recomputing every block), the
+    MemoryLimitError of the plan that recomputes every block."""
+    try:
+        return autop.build_and_solve(low, high)
+    except PlanningError:
+        state: RowState | None = autop.recompute_row
+        if state is None or not state.limit or state.full_only:
+            raise
+        _refuse(autop, None, None, low, high)
+        raise  # not reached: _refuse raises
+
+
+def _refuse(autop: Any, plan: Plan | None, est: Any, low: float | None, high: float | None) -> Plan:
     """MemoryLimitError with the estimate of the plan that recomputes every block."""
     state: RowState = autop.recompute_row
     full = plan
-    if plan.recompute and set(plan.recompute["blocks"]) != {"full"}:
+    if plan is None or (plan.recompute and set(plan.recompute["blocks"]) != {"full"}):
         saved, autop.recompute_row = state, dataclasses.replace(state, full_only=True)
         try:
             prob, sol = autop.build_and_solve(low, high)
