@@ -86,7 +86,9 @@ def fsdp_preset(pm, mesh: DeviceMesh, cfg: JobConfig, tokens: tuple[int, int]) -
             plan: Plan | str = autop.optimize_placement(verbose=False)
         except PlanningError as e:
             plan = f"no plan ({e})"
-    return plan, time.perf_counter() - t0
+    name = (f"FSDP·TP{mesh.shape[names.index(TP)]} preset (AC chosen alike)" if TP in names
+            else "FSDP preset (per-op SAC)")
+    return plan, time.perf_counter() - t0, name
 
 
 def ep_recipe(pm, mesh: DeviceMesh, cfg: JobConfig, tokens: tuple[int, int]) -> tuple[Plan | str, float] | None:
@@ -103,16 +105,15 @@ def ep_recipe(pm, mesh: DeviceMesh, cfg: JobConfig, tokens: tuple[int, int]) -> 
             plan: Plan | str = autop.optimize_placement(verbose=False)
         except PlanningError as e:
             plan = f"no plan ({e})"
-    name = (f"FSDP·TP{mesh.shape[names.index(TP)]} preset (AC chosen alike)" if TP in names
-            else "FSDP preset (per-op SAC)")
-    return plan, time.perf_counter() - t0, name
+    return plan, time.perf_counter() - t0
 
 
 def format_comparison(rows: list[PricedPlan | str]) -> list[str]:
     """The table the dry run prints (a str row: a plan that could not be made, and why), and
     the free plan's ratio to the recipe."""
-    lines = ["the plan next to the mesh's hand recipe, priced alike by the cost model (the solver's price of a step, "
-             "Plan.step_time_us: compute plus communication; the peak of each plan's memory estimate):",
+    lines = ["the plan next to the mesh's hand recipe, priced alike by the cost model (each plan's step graph "
+             "simulated, its recomputation included, or the solver's price where there is none; the peak of each "
+             "plan's memory estimate; MFU by the model's FLOPs per token):",
              f"    {'plan':<44}{'step ms':>11}{'peak GiB':>9}{'tok/s/GPU':>12}{'MFU':>7}"]
     lines += [r.row() if isinstance(r, PricedPlan) else f"    {r}" for r in rows]
     lines += [f"    {r.name.split(' (')[0]}: {r.experts}" for r in rows if isinstance(r, PricedPlan) and r.experts]

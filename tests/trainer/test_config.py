@@ -322,3 +322,14 @@ def test_the_planner_settings_are_frozen_and_changed_by_a_checked_copy():
     assert p.replace(split_seeding_radius=1) == PlannerConfig(split_seeding_radius=1)
     with pytest.raises(SettingError, match="split_seeding_radius"):
         p.replace(split_seeding_radius=-1)
+
+
+def test_activation_checkpointing_defaults_to_the_planner_s_choice_in_auto_mode_only():
+    assert load_config("llama3_debug_auto").activation_checkpoint.mode == "auto"
+    assert load_config("llama3_debug").activation_checkpoint.mode == "none"
+    full = load_config("llama3_debug_auto", ["--activation_checkpoint.mode", "full"])
+    assert full.activation_checkpoint.mode == "full"
+    with pytest.raises(ConfigError, match=r"activation_checkpoint.mode.*'auto'.*only in auto mode"):
+        load_config("llama3_debug", ["--activation_checkpoint.mode", "auto"])
+    with pytest.raises(ConfigError, match=r"activation_checkpoint.mode.*'sometimes'.*'auto'"):
+        load_config("llama3_debug", ["--activation_checkpoint.mode", "sometimes"])
