@@ -108,8 +108,12 @@ def recompute_summary(prob: Problem, labels: list[int]) -> dict:
     if choice is None:
         return {}
     label = int(labels[choice.group])
+    kept_all = list(labels)
+    kept_all[choice.group] = 0  # the same placements, every block kept whole
+    kept = activation_bytes(prob, labels)
     return {"blocks": list(choice.options[label]), "summary": choice.describe(label),
-            "recompute_us": recompute_us(prob, labels), "activation_bytes": activation_bytes(prob, labels)}
+            "recompute_us": recompute_us(prob, labels), "activation_bytes": kept,
+            "saved_bytes": activation_bytes(prob, kept_all) - kept}
 
 
 def build_plan(prob: Problem, labels: list[int], *, solver: str, status: str, timings: dict[str, float], num_vars: int,

@@ -38,7 +38,8 @@ def recompute_line(plan: Any) -> str | None:
     where = "; ".join(f"{c}: block{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''}" for c, a, b in runs)
     return (f"activation checkpointing chosen in the solve: {where} (none: keep all, op: per-op SAC, full: "
             f"recompute the block); the backward recomputes {rc.get('recompute_us', 0.0) / 1e3:,.1f} ms of forward, "
-            f"the blocks keep {rc.get('activation_bytes', 0.0) / 2**30:,.2f} GiB of activations")
+            f"the blocks keep {rc.get('activation_bytes', 0.0) / 2**30:,.2f} GiB of activations "
+            f"({rc.get('saved_bytes', 0.0) / 2**30:,.2f} GiB less than keeping every block whole)")
 
 
 def summary(plan: Any) -> str:
