@@ -20,7 +20,10 @@ from parallel.auto.runtime import RuntimeOptions
 log = logging.getLogger("parallel.auto.api")
 
 ROUNDS = 4
-"""Solves after the first one, each with the row lowered by what the last estimate added."""
+"""Solves after the first one, each with the row moved by what the last estimate added."""
+LOOSEN = 0.02
+"""A fitting plan is solved again with a looser row only when the row over-counted by more
+than this share of the limit."""
 
 
 def chooses_recompute(runtime: RuntimeOptions) -> bool:
@@ -58,28 +61,43 @@ def row_value(plan: Plan, state_factor: float) -> float:
 
 
 def fit_with_recompute(autop: Any, plan: Plan, low: float | None, high: float | None, level: int) -> Plan:
-    """Estimate the plan; over the limit, lower the row by what the estimate adds and solve
-    again (recomputing more, sharding more); MemoryLimitError naming the parts under full
-    recomputation when nothing fits."""
+    """Estimate the plan and move the row by what the estimate says it missed: over the limit,
+    lower it and solve again (recomputing more, sharding more); within the limit while the
+    row counted more than the estimate found, raise it and solve again (recomputing less).
+    The fastest plan that fits; MemoryLimitError naming the parts under full recomputation
+    when none does."""
     state: RowState = autop.recompute_row
+    best: Plan | None = None
     est = None
     for round_ in range(ROUNDS + 1):
         est = autop.estimate_memory(plan)
         plan.memory = est
-        if est.fits or not plan.recompute:
+        if not plan.recompute:
             return plan if est.fits else _refuse(autop, plan, est, low, high)
         outside = est.peak_bytes - row_value(plan, RecomputeRow(None).state_factor)
-        state.outside = max(state.outside, outside)
-        if round_ == ROUNDS:
+        if est.fits:
+            if best is None or plan.objective_us < best.objective_us:
+                best = plan
+            recomputes = any(c != "none" for c in plan.recompute["blocks"])
+            if not recomputes or outside >= state.outside - LOOSEN * state.limit or round_ == ROUNDS:
+                break
+            state.outside, verb = outside, "raised"  # the row counted more than the estimate: loosen it
+        elif best is not None:  # a loosened row overshot: the last plan that fitted stands
             break
-        log.log(level, "memory: peak %s > %s with recomputation %s: solving again with %s outside the row",
-                format_bytes(est.peak_bytes), format_bytes(est.limit_bytes), plan.recompute.get("summary"),
-                format_bytes(state.outside))
+        elif round_ == ROUNDS:
+            break
+        else:
+            state.outside, verb = max(state.outside, outside), "lowered"
+        log.log(level, "memory: peak %s of %s with recomputation %s: the row %s by what the estimate adds "
+                "(%s outside it); solving again", format_bytes(est.peak_bytes), format_bytes(est.limit_bytes),
+                plan.recompute.get("summary"), verb, format_bytes(state.outside))
         try:
             prob, sol = autop.build_and_solve(low, high)
         except PlanningError:
-            return _refuse(autop, plan, est, low, high)
+            break
         plan = autop.plan_of(prob, sol, low, high)
+    if best is not None:
+        return best
     return _refuse(autop, plan, est, low, high)
 
 
