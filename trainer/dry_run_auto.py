@@ -45,7 +45,7 @@ from .build import build_parallel_model
 from .config import ConfigError, JobConfig
 from .device import CUDA, check_fake_cuda, simulated_device
 from .dry_run import OP_KINDS, group_axis_names
-from .dry_run_recipe import ep_recipe, format_comparison, fsdp_preset, priced
+from .dry_run_recipe import ep_recipe, format_comparison, fsdp_preset, priced, published_reference
 from .parallelizer import AutoMode
 from .tokenizer import tokenizer_vocab
 
@@ -215,6 +215,9 @@ def _price_against_recipe(pm, mesh, cfg: JobConfig, report: AutoDryRunReport, mi
     mine = priced("auto (the planner's free plan)", plan, step_tokens, report.world_size, micro, flops=flops)
     report.throughput = (f"predicted {mine.tokens_per_s_per_gpu:,.0f} tok/s/GPU (step {mine.step_ms:,.1f} ms"
                          + (f", MFU {mine.mfu:.1%}" if mine.mfu is not None else "") + ")")
+    published = published_reference(cfg.model.name, cfg.model.flavor, report.world_size)
+    if published:
+        report.throughput += f"; {published}"
     recipe = ep_recipe(pm, mesh, cfg, report.tokens)
     if recipe is not None:
         name = f"EP recipe (FSDP, experts over ep={dict(zip(mesh.mesh_dim_names, mesh.shape))['ep']})"

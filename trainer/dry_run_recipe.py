@@ -108,6 +108,19 @@ def ep_recipe(pm, mesh: DeviceMesh, cfg: JobConfig, tokens: tuple[int, int]) -> 
     return plan, time.perf_counter() - t0
 
 
+PUBLISHED = {
+    ("llama3", "8B", 8): "TorchTitan's published LLaMA 3.1 8B on 8 H100s, seq 8192, local batch 2: 5,762 tok/s/GPU "
+                         "(FSDP, selective AC), 6,667 (the same, compiled)",
+    ("llama3", "70B", 64): "TorchTitan's published LLaMA 3.1 70B: 829 tok/s/GPU on 256 H100s (FSDP32·TP8, Float8, "
+                           "full AC): a reference, not like-for-like",
+}
+"""Published throughput of the shipped H100 jobs' shapes, printed beside the prediction."""
+
+
+def published_reference(model: str, flavor: str, world: int) -> str | None:
+    return PUBLISHED.get((model, flavor, world))
+
+
 def format_comparison(rows: list[PricedPlan | str]) -> list[str]:
     """The table the dry run prints (a str row: a plan that could not be made, and why), and
     the free plan's ratio to the recipe."""

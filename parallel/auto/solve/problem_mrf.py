@@ -165,7 +165,10 @@ def permute_axes(prob: Problem, strategies: list[int], perm: tuple[int, ...], _c
         return tuple(pl[perm[i]] for i in range(len(pl)))
 
     for g, s in enumerate(strategies):
-        c = nodes[prob.groups[g][0]]
+        c = nodes.get(prob.groups[g][0])
+        if c is None:  # the recomputation choice: no placements to permute
+            out.append(s)
+            continue
         index = cache.get(id(c.specs))
         if index is None:
             index = cache[id(c.specs)] = {strategy_key(sp): j for j, sp in enumerate(c.specs)}
