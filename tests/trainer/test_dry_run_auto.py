@@ -74,6 +74,11 @@ def test_gpu_job_dry_run_keeps_every_value_on_cuda(name, world, overrides, axes,
     assert estimated == (name == "llama3_debug_auto"), r.memory
     assert axes <= {axis for _, axis in r.collectives}, r.collectives  # collectives named by mesh axis
     assert r.regions == regions  # MoE dispatch / CP attention planned as local_map regions
+    # the plan's throughput line, and the recipe shape priced beside it (FSDP·TP on a tp mesh)
+    assert re.search(r"^predicted [\d,]+ tok/s/GPU \(step [\d,.]+ ms, MFU [\d.]+%\)", text, re.M), text
+    recipe = r.priced[1]
+    assert not isinstance(recipe, str) and recipe.tokens_per_s_per_gpu > 0, recipe
+    assert recipe.name.startswith("FSDP·TP2 preset" if "tp" in axes else "FSDP preset (per-op SAC)"), recipe.name
 
 
 @pytest.mark.slow

@@ -315,7 +315,10 @@ def _from_start(prob: Problem, allowed: list[np.ndarray], start: list[int]) -> t
 
 
 ROW_STEPS = 8
-"""MRF solves spent finding the multiplier of the recomputation row (doubling, then bisection)."""
+"""MRF solves at most spent finding a multiplier that keeps the recomputation row (by four each)."""
+BISECTION_STEPS = 2
+"""Then solves halving towards the smallest such multiplier (the mix of options is read off
+after, `_best_option`, so a coarse multiplier suffices)."""
 
 
 def _priced_activations(prob: Problem, lam: float) -> Problem:
@@ -356,14 +359,30 @@ def _solve_with_row(prob: Problem, solve: Any) -> Solution:
         lo, lam = lam, lam * 4
     if hi is None or best is None:
         raise PlanningError("the MRF found no plan whose kept activations and model states fit the memory row")
-    for _ in range(ROW_STEPS // 2):  # then bisection: a smaller multiplier recomputes less
+    for _ in range(BISECTION_STEPS):  # then bisection: a smaller multiplier recomputes less
         lam = (lo + hi) / 2
         if attempt(lam):
             hi = lam
         else:
             lo = lam
     log.info("mrf: recomputation row kept with a multiplier of %.3g µs/byte", hi)
-    return best
+    return _best_option(prob, best)
+
+
+def _best_option(prob: Problem, sol: Solution) -> Solution:
+    """The plan's placements with the recomputation option that is fastest within the row.
+    A multiplier prices the k-th option's bytes and time alike for every k, so it lands on
+    an end of a run of mixes (all blocks kept, all per-op): the mix between is read off here."""
+    g, labels = prob.recompute.group, list(sol.labels)
+    best, best_e = labels[g], sol.objective
+    for a in range(len(prob.recompute.options)):
+        labels[g] = a
+        if row_holds(prob, labels):
+            e = prob.energy(labels)
+            if e < best_e - 1e-9 * max(1.0, abs(best_e)):
+                best, best_e = a, e
+    labels[g] = best
+    return dataclasses.replace(sol, labels=labels, objective=best_e)
 
 
 def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 1000, bisection_steps: int = 12,
