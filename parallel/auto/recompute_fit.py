@@ -72,6 +72,7 @@ def fit_with_recompute(autop: Any, plan: Plan, low: float | None, high: float | 
     for round_ in range(ROUNDS + 1):
         est = autop.estimate_memory(plan)
         plan.memory = est
+        plan.timings["memory"] = autop.timings.get("memory", 0.0)
         if not plan.recompute:
             return plan if est.fits else _refuse(autop, plan, est, low, high)
         outside = est.peak_bytes - row_value(plan, RecomputeRow(None).state_factor)
