@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate
 from models import cross_entropy_loss
 from parallel import _torch as T
 from parallel._torch import fake_world
+from parallel.auto import recompute_fit
 from parallel.auto.candidates.coverage import GraphCoverage, coverage_of, coverage_report
 from parallel.auto.candidates.placements import placement_str
 from parallel.auto.candidates.strategies import Candidates, mesh_candidates
@@ -480,7 +481,7 @@ class AutoParallel:
             t0 = time.perf_counter()
             self.problem = build_problem(self.candidates, self.cost_model(), constraints=self.constraints,
                                          memory_low=low, memory_high=high, repeated_blocks=self.planner.repeated_blocks,
-                                         mp_dtype=self.mp_dtype)
+                                         mp_dtype=self.mp_dtype, recompute=recompute_fit.replay_row(self.runtime, plan))
             self.timings["build"] = self.timings.get("build", 0.0) + time.perf_counter() - t0
         cm = self.cost_model()
         return replay_plan(self.problem, plan, hardware=cm.hw.name,

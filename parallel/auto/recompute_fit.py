@@ -41,6 +41,14 @@ def plan_options(runtime: RuntimeOptions, plan: Plan) -> RuntimeOptions:
     return dataclasses.replace(runtime, ac_mode="none", ac_blocks=tuple(blocks))
 
 
+def replay_row(runtime: RuntimeOptions, plan: Plan) -> RecomputeRow | None:
+    """The recomputation choice a replayed plan's problem poses: the plan's own (no row: the
+    replay prices the plan's choice, it does not choose)."""
+    if not chooses_recompute(runtime) or not plan.recompute.get("blocks"):
+        return None
+    return RecomputeRow(None, keep_choice=True)
+
+
 @dataclasses.dataclass
 class RowState:
     """The row's limit for the next solve: the memory limit less what the estimate adds to it."""

@@ -258,7 +258,7 @@ def build_problem(cands: Candidates, cost_model: CostModel, *, constraints: list
         only = np.zeros(len(choice.options), dtype=bool)
         only[choice.full_option()] = True
         prob.allowed[choice.group] = only
-    elif choice is not None and not row_can_bind(prob):
+    elif choice is not None and not recompute.keep_choice and not row_can_bind(prob):
         log.info("activation checkpointing: every plan's activations and model states fit the memory limit; "
                  "nothing is recomputed")
         prob = without_recompute(prob)

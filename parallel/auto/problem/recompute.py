@@ -62,6 +62,7 @@ class RecomputeRow:
     limit: float | None
     state_factor: float = 4.0
     full_only: bool = False  # only the option that recomputes every block (no row)
+    keep_choice: bool = False  # pose the choice even when memory is free (a replay reads a plan's choice into it)
 
 
 @dataclass
