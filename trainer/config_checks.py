@@ -16,6 +16,7 @@ from models.layers import ArgError
 from parallel.auto.cost import AUTO, ProfileError, load_hardware
 from parallel.recipes import RecipeError
 from parallel.recipes.cp import validate_cp
+from parallel.recipes.pp import pipeline_layout
 from parallel.settings import SettingError
 
 from .device import CPU, CUDA, check_compiler, check_device
@@ -44,7 +45,8 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
 
 def _err(cfg: JobConfig, section: str, key: str, msg: str) -> ConfigError:
     sec = getattr(cfg, section)
-    owner = next((o for o in (sec, getattr(sec, "planner", None), getattr(sec, "degrees", None))
+    owner = next((o for o in (sec, getattr(sec, "planner", None), getattr(sec, "degrees", None),
+                              getattr(sec, "pipeline", None))
                   if o is not None and hasattr(o, key)), sec)
     return ConfigError(f"{cfg.source}: '{section}.{key}' = {getattr(owner, key)!r}: {msg}")
 
@@ -168,6 +170,13 @@ def _validate_parallelism(cfg: JobConfig, world_size: int) -> None:
     except SettingError as e:
         raise _err(cfg, "parallelism", e.key, e.fix) from None
     deg = cfg.parallelism.degrees.resolved(world_size)
+    if cfg.parallelism.mode == "auto" and deg["pp"] > 1:
+        raise _err(cfg, "parallelism", "pipeline_parallel_degree", 'pipeline parallelism is manual-mode only for '
+                   'now; set mode = "manual" (the pp recipe) or pipeline_parallel_degree = 1')
+    try:
+        cfg.parallelism.pipeline.check()
+    except SettingError as e:
+        raise _err(cfg, "parallelism", e.key, e.fix) from None
     if cfg.parallelism.mode == "auto" and deg["ep"] > 1 and deg["dp_shard"] % deg["ep"]:
         raise _err(cfg, "parallelism", "expert_parallel_degree",
                    f"must divide data_parallel_shard_degree = {deg['dp_shard']} in auto mode (the mesh's dp_shard is "
@@ -254,6 +263,7 @@ def _validate_model(cfg: JobConfig) -> None:
                    "remove it or fix the value") from None
     _validate_balancing(cfg, args)
     _validate_expert_axis(cfg, args)
+    _validate_pipeline(cfg, args)
     max_seq_len = getattr(args, "max_seq_len", None)
     if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
         raise _err(cfg, "training", "seq_len",
@@ -275,6 +285,18 @@ def _validate_expert_axis(cfg: JobConfig, args: Any) -> None:
     if n % ep:
         raise _err(cfg, "parallelism", "expert_parallel_degree",
                    f"does not divide the number of routed experts ({n}); choose a divisor of {n}")
+
+
+def _validate_pipeline(cfg: JobConfig, args: Any) -> None:
+    """`pipeline_parallel_degree` > 1: a schedule torch has, stages that fit the degree, the
+    schedule and the model's layers, microbatches the schedule can run (parallel/recipes/pp.py)."""
+    pp = cfg.parallelism.degrees.pipeline_parallel_degree
+    if pp == 1:
+        return
+    try:
+        pipeline_layout(args.n_layers, pp, cfg.parallelism.pipeline, cfg.training.local_batch_size)
+    except RecipeError as e:
+        raise _err(cfg, "parallelism", e.key, e.reason) from None
 
 
 def _validate_balancing(cfg: JobConfig, args: Any) -> None:

@@ -30,9 +30,9 @@ from parallel import _torch as T
 from parallel.auto.cost.correction import BAND, correctable, record_correction, run_delay_s
 from parallel.auto.regions import load_balanced_batch
 from parallel.auto.runtime import is_parallel_module
-from parallel.mesh import CP, axis_size
+from parallel.mesh import CP, PP, axis_size
 from parallel.precision import dtype_of
-from parallel.recipes import RecipeError, apply_compile, apply_recipe
+from parallel.recipes import Pipeline, RecipeError, apply_compile, apply_pipeline, apply_recipe
 from parallel.recipes.cp import cp_shard_batch
 from parallel.recipes.ddp import ddp_reducer
 from parallel.recipes.tp import loss_parallel_context, loss_value
@@ -51,6 +51,7 @@ class ParallelismMode:
     def __init__(self, cfg: JobConfig, mesh: Optional[DeviceMesh]) -> None:
         self.cfg, self.mesh = cfg, mesh
         self.cp_axis = mesh is not None and CP in (mesh.mesh_dim_names or ())
+        self.pp_group: Optional[dist.ProcessGroup] = None  # pipeline parallel: the gradient norm sums over it
 
     def parallelize(self, model: torch.nn.Module, sample_batch: Batch,
                     source: Optional[PlanSource] = None) -> torch.nn.Module:
@@ -120,6 +121,7 @@ class ManualMode(ParallelismMode):
         super().__init__(cfg, mesh)
         self.device = device
         self.autocast = False
+        self.pipeline: Optional[Pipeline] = None  # pipeline_parallel_degree > 1: this rank's stages and schedule
 
     def parallelize(self, model: torch.nn.Module, sample_batch: Batch,
                     source: Optional[PlanSource] = None) -> torch.nn.Module:
@@ -130,7 +132,11 @@ class ManualMode(ParallelismMode):
             model = apply_compile(model) if t.compile else model
         else:
             try:
-                model = apply_recipe(model, self.mesh, self.cfg)
+                if axis_size(self.mesh, PP) > 1:  # the stages, each parallelized by the recipes; the rank's model
+                    self.pipeline = apply_pipeline(model, self.mesh, self.cfg, self.device, cross_entropy_loss)
+                    model, self.pp_group = self.pipeline.model, self.pipeline.group
+                else:
+                    model = apply_recipe(model, self.mesh, self.cfg)
             except RecipeError as e:
                 raise ConfigError(f"{self.cfg.source}: {e}") from None
         # mixed precision without FSDP (a single rank): autocast
@@ -147,6 +153,9 @@ class ManualMode(ParallelismMode):
                          positions: Optional[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
         ctx = (torch.autocast(self.device.type, dtype=dtype_of(self.cfg.training.mixed_precision_param))
                if self.autocast else contextlib.nullcontext())
+        if self.pipeline is not None:  # the schedule runs the microbatches' forward and backward
+            with ctx:
+                return self.pipeline.step(inputs, labels, scale)
         # TP with loss parallel: vocab-sharded logits; loss and backward inside the context
         with loss_parallel_context(model):
             with ctx:
@@ -162,6 +171,9 @@ class ManualMode(ParallelismMode):
         reduce-scatter or all-reduce; the unsharded gradients accumulate until the last
         micro-batch); DDP: its `no_sync()`, once its reducer exists (built at the first forward:
         before it, the first micro-batch reduces, which is correct)."""
+        if self.pipeline is not None:  # each schedule step reduces its gradients (PipelineStage's last backward)
+            yield
+            return
         fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
         ddp = None if fsdp else ddp_reducer(model)
         for m in fsdp:
@@ -177,6 +189,9 @@ class ManualMode(ParallelismMode):
                      positions: Optional[torch.Tensor]) -> torch.Tensor:
         ctx = (torch.autocast(self.device.type, dtype=dtype_of(self.cfg.training.mixed_precision_param))
                if self.autocast else contextlib.nullcontext())
+        if self.pipeline is not None:
+            with ctx:
+                return self.pipeline.eval_loss(inputs, labels)
         with loss_parallel_context(model), ctx:
             logits = model(inputs) if positions is None else model(inputs, positions)
             return loss_value(cross_entropy_loss(logits, labels))

@@ -228,7 +228,8 @@ class Trainer:
             loss = self.parallelizer.accumulate(self.model, micro)
         self.guard.at(self.step, "the gradient norm")
         with phase("clip"):
-            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm,
+                                        pp_group=self.parallelizer.pp_group)
         self.lr_used = self.optimizer.param_groups[0]["lr"]
         self.guard.at(self.step, "the step's agreement (finite values, stop requests)")
         if self.guard.check(self.step, loss, grad_norm, self.model):  # every rank agrees: finite
