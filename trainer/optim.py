@@ -16,8 +16,13 @@ from .config import LRScheduler, Optimizer
 
 
 def build_optimizer(model: torch.nn.Module, opt_cfg: Optimizer) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (plain or DTensor), as ``[optimizer]`` says."""
+    """AdamW over the trainable parameters (plain or DTensor), as ``[optimizer]`` says. Plain
+    and DTensor parameters together (TP without SP leaves the norms plain) go in two groups:
+    a foreach kernel takes one kind."""
     params = [p for p in model.parameters() if p.requires_grad]
+    kinds = [[p for p in params if not isinstance(p, DTensor)], [p for p in params if isinstance(p, DTensor)]]
+    if all(kinds):
+        params = [{"params": kind} for kind in kinds]
     return torch.optim.AdamW(
         params, lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps,
         weight_decay=opt_cfg.weight_decay,

@@ -73,23 +73,26 @@ def validate_pipeline(mesh: DeviceMesh, job_config: Any) -> None:
 def apply_pipeline(model: nn.Module, mesh: DeviceMesh, job_config: Any, device: torch.device,
                    loss_fn: Callable) -> Pipeline:
     """Pipeline parallel on the ``pp`` axis: this rank's stages of ``model``, each parallelized
-    by :func:`apply_recipe` on the other axes (TP without loss parallel: the last stage's loss
-    is computed by the schedule), under the job's schedule (:mod:`parallel.recipes.pp`)."""
+    by :func:`apply_recipe` on the other axes, under the job's schedule (:mod:`parallel.recipes.pp`).
+    TP runs without loss parallel (the schedule computes the last stage's loss) and without
+    sequence parallel (a stage's input is the whole sequence: its RoPE tables are cut to it)."""
     validate_pipeline(mesh, job_config)
     return apply_pp(model, mesh, job_config.parallelism.pipeline, job_config.training.local_batch_size, device,
-                    loss_fn, lambda part: apply_recipe(part, mesh, job_config, loss_parallel=False))
+                    loss_fn, lambda part: apply_recipe(part, mesh, job_config, loss_parallel=False,
+                                                       sequence_parallel=False))
 
 
 def apply_recipe(model: nn.Module, mesh: DeviceMesh, job_config: Any, *, ddp: bool = True,
-                 loss_parallel: bool = True) -> nn.Module:
+                 loss_parallel: bool = True, sequence_parallel: bool = True) -> nn.Module:
     """Parallelize ``model`` (materialised or on meta) on ``mesh`` per ``job_config``.
     ``ddp=False`` leaves a DDP mesh's model unreplicated (the dry run simulates the reducer,
     :func:`parallel.recipes.ddp.simulate_ddp`: DDP cannot be built on fake tensors).
-    ``loss_parallel=False``: TP leaves the logits whole (a pipeline stage's)."""
+    ``loss_parallel=False``: TP leaves the logits whole; ``sequence_parallel=False``: TP
+    without SP whatever ``enable_sequence_parallel`` says (both: a pipeline stage's)."""
     par, training = job_config.parallelism, job_config.training
     validate_recipe(model, mesh, job_config)
     if axis_size(mesh, TP) > 1:
-        apply_tp(model, mesh[TP], sequence_parallel=par.degrees.enable_sequence_parallel,
+        apply_tp(model, mesh[TP], sequence_parallel=par.degrees.enable_sequence_parallel and sequence_parallel,
                  loss_parallel=loss_parallel)
     if axis_size(mesh, CP) > 1:
         apply_cp(model, mesh, CP)
