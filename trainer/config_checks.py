@@ -16,7 +16,7 @@ from models.layers import ArgError
 from parallel.auto.cost import AUTO, ProfileError, load_hardware
 from parallel.recipes import RecipeError
 from parallel.recipes.cp import validate_cp
-from parallel.recipes.pp import pipeline_layout
+from parallel.recipes.pp import check_composition, pipeline_layout
 from parallel.settings import SettingError
 
 from .device import CPU, CUDA, check_compiler, check_device
@@ -72,7 +72,7 @@ def validate_config(cfg: JobConfig, world_size: Optional[int] = None, simulated_
     _validate_hardware(cfg)
     _validate_parallelism(cfg, env_world_size() if world_size is None else world_size)
     _validate_planner(cfg)
-    _validate_model(cfg)
+    _validate_model(cfg, world_size)
     _validate_tokenizer(cfg)
     _validate_runtime(cfg, simulated_device)
 
@@ -241,7 +241,7 @@ def _validate_planner(cfg: JobConfig) -> None:
                    "or leave it empty to plan")
 
 
-def _validate_model(cfg: JobConfig) -> None:
+def _validate_model(cfg: JobConfig, world_size: Optional[int] = None) -> None:
     """Known model and flavor; a sequence that fits the flavor's position tables."""
     try:
         spec = get_model_spec(cfg.model.name)
@@ -263,7 +263,7 @@ def _validate_model(cfg: JobConfig) -> None:
                    "remove it or fix the value") from None
     _validate_balancing(cfg, args)
     _validate_expert_axis(cfg, args)
-    _validate_pipeline(cfg, args)
+    _validate_pipeline(cfg, args, world_size)
     max_seq_len = getattr(args, "max_seq_len", None)
     if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
         raise _err(cfg, "training", "seq_len",
@@ -287,13 +287,18 @@ def _validate_expert_axis(cfg: JobConfig, args: Any) -> None:
                    f"does not divide the number of routed experts ({n}); choose a divisor of {n}")
 
 
-def _validate_pipeline(cfg: JobConfig, args: Any) -> None:
+def _validate_pipeline(cfg: JobConfig, args: Any, world_size: Optional[int]) -> None:
     """`pipeline_parallel_degree` > 1: a schedule torch has, stages that fit the degree, the
     schedule and the model's layers, microbatches the schedule can run (parallel/recipes/pp.py)."""
-    pp = cfg.parallelism.degrees.pipeline_parallel_degree
+    deg = cfg.parallelism.degrees
+    pp = deg.pipeline_parallel_degree
     if pp == 1:
         return
+    shard = deg.resolved(env_world_size() if world_size is None else world_size)["dp_shard"]
     try:
+        check_composition(pp, deg.context_parallel_degree, deg.expert_parallel_degree,
+                          deg.data_parallel_replicate_degree,
+                          deg.data_parallel_replicate_degree > 1 and shard == 1 and deg.context_parallel_degree == 1)
         pipeline_layout(args.n_layers, pp, cfg.parallelism.pipeline, cfg.training.local_batch_size)
     except RecipeError as e:
         raise _err(cfg, "parallelism", e.key, e.reason) from None

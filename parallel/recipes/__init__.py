@@ -29,7 +29,7 @@ from .ddp import apply_ddp, is_ddp_mesh, validate_ddp
 from .ep import apply_ep, build_ep_meshes, experts_fsdp_filter, validate_ep_mesh, validate_ep_model
 from .errors import RecipeError
 from .fsdp import apply_fsdp, data_parallel_mesh
-from .pp import Pipeline, apply_pp
+from .pp import Pipeline, apply_pp, check_composition
 from .tp import apply_tp, validate_tp
 
 __all__ = ["Pipeline", "RecipeError", "apply_compile", "apply_pipeline", "apply_recipe", "is_ddp_mesh",
@@ -53,21 +53,11 @@ def validate_recipe(model: nn.Module, mesh: DeviceMesh, job_config: Any) -> None
 
 
 def validate_pipeline(mesh: DeviceMesh, job_config: Any) -> None:
-    """:class:`RecipeError` for what a pipeline (a ``pp`` axis) does not compose with yet: CP
-    (positions are not passed through the stages), EP and DDP (data parallel is FSDP/HSDP)."""
-    pp = axis_size(mesh, PP)
-    if pp == 1:
-        return
+    """:class:`RecipeError` for what a pipeline (a ``pp`` axis) does not compose with yet
+    (:func:`parallel.recipes.pp.check_composition`)."""
     deg = job_config.parallelism.degrees
-    for key, value in (("context_parallel_degree", deg.context_parallel_degree),
-                       ("expert_parallel_degree", deg.expert_parallel_degree)):
-        if value > 1:
-            raise RecipeError(key, value, f"is not composed with pipeline_parallel_degree = {pp} yet; set it to 1 "
-                              "or pipeline_parallel_degree = 1")
-    if is_ddp_mesh(mesh):
-        raise RecipeError("data_parallel_replicate_degree", deg.data_parallel_replicate_degree,
-                          f"without data_parallel_shard_degree is DDP, which pipeline_parallel_degree = {pp} does not "
-                          "compose with; use data_parallel_shard_degree (FSDP) instead, or both (HSDP)")
+    check_composition(axis_size(mesh, PP), axis_size(mesh, CP), deg.expert_parallel_degree,
+                      deg.data_parallel_replicate_degree, is_ddp_mesh(mesh))
 
 
 def apply_pipeline(model: nn.Module, mesh: DeviceMesh, job_config: Any, device: torch.device,

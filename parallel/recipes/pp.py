@@ -47,8 +47,8 @@ from parallel.settings import PipelineSettings
 
 from .errors import RecipeError
 
-__all__ = ["SCHEDULE_STYLES", "Pipeline", "PipelineLayout", "apply_pp", "pipeline_layout", "schedule_name",
-           "split_model"]
+__all__ = ["SCHEDULE_STYLES", "Pipeline", "PipelineLayout", "apply_pp", "check_composition", "pipeline_layout",
+           "schedule_name", "split_model"]
 
 SINGLE, LOOP, V = "single", "loop", "v"
 SCHEDULE_STYLES: dict[str, str] = {
@@ -188,6 +188,21 @@ def _from_points(points: Sequence[str], n_layers: int) -> tuple[tuple[int, ...],
                           "increasing order, each once (a stage starts at each)")
     bounds = [0, *cuts, n_layers]
     return tuple(tuple(range(a, b)) for a, b in zip(bounds, bounds[1:]))
+
+
+def check_composition(pp: int, cp: int, ep: int, replicate: int, ddp: bool) -> None:
+    """RecipeError for what a pipeline does not compose with yet: CP (positions are not passed
+    through the stages), EP, and DDP (``ddp``: data_parallel_replicate_degree alone; use FSDP/HSDP)."""
+    if pp == 1:
+        return
+    for key, value in (("context_parallel_degree", cp), ("expert_parallel_degree", ep)):
+        if value > 1:
+            raise RecipeError(key, value, f"is not composed with pipeline_parallel_degree = {pp} yet; set it to 1 "
+                              "or pipeline_parallel_degree = 1")
+    if ddp:
+        raise RecipeError("data_parallel_replicate_degree", replicate,
+                          f"without data_parallel_shard_degree is DDP, which pipeline_parallel_degree = {pp} does not "
+                          "compose with; use data_parallel_shard_degree (FSDP) instead, or both (HSDP)")
 
 
 # --------------------------------------------------------------------------- the split

@@ -1,0 +1,158 @@
+"""Pipeline parallel (parallel/recipes/pp.py): the layer split, the stage modules, the config
+errors (fast), and the trainer's losses on gloo ranks against one process at the same global
+batch (slow): PP2 (1F1B, GPipe), Interleaved1F1B with 2 stages per rank, PP2 x FSDP2, PP2 x TP2."""
+
+import pytest
+import torch
+from dist_utils import run_distributed
+
+from models import build_model
+from parallel.recipes.pp import PipelineLayout, pipeline_layout, split_model
+from parallel.settings import PipelineSettings
+from trainer.config import ConfigError, load_config
+from trainer.trainer import Trainer
+
+RTOL = 1e-5
+FAST = ["--training.seq_len", "32", "--training.local_batch_size", "4", "--training.steps", "3",
+        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+        "--checkpoint.enable", "false", "--optimizer.lr", "2e-3"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+
+
+def _layout(n_layers=4, pp=2, local_batch=4, **kw) -> PipelineLayout:
+    return pipeline_layout(n_layers, pp, PipelineSettings(**kw), local_batch)
+
+
+# --------------------------------------------------------------------------- the split (fast)
+
+
+def test_default_split_counts_embedding_and_output_as_a_layer():
+    assert _layout().stages == ((0, 1), (2, 3))  # emb L0 L1 | L2 L3 out
+    # 32 + 2 units over 8 stages: 4 or 5 each, the spare units in the middle stages
+    lay = _layout(32, 4, 8, pipeline_parallel_schedule="interleaved1f1b")
+    sizes = [len(s) + (i == 0) + (i == 7) for i, s in enumerate(lay.stages)]
+    assert lay.schedule == "Interleaved1F1B" and sum(sizes) == 34 and max(sizes) - min(sizes) == 1
+    assert [i for s in lay.stages for i in s] == list(range(32))
+    assert lay.stages_of(1) == [1, 5] and lay.rank_of(7) == 3
+
+
+def test_layers_per_stage_split_points_and_v_assignment():
+    assert _layout(6, pipeline_parallel_layers_per_stage=4).stages == ((0, 1, 2), (3, 4, 5))
+    assert _layout(pipeline_parallel_split_points=["layers.1"], pipeline_parallel_schedule="GPipe").stages == (
+        (0,), (1, 2, 3))
+    v = _layout(pipeline_parallel_schedule="ZBVZeroBubble")
+    assert v.n_stages == 4 and v.stages_of(0) == [0, 3] and v.stages_of(1) == [1, 2] and v.rank_of(3) == 0
+    assert _layout(local_batch=8, pipeline_parallel_microbatch_size=2).n_microbatches == 4
+
+
+def test_stage_modules_keep_the_models_names_and_compose_to_its_forward():
+    torch.manual_seed(0)
+    model = build_model("llama3", "debug", device="cpu", vocab_size=256)
+    stages = _layout().stages
+    parts = [split_model(model, s, i == 0, i == len(stages) - 1) for i, s in enumerate(stages)]
+    names = set()
+    for part in parts:
+        names |= set(part.state_dict())
+    assert names == set(model.state_dict())
+    assert parts[1].tok_embeddings is None and parts[0].output is None and parts[0].norm is None
+    assert parts[0].layers["1"] is model.layers[1]  # shared, not copied
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(parts[1](parts[0](tokens)), model(tokens), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- config errors (fast)
+
+BAD = [  # (overrides, key, words of the fix)
+    (PP2 + ["--parallelism.pipeline_parallel_schedule", "Zigzag"], "pipeline_parallel_schedule",
+     "GPipe, 1F1B, Interleaved1F1B"),
+    (PP2 + ["--parallelism.pipeline_parallel_layers_per_stage", "2"], "pipeline_parallel_layers_per_stage",
+     "pipeline_parallel_layers_per_stage = 3"),
+    (PP2 + ["--parallelism.pipeline_parallel_split_points", '["layers.1", "layers.2"]'],
+     "pipeline_parallel_split_points", "needs 2 stages"),
+    (PP2 + ["--training.local_batch_size", "1"], "pipeline_parallel_microbatch_size",
+     "1F1B needs at least as many microbatches as stages (2)"),
+    (PP2 + ["--parallelism.pipeline_parallel_microbatch_size", "3"], "pipeline_parallel_microbatch_size",
+     "use one of [1, 2, 4]"),
+    (PP2 + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+            "--parallelism.pipeline_parallel_layers_per_stage", "3"], "pipeline_parallel_layers_per_stage",
+     "a multiple of 2 stages, >= 4"),
+    (PP2 + ["--parallelism.context_parallel_degree", "2"], "context_parallel_degree", "not composed"),
+    (PP2 + ["--parallelism.mode", "auto"], "pipeline_parallel_degree", "manual-mode only"),
+]
+
+
+@pytest.mark.parametrize("extra,key,fix", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
+def test_bad_pipeline_config_is_one_error_naming_key_value_and_fix(extra, key, fix, tmp_path):
+    world = 4 if "--parallelism.context_parallel_degree" in extra else 2
+    with pytest.raises(ConfigError) as e:
+        load_config("llama3_debug", FAST + ["--job.dump_folder", str(tmp_path)] + extra, world_size=world)
+    msg = str(e.value)
+    assert f"'parallelism.{key}' = " in msg and fix in msg, msg
+
+
+def test_bad_schedule_exits_2(capsys, monkeypatch, tmp_path):
+    import train
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    rc = train.main(["--config", "llama3_debug", "--job.dump_folder", str(tmp_path), *PP2,
+                     "--parallelism.pipeline_parallel_schedule", "zigzag"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'parallelism.pipeline_parallel_schedule' = 'zigzag'" in err and "DualPipeV" in err
+
+
+# --------------------------------------------------------------------------- losses on gloo ranks (slow)
+
+
+def _train(folder, extra, world):
+    torch.set_num_threads(1)
+    cfg = load_config("llama3_debug", FAST + ["--job.dump_folder", folder] + extra, world_size=world)
+    return Trainer(cfg).train()
+
+
+def _worker(rank, world, folder, cases):
+    return {name: _train(f"{folder}/{name}", extra, world) for name, extra in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, global batch 4: the losses every PP job below must log."""
+    return _train(str(tmp_path_factory.mktemp("ref")), [], 1)
+
+
+def _check(reference, got, name):
+    assert set(got) == set(reference), (name, got)
+    for step, loss in reference.items():
+        assert got[step] == pytest.approx(loss, rel=RTOL), (name, step, reference, got)
+
+
+CASES_2 = {
+    "pp2_1f1b": PP2,
+    "pp2_gpipe": PP2 + ["--parallelism.pipeline_parallel_schedule", "GPipe"],
+    "pp2_interleaved_1f1b": PP2 + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+}
+
+
+@pytest.mark.slow
+def test_pp2_schedules_match_one_process(reference, tmp_path):
+    """1F1B, GPipe (one stage per rank) and Interleaved1F1B (stages 0, 2 on rank 0, 1, 3 on
+    rank 1) on 2 ranks: every rank logs the one-process losses."""
+    ranks = run_distributed(_worker, 2, str(tmp_path), CASES_2, timeout=240)
+    for got in ranks:
+        for name in CASES_2:
+            _check(reference, got[name], name)
+
+
+CASES_4 = {
+    "pp2_fsdp2": PP2 + ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"],
+    "pp2_tp2": PP2 + ["--parallelism.tensor_parallel_degree", "2"],
+}
+
+
+@pytest.mark.slow
+def test_pp2_with_fsdp2_and_tp2_on_4_ranks_match_one_process(reference, tmp_path):
+    """PP2 x FSDP2 (global batch 2 x 2 = 4) and PP2 x TP2 on 4 ranks."""
+    ranks = run_distributed(_worker, 4, str(tmp_path), CASES_4, timeout=240)
+    for got in ranks:
+        for name in CASES_4:
+            _check(reference, got[name], name)
