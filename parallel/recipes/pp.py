@@ -219,11 +219,14 @@ def split_model(model: nn.Module, layers: Sequence[int], first: bool, last: bool
     for key, value in vars(model).items():
         if not key.startswith("_") and key != "training":
             object.__setattr__(part, key, value)
-    for name, value in model._parameters.items():
+    for name, value in model.named_parameters(recurse=False):
         part.register_parameter(name, value)
-    for name, value in model._buffers.items():
-        part.register_buffer(name, value, persistent=name not in model._non_persistent_buffers_set)
-    for name, module in model._modules.items():
+    persistent = {k for k in model.state_dict(keep_vars=True) if "." not in k}
+    for name, value in model.named_buffers(recurse=False):
+        part.register_buffer(name, value, persistent=name in persistent)
+    for name in ("tok_embeddings", "norm", "output"):  # None in a stage that does not hold them
+        setattr(part, name, None)
+    for name, module in model.named_children():
         setattr(part, name, module)
     part.layers = nn.ModuleDict({str(i): blocks[str(i)] for i in layers})
     if not first:
