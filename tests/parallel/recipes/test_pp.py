@@ -156,3 +156,20 @@ def test_pp2_with_fsdp2_and_tp2_on_4_ranks_match_one_process(reference, tmp_path
     for got in ranks:
         for name in CASES_4:
             _check(reference, got[name], name)
+
+
+def _train_ckpt(rank, world, folder, extra):
+    return _train(folder, ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.name", "run"] + extra,
+                  world)
+
+
+@pytest.mark.slow
+def test_checkpoint_reshards_pp2_to_one_process_and_back(tmp_path):
+    """DCP: a PP2 job saves step 2 (each rank its stages, under the unsplit model's names), one
+    process resumes it to step 4, PP2 again to step 6: the losses of an unbroken run."""
+    ref = _train(str(tmp_path / "ref"), ["--training.steps", "6"], 1)
+    folder = str(tmp_path / "ck")
+    got = run_distributed(_train_ckpt, 2, folder, PP2 + ["--training.steps", "2"], timeout=120)[0]
+    got |= _train_ckpt(0, 1, folder, ["--training.steps", "4"])
+    got |= run_distributed(_train_ckpt, 2, folder, PP2 + ["--training.steps", "6"], timeout=120)[0]
+    _check(ref, got, "pp2 -> 1 -> pp2")
