@@ -21,10 +21,12 @@ its state dict has the unsplit model's names, so DCP reshards between PP and no 
 Each stage module is parallelized on its own by the caller's recipe (TP, AC, compile, then
 FSDP: ``fully_shard`` of its blocks and of the stage module, which ``PipelineStage`` drives
 through its last backward). Loss (:class:`Pipeline`): each microbatch's loss is the mean
-cross-entropy of its tokens and the schedule divides the gradients by the number of
-microbatches (``scale_grads``), so the gradient is that of the mean over the local batch, as
-without PP (equal rows per microbatch); the step's loss is the mean of the microbatch losses,
-broadcast from the rank of the last stage to the other pp ranks.
+cross-entropy of its tokens; its backward starts from it divided by the number of microbatches
+(and by the trainer's accumulation steps), so the summed gradient is that of the mean over the
+global batch, as without PP (equal rows per microbatch). Not torch's ``scale_grads``: that
+divides the whole ``.grad`` after a step, gradients accumulated by earlier steps too. The
+step's loss is the mean of the microbatch losses, broadcast from the rank of the last stage to
+the other pp ranks.
 """
 
 from __future__ import annotations
@@ -253,14 +255,20 @@ class Pipeline:
                        for part, i in zip(parts, stage_ids)]
         cls = get_schedule_class(layout.schedule)
         first = self.stages[0] if layout.style == SINGLE else self.stages
-        try:
-            self.schedule = cls(first, n_microbatches=layout.n_microbatches, loss_fn=self._loss, scale_grads=True)
+        # the loss function's outputs by id -> (output, unscaled loss); the schedule's own calls
+        # (shape inference at its first run) are not a step's microbatches: its `losses` list says which are
+        self._raw: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        try:  # scale_grads=False: torch's would divide the whole .grad, gradients accumulated before it too
+            self.schedule = cls(first, n_microbatches=layout.n_microbatches, loss_fn=self._loss, scale_grads=False)
         except ValueError as e:  # a rule of torch's the layout's checks missed
             raise RecipeError(_KEY_MB, layout.n_microbatches, f"{layout.schedule}: {e}") from None
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """A microbatch's loss, recorded; what its backward starts from: x scale / microbatches."""
         loss = self.loss_fn(output, target)
-        return loss if self.scale == 1.0 else loss * self.scale
+        out = loss * (self.scale / self.layout.n_microbatches)
+        self._raw[id(out)] = (out, loss.detach().float())
+        return out
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of ``inputs`` in microbatches, gradients of ``scale`` x the mean
@@ -273,14 +281,14 @@ class Pipeline:
         return self._run(self.schedule.eval, inputs, labels, 1.0)
 
     def _run(self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
-        self.scale = scale
+        self.scale, self._raw = scale, {}
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         run(*args, target=labels if self.has_last else None, losses=losses if self.has_last else None,
             return_outputs=False)
+        raw, self._raw = self._raw, {}
         if self.has_last:
-            loss = torch.stack([x.detach().float() for x in losses]).mean()
-            loss = loss if scale == 1.0 else loss / scale
+            loss = torch.stack([raw[id(x)][1] for x in losses]).mean()
         else:
             loss = torch.zeros((), dtype=torch.float32, device=inputs.device)
         dist.broadcast(loss, group=self.group, group_src=self.last_rank)

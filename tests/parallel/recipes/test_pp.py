@@ -173,3 +173,25 @@ def test_checkpoint_reshards_pp2_to_one_process_and_back(tmp_path):
     got |= _train_ckpt(0, 1, folder, ["--training.steps", "4"])
     got |= run_distributed(_train_ckpt, 2, folder, PP2 + ["--training.steps", "6"], timeout=120)[0]
     _check(ref, got, "pp2 -> 1 -> pp2")
+
+
+ACCUM = ["--training.global_batch_size", "8", "--validation.enable", "true", "--validation.freq", "2",
+         "--validation.steps", "2"]
+
+
+def _train_and_validate(rank, world, folder, extra):
+    torch.set_num_threads(1)
+    cfg = load_config("llama3_debug", FAST + ACCUM + ["--job.dump_folder", folder] + extra, world_size=world)
+    trainer = Trainer(cfg)
+    return trainer.train(), trainer.validate()[0]
+
+
+@pytest.mark.slow
+def test_pp2_gradient_accumulation_and_validation_match_one_process(tmp_path):
+    """Two schedule steps a step (global batch 8 of local batches 4), their gradients summed, and
+    the validation loss through the schedule's forward-only run (at step 2, then at the end)."""
+    ref_losses, ref_val = _train_and_validate(0, 1, str(tmp_path / "ref"), [])
+    extra = PP2 + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+    for losses, val in run_distributed(_train_and_validate, 2, str(tmp_path / "pp"), extra, timeout=120):
+        _check(ref_losses, losses, "accumulation")
+        assert val == pytest.approx(ref_val, rel=RTOL)
