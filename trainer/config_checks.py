@@ -294,6 +294,11 @@ def _validate_pipeline(cfg: JobConfig, args: Any, world_size: Optional[int]) -> 
     pp = deg.pipeline_parallel_degree
     if pp == 1:
         return
+    if getattr(args, "load_balance_coeff", None):
+        raise _err(cfg, "parallelism", "pipeline_parallel_degree", f"the expert-bias update (load_balance_coeff = "
+                   f"{args.load_balance_coeff}) sums each MoE layer's token counts over all ranks, which a pipeline "
+                   "splits into stages of different layers: not composed yet; set model.load_balance_coeff = 0 or "
+                   "pipeline_parallel_degree = 1")
     shard = deg.resolved(env_world_size() if world_size is None else world_size)["dp_shard"]
     try:
         check_composition(pp, deg.context_parallel_degree, deg.expert_parallel_degree,

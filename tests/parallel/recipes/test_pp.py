@@ -79,14 +79,16 @@ BAD = [  # (overrides, key, words of the fix)
      "a multiple of 2 stages, >= 4"),
     (PP2 + ["--parallelism.context_parallel_degree", "2"], "context_parallel_degree", "not composed"),
     (PP2 + ["--parallelism.mode", "auto"], "pipeline_parallel_degree", "manual-mode only"),
+    (PP2 + ["--model.load_balance_coeff", "0.001"], "pipeline_parallel_degree", "set model.load_balance_coeff = 0"),
 ]
 
 
 @pytest.mark.parametrize("extra,key,fix", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
 def test_bad_pipeline_config_is_one_error_naming_key_value_and_fix(extra, key, fix, tmp_path):
     world = 4 if "--parallelism.context_parallel_degree" in extra else 2
+    name = "deepseek_v3_debug" if "--model.load_balance_coeff" in extra else "llama3_debug"
     with pytest.raises(ConfigError) as e:
-        load_config("llama3_debug", FAST + ["--job.dump_folder", str(tmp_path)] + extra, world_size=world)
+        load_config(name, FAST + ["--job.dump_folder", str(tmp_path)] + extra, world_size=world)
     msg = str(e.value)
     assert f"'parallelism.{key}' = " in msg and fix in msg, msg
 
@@ -126,27 +128,25 @@ def _check(reference, got, name):
         assert got[step] == pytest.approx(loss, rel=RTOL), (name, step, reference, got)
 
 
-CASES_2 = {
-    "pp2_1f1b": PP2,
-    "pp2_gpipe": PP2 + ["--parallelism.pipeline_parallel_schedule", "GPipe"],
-    "pp2_interleaved_1f1b": PP2 + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
-}
+CASES_2 = {"pp2_1f1b": PP2} | {
+    f"pp2_{s.lower()}": PP2 + ["--parallelism.pipeline_parallel_schedule", s]
+    for s in ("GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")}
 
 
 @pytest.mark.slow
 def test_pp2_schedules_match_one_process(reference, tmp_path):
-    """1F1B, GPipe (one stage per rank) and Interleaved1F1B (stages 0, 2 on rank 0, 1, 3 on
-    rank 1) on 2 ranks: every rank logs the one-process losses."""
+    """Every schedule torch 2.13 ships on 2 ranks: 1F1B, GPipe (one stage per rank);
+    Interleaved1F1B, LoopedBFS, InterleavedZeroBubble (stages 0, 2 on rank 0, 1, 3 on rank 1);
+    ZBVZeroBubble, DualPipeV (0, 3 on rank 0, 1, 2 on rank 1): every rank logs the one-process
+    losses."""
     ranks = run_distributed(_worker, 2, str(tmp_path), CASES_2, timeout=240)
     for got in ranks:
         for name in CASES_2:
             _check(reference, got[name], name)
 
 
-CASES_4 = {
-    "pp2_fsdp2": PP2 + ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"],
-    "pp2_tp2": PP2 + ["--parallelism.tensor_parallel_degree", "2"],
-}
+FSDP2 = ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]
+CASES_4 = {"pp2_fsdp2": PP2 + FSDP2, "pp2_tp2": PP2 + ["--parallelism.tensor_parallel_degree", "2"]}
 
 
 @pytest.mark.slow
@@ -156,6 +156,21 @@ def test_pp2_with_fsdp2_and_tp2_on_4_ranks_match_one_process(reference, tmp_path
     for got in ranks:
         for name in CASES_4:
             _check(reference, got[name], name)
+
+
+def _train_model(rank, world, folder, name, extra):
+    torch.set_num_threads(1)
+    cfg = load_config(name, FAST + ["--job.dump_folder", folder] + extra, world_size=world)
+    return Trainer(cfg).train()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3_debug", "deepseek_v3_debug"])
+def test_pp2_fsdp2_qwen3_and_deepseek_v3_match_one_process(name, tmp_path):
+    """Qwen3 (q/k norms) and DeepSeek-V3 (MLA, a dense block then MoE blocks), PP2 x FSDP2."""
+    ref = _train_model(0, 1, str(tmp_path / "ref"), name, [])
+    for got in run_distributed(_train_model, 4, str(tmp_path / "pp"), name, PP2 + FSDP2, timeout=120):
+        _check(ref, got, name)
 
 
 def _train_ckpt(rank, world, folder, extra):
