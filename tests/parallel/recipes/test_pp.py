@@ -210,3 +210,50 @@ def test_pp2_gradient_accumulation_and_validation_match_one_process(tmp_path):
     for losses, val in run_distributed(_train_and_validate, 2, str(tmp_path / "pp"), extra, timeout=120):
         _check(ref_losses, losses, "accumulation")
         assert val == pytest.approx(ref_val, rel=RTOL)
+
+
+# --------------------------------------------------------------------------- dry run on a fake world
+
+
+def _stage_param_bytes(flavor: str, stage: tuple[int, ...], first: bool, last: bool, shards: int) -> int:
+    """fp32 bytes of one stage's parameters split evenly over ``shards`` ranks."""
+    model = build_model("llama3", flavor)
+    part = split_model(model, stage, first, last)
+    return 4 * sum(p.numel() for p in part.parameters()) // shards
+
+
+def test_dry_run_pp2_fsdp2_and_interleaved():
+    from trainer.dry_run import dry_run, format_report
+
+    cfg = load_config("llama3_debug", ["--training.seq_len", "64"] + PP2 + FSDP2, world_size=4)
+    r = dry_run(cfg, 4)
+    print(format_report(r))
+    assert r.mesh == "pp=2 x dp_shard=2"
+    assert r.param_bytes == _stage_param_bytes("debug", (0, 1), True, False, 2)  # rank 0: stage 0, FSDP 2
+    # 2 microbatches of 1 x 64 x 256 fp32, activations sent and their gradients received
+    assert r.collectives[("send/recv", "pp")] == (2 * 2, 2 * 2 * 1 * 64 * 256 * 4)
+    assert {("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard")} <= set(r.collectives)
+    cfg = load_config("llama3_debug", ["--training.seq_len", "64"] + PP2 +
+                      ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], world_size=2)
+    r = dry_run(cfg, 2)
+    assert any("runs stages 0, 2" in n for n in r.notes), r.notes
+    assert 0 < r.activation_bytes <= r.peak_fwd_bwd_bytes
+
+
+@pytest.mark.slow
+def test_dry_run_405b_on_512_fake_ranks():
+    """LLaMA 3.1 405B (dims as published), PP 16 x FSDP 4 x TP 8 on 512 fake ranks, full AC."""
+    from trainer.dry_run import dry_run, format_report
+
+    cfg = load_config("llama3_debug", [
+        "--model.flavor", "405B", "--training.seq_len", "8192", "--training.local_batch_size", "16",
+        "--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "full",
+        "--parallelism.pipeline_parallel_degree", "16", "--parallelism.tensor_parallel_degree", "8",
+        "--parallelism.data_parallel_shard_degree", "4"], world_size=512)
+    r = dry_run(cfg, 512)
+    print(format_report(r))
+    assert r.mesh == "pp=16 x dp_shard=4 x tp=8"
+    # stage 0 of 16: the embedding + 7 blocks ((126 + 2) / 16 = 8 units), TP 8 x FSDP 4 (norms not TP'd)
+    assert r.param_bytes == pytest.approx(_stage_param_bytes("405B", tuple(range(7)), True, False, 32), rel=1e-3)
+    assert ("all_reduce", "tp") in r.collectives and ("send/recv", "pp") in r.collectives
+    assert r.total_peak_bytes < 80 * 2**30
