@@ -301,7 +301,7 @@ def _validate_pipeline(cfg: JobConfig, args: Any, world_size: Optional[int]) -> 
                    "pipeline_parallel_degree = 1")
     shard = deg.resolved(env_world_size() if world_size is None else world_size)["dp_shard"]
     try:
-        check_composition(pp, deg.context_parallel_degree, deg.expert_parallel_degree,
+        check_composition(pp, deg.expert_parallel_degree,
                           deg.data_parallel_replicate_degree,
                           deg.data_parallel_replicate_degree > 1 and shard == 1 and deg.context_parallel_degree == 1)
         pipeline_layout(args.n_layers, pp, cfg.parallelism.pipeline, cfg.training.local_batch_size)

@@ -323,12 +323,12 @@ def _pipeline(cfg: JobConfig, run: PipelineRank, mesh: DeviceMesh, report: DryRu
         _materialize(model, uses_tp=TP in (mesh.mesh_dim_names or ()))
         mem, comm = MemoryTracker(), CollectiveCounter(group_axis_names(model, mesh))
         mem.exclude([list(model.parameters()), list(model.buffers())])
-        got = pipeline_fwd_bwd(cfg, run, model.args.dim, mem, comm, lambda: _explain_data_dependence(cfg))
+        got = pipeline_fwd_bwd(cfg, run, mesh, model.args.dim, mem, comm, lambda: _explain_data_dependence(cfg))
         params = list(model.parameters())
         report.param_bytes = sum(_local_nbytes(p) for p in params)
         report.grad_bytes = sum(_local_nbytes(p.grad) for p in params if p.grad is not None)
     report.optim_bytes = 2 * report.param_bytes
-    report.tokens = (cfg.training.local_batch_size, max(cfg.training.seq_lens()))
+    report.tokens = (cfg.training.local_batch_size, max(cfg.training.seq_lens()) // axis_size(mesh, CP))
     report.activation_bytes, report.peak_fwd_bwd_bytes = got["activation_bytes"], got["peak"]
     report.collectives = {k: (comm.counts[k], comm.bytes[k]) for k in comm.counts}
     report.collectives[("send/recv", PP)] = got["p2p"]

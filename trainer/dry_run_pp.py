@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from models import cross_entropy_loss, transformer_blocks
-from parallel.mesh import PP
+from parallel.mesh import CP, PP, axis_size
 from parallel.precision import dtype_of
 from parallel.recipes import apply_recipe, validate_pipeline
+from parallel.recipes.cp import cp_shard_batch
 from parallel.recipes.pp import PipelineLayout, pipeline_layout, split_model
 
 from .config import JobConfig
@@ -77,12 +78,12 @@ def _hidden_dtype(cfg: JobConfig, model: nn.Module) -> torch.dtype:
 
 
 def _stage_step(part: nn.Module, first: bool, last: bool, shape: tuple[int, int, int], dtype: torch.dtype,
-                mem: Any) -> int:
+                mem: Any, positions: Optional[torch.Tensor]) -> int:
     """One microbatch forward + backward through a stage module; the bytes its forward left alive."""
     mb, seq, dim = shape
     x = torch.zeros(mb, seq, dtype=torch.long) if first else torch.zeros(mb, seq, dim, dtype=dtype, requires_grad=True)
     before = mem.current
-    out = part(x)
+    out = part(x) if positions is None else part(x, positions)
     if last:
         out = cross_entropy_loss(out, torch.zeros(mb, seq, dtype=torch.long))
     kept = mem.current - before
@@ -90,13 +91,16 @@ def _stage_step(part: nn.Module, first: bool, last: bool, shape: tuple[int, int,
     return kept
 
 
-def pipeline_fwd_bwd(cfg: JobConfig, run: PipelineRank, dim: int, mem: Any, comm: Any,
+def pipeline_fwd_bwd(cfg: JobConfig, run: PipelineRank, mesh: DeviceMesh, dim: int, mem: Any, comm: Any,
                      ctx: Callable[[], Any]) -> dict[str, Any]:
     """One microbatch forward + backward through each local stage under ``mem`` (MemoryTracker)
     and ``comm`` (the collective counter), inside ``ctx()``; returns the report's numbers:
     activations (in flight), peak, point-to-point count and bytes, notes."""
-    layout = run.layout
-    shape = (cfg.parallelism.pipeline.pipeline_parallel_microbatch_size, max(cfg.training.seq_lens()), dim)
+    layout, mb = run.layout, cfg.parallelism.pipeline.pipeline_parallel_microbatch_size
+    tokens, positions = torch.zeros(mb, max(cfg.training.seq_lens()), dtype=torch.long), None
+    if axis_size(mesh, CP) > 1:  # this cp rank's share of the sequence
+        tokens, _, positions = cp_shard_batch(tokens, tokens, mesh, CP)
+    shape = (mb, tokens.shape[1], dim)
     dtype = _hidden_dtype(cfg, run.model)
     activations, extra, p2p = 0, 0, 0
     with warnings.catch_warnings(), mem, ctx():
@@ -106,7 +110,7 @@ def pipeline_fwd_bwd(cfg: JobConfig, run: PipelineRank, dim: int, mem: Any, comm
         for stage, part in zip(run.stage_ids, run.parts):
             first, last = stage == 0, stage == layout.n_stages - 1
             with comm:  # entered per stage: its module tracker follows one root module at a time
-                kept = _stage_step(part, first, last, shape, dtype, mem)
+                kept = _stage_step(part, first, last, shape, dtype, mem, positions)
             activations += kept * run.in_flight(stage)
             extra += kept * (run.in_flight(stage) - 1)  # the microbatches in flight beside the one measured
             p2p += 2 * ((not first) + (not last))  # from the stage before, to the one after: activations, gradients

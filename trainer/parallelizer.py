@@ -155,7 +155,7 @@ class ManualMode(ParallelismMode):
                if self.autocast else contextlib.nullcontext())
         if self.pipeline is not None:  # the schedule runs the microbatches' forward and backward
             with ctx:
-                return self.pipeline.step(inputs, labels, scale)
+                return self.pipeline.step(inputs, labels, scale, positions)
         # TP with loss parallel: vocab-sharded logits; loss and backward inside the context
         with loss_parallel_context(model):
             with ctx:
@@ -191,7 +191,7 @@ class ManualMode(ParallelismMode):
                if self.autocast else contextlib.nullcontext())
         if self.pipeline is not None:
             with ctx:
-                return self.pipeline.eval_loss(inputs, labels)
+                return self.pipeline.eval_loss(inputs, labels, positions)
         with loss_parallel_context(model), ctx:
             logits = model(inputs) if positions is None else model(inputs, positions)
             return loss_value(cross_entropy_loss(logits, labels))

@@ -56,7 +56,7 @@ def validate_pipeline(mesh: DeviceMesh, job_config: Any) -> None:
     """:class:`RecipeError` for what a pipeline (a ``pp`` axis) does not compose with yet
     (:func:`parallel.recipes.pp.check_composition`)."""
     deg = job_config.parallelism.degrees
-    check_composition(axis_size(mesh, PP), axis_size(mesh, CP), deg.expert_parallel_degree,
+    check_composition(axis_size(mesh, PP), deg.expert_parallel_degree,
                       deg.data_parallel_replicate_degree, is_ddp_mesh(mesh))
 
 

@@ -192,12 +192,12 @@ def _from_points(points: Sequence[str], n_layers: int) -> tuple[tuple[int, ...],
     return tuple(tuple(range(a, b)) for a, b in zip(bounds, bounds[1:]))
 
 
-def check_composition(pp: int, cp: int, ep: int, replicate: int, ddp: bool) -> None:
-    """RecipeError for what a pipeline does not compose with yet: CP (positions are not passed
-    through the stages), EP, and DDP (``ddp``: data_parallel_replicate_degree alone; use FSDP/HSDP)."""
+def check_composition(pp: int, ep: int, replicate: int, ddp: bool) -> None:
+    """RecipeError for what a pipeline does not compose with yet: EP, and DDP (``ddp``:
+    data_parallel_replicate_degree alone; use FSDP/HSDP)."""
     if pp == 1:
         return
-    for key, value in (("context_parallel_degree", cp), ("expert_parallel_degree", ep)):
+    for key, value in (("expert_parallel_degree", ep),):
         if value > 1:
             raise RecipeError(key, value, f"is not composed with pipeline_parallel_degree = {pp} yet; set it to 1 "
                               "or pipeline_parallel_degree = 1")
@@ -249,6 +249,9 @@ class Pipeline:
         self.model, self.parts, self.stage_ids, self.layout = model, parts, stage_ids, layout
         self.group = pp_mesh.get_group()
         self.loss_fn, self.scale = loss_fn, 1.0
+        self.positions: Optional[torch.Tensor] = None  # CP: this rank's token positions, every stage's forward
+        for part in parts:
+            part.register_forward_pre_hook(self._with_positions, with_kwargs=True)
         self.has_first, self.has_last = 0 in stage_ids, layout.n_stages - 1 in stage_ids
         self.last_rank = layout.rank_of(layout.n_stages - 1)
         self.stages = [PipelineStage(part, i, layout.n_stages, device, group=self.group)
@@ -263,6 +266,10 @@ class Pipeline:
         except ValueError as e:  # a rule of torch's the layout's checks missed
             raise RecipeError(_KEY_MB, layout.n_microbatches, f"{layout.schedule}: {e}") from None
 
+    def _with_positions(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A stage's forward gets the step's positions (the same for every microbatch)."""
+        return args, kwargs if self.positions is None else {**kwargs, "positions": self.positions}
+
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """A microbatch's loss, recorded; what its backward starts from: x scale / microbatches."""
         loss = self.loss_fn(output, target)
@@ -270,18 +277,22 @@ class Pipeline:
         self._raw[id(out)] = (out, loss.detach().float())
         return out
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float = 1.0,
+             positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Forward and backward of ``inputs`` in microbatches, gradients of ``scale`` x the mean
-        loss added to the parameters'; the (unscaled) mean loss on every pp rank."""
-        return self._run(self.schedule.step, inputs, labels, scale)
+        loss added to the parameters'; the (unscaled) mean loss on every pp rank. ``positions``:
+        the tokens' positions in the sequence (CP's shard)."""
+        return self._run(self.schedule.step, inputs, labels, scale, positions)
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor,
+                  positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Forward only (validation): the mean loss on every pp rank."""
-        return self._run(self.schedule.eval, inputs, labels, 1.0)
+        return self._run(self.schedule.eval, inputs, labels, 1.0, positions)
 
-    def _run(self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
-        self.scale, self._raw = scale, {}
+    def _run(self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
+             positions: Optional[torch.Tensor]) -> torch.Tensor:
+        self.scale, self._raw, self.positions = scale, {}, positions
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         run(*args, target=labels if self.has_last else None, losses=losses if self.has_last else None,

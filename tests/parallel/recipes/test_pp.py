@@ -77,7 +77,8 @@ BAD = [  # (overrides, key, words of the fix)
     (PP2 + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
             "--parallelism.pipeline_parallel_layers_per_stage", "3"], "pipeline_parallel_layers_per_stage",
      "a multiple of 2 stages, >= 4"),
-    (PP2 + ["--parallelism.context_parallel_degree", "2"], "context_parallel_degree", "not composed"),
+    (PP2 + ["--parallelism.data_parallel_replicate_degree", "2"], "data_parallel_replicate_degree",
+     "use data_parallel_shard_degree (FSDP) instead"),
     (PP2 + ["--parallelism.mode", "auto"], "pipeline_parallel_degree", "manual-mode only"),
     (PP2 + ["--model.load_balance_coeff", "0.001"], "pipeline_parallel_degree", "set model.load_balance_coeff = 0"),
 ]
@@ -85,7 +86,7 @@ BAD = [  # (overrides, key, words of the fix)
 
 @pytest.mark.parametrize("extra,key,fix", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
 def test_bad_pipeline_config_is_one_error_naming_key_value_and_fix(extra, key, fix, tmp_path):
-    world = 4 if "--parallelism.context_parallel_degree" in extra else 2
+    world = 4 if "--parallelism.data_parallel_replicate_degree" in extra else 2
     name = "deepseek_v3_debug" if "--model.load_balance_coeff" in extra else "llama3_debug"
     with pytest.raises(ConfigError) as e:
         load_config(name, FAST + ["--job.dump_folder", str(tmp_path)] + extra, world_size=world)
@@ -146,12 +147,13 @@ def test_pp2_schedules_match_one_process(reference, tmp_path):
 
 
 FSDP2 = ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]
-CASES_4 = {"pp2_fsdp2": PP2 + FSDP2, "pp2_tp2": PP2 + ["--parallelism.tensor_parallel_degree", "2"]}
+CASES_4 = {"pp2_fsdp2": PP2 + FSDP2, "pp2_tp2": PP2 + ["--parallelism.tensor_parallel_degree", "2"],
+           "pp2_cp2": PP2 + ["--parallelism.context_parallel_degree", "2"]}
 
 
 @pytest.mark.slow
-def test_pp2_with_fsdp2_and_tp2_on_4_ranks_match_one_process(reference, tmp_path):
-    """PP2 x FSDP2 (global batch 2 x 2 = 4) and PP2 x TP2 on 4 ranks."""
+def test_pp2_with_fsdp2_tp2_and_cp2_on_4_ranks_match_one_process(reference, tmp_path):
+    """PP2 x FSDP2 (global batch 2 x 2 = 4), PP2 x TP2 and PP2 x CP2 (FSDP over cp) on 4 ranks."""
     ranks = run_distributed(_worker, 4, str(tmp_path), CASES_4, timeout=240)
     for got in ranks:
         for name in CASES_4:
@@ -238,6 +240,11 @@ def test_dry_run_pp2_fsdp2_and_interleaved():
     r = dry_run(cfg, 2)
     assert any("runs stages 0, 2" in n for n in r.notes), r.notes
     assert 0 < r.activation_bytes <= r.peak_fwd_bwd_bytes
+    cfg = load_config("llama3_debug", ["--training.seq_len", "64", "--parallelism.context_parallel_degree", "2",
+                                       "--parallelism.tensor_parallel_degree", "2"] + PP2, world_size=8)
+    r = dry_run(cfg, 8)
+    assert r.mesh == "pp=2 x cp=2 x tp=2" and r.tokens == (8, 32)  # local batch 8 of the config, seq 64 over cp 2
+    assert {"cp", "tp", "pp"} <= {axis for _, axis in r.collectives}, r.collectives
 
 
 @pytest.mark.slow
