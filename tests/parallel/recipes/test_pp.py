@@ -264,3 +264,12 @@ def test_dry_run_405b_on_512_fake_ranks():
     assert r.param_bytes == pytest.approx(_stage_param_bytes("405B", tuple(range(7)), True, False, 32), rel=1e-3)
     assert ("all_reduce", "tp") in r.collectives and ("send/recv", "pp") in r.collectives
     assert r.total_peak_bytes < 80 * 2**30
+
+
+@pytest.mark.slow
+def test_pp2_with_hsdp_on_8_ranks_matches_one_process(reference, tmp_path):
+    """PP2 x HSDP (replicate 2 x shard 2): local batch 1 (one GPipe microbatch), global batch 4."""
+    extra = PP2 + ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree",
+                   "2", "--training.local_batch_size", "1", "--parallelism.pipeline_parallel_schedule", "GPipe"]
+    for got in run_distributed(_worker, 8, str(tmp_path), {"pp2_hsdp": extra}, timeout=120):
+        _check(reference, got["pp2_hsdp"], "pp2_hsdp")
