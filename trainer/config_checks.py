@@ -299,6 +299,10 @@ def _validate_pipeline(cfg: JobConfig, args: Any, world_size: Optional[int]) -> 
                    f"{args.load_balance_coeff}) sums each MoE layer's token counts over all ranks, which a pipeline "
                    "splits into stages of different layers: not composed yet; set model.load_balance_coeff = 0 or "
                    "pipeline_parallel_degree = 1")
+    if cfg.checkpoint.last_save_in_hf:
+        raise _err(cfg, "checkpoint", "last_save_in_hf", f"the HF export gathers the model on rank 0, which holds "
+                   f"only its pipeline stages with pipeline_parallel_degree = {pp}; set it to false and convert the "
+                   "last DCP checkpoint (python scripts/convert_hf.py to-hf)")
     shard = deg.resolved(env_world_size() if world_size is None else world_size)["dp_shard"]
     try:
         check_composition(pp, deg.expert_parallel_degree,

@@ -81,6 +81,7 @@ BAD = [  # (overrides, key, words of the fix)
      "use data_parallel_shard_degree (FSDP) instead"),
     (PP2 + ["--parallelism.mode", "auto"], "pipeline_parallel_degree", "manual-mode only"),
     (PP2 + ["--model.load_balance_coeff", "0.001"], "pipeline_parallel_degree", "set model.load_balance_coeff = 0"),
+    (PP2 + ["--checkpoint.last_save_in_hf", "true"], "last_save_in_hf", "convert_hf.py to-hf"),
 ]
 
 
@@ -91,7 +92,8 @@ def test_bad_pipeline_config_is_one_error_naming_key_value_and_fix(extra, key, f
     with pytest.raises(ConfigError) as e:
         load_config(name, FAST + ["--job.dump_folder", str(tmp_path)] + extra, world_size=world)
     msg = str(e.value)
-    assert f"'parallelism.{key}' = " in msg and fix in msg, msg
+    section = "checkpoint" if key == "last_save_in_hf" else "parallelism"
+    assert f"'{section}.{key}' = " in msg and fix in msg, msg
 
 
 def test_bad_schedule_exits_2(capsys, monkeypatch, tmp_path):
