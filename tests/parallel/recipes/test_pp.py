@@ -131,7 +131,9 @@ def _check(reference, got, name):
         assert got[step] == pytest.approx(loss, rel=RTOL), (name, step, reference, got)
 
 
-CASES_2 = {"pp2_1f1b": PP2} | {
+ONE_MICROBATCH = PP2 + ["--parallelism.pipeline_parallel_schedule", "GPipe",
+                        "--parallelism.pipeline_parallel_microbatch_size", "4"]
+CASES_2 = {"pp2_1f1b": PP2, "pp2_one_microbatch": ONE_MICROBATCH} | {
     f"pp2_{s.lower()}": PP2 + ["--parallelism.pipeline_parallel_schedule", s]
     for s in ("GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")}
 
@@ -146,6 +148,8 @@ def test_pp2_schedules_match_one_process(reference, tmp_path):
     for got in ranks:
         for name in CASES_2:
             _check(reference, got[name], name)
+        # the whole local batch as one microbatch: the very ops of one process, bit for bit
+        assert got["pp2_one_microbatch"] == reference
 
 
 FSDP2 = ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]
