@@ -305,9 +305,8 @@ def _validate_pipeline(cfg: JobConfig, args: Any, world_size: Optional[int]) -> 
                    "last DCP checkpoint (python scripts/convert_hf.py to-hf)")
     shard = deg.resolved(env_world_size() if world_size is None else world_size)["dp_shard"]
     try:
-        check_composition(pp, deg.expert_parallel_degree,
-                          deg.data_parallel_replicate_degree,
-                          deg.data_parallel_replicate_degree > 1 and shard == 1 and deg.context_parallel_degree == 1)
+        ddp = deg.data_parallel_replicate_degree > 1 and shard == 1 and deg.context_parallel_degree == 1
+        check_composition(pp, deg.data_parallel_replicate_degree, ddp)
         pipeline_layout(args.n_layers, pp, cfg.parallelism.pipeline, cfg.training.local_batch_size)
     except RecipeError as e:
         raise _err(cfg, "parallelism", e.key, e.reason) from None

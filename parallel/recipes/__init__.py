@@ -53,11 +53,10 @@ def validate_recipe(model: nn.Module, mesh: DeviceMesh, job_config: Any) -> None
 
 
 def validate_pipeline(mesh: DeviceMesh, job_config: Any) -> None:
-    """:class:`RecipeError` for what a pipeline (a ``pp`` axis) does not compose with yet
+    """:class:`RecipeError` for what a pipeline (a ``pp`` axis) does not compose with
     (:func:`parallel.recipes.pp.check_composition`)."""
     deg = job_config.parallelism.degrees
-    check_composition(axis_size(mesh, PP), deg.expert_parallel_degree,
-                      deg.data_parallel_replicate_degree, is_ddp_mesh(mesh))
+    check_composition(axis_size(mesh, PP), deg.data_parallel_replicate_degree, is_ddp_mesh(mesh))
 
 
 def apply_pipeline(model: nn.Module, mesh: DeviceMesh, job_config: Any, device: torch.device,

@@ -192,16 +192,10 @@ def _from_points(points: Sequence[str], n_layers: int) -> tuple[tuple[int, ...],
     return tuple(tuple(range(a, b)) for a, b in zip(bounds, bounds[1:]))
 
 
-def check_composition(pp: int, ep: int, replicate: int, ddp: bool) -> None:
-    """RecipeError for what a pipeline does not compose with yet: EP, and DDP (``ddp``:
-    data_parallel_replicate_degree alone; use FSDP/HSDP)."""
-    if pp == 1:
-        return
-    for key, value in (("expert_parallel_degree", ep),):
-        if value > 1:
-            raise RecipeError(key, value, f"is not composed with pipeline_parallel_degree = {pp} yet; set it to 1 "
-                              "or pipeline_parallel_degree = 1")
-    if ddp:
+def check_composition(pp: int, replicate: int, ddp: bool) -> None:
+    """RecipeError for what a pipeline does not compose with: DDP (``ddp``:
+    data_parallel_replicate_degree alone; FSDP/HSDP do)."""
+    if pp > 1 and ddp:
         raise RecipeError("data_parallel_replicate_degree", replicate,
                           f"without data_parallel_shard_degree is DDP, which pipeline_parallel_degree = {pp} does not "
                           "compose with; use data_parallel_shard_degree (FSDP) instead, or both (HSDP)")

@@ -173,11 +173,13 @@ def _train_model(rank, world, folder, name, extra):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3_debug", "deepseek_v3_debug"])
-def test_pp2_fsdp2_qwen3_and_deepseek_v3_match_one_process(name, tmp_path):
-    """Qwen3 (q/k norms) and DeepSeek-V3 (MLA, a dense block then MoE blocks), PP2 x FSDP2."""
+@pytest.mark.parametrize("name,extra", [("qwen3_debug", []),
+                                        ("deepseek_v3_debug", ["--parallelism.expert_parallel_degree", "2"])])
+def test_pp2_fsdp2_qwen3_and_deepseek_v3_ep2_match_one_process(name, extra, tmp_path):
+    """Qwen3 (q/k norms) PP2 x FSDP2; DeepSeek-V3 (MLA, a dense block then MoE blocks) PP2 x
+    FSDP2 with EP2 on the data ranks (the experts' all-to-all inside the stages)."""
     ref = _train_model(0, 1, str(tmp_path / "ref"), name, [])
-    for got in run_distributed(_train_model, 4, str(tmp_path / "pp"), name, PP2 + FSDP2, timeout=120):
+    for got in run_distributed(_train_model, 4, str(tmp_path / "pp"), name, PP2 + FSDP2 + extra, timeout=120):
         _check(ref, got, name)
 
 
