@@ -294,11 +294,6 @@ def _validate_pipeline(cfg: JobConfig, args: Any, world_size: Optional[int]) -> 
     pp = deg.pipeline_parallel_degree
     if pp == 1:
         return
-    if getattr(args, "load_balance_coeff", None):
-        raise _err(cfg, "parallelism", "pipeline_parallel_degree", f"the expert-bias update (load_balance_coeff = "
-                   f"{args.load_balance_coeff}) sums each MoE layer's token counts over all ranks, which a pipeline "
-                   "splits into stages of different layers: not composed yet; set model.load_balance_coeff = 0 or "
-                   "pipeline_parallel_degree = 1")
     if cfg.checkpoint.last_save_in_hf:
         raise _err(cfg, "checkpoint", "last_save_in_hf", f"the HF export gathers the model on rank 0, which holds "
                    f"only its pipeline stages with pipeline_parallel_degree = {pp}; set it to false and convert the "

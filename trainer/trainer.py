@@ -238,10 +238,10 @@ class Trainer:
                 self.optimizer.step()
             self.lr_scheduler.step()
             self.guard.at(self.step, "the expert-bias update (token counts summed over the ranks)")
-            balance_experts(self.model)
+            balance_experts(self.model, ranks=self.parallelizer.stage_ranks)
         else:
             self.optimizer.zero_grad(set_to_none=True)
-            balance_experts(self.model, stepped=False)
+            balance_experts(self.model, stepped=False, ranks=self.parallelizer.stage_ranks)
         return loss.detach(), grad_norm
 
     # ------------------------------------------------------------------ loop

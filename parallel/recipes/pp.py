@@ -31,6 +31,7 @@ the other pp ranks.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from models import transformer_blocks
+from parallel._torch_pipeline import stage_infers_metadata
 from parallel.mesh import PP
 from parallel.settings import PipelineSettings
 
@@ -242,14 +244,23 @@ class Pipeline:
                  pp_mesh: DeviceMesh, device: torch.device, loss_fn: Callable) -> None:
         self.model, self.parts, self.stage_ids, self.layout = model, parts, stage_ids, layout
         self.group = pp_mesh.get_group()
-        self.loss_fn, self.scale = loss_fn, 1.0
+        self.loss_fn, self.scale, self.device = loss_fn, 1.0, device
         self.positions: Optional[torch.Tensor] = None  # CP: this rank's token positions, every stage's forward
-        for part in parts:
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # buffers kept from a metadata inference
+        for i, part in enumerate(parts):
             part.register_forward_pre_hook(self._with_positions, with_kwargs=True)
+            part.register_forward_pre_hook(functools.partial(self._before_forward, i))
+            part.register_forward_hook(self._after_forward)
         self.has_first, self.has_last = 0 in stage_ids, layout.n_stages - 1 in stage_ids
         self.last_rank = layout.rank_of(layout.n_stages - 1)
-        self.stages = [PipelineStage(part, i, layout.n_stages, device, group=self.group)
-                       for part, i in zip(parts, stage_ids)]
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """New stages and schedule over the same stage modules: they infer their input and output
+        shapes again at their first step (after a change of the sequence length)."""
+        layout = self.layout
+        self.stages = [PipelineStage(part, i, layout.n_stages, self.device, group=self.group)
+                       for part, i in zip(self.parts, self.stage_ids)]
         cls = get_schedule_class(layout.schedule)
         first = self.stages[0] if layout.style == SINGLE else self.stages
         # the loss function's outputs by id -> (output, unscaled loss); the schedule's own calls
@@ -259,6 +270,19 @@ class Pipeline:
             self.schedule = cls(first, n_microbatches=layout.n_microbatches, loss_fn=self._loss, scale_grads=False)
         except ValueError as e:  # a rule of torch's the layout's checks missed
             raise RecipeError(_KEY_MB, layout.n_microbatches, f"{layout.schedule}: {e}") from None
+
+    def _before_forward(self, i: int, module: nn.Module, args: tuple) -> None:
+        """A stage's shape inference (its first forward, on real or empty tensors) must leave no
+        trace: its buffers (MoE token counts) are copied, restored after it."""
+        if stage_infers_metadata(self.stages[i]):
+            self._saved = [(b, b.detach().clone()) for b in module.buffers()]
+
+    @torch.no_grad()
+    def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        for buffer, saved in self._saved:
+            if not torch.equal(buffer, saved):  # only what it changed: the rest may be saved for its backward
+                buffer.copy_(saved)
+        self._saved = []
 
     def _with_positions(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A stage's forward gets the step's positions (the same for every microbatch)."""

@@ -80,7 +80,6 @@ BAD = [  # (overrides, key, words of the fix)
     (PP2 + ["--parallelism.data_parallel_replicate_degree", "2"], "data_parallel_replicate_degree",
      "use data_parallel_shard_degree (FSDP) instead"),
     (PP2 + ["--parallelism.mode", "auto"], "pipeline_parallel_degree", "manual-mode only"),
-    (PP2 + ["--model.load_balance_coeff", "0.001"], "pipeline_parallel_degree", "set model.load_balance_coeff = 0"),
     (PP2 + ["--checkpoint.last_save_in_hf", "true"], "last_save_in_hf", "convert_hf.py to-hf"),
 ]
 
@@ -88,7 +87,7 @@ BAD = [  # (overrides, key, words of the fix)
 @pytest.mark.parametrize("extra,key,fix", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
 def test_bad_pipeline_config_is_one_error_naming_key_value_and_fix(extra, key, fix, tmp_path):
     world = 4 if "--parallelism.data_parallel_replicate_degree" in extra else 2
-    name = "deepseek_v3_debug" if "--model.load_balance_coeff" in extra else "llama3_debug"
+    name = "llama3_debug"
     with pytest.raises(ConfigError) as e:
         load_config(name, FAST + ["--job.dump_folder", str(tmp_path)] + extra, world_size=world)
     msg = str(e.value)
@@ -174,11 +173,13 @@ def _train_model(rank, world, folder, name, extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,extra", [("qwen3_debug", []),
-                                        ("deepseek_v3_debug", ["--parallelism.expert_parallel_degree", "2"])])
+                                        ("deepseek_v3_debug", ["--parallelism.expert_parallel_degree", "2",
+                                                               "--model.load_balance_coeff", "0.01"])])
 def test_pp2_fsdp2_qwen3_and_deepseek_v3_ep2_match_one_process(name, extra, tmp_path):
     """Qwen3 (q/k norms) PP2 x FSDP2; DeepSeek-V3 (MLA, a dense block then MoE blocks) PP2 x
-    FSDP2 with EP2 on the data ranks (the experts' all-to-all inside the stages)."""
-    ref = _train_model(0, 1, str(tmp_path / "ref"), name, [])
+    FSDP2 with EP2 on the data ranks (the experts' all-to-all inside the stages) and the expert
+    biases balanced from token counts summed over the ranks of each stage."""
+    ref = _train_model(0, 1, str(tmp_path / "ref"), name, extra[2:])
     for got in run_distributed(_train_model, 4, str(tmp_path / "pp"), name, PP2 + FSDP2 + extra, timeout=120):
         _check(ref, got, name)
 
@@ -201,7 +202,7 @@ def test_checkpoint_reshards_pp2_to_one_process_and_back(tmp_path):
 
 
 ACCUM = ["--training.global_batch_size", "8", "--validation.enable", "true", "--validation.freq", "2",
-         "--validation.steps", "2"]
+         "--validation.steps", "2", "--training.seq_len_schedule", "[[0, 32], [2, 64]]"]
 
 
 def _train_and_validate(rank, world, folder, extra):
@@ -213,8 +214,9 @@ def _train_and_validate(rank, world, folder, extra):
 
 @pytest.mark.slow
 def test_pp2_gradient_accumulation_and_validation_match_one_process(tmp_path):
-    """Two schedule steps a step (global batch 8 of local batches 4), their gradients summed, and
-    the validation loss through the schedule's forward-only run (at step 2, then at the end)."""
+    """Two schedule steps a step (global batch 8 of local batches 4), their gradients summed, the
+    validation loss through the schedule's forward-only run (at step 2, then at the end), and a
+    sequence length that changes at step 3 (the stages infer their shapes again)."""
     ref_losses, ref_val = _train_and_validate(0, 1, str(tmp_path / "ref"), [])
     extra = PP2 + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
     for losses, val in run_distributed(_train_and_validate, 2, str(tmp_path / "pp"), extra, timeout=120):
