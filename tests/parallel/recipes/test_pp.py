@@ -153,12 +153,14 @@ def test_pp2_schedules_match_one_process(reference, tmp_path):
 
 FSDP2 = ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]
 CASES_4 = {"pp2_fsdp2": PP2 + FSDP2, "pp2_tp2": PP2 + ["--parallelism.tensor_parallel_degree", "2"],
-           "pp2_cp2": PP2 + ["--parallelism.context_parallel_degree", "2"]}
+           "pp2_cp2": PP2 + ["--parallelism.context_parallel_degree", "2"],
+           "pp2_fsdp2_sac": PP2 + FSDP2 + ["--activation_checkpoint.mode", "selective"]}
 
 
 @pytest.mark.slow
 def test_pp2_with_fsdp2_tp2_and_cp2_on_4_ranks_match_one_process(reference, tmp_path):
-    """PP2 x FSDP2 (global batch 2 x 2 = 4), PP2 x TP2 and PP2 x CP2 (FSDP over cp) on 4 ranks."""
+    """PP2 x FSDP2 (global batch 2 x 2 = 4; also with per-op SAC), PP2 x TP2 and PP2 x CP2 (FSDP
+    over cp) on 4 ranks."""
     ranks = run_distributed(_worker, 4, str(tmp_path), CASES_4, timeout=240)
     for got in ranks:
         for name in CASES_4:
