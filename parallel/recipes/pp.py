@@ -26,7 +26,9 @@ cross-entropy of its tokens; its backward starts from it divided by the number o
 global batch, as without PP (equal rows per microbatch). Not torch's ``scale_grads``: that
 divides the whole ``.grad`` after a step, gradients accumulated by earlier steps too. The
 step's loss is the mean of the microbatch losses, broadcast from the rank of the last stage to
-the other pp ranks.
+the other pp ranks. CP: every stage's forward gets the cp rank's token positions (a forward
+pre-hook; the same for every microbatch). torch's stages infer their shapes with one real forward
+at their first step; buffers it changes (MoE token counts) are restored (``_torch_pipeline``).
 """
 
 from __future__ import annotations

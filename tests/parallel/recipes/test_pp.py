@@ -36,6 +36,16 @@ def test_default_split_counts_embedding_and_output_as_a_layer():
     assert lay.stages_of(1) == [1, 5] and lay.rank_of(7) == 3
 
 
+def test_every_schedule_is_torchs():
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from parallel.recipes.pp import SCHEDULE_STYLES, schedule_name
+
+    for name in SCHEDULE_STYLES:
+        assert get_schedule_class(name).__name__ == f"Schedule{name}"
+    assert schedule_name("interleaved1f1b") == "Interleaved1F1B"
+
+
 def test_layers_per_stage_split_points_and_v_assignment():
     assert _layout(6, pipeline_parallel_layers_per_stage=4).stages == ((0, 1, 2), (3, 4, 5))
     assert _layout(pipeline_parallel_split_points=["layers.1"], pipeline_parallel_schedule="GPipe").stages == (
