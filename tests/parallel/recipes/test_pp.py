@@ -202,15 +202,15 @@ def _train_ckpt(rank, world, folder, extra):
 
 
 @pytest.mark.slow
-def test_checkpoint_reshards_pp2_to_one_process_and_back(tmp_path):
-    """DCP: a PP2 job saves step 2 (each rank its stages, under the unsplit model's names), one
-    process resumes it to step 4, PP2 again to step 6: the losses of an unbroken run."""
+def test_checkpoint_reshards_pp2_fsdp2_to_one_process_and_pp2(tmp_path):
+    """DCP: a PP2 x FSDP2 job saves step 2 (each rank its stages' shards, under the unsplit
+    model's names), one process resumes it to step 4, PP2 to step 6: the losses of an unbroken run."""
     ref = _train(str(tmp_path / "ref"), ["--training.steps", "6"], 1)
     folder = str(tmp_path / "ck")
-    got = run_distributed(_train_ckpt, 2, folder, PP2 + ["--training.steps", "2"], timeout=120)[0]
+    got = run_distributed(_train_ckpt, 4, folder, PP2 + FSDP2 + ["--training.steps", "2"], timeout=120)[0]
     got |= _train_ckpt(0, 1, folder, ["--training.steps", "4"])
     got |= run_distributed(_train_ckpt, 2, folder, PP2 + ["--training.steps", "6"], timeout=120)[0]
-    _check(ref, got, "pp2 -> 1 -> pp2")
+    _check(ref, got, "pp2 x fsdp2 -> 1 -> pp2")
 
 
 ACCUM = ["--training.global_batch_size", "8", "--validation.enable", "true", "--validation.freq", "2",
