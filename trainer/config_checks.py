@@ -16,7 +16,7 @@ from models.layers import ArgError
 from parallel.auto.cost import AUTO, ProfileError, load_hardware
 from parallel.recipes import RecipeError
 from parallel.recipes.cp import validate_cp
-from parallel.recipes.pp import check_composition, pipeline_layout
+from parallel.recipes.pp import check_composition, pipeline_layout, schedule_name
 from parallel.settings import SettingError
 
 from .device import CPU, CUDA, check_compiler, check_device
@@ -175,8 +175,11 @@ def _validate_parallelism(cfg: JobConfig, world_size: int) -> None:
                    'now; set mode = "manual" (the pp recipe) or pipeline_parallel_degree = 1')
     try:
         cfg.parallelism.pipeline.check()
+        schedule_name(cfg.parallelism.pipeline.pipeline_parallel_schedule)  # a typo should not wait for pp > 1
     except SettingError as e:
         raise _err(cfg, "parallelism", e.key, e.fix) from None
+    except RecipeError as e:
+        raise _err(cfg, "parallelism", e.key, e.reason) from None
     if cfg.parallelism.mode == "auto" and deg["ep"] > 1 and deg["dp_shard"] % deg["ep"]:
         raise _err(cfg, "parallelism", "expert_parallel_degree",
                    f"must divide data_parallel_shard_degree = {deg['dp_shard']} in auto mode (the mesh's dp_shard is "

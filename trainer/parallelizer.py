@@ -139,6 +139,8 @@ class ManualMode(ParallelismMode):
                     self.pipeline = apply_pipeline(model, self.mesh, self.cfg, self.device, cross_entropy_loss)
                     model, self.pp_group = self.pipeline.model, self.pipeline.group
                     self.stage_ranks = self._stage_ranks()
+                    if dist.get_rank() == 0:
+                        logger.info(self.pipeline.describe())
                 else:
                     model = apply_recipe(model, self.mesh, self.cfg)
             except RecipeError as e:

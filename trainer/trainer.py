@@ -191,6 +191,10 @@ class Trainer:
                                      PlanSource(resuming=self.resume_step > 0))
         self.model_args = model.args
         self.num_params = sum(p.numel() for p in model.parameters())
+        if self.parallelizer.pp_group is not None:  # pipeline stages: each pp rank holds some of the layers
+            n = torch.tensor([self.num_params], dtype=torch.int64, device=self.device)
+            dist.all_reduce(n, group=self.parallelizer.pp_group)
+            self.num_params = int(n.item())
         return model
 
     def _sample_batch(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -257,6 +257,15 @@ class Pipeline:
         self.last_rank = layout.rank_of(layout.n_stages - 1)
         self.rebuild()
 
+    def describe(self) -> str:
+        """One line for the job's log: the schedule, the stages' blocks, the microbatches."""
+        lay = self.layout
+        blocks = "; ".join(f"{i}: " + ", ".join(
+            ([] if i else ["embedding"]) + ([f"layers.{s[0]}-{s[-1]}"] if s else [])
+            + (["norm", "output"] if i == lay.n_stages - 1 else [])) for i, s in enumerate(lay.stages))
+        return (f"pipeline: {lay.schedule}, {lay.n_stages} stages over pipeline_parallel_degree = {lay.pp} ({blocks}), "
+                f"{lay.n_microbatches} microbatches a local batch")
+
     def rebuild(self) -> None:
         """New stages and schedule over the same stage modules: they infer their input and output
         shapes again at their first step (after a change of the sequence length)."""

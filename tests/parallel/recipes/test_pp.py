@@ -76,6 +76,7 @@ def test_stage_modules_keep_the_models_names_and_compose_to_its_forward():
 BAD = [  # (overrides, key, words of the fix)
     (PP2 + ["--parallelism.pipeline_parallel_schedule", "Zigzag"], "pipeline_parallel_schedule",
      "GPipe, 1F1B, Interleaved1F1B"),
+    (["--parallelism.pipeline_parallel_schedule", "Zigzag"], "pipeline_parallel_schedule", "DualPipeV"),  # pp 1
     (PP2 + ["--parallelism.pipeline_parallel_layers_per_stage", "2"], "pipeline_parallel_layers_per_stage",
      "pipeline_parallel_layers_per_stage = 3"),
     (PP2 + ["--parallelism.pipeline_parallel_split_points", '["layers.1", "layers.2"]'],
