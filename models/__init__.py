@@ -113,6 +113,8 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a model (``model.layers``, see ``DecoderBase``): the units that
     FSDP shards, activation checkpointing wraps and ``compile`` compiles one by one."""
     layers = getattr(model, "layers", None)
+    if isinstance(layers, nn.ModuleDict):  # a pipeline stage's blocks, keyed by their index in the model
+        return list(layers.values())
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"{type(model).__name__} has no 'layers' ModuleList of transformer blocks")
     return list(layers)

@@ -386,21 +386,29 @@ class DecoderBase(nn.Module):
     repeated_blocks = "layers"
     """The list of blocks whose forward depends only on its inputs and own parameters (not on
     its index or on how many there are): the planner traces two and copies the rest."""
-    tok_embeddings: nn.Embedding
+    tok_embeddings: nn.Embedding | None
     rope: RotaryEmbedding
-    layers: nn.ModuleList
-    norm: RMSNorm
-    output: nn.Linear
+    layers: nn.ModuleList | nn.ModuleDict
+    norm: RMSNorm | None
+    output: nn.Linear | None
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``tokens [B, S]`` (``positions [S]`` optional, e.g. a CP shard) -> logits ``[B, S, V]``."""
         cos, sin = self.rope(tokens.shape[1], positions)
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        # a pipeline stage (parallel/recipes/pp.py) holds some blocks, as a ModuleDict keyed by their
+        # index, and None for the embedding / norm and output it does not hold: its input is then the
+        # previous stage's hidden state, its output the hidden state
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.blocks():
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def blocks(self) -> list[nn.Module]:
+        """The transformer blocks in order (``layers``: a ModuleList, or a pipeline stage's ModuleDict)."""
+        return list(self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
@@ -411,9 +419,11 @@ class DecoderBase(nn.Module):
         with the same seed end up identical.
         """
         self.rope.init_weights(buffer_device)
-        normal_(self.tok_embeddings.weight)
-        for layer in self.layers:
+        if self.tok_embeddings is not None:
+            normal_(self.tok_embeddings.weight)
+        for layer in self.blocks():
             layer.init_weights()
-        self.norm.init_weights()
-        dim = self.tok_embeddings.weight.shape[1]
-        trunc_normal_(self.output.weight, dim**-0.5)
+        if self.norm is not None:
+            self.norm.init_weights()
+        if self.output is not None:
+            trunc_normal_(self.output.weight, self.output.weight.shape[1]**-0.5)

@@ -92,6 +92,12 @@ LLAMA3_FLAVORS: dict[str, Llama3Args] = {
         dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
         ffn_hidden_dim=28672, rope_theta=500000.0,
     ),
+    # LLaMA 3.1 405B as published (Meta's params.json): 126 layers, RoPE scaled x8 from 8192
+    "405B": Llama3Args(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
+        ffn_hidden_dim=53248, rope_theta=500000.0, max_seq_len=131072, rope_scaling_factor=8.0,
+        rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_seq_len=8192,
+    ),
 }
 
 

@@ -1,6 +1,6 @@
 """DeviceMesh from the ``[parallelism]`` section, and the mesh axes every layer names.
 
-Axes, outermost first: ``dp_replicate, dp_shard, cp, tp``. Axes of size 1 are left out
+Axes, outermost first: ``pp, dp_replicate, dp_shard, cp, tp``. Axes of size 1 are left out
 (a mesh of one axis ``dp_shard`` of size 1 when every degree is 1). In manual mode expert
 parallel reuses ranks of ``dp_shard x cp`` and is derived by the EP recipe, not built here;
 in auto mode (``expert_axis``) ``dp_shard`` is built as ``dp_shard_mod_ep x ep``, the same
@@ -25,10 +25,14 @@ DP_SHARD = "dp_shard"
 CP = "cp"
 TP = "tp"
 EP = "ep"
+PP = "pp"  # pipeline parallel: the outermost axis (manual mode; the recipes' pp.py)
 DP_SHARD_CP = "dp_shard_cp"  # dp_shard x cp flattened: where FSDP shards (recipes)
 DP_SHARD_MOD_EP = "dp_shard_mod_ep"  # what is left of dp_shard_cp once ep is carved out
 AXES = (DP_REPLICATE, DP_SHARD, CP, TP)
-"""The mesh axes the trainer builds, outermost first (defined once; use these names)."""
+"""The mesh axes the planner places on, outermost first (defined once; use these names). The
+trainer's mesh may also have ``pp`` outside them (MESH_AXES)."""
+MESH_AXES = (PP, *AXES)
+"""The axes the trainer builds, outermost first."""
 DATA_AXES = (DP_REPLICATE, DP_SHARD, DP_SHARD_MOD_EP, EP)
 """Axes over which ranks read different batches (in mesh order; the last two: auto mode's
 ``dp_shard`` split for expert parallel)."""
@@ -41,17 +45,17 @@ def mesh_shape(degrees: ParallelDegrees, world_size: int, *, expert_axis: bool =
     ``dp_shard_mod_ep x ep``. Raises ValueError when the degrees do not multiply to
     ``world_size`` or the expert degree does not divide ``dp_shard``."""
     deg = degrees.resolved(world_size)
-    sizes = [deg[a] for a in AXES]
+    sizes = [deg[a] for a in MESH_AXES]
     prod = math.prod(sizes)
     if prod != world_size:
-        raise ValueError(f"parallelism degrees {dict(zip(AXES, sizes))} multiply to {prod}, "
+        raise ValueError(f"parallelism degrees {dict(zip(MESH_AXES, sizes))} multiply to {prod}, "
                          f"not the world size {world_size}")
-    pairs = list(zip(sizes, AXES))
+    pairs = list(zip(sizes, MESH_AXES))
     ep = deg[EP]
     if expert_axis and ep > 1:
         if deg[DP_SHARD] % ep:
             raise ValueError(f"expert_parallel_degree {ep} does not divide data_parallel_shard_degree {deg[DP_SHARD]}")
-        i = AXES.index(DP_SHARD)
+        i = MESH_AXES.index(DP_SHARD)
         pairs[i:i + 1] = [(deg[DP_SHARD] // ep, DP_SHARD_MOD_EP), (ep, EP)]
     kept = [(s, a) for s, a in pairs if s > 1] or [(1, DP_SHARD)]
     shape, names = zip(*kept)

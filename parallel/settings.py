@@ -8,8 +8,8 @@ and the section. Checks that read several sections stay in the trainer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 AC_MODES = ("none", "full", "selective", "auto")
 """\"auto\": the planner chooses each block's recomputation in its solve (auto mode only)."""
@@ -34,28 +34,36 @@ class ParallelDegrees:
     context_parallel_degree: int = 1
     expert_parallel_degree: int = 1
     enable_sequence_parallel: bool = True
+    # pipeline parallel (manual mode): the number of pipeline ranks, the outermost mesh axis ``pp``
+    pipeline_parallel_degree: int = 1
 
     def resolved(self, world_size: int) -> dict[str, int]:
         """Degrees by mesh axis name, with ``data_parallel_shard_degree = -1`` filled in (no checks)."""
-        others = self.data_parallel_replicate_degree * self.tensor_parallel_degree * self.context_parallel_degree
+        others = self._others()
         shard = self.data_parallel_shard_degree
         if shard == -1:
             shard = max(1, world_size // max(1, others))
         return {"dp_replicate": self.data_parallel_replicate_degree, "dp_shard": shard,
                 "cp": self.context_parallel_degree, "tp": self.tensor_parallel_degree,
-                "ep": self.expert_parallel_degree}
+                "ep": self.expert_parallel_degree, "pp": self.pipeline_parallel_degree}
+
+    def _others(self) -> int:
+        """The product of every degree but data_parallel_shard_degree (and EP, which reuses ranks)."""
+        return (self.pipeline_parallel_degree * self.data_parallel_replicate_degree * self.tensor_parallel_degree
+                * self.context_parallel_degree)
 
     def check(self, world_size: int) -> None:
         """Positive degrees multiplying to `world_size`; EP dividing the data x cp ranks."""
         for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "context_parallel_degree",
-                    "expert_parallel_degree"):
+                    "expert_parallel_degree", "pipeline_parallel_degree"):
             if getattr(self, key) < 1:
                 raise SettingError(key, getattr(self, key), "must be >= 1")
         shard = self.data_parallel_shard_degree
         if shard < 1 and shard != -1:
             raise SettingError("data_parallel_shard_degree", shard, "must be >= 1, or -1 for the rest of the world")
-        others = self.data_parallel_replicate_degree * self.tensor_parallel_degree * self.context_parallel_degree
-        desc = (f"data_parallel_replicate_degree={self.data_parallel_replicate_degree} x "
+        others = self._others()
+        pp = f"pipeline_parallel_degree={self.pipeline_parallel_degree} x " if self.pipeline_parallel_degree > 1 else ""
+        desc = (f"{pp}data_parallel_replicate_degree={self.data_parallel_replicate_degree} x "
                 f"data_parallel_shard_degree={shard} x tensor_parallel_degree={self.tensor_parallel_degree} x "
                 f"context_parallel_degree={self.context_parallel_degree}")
         if shard == -1 and world_size % others:
@@ -72,6 +80,44 @@ class ParallelDegrees:
             raise SettingError("expert_parallel_degree", self.expert_parallel_degree,
                                "must divide data_parallel_shard_degree x context_parallel_degree "
                                f"= {deg['dp_shard'] * deg['cp']}")
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """How a pipeline-parallel job (``pipeline_parallel_degree`` > 1, manual mode) runs: the
+    schedule, the microbatch rows and the layer split (parallel/recipes/pp.py checks them
+    against the model, the degree and the batch)."""
+
+    # torch.distributed.pipelining's schedule: "GPipe" | "1F1B" (one stage per rank), "Interleaved1F1B" |
+    # "LoopedBFS" | "InterleavedZeroBubble" (several stages per rank, looped), "ZBVZeroBubble" | "DualPipeV"
+    # (two stages per rank, V-shaped); case-insensitive
+    pipeline_parallel_schedule: str = "1F1B"
+    # rows of the local batch in one pipeline microbatch (local_batch_size / this = microbatches a step)
+    pipeline_parallel_microbatch_size: int = 1
+    # transformer layers per pipeline stage, the embedding and the output head counting as one layer each
+    # (stages = ceil((n_layers + 2) / this), balanced); unset: one stage per rank (two for the multi-stage
+    # schedules), the layers balanced the same way
+    pipeline_parallel_layers_per_stage: Optional[int] = None
+    # or the stage boundaries as the first block of each stage but the first, e.g. ["layers.2", "layers.4"]
+    # (len + 1 stages); [] : the balanced split
+    pipeline_parallel_split_points: list = field(default_factory=list)
+
+    def check(self) -> None:
+        """Positive sizes; one way to split, FQNs of blocks."""
+        if self.pipeline_parallel_microbatch_size < 1:
+            raise SettingError("pipeline_parallel_microbatch_size", self.pipeline_parallel_microbatch_size,
+                               "must be >= 1 (rows of the local batch in one microbatch)")
+        per = self.pipeline_parallel_layers_per_stage
+        if per is not None and per < 1:
+            raise SettingError("pipeline_parallel_layers_per_stage", per, "must be >= 1, or unset for the default")
+        points = self.pipeline_parallel_split_points
+        if points and per is not None:
+            raise SettingError("pipeline_parallel_split_points", points,
+                               "set either pipeline_parallel_split_points or pipeline_parallel_layers_per_stage")
+        for p in points:
+            if not (isinstance(p, str) and p.startswith("layers.") and p[len("layers."):].isdigit()):
+                raise SettingError("pipeline_parallel_split_points", points,
+                                   f"{p!r} is not a block's name; write names like \"layers.4\"")
 
 
 @dataclass

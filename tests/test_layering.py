@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {"models": 0, "parallel": 1, "trainer": 2, "tools": 3, "scripts": 3, "train": 3}
 ADAPTERS = ("parallel/_torch.py", "parallel/_torch_memory.py", "parallel/_torch_checkpoint.py",
-            "parallel/_torch_attention.py")
+            "parallel/_torch_attention.py", "parallel/_torch_pipeline.py")
 NOT_TORCH = {"_exit"}  # os._exit in a benchmark's worker process
 
 

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from parallel.auto.config import JOB_KEY, PlannerConfig
 from parallel.auto.cost import DEFAULT_HARDWARE
-from parallel.settings import ActivationCheckpoint, ParallelDegrees
+from parallel.settings import ActivationCheckpoint, ParallelDegrees, PipelineSettings
 
 from .config_checks import validate_config
 from .errors import ConfigError
@@ -174,8 +174,12 @@ class LRScheduler:
 class Parallelism:
     mode: str = "manual"  # "manual" (hand recipes) | "auto" (planner)
     # data_parallel_replicate_degree, data_parallel_shard_degree (-1: the rest of the world),
-    # tensor_parallel_degree, context_parallel_degree, expert_parallel_degree, enable_sequence_parallel
+    # tensor_parallel_degree, context_parallel_degree, expert_parallel_degree, enable_sequence_parallel,
+    # pipeline_parallel_degree
     degrees: ParallelDegrees = field(default_factory=ParallelDegrees, metadata={FLAT: True})
+    # manual mode with pipeline_parallel_degree > 1: pipeline_parallel_schedule, pipeline_parallel_microbatch_size,
+    # pipeline_parallel_layers_per_stage, pipeline_parallel_split_points (parallel/settings.py: PipelineSettings)
+    pipeline: PipelineSettings = field(default_factory=PipelineSettings, metadata={FLAT: True})
     # auto mode: "" builds the mesh from the degrees; "auto" plans every mesh of the world
     # size (trainer/mesh_auto.py) and builds the fastest that fits
     mesh: str = ""

@@ -16,6 +16,7 @@ from models.layers import ArgError
 from parallel.auto.cost import AUTO, ProfileError, load_hardware
 from parallel.recipes import RecipeError
 from parallel.recipes.cp import validate_cp
+from parallel.recipes.pp import check_composition, pipeline_layout, schedule_name
 from parallel.settings import SettingError
 
 from .device import CPU, CUDA, check_compiler, check_device
@@ -44,7 +45,8 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
 
 def _err(cfg: JobConfig, section: str, key: str, msg: str) -> ConfigError:
     sec = getattr(cfg, section)
-    owner = next((o for o in (sec, getattr(sec, "planner", None), getattr(sec, "degrees", None))
+    owner = next((o for o in (sec, getattr(sec, "planner", None), getattr(sec, "degrees", None),
+                              getattr(sec, "pipeline", None))
                   if o is not None and hasattr(o, key)), sec)
     return ConfigError(f"{cfg.source}: '{section}.{key}' = {getattr(owner, key)!r}: {msg}")
 
@@ -70,7 +72,7 @@ def validate_config(cfg: JobConfig, world_size: Optional[int] = None, simulated_
     _validate_hardware(cfg)
     _validate_parallelism(cfg, env_world_size() if world_size is None else world_size)
     _validate_planner(cfg)
-    _validate_model(cfg)
+    _validate_model(cfg, world_size)
     _validate_tokenizer(cfg)
     _validate_runtime(cfg, simulated_device)
 
@@ -171,6 +173,16 @@ def _validate_parallelism(cfg: JobConfig, world_size: int) -> None:
     except SettingError as e:
         raise _err(cfg, "parallelism", e.key, e.fix) from None
     deg = cfg.parallelism.degrees.resolved(world_size)
+    if cfg.parallelism.mode == "auto" and deg["pp"] > 1:
+        raise _err(cfg, "parallelism", "pipeline_parallel_degree", 'pipeline parallelism is manual-mode only for '
+                   'now; set mode = "manual" (the pp recipe) or pipeline_parallel_degree = 1')
+    try:
+        cfg.parallelism.pipeline.check()
+        schedule_name(cfg.parallelism.pipeline.pipeline_parallel_schedule)  # a typo should not wait for pp > 1
+    except SettingError as e:
+        raise _err(cfg, "parallelism", e.key, e.fix) from None
+    except RecipeError as e:
+        raise _err(cfg, "parallelism", e.key, e.reason) from None
     if cfg.parallelism.mode == "auto" and deg["ep"] > 1 and deg["dp_shard"] % deg["ep"]:
         raise _err(cfg, "parallelism", "expert_parallel_degree",
                    f"must divide data_parallel_shard_degree = {deg['dp_shard']} in auto mode (the mesh's dp_shard is "
@@ -235,7 +247,7 @@ def _validate_planner(cfg: JobConfig) -> None:
                    "or leave it empty to plan")
 
 
-def _validate_model(cfg: JobConfig) -> None:
+def _validate_model(cfg: JobConfig, world_size: Optional[int] = None) -> None:
     """Known model and flavor; a sequence that fits the flavor's position tables."""
     try:
         spec = get_model_spec(cfg.model.name)
@@ -257,6 +269,7 @@ def _validate_model(cfg: JobConfig) -> None:
                    "remove it or fix the value") from None
     _validate_balancing(cfg, args)
     _validate_expert_axis(cfg, args)
+    _validate_pipeline(cfg, args, world_size)
     max_seq_len = getattr(args, "max_seq_len", None)
     if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
         raise _err(cfg, "training", "seq_len",
@@ -278,6 +291,26 @@ def _validate_expert_axis(cfg: JobConfig, args: Any) -> None:
     if n % ep:
         raise _err(cfg, "parallelism", "expert_parallel_degree",
                    f"does not divide the number of routed experts ({n}); choose a divisor of {n}")
+
+
+def _validate_pipeline(cfg: JobConfig, args: Any, world_size: Optional[int]) -> None:
+    """`pipeline_parallel_degree` > 1: a schedule torch has, stages that fit the degree, the
+    schedule and the model's layers, microbatches the schedule can run (parallel/recipes/pp.py)."""
+    deg = cfg.parallelism.degrees
+    pp = deg.pipeline_parallel_degree
+    if pp == 1:
+        return
+    if cfg.checkpoint.last_save_in_hf:
+        raise _err(cfg, "checkpoint", "last_save_in_hf", f"the HF export gathers the model on rank 0, which holds "
+                   f"only its pipeline stages with pipeline_parallel_degree = {pp}; set it to false and convert the "
+                   "last DCP checkpoint (python scripts/convert_hf.py to-hf)")
+    shard = deg.resolved(env_world_size() if world_size is None else world_size)["dp_shard"]
+    try:
+        ddp = deg.data_parallel_replicate_degree > 1 and shard == 1 and deg.context_parallel_degree == 1
+        check_composition(pp, deg.data_parallel_replicate_degree, ddp)
+        pipeline_layout(args.n_layers, pp, cfg.parallelism.pipeline, cfg.training.local_batch_size)
+    except RecipeError as e:
+        raise _err(cfg, "parallelism", e.key, e.reason) from None
 
 
 def _validate_balancing(cfg: JobConfig, args: Any) -> None:

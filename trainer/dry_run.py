@@ -44,7 +44,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from models import build_model, cross_entropy_loss
 from parallel import _torch as T
 from parallel.measure import MemoryTracker
-from parallel.mesh import CP, DP_REPLICATE, TP, build_mesh, submesh
+from parallel.mesh import CP, DP_REPLICATE, PP, TP, axis_size, build_mesh, submesh
 from parallel.precision import dtype_of
 from parallel.recipes import RecipeError, apply_recipe, is_ddp_mesh
 from parallel.recipes.cp import cp_shard_batch
@@ -53,6 +53,7 @@ from parallel.recipes.tp import loss_parallel_context, register_partial_grad_hoo
 
 from .config import ConfigError, JobConfig
 from .device import CPU
+from .dry_run_pp import PipelineRank, pipeline_fwd_bwd, pipeline_rank
 from .tokenizer import tokenizer_vocab
 
 __all__ = ["CollectiveCounter", "DryRunReport", "dry_run", "format_report", "main"]
@@ -222,9 +223,9 @@ def _explain_data_dependence(cfg: JobConfig) -> Iterator[None]:
             f"(grouped matmuls, traceable)") from None
 
 
-def _parallel_model(cfg: JobConfig, mesh: DeviceMesh, notes: list[str]) -> torch.nn.Module:
-    """The model on meta, in the master dtype, with the configured recipe applied; a
-    degree that does not fit is a ConfigError naming the key."""
+def _parallel_model(cfg: JobConfig, mesh: DeviceMesh, notes: list[str]) -> torch.nn.Module | PipelineRank:
+    """The model on meta, in the master dtype, with the configured recipe applied (a pipeline:
+    the simulated rank's stages); a degree that does not fit is a ConfigError naming the key."""
     vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else tokenizer_vocab(cfg)
     overrides = {"vocab_size": vocab} if vocab > 0 else {}
     overrides.update(cfg.model.arg_overrides())
@@ -234,6 +235,8 @@ def _parallel_model(cfg: JobConfig, mesh: DeviceMesh, notes: list[str]) -> torch
     if cfg.training.dtype != "float32":
         model = model.to(dtype_of(cfg.training.dtype))
     try:
+        if axis_size(mesh, PP) > 1:
+            return pipeline_rank(model, mesh, cfg)
         return apply_recipe(model, mesh, cfg, ddp=False)  # DDP: simulated after materialising
     except RecipeError as e:
         raise ConfigError(f"{cfg.source}: {e}") from None
@@ -295,6 +298,10 @@ def dry_run(job_config: JobConfig, world_size: int) -> DryRunReport:
             report.notes.append(f"job.device = {cfg.job.device!r}: the manual recipes run on fake CPU tensors "
                                 "(FSDP2's streams and autograd need a CUDA runtime); auto mode's dry run fakes CUDA")
         model = _parallel_model(cfg, mesh, report.notes)
+        if isinstance(model, PipelineRank):
+            _pipeline(cfg, model, mesh, report)
+            report.seconds = time.time() - t0
+            return report
         with T.FakeTensorMode(allow_non_fake_inputs=True):
             _materialize(model, uses_tp=TP in names)
             if is_ddp_mesh(mesh):
@@ -306,6 +313,26 @@ def dry_run(job_config: JobConfig, world_size: int) -> DryRunReport:
         del model
     report.seconds = time.time() - t0
     return report
+
+
+def _pipeline(cfg: JobConfig, run: PipelineRank, mesh: DeviceMesh, report: DryRunReport) -> None:
+    """A pipeline's simulated rank (trainer/dry_run_pp.py): its stages' microbatch through
+    forward + backward, on fake tensors; the pipeline's point-to-point traffic as ``send/recv`` on ``pp``."""
+    model = run.model
+    with T.FakeTensorMode(allow_non_fake_inputs=True):
+        _materialize(model, uses_tp=TP in (mesh.mesh_dim_names or ()))
+        mem, comm = MemoryTracker(), CollectiveCounter(group_axis_names(model, mesh))
+        mem.exclude([list(model.parameters()), list(model.buffers())])
+        got = pipeline_fwd_bwd(cfg, run, mesh, model.args.dim, mem, comm, lambda: _explain_data_dependence(cfg))
+        params = list(model.parameters())
+        report.param_bytes = sum(_local_nbytes(p) for p in params)
+        report.grad_bytes = sum(_local_nbytes(p.grad) for p in params if p.grad is not None)
+    report.optim_bytes = 2 * report.param_bytes
+    report.tokens = (cfg.training.local_batch_size, max(cfg.training.seq_lens()) // axis_size(mesh, CP))
+    report.activation_bytes, report.peak_fwd_bwd_bytes = got["activation_bytes"], got["peak"]
+    report.collectives = {k: (comm.counts[k], comm.bytes[k]) for k in comm.counts}
+    report.collectives[("send/recv", PP)] = got["p2p"]
+    report.notes += got["notes"]
 
 
 def main(job_config: JobConfig, world_size: int) -> int:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -14,8 +16,13 @@ from .config import LRScheduler, Optimizer
 
 
 def build_optimizer(model: torch.nn.Module, opt_cfg: Optimizer) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (plain or DTensor), as ``[optimizer]`` says."""
+    """AdamW over the trainable parameters (plain or DTensor), as ``[optimizer]`` says. Plain
+    and DTensor parameters together (TP without SP leaves the norms plain) go in two groups:
+    a foreach kernel takes one kind."""
     params = [p for p in model.parameters() if p.requires_grad]
+    kinds = [[p for p in params if not isinstance(p, DTensor)], [p for p in params if isinstance(p, DTensor)]]
+    if all(kinds):
+        params = [{"params": kind} for kind in kinds]
     return torch.optim.AdamW(
         params, lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps,
         weight_decay=opt_cfg.weight_decay,
@@ -114,16 +121,32 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
-                    norm_type: float = 2.0) -> torch.Tensor:
+                    norm_type: float = 2.0, pp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Compute the total gradient norm (see ``total_grad_norm``) and, when
     ``max_norm > 0``, scale every gradient by ``min(1, max_norm / (norm + 1e-6))`` with
-    ``torch.nn.utils.clip_grads_with_norm_``, one call per mesh group."""
+    ``torch.nn.utils.clip_grads_with_norm_``, one call per mesh group. ``pp_group``: pipeline
+    parallel, each rank holds some stages' parameters: the norms are combined over it."""
     groups = _params_by_mesh(parameters)
-    total = total_grad_norm([p for params in groups for p in params], norm_type)
+    flat = [p for params in groups for p in params]
+    total = total_grad_norm(flat, norm_type)
+    if pp_group is not None:
+        total = _combine_over(total, norm_type, pp_group, flat[0].grad.device if flat else torch.device("cpu"))
     if max_norm > 0:
         for params in groups:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+def _combine_over(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup,
+                  device: torch.device) -> torch.Tensor:
+    """The norm of the gradients of all ranks of ``group`` from each rank's norm of its own."""
+    t = norm.to(device)
+    if math.isinf(norm_type):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t.cpu()
+    t = t ** norm_type
+    dist.all_reduce(t, group=group)
+    return (t ** (1.0 / norm_type)).cpu()
 
 
 @torch.no_grad()

@@ -30,9 +30,9 @@ from parallel import _torch as T
 from parallel.auto.cost.correction import BAND, correctable, record_correction, run_delay_s
 from parallel.auto.regions import load_balanced_batch
 from parallel.auto.runtime import is_parallel_module
-from parallel.mesh import CP, axis_size
+from parallel.mesh import CP, PP, axis_size, flatten_axes
 from parallel.precision import dtype_of
-from parallel.recipes import RecipeError, apply_compile, apply_recipe
+from parallel.recipes import Pipeline, RecipeError, apply_compile, apply_pipeline, apply_recipe
 from parallel.recipes.cp import cp_shard_batch
 from parallel.recipes.ddp import ddp_reducer
 from parallel.recipes.tp import loss_parallel_context, loss_value
@@ -40,8 +40,10 @@ from parallel.recipes.tp import loss_parallel_context, loss_value
 from .auto_mode import PlanSource, auto_parallelize_for_training
 from .config import ConfigError, JobConfig
 from .measured import StepForecast, repeated
+from .moe_balance import LOCAL
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+STAGE_RANKS = "pp_stage_ranks"  # a pipeline's non-pp axes flattened: the ranks of one set of stages
 logger = logging.getLogger("autotitan")
 
 
@@ -51,6 +53,8 @@ class ParallelismMode:
     def __init__(self, cfg: JobConfig, mesh: Optional[DeviceMesh]) -> None:
         self.cfg, self.mesh = cfg, mesh
         self.cp_axis = mesh is not None and CP in (mesh.mesh_dim_names or ())
+        self.pp_group: Optional[dist.ProcessGroup] = None  # pipeline parallel: the gradient norm sums over it
+        self.stage_ranks: Any = None  # the ranks holding this rank's layers (None: all; moe_balance.LOCAL: itself)
 
     def parallelize(self, model: torch.nn.Module, sample_batch: Batch,
                     source: Optional[PlanSource] = None) -> torch.nn.Module:
@@ -120,6 +124,7 @@ class ManualMode(ParallelismMode):
         super().__init__(cfg, mesh)
         self.device = device
         self.autocast = False
+        self.pipeline: Optional[Pipeline] = None  # pipeline_parallel_degree > 1: this rank's stages and schedule
 
     def parallelize(self, model: torch.nn.Module, sample_batch: Batch,
                     source: Optional[PlanSource] = None) -> torch.nn.Module:
@@ -130,13 +135,31 @@ class ManualMode(ParallelismMode):
             model = apply_compile(model) if t.compile else model
         else:
             try:
-                model = apply_recipe(model, self.mesh, self.cfg)
+                if axis_size(self.mesh, PP) > 1:  # the stages, each parallelized by the recipes; the rank's model
+                    self.pipeline = apply_pipeline(model, self.mesh, self.cfg, self.device, cross_entropy_loss)
+                    model, self.pp_group = self.pipeline.model, self.pipeline.group
+                    self.stage_ranks = self._stage_ranks()
+                    if dist.get_rank() == 0:
+                        logger.info(self.pipeline.describe())
+                else:
+                    model = apply_recipe(model, self.mesh, self.cfg)
             except RecipeError as e:
                 raise ConfigError(f"{self.cfg.source}: {e}") from None
         # mixed precision without FSDP (a single rank): autocast
         fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
         self.autocast = t.mixed_precision_param != "float32" and not fsdp and t.dtype == "float32"
         return model
+
+    def for_seq_len(self, model: torch.nn.Module, sample_batch: Batch) -> tuple[torch.nn.Module, Any, str]:
+        if self.pipeline is None:
+            return super().for_seq_len(model, sample_batch)
+        self.pipeline.rebuild()  # the stages' shapes are inferred at their first step: again, at the new length
+        return model, None, "same model; the pipeline's stages and schedule built again for the new shapes"
+
+    def _stage_ranks(self) -> Any:
+        """A pipeline's ranks that hold this rank's stages: its mesh without the pp axis, flattened."""
+        others = [a for a in self.mesh.mesh_dim_names if a != PP]
+        return flatten_axes(self.mesh, others, STAGE_RANKS).get_group() if others else LOCAL
 
     def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple:
         if self.cp_axis:  # context parallel: each cp rank keeps its load-balanced chunks
@@ -147,6 +170,9 @@ class ManualMode(ParallelismMode):
                          positions: Optional[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
         ctx = (torch.autocast(self.device.type, dtype=dtype_of(self.cfg.training.mixed_precision_param))
                if self.autocast else contextlib.nullcontext())
+        if self.pipeline is not None:  # the schedule runs the microbatches' forward and backward
+            with ctx:
+                return self.pipeline.step(inputs, labels, scale, positions)
         # TP with loss parallel: vocab-sharded logits; loss and backward inside the context
         with loss_parallel_context(model):
             with ctx:
@@ -162,6 +188,9 @@ class ManualMode(ParallelismMode):
         reduce-scatter or all-reduce; the unsharded gradients accumulate until the last
         micro-batch); DDP: its `no_sync()`, once its reducer exists (built at the first forward:
         before it, the first micro-batch reduces, which is correct)."""
+        if self.pipeline is not None:  # each schedule step reduces its gradients (PipelineStage's last backward)
+            yield
+            return
         fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
         ddp = None if fsdp else ddp_reducer(model)
         for m in fsdp:
@@ -177,6 +206,9 @@ class ManualMode(ParallelismMode):
                      positions: Optional[torch.Tensor]) -> torch.Tensor:
         ctx = (torch.autocast(self.device.type, dtype=dtype_of(self.cfg.training.mixed_precision_param))
                if self.autocast else contextlib.nullcontext())
+        if self.pipeline is not None:
+            with ctx:
+                return self.pipeline.eval_loss(inputs, labels, positions)
         with loss_parallel_context(model), ctx:
             logits = model(inputs) if positions is None else model(inputs, positions)
             return loss_value(cross_entropy_loss(logits, labels))

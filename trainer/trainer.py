@@ -191,6 +191,10 @@ class Trainer:
                                      PlanSource(resuming=self.resume_step > 0))
         self.model_args = model.args
         self.num_params = sum(p.numel() for p in model.parameters())
+        if self.parallelizer.pp_group is not None:  # pipeline stages: each pp rank holds some of the layers
+            n = torch.tensor([self.num_params], dtype=torch.int64, device=self.device)
+            dist.all_reduce(n, group=self.parallelizer.pp_group)
+            self.num_params = int(n.item())
         return model
 
     def _sample_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +232,8 @@ class Trainer:
             loss = self.parallelizer.accumulate(self.model, micro)
         self.guard.at(self.step, "the gradient norm")
         with phase("clip"):
-            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm,
+                                        pp_group=self.parallelizer.pp_group)
         self.lr_used = self.optimizer.param_groups[0]["lr"]
         self.guard.at(self.step, "the step's agreement (finite values, stop requests)")
         if self.guard.check(self.step, loss, grad_norm, self.model):  # every rank agrees: finite
@@ -237,10 +242,10 @@ class Trainer:
                 self.optimizer.step()
             self.lr_scheduler.step()
             self.guard.at(self.step, "the expert-bias update (token counts summed over the ranks)")
-            balance_experts(self.model)
+            balance_experts(self.model, ranks=self.parallelizer.stage_ranks)
         else:
             self.optimizer.zero_grad(set_to_none=True)
-            balance_experts(self.model, stepped=False)
+            balance_experts(self.model, stepped=False, ranks=self.parallelizer.stage_ranks)
         return loss.detach(), grad_norm
 
     # ------------------------------------------------------------------ loop

@@ -144,6 +144,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     }
     if sp:
         top["norm"] = SequenceParallel()
+    top = {name: style for name, style in top.items() if getattr(model, name, None) is not None}  # a pipeline stage
     parallelize_module(model, tp_mesh, top)
     for block in transformer_blocks(model):
         parallelize_module(block, tp_mesh, _block_plan(block, sp))

@@ -25,6 +25,7 @@ from parallel import _torch as T  # the one place for private torch APIs (FakeTe
 PUBLISHED = {
     ("llama3", "8B"): 8.03e9,
     ("llama3", "70B"): 70.6e9,
+    ("llama3", "405B"): 405.85e9,  # LLaMA 3.1 405B (HF's count: 405,853,388,800)
     ("qwen3", "32B"): 32.8e9,
     ("deepseek_v3", "16B"): 15.7e9,
     ("qwen3_moe", "30B-A3B"): 30.5e9,
@@ -55,7 +56,7 @@ def _cpu_model(name: str, seed: int = 0, **kw) -> nn.Module:
 
 def test_registry_names_and_flavors():
     assert set(MODEL_SPECS) == {"llama3", "qwen3", "deepseek_v3", "qwen3_moe"}
-    assert set(get_model_spec("llama3").flavors) == {"debug", "8B", "70B"}
+    assert set(get_model_spec("llama3").flavors) == {"debug", "8B", "70B", "405B"}
     assert set(get_model_spec("qwen3").flavors) == {"debug", "32B"}
     assert set(get_model_spec("deepseek_v3").flavors) == {"debug", "16B", "671B"}
     assert set(get_model_spec("qwen3_moe").flavors) == {"debug", "30B-A3B", "235B-A22B"}

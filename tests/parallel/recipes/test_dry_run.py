@@ -93,7 +93,11 @@ def test_example_config_loads_and_dry_runs(path):
         axes = (axes - {DP_SHARD, CP}) | {DP_SHARD_CP}
     assert axes <= {axis for (_, axis) in r.collectives}, r.collectives
     shard = deg.get(DP_SHARD, 1) * deg.get(CP, 1)
-    assert r.param_bytes == _expected_param_bytes(cfg, tp=deg.get("tp", 1), shard=shard)
+    whole = _expected_param_bytes(cfg, tp=deg.get("tp", 1), shard=shard)
+    if "pp" in deg:  # the simulated rank holds its pipeline stages only (tests/parallel/recipes/test_pp.py)
+        assert 0 < r.param_bytes < whole
+    else:
+        assert r.param_bytes == whole
 
 
 # (config, world, overrides, the [parallelism] key the error names)
