@@ -23,6 +23,6 @@ def test_a_plan_requested_twice_is_named_and_the_run_exits_2():
     assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
     line = next(ln for ln in r.stderr.splitlines() if ln.startswith("bench_memory:"))
     assert "2 distinct plans of the 3 requested on 2 ranks" in line, line
-    assert "fsdp is fsdp (placement digest" in line and "activation checkpointing none" in line, line
+    assert "fsdp is fsdp (placement digest" in line and "activation checkpointing auto" in line, line
     assert "fsdp_ac is" not in line  # the same placements with full AC: measured, not a duplicate
     assert "error = estimate / measured" not in r.stdout  # no table
