@@ -23,12 +23,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from models import cross_entropy_loss, transformer_blocks
+from models import cross_entropy_loss
 from parallel.mesh import CP, PP, axis_size
 from parallel.precision import dtype_of
 from parallel.recipes import apply_recipe, validate_pipeline
 from parallel.recipes.cp import cp_shard_batch
-from parallel.recipes.pp import PipelineLayout, pipeline_layout, split_model
+from parallel.recipes.pp import PipelineLayout, rank_stages
 
 from .config import JobConfig
 
@@ -57,14 +57,8 @@ def pipeline_rank(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> Pipelin
     """Split the meta ``model`` as pp rank 0 does and parallelize each stage (RecipeError for a
     degree that does not fit)."""
     validate_pipeline(mesh, cfg)
-    pp_mesh = mesh[PP]
-    layout = pipeline_layout(len(transformer_blocks(model)), pp_mesh.size(), cfg.parallelism.pipeline,
-                             cfg.training.local_batch_size)
-    ids = layout.stages_of(pp_mesh.get_local_rank())
-    last = layout.n_stages - 1
-    parts = [split_model(model, layout.stages[i], i == 0, i == last) for i in ids]
-    union = sorted(i for s in ids for i in layout.stages[s])
-    rank_model = split_model(model, union, 0 in ids, last in ids)
+    layout, ids, parts, rank_model = rank_stages(model, mesh[PP], cfg.parallelism.pipeline,
+                                                 cfg.training.local_batch_size)
     for part in parts:
         apply_recipe(part, mesh, cfg, ddp=False, loss_parallel=False, sequence_parallel=False)
     return PipelineRank(layout, ids, parts, rank_model)

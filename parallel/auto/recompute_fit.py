@@ -14,7 +14,7 @@ from typing import Any
 from parallel.auto.cost.memory import format_bytes
 from parallel.auto.plan import Plan
 from parallel.auto.problem.placement_problem import MemoryLimitError, PlanningError
-from parallel.auto.problem.recompute import RecomputeRow
+from parallel.auto.problem.recompute import STATE_FACTOR, RecomputeRow
 from parallel.auto.runtime import RuntimeOptions
 
 log = logging.getLogger("parallel.auto.api")
@@ -83,7 +83,7 @@ def fit_with_recompute(autop: Any, plan: Plan, low: float | None, high: float | 
         plan.timings["memory"] = autop.timings.get("memory", 0.0)
         if not plan.recompute:
             return plan if est.fits else _refuse(autop, plan, est, low, high)
-        outside = est.peak_bytes - row_value(plan, RecomputeRow(None).state_factor)
+        outside = est.peak_bytes - row_value(plan, STATE_FACTOR)
         if est.fits:
             if best is None or plan.objective_us < best.objective_us:
                 best = plan

@@ -340,12 +340,19 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, settings: PipelineSettings, loc
     """Split ``model`` (materialised or on meta) into this pp rank's stages, ``parallelize`` each
     stage module in place (the other recipes: TP, AC, compile, FSDP), build the schedule."""
     pp_mesh = mesh[PP]
+    layout, ids, parts, rank_model = rank_stages(model, pp_mesh, settings, local_batch)
+    for part in parts:
+        parallelize(part)
+    return Pipeline(rank_model, parts, ids, layout, pp_mesh, device, loss_fn)
+
+
+def rank_stages(model: nn.Module, pp_mesh: DeviceMesh, settings: PipelineSettings, local_batch: int
+                ) -> tuple[PipelineLayout, list[int], list[nn.Module], nn.Module]:
+    """This pp rank's share of ``model``: the layout, its stage indices, one module per stage,
+    and the rank's model (the union of its stages, for the optimizer and checkpoints)."""
     layout = pipeline_layout(len(transformer_blocks(model)), pp_mesh.size(), settings, local_batch)
     ids = layout.stages_of(pp_mesh.get_local_rank())
     last = layout.n_stages - 1
     parts = [split_model(model, layout.stages[i], i == 0, i == last) for i in ids]
     union = sorted(i for s in ids for i in layout.stages[s])
-    rank_model = split_model(model, union, 0 in ids, last in ids)
-    for part in parts:
-        parallelize(part)
-    return Pipeline(rank_model, parts, ids, layout, pp_mesh, device, loss_fn)
+    return layout, ids, parts, split_model(model, union, 0 in ids, last in ids)

@@ -52,6 +52,10 @@ class BlockValues:
     recomputed: frozenset[str]
 
 
+STATE_FACTOR = 4.0
+"""Model-state bytes per local parameter byte: the fp32 parameter, its gradient, two AdamW states."""
+
+
 @dataclass(frozen=True)
 class RecomputeRow:
     """The memory row of a solve that chooses recomputation: the activations the chosen
@@ -60,7 +64,7 @@ class RecomputeRow:
     solve then recomputes nothing)."""
 
     limit: float | None
-    state_factor: float = 4.0
+    state_factor: float = STATE_FACTOR
     full_only: bool = False  # only the option that recomputes every block (no row)
     keep_choice: bool = False  # pose the choice even when memory is free (a replay reads a plan's choice into it)
 
@@ -104,13 +108,18 @@ def recompute_edges_of(prob: Any) -> list[Any]:
     return [e for e in prob.edges if e.kind == "recompute"]
 
 
-def activation_bytes(prob: Any, labels: Any) -> float:
-    """Bytes the plan's recomputation option keeps (its placements' activations)."""
+def _chosen(prob: Any, labels: Any, table: str) -> float:
+    """The recomputation edges' `table` ("cost" or "memory") summed at the plan's labels."""
     choice = prob.recompute
     if choice is None:
         return 0.0
     a = int(labels[choice.group])
-    return float(sum(e.memory[e.src_cls[int(labels[e.src])], a] for e in recompute_edges_of(prob)))
+    return float(sum(getattr(e, table)[e.src_cls[int(labels[e.src])], a] for e in recompute_edges_of(prob)))
+
+
+def activation_bytes(prob: Any, labels: Any) -> float:
+    """Bytes the plan's recomputation option keeps (its placements' activations)."""
+    return _chosen(prob, labels, "memory")
 
 
 def row_bytes(prob: Any, labels: Any) -> float:
@@ -130,11 +139,7 @@ def row_holds(prob: Any, labels: Any) -> bool:
 
 def recompute_us(prob: Any, labels: Any) -> float:
     """Forward time the plan's backward spends again (µs, all copies)."""
-    choice = prob.recompute
-    if choice is None:
-        return 0.0
-    a = int(labels[choice.group])
-    return float(sum(e.cost[e.src_cls[int(labels[e.src])], a] for e in recompute_edges_of(prob)))
+    return _chosen(prob, labels, "cost")
 
 
 def recompute_options(n_blocks: int) -> list[tuple[str, ...]]:
