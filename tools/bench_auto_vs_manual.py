@@ -7,6 +7,9 @@
 Same model, global batch, optimizer and world size for every variant:
   ddp      torch's DDP over the 4 ranks (replicate)  auto_4       the planner, free, on a 1-D mesh of 4
   fsdp     FSDP2 over the 4 ranks                    auto_4_fsdp  the planner on that mesh, FSDP-shaped preset
+                                                       (gathered again in the backward, as FSDP2)
+                                                     auto_4_fsdp_kept  that preset with the forward's
+                                                       gathers kept (ZeRO-2's shape)
   hsdp     HSDP, 2 replicas x 2 shards               auto_4_ddp   the planner on that mesh, DDP-shaped preset
   fsdp_tp  FSDP (2) x Megatron TP + SP (2)           auto_2x2_dp  free on a 2 x 2 (replicate x shard) mesh
                                                      auto_2x2_tp  free on a 2 x 2 (shard x tp) mesh
@@ -37,8 +40,11 @@ VARIANTS = {
     "fsdp_tp": ["--parallelism.mode", "manual", "--parallelism.data_parallel_shard_degree", "2",
                 "--parallelism.tensor_parallel_degree", "2"],
     "auto_4": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4"],
-    "auto_4_fsdp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4"],
+    "auto_4_fsdp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4",
+                    "--parallelism.reshard_after_forward", "true"],
     "auto_4_ddp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4"],
+    "auto_4_fsdp_kept": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4",
+                         "--parallelism.reshard_after_forward", "false"],
     "auto_4_per_block": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4",
                          "--parallelism.reduce_bucket_mb", "0"],
     "auto_2x2_dp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_replicate_degree", "2",
@@ -47,7 +53,8 @@ VARIANTS = {
                     "--parallelism.tensor_parallel_degree", "2"],
 }
 RECIPES = ("ddp", "fsdp", "hsdp", "fsdp_tp")
-PRESETS = {"auto_4_fsdp": ("fsdp", "fsdp"), "auto_4_ddp": ("ddp", "ddp")}  # variant -> (preset, its hand recipe)
+# variant -> (preset, its hand recipe)
+PRESETS = {"auto_4_fsdp": ("fsdp", "fsdp"), "auto_4_ddp": ("ddp", "ddp"), "auto_4_fsdp_kept": ("fsdp", "fsdp")}
 FREE = ("auto_4", "auto_2x2_dp", "auto_2x2_tp")
 RTOL = 1e-4
 

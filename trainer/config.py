@@ -19,7 +19,7 @@ import sys
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from parallel.auto.config import JOB_KEY, PlannerConfig
 from parallel.auto.cost import DEFAULT_HARDWARE
@@ -189,8 +189,9 @@ class Parallelism:
     planner: PlannerConfig = field(default_factory=PlannerConfig, metadata={FLAT: True})
     recalibrate: bool = False  # hardware "auto": measure again instead of reading the cached profile
     plan_file: str = ""  # replay this plan.json instead of solving
-    # both modes: gather parameters again in the backward (FSDP's default, less memory)
-    reshard_after_forward: bool = True
+    # auto mode: gather parameters again in the backward (true: FSDP's default, less memory) or keep the
+    # forward's gathered copies (false: ZeRO-2's shape); "auto": the planner prices both and chooses
+    reshard_after_forward: Union[bool, str] = "auto"
     overlap: bool = True  # auto mode: collectives start early and are waited for at first use
     # auto mode: gradient buckets of consecutive blocks are joined until one holds this many MiB
     # (DDP's bucket_cap_mb rule and default); 0: one reduction bucket per block
@@ -398,7 +399,13 @@ def _parse_cli_value(tp, text: str):
     if typing.get_origin(tp) is typing.Union:
         if text.lower() in ("none", "null", "") and type(None) in typing.get_args(tp):
             return None
-        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        members = [a for a in typing.get_args(tp) if a is not type(None)]
+        for member in members[:-1]:  # the first member the text parses as (bool before str)
+            try:
+                return _parse_cli_value(member, text)
+            except ValueError:
+                continue
+        tp = members[-1]
     if tp is bool:
         low = text.lower()
         if low in ("true", "1", "yes", "on"):

@@ -36,6 +36,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("lr_scheduler", "decay"): ("linear", "cosine", "none"),
     ("parallelism", "mode"): ("manual", "auto"),
     ("parallelism", "replan"): ("fresh", "replay"),
+    ("parallelism", "reshard_after_forward"): (True, False, "auto"),
     ("job", "device"): ("auto", CUDA, CPU),
     ("training", "compile_mode"): ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"),
     ("data", "tokenizer"): ("byte",),

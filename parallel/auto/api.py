@@ -28,10 +28,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
-from models import cross_entropy_loss
 from parallel import _torch as T
 from parallel._torch import fake_world
-from parallel.auto import recompute_fit
+from parallel.auto import recompute_fit, resharding
 from parallel.auto.candidates.coverage import GraphCoverage, coverage_of, coverage_report
 from parallel.auto.candidates.placements import placement_str
 from parallel.auto.candidates.strategies import Candidates, mesh_candidates
@@ -39,6 +38,7 @@ from parallel.auto.config import PlannerConfig, resolve_planner
 from parallel.auto.cost import CostModel, RuntimeSchedule
 from parallel.auto.cost.memory import GIB, MemoryEstimate, format_bytes
 from parallel.auto.cost.timeline import StepTimeline
+from parallel.auto.losses import lm_loss, lm_loss_positions
 from parallel.auto.plan import Plan, PlanMismatchError, build_plan
 from parallel.auto.plan.replay import replay_labels, replay_plan
 from parallel.auto.problem.feasibility import memory_advice, memory_fix
@@ -71,17 +71,6 @@ ESTIMATES_KEPT = 4  # peak-memory estimates kept per joint graph (JointGraph.kep
 def _over_limit(est: MemoryEstimate) -> str:
     return (f"no plan fits in the memory limit: predicted peak {format_bytes(est.peak_bytes)} per device "
             f"({est.parts()}, in the {est.phase}) > {format_bytes(est.limit_bytes)} ({est.limit_source})")
-
-
-def lm_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Language-model loss around a model returning logits (mean cross-entropy, fp32)."""
-    return cross_entropy_loss(model(tokens), labels)
-
-
-def lm_loss_positions(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
-                      positions: torch.Tensor) -> torch.Tensor:
-    """`lm_loss` with the RoPE positions of the tokens (a reordered sequence: CP load balance)."""
-    return cross_entropy_loss(model(tokens, positions), labels)
 
 
 def _as_placements(p: Any, ndim: int, what: str) -> tuple | None:
@@ -287,7 +276,7 @@ class AutoParallel:
             names = list(self.mesh.mesh_dim_names or [f"axis{i}" for i in range(self.mesh.ndim)])
             rt = self.runtime
             schedule = RuntimeSchedule(bucket=rt.bucket, overlap=rt.overlap,
-                                       reshard_after_forward=rt.reshard_after_forward,
+                                       reshard_after_forward=resharding.schedule_resharding(rt),
                                        reduce_dtype=getattr(self.mp_policy, "reduce_dtype", None))
             self._cost_model = CostModel(self.planner.hardware, mesh_shape=tuple(self.mesh.shape),
                                          mesh_axis_names=names, compute_dtype=self.mp_dtype, schedule=schedule,
@@ -313,6 +302,11 @@ class AutoParallel:
         budget, sequence or batch) whose placements, where this graph's strategies hold them,
         start the solver (an incumbent for the exact ILP: the optimum does not change; a second
         starting point for the MRF's local search: the better plan wins)."""
+        if resharding.chooses_resharding(self.runtime):  # two solves, or one where it settles the choice
+            return resharding.choose_resharding(self, lambda: self._optimize(verbose, warm_start))
+        return self._optimize(verbose, warm_start)
+
+    def _optimize(self, verbose: bool, warm_start: Plan | None) -> Plan:
         jg = self._need_graph()
         self._warm_start = warm_start
         self.recompute_row = RowState(self.memory_limit()[0]) if chooses_recompute(self.runtime) else None
@@ -479,6 +473,8 @@ class AutoParallel:
                 self.candidates = plan_candidates(jg, self.mesh, plan)
             low, high = self._memory_bounds()
             t0 = time.perf_counter()
+            if resharding.chooses_resharding(self.runtime):  # priced with the plan's own choice
+                resharding.price_as(self, plan.reshard_after_forward is not False)
             self.problem = build_problem(self.candidates, self.cost_model(), constraints=self.constraints,
                                          memory_low=low, memory_high=high, repeated_blocks=self.planner.repeated_blocks,
                                          mp_dtype=self.mp_dtype, recompute=recompute_fit.replay_row(self.runtime, plan))

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 from typing import Any
 
+from parallel.auto import resharding
 from parallel.auto.cost.memory import format_bytes
 from parallel.auto.plan import Plan
 from parallel.auto.problem.placement_problem import MemoryLimitError, PlanningError
@@ -32,7 +33,8 @@ def chooses_recompute(runtime: RuntimeOptions) -> bool:
 
 def plan_options(runtime: RuntimeOptions, plan: Plan) -> RuntimeOptions:
     """The options a plan runs with: under mode "auto" the plan's own per-block choice
-    (every block kept when the solve had nothing to choose)."""
+    (every block kept when the solve had nothing to choose), and its resharding choice."""
+    runtime = resharding.resolved(runtime, plan)
     if not chooses_recompute(runtime):
         return runtime
     blocks = plan.recompute.get("blocks")

@@ -114,6 +114,10 @@ class Plan:
     # setting per transformer block: none / op / full), "summary", "recompute_us",
     # "activation_bytes"; empty when the job fixed its AC setting (plans saved before: empty)
     recompute: dict = field(default_factory=dict)
+    # the planner's resharding choice ([parallelism] reshard_after_forward = "auto"): True, the
+    # backward gathers the parameters again; False, it keeps the forward's copies (resharding.py);
+    # None: the job fixed the setting (plans saved before: None)
+    reshard_after_forward: bool | None = None
     # in-memory only (not saved): the solved problem, for explain / costs_for_node / collectives
     costs: PlanCosts | None = field(default=None, repr=False, compare=False)
     # the step simulated on the memory estimate's step graph (the plan page's lanes); saved with the plan

@@ -240,6 +240,7 @@ def overview(plan: Plan, total_param_bytes: float | None = None) -> str:
         ("memory", memory_line(plan, total_param_bytes)),
         ("peak memory", plan.memory.summary() if plan.memory is not None else "not estimated"),
         ("recomputation", report.recompute_line(plan) or "as the job set it ([activation_checkpoint] mode)"),
+        ("resharding", report.resharding_line(plan) or "as the job set it ([parallelism] reshard_after_forward)"),
         ("mesh", f"{mesh} ({len(plan.mesh_shape)}-D)"),
         ("hardware", plan.hardware),
         ("solver", f"{plan.solver}, {plan.status}, {plan.num_vars:,} variables"),

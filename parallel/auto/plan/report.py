@@ -42,6 +42,15 @@ def recompute_line(plan: Any) -> str | None:
             f"({rc.get('saved_bytes', 0.0) / 2**30:,.2f} GiB less than keeping every block whole)")
 
 
+def resharding_line(plan: Any) -> str | None:
+    """The planner's resharding choice (parallel/auto/resharding.py); None when the job fixed it."""
+    keep = getattr(plan, "reshard_after_forward", None)
+    if keep is None:
+        return None
+    return ("resharding chosen by the planner: " + ("the backward gathers the parameters again (FSDP's default)"
+            if keep else "the forward's gathered parameters are kept for the backward (ZeRO-2's shape)"))
+
+
 def summary(plan: Any) -> str:
     """Per-layer table: what each projection does on each mesh axis, in words."""
     rows = linear_roles(plan)
@@ -58,9 +67,7 @@ def summary(plan: Any) -> str:
     ]
     if plan.memory is not None:
         lines.append(plan.memory.summary())
-    rc = recompute_line(plan)
-    if rc:
-        lines.append(rc)
+    lines.extend(line for line in (recompute_line(plan), resharding_line(plan)) if line)
     collapsed = collapse_layers(by_module)
     for layer, items in collapsed:
         lines.append(f"{layer or '(top)'}:")

@@ -18,7 +18,8 @@ class RuntimeOptions:
         in the model's block order (a plan's per-block choice); set, it overrides ac_mode /
         ac_option, and its length must be the model's number of blocks;
     reshard_after_forward: gather parameters again in the backward (FSDP's default; less
-        memory) instead of keeping the forward's gathered copies;
+        memory) instead of keeping the forward's gathered copies; "auto": the planner chooses
+        (parallel/auto/resharding.py) and the plan's choice runs;
     bucket: one flat collective per block and placement group for parameter gathers and
         gradient reductions (instead of one per tensor);
     reduce_bucket_bytes: gradient buckets of consecutive blocks are joined until one holds
@@ -40,7 +41,7 @@ class RuntimeOptions:
     ac_mode: str = "none"
     ac_option: str = "op"
     ac_blocks: tuple[str, ...] | None = None
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | str = True
     bucket: bool = True
     reduce_bucket_bytes: int = 25 * 2**20
     overlap: bool = True
@@ -55,6 +56,8 @@ class RuntimeOptions:
             raise ValueError(f"micro_batches {self.micro_batches!r}: use a whole number >= 1")
         if not isinstance(self.reduce_bucket_bytes, int) or self.reduce_bucket_bytes < 0:
             raise ValueError(f"reduce_bucket_bytes {self.reduce_bucket_bytes!r}: use a whole number of bytes >= 0")
+        if self.reshard_after_forward not in (True, False, "auto"):
+            raise ValueError(f"reshard_after_forward {self.reshard_after_forward!r}: use true, false or \"auto\"")
         if self.ac_mode not in AC_MODES:
             raise ValueError(f"activation checkpointing mode {self.ac_mode!r}: use one of {', '.join(AC_MODES)}")
         opt = str(self.ac_option)

@@ -171,6 +171,8 @@ def phase_graphs(graph: JointGraph, block_of: dict[str, int], options: RuntimeOp
     The partition (a second or more on an 8B graph) does not depend on the plan, so it is made
     once per graph and policy and kept on the graph: the memory estimate's rounds, the plans of
     a sweep or mesh search on one trace, and `apply_placement` after an estimate reuse it."""
+    if not isinstance(options.reshard_after_forward, bool):  # "auto" is resolved by the plan (plan_options)
+        raise ValueError(f"reshard_after_forward {options.reshard_after_forward!r}: a plan runs with true or false")
     policies = options.ac_policies(max(block_of.values(), default=-1) + 1)
     key = (policies, options.reshard_after_forward, str(device))
     hit = graph.phase_graphs.get(key)
