@@ -123,6 +123,9 @@ def print_gains(tps: dict[str, float], digests: dict[str, str] | None = None) ->
             *[("runtime (same plan shape)", v, recipe, "") for v, (_, recipe) in PRESETS.items()],
             ("runtime, best preset vs best recipe", best["preset"], best["recipe"], ""),
             ("runtime: buckets joined to 25 MiB vs one per block", "auto_4", "auto_4_per_block", "")]
+    if best["free"] and best["recipe"]:
+        print(f"\nfree auto / best hand recipe {tps[best['free']] / tps[best['recipe']]:.2f} (best: {best['recipe']}; "
+              f"free: {best['free']})")
     print("\n| gain | numerator | denominator | tokens/s ratio | goal |\n|---|---|---|---|---|")
     for what, num, den, goal in rows:
         if num in tps and den in tps:
