@@ -22,7 +22,7 @@ from parallel.auto.runtime import RuntimeOptions
 from parallel.auto.search import presets
 
 
-def _plan(reshard, limit_gib=None, tmp_path=None) -> Plan:
+def _plan(reshard, limit_gib=None, tmp_path=None, preset=True) -> Plan:
     tok = torch.zeros(8, 256, dtype=torch.long)
     model = build_model("llama3", "debug", device="meta", n_layers=2)
     runtime = RuntimeOptions(reshard_after_forward=reshard)
@@ -30,7 +30,8 @@ def _plan(reshard, limit_gib=None, tmp_path=None) -> Plan:
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
         with AutoParallel(model, (tok, tok), mesh, loss_fn=lm_loss, runtime=runtime,
                           planner=PlannerConfig(hardware="cpu", memory_limit_gib=limit_gib)) as autop:
-            presets.fsdp(autop)
+            if preset:
+                presets.fsdp(autop)
             plan = autop.optimize_placement(verbose=False)
             assert autop.runtime == runtime  # the choice is the plan's, the planner's setting stays "auto"
             if tmp_path is not None:
@@ -63,6 +64,15 @@ def test_memory_free_keeps_the_gathered_parameters_and_prices_the_saved_gathers(
     assert "kept for the backward (ZeRO-2's shape)" in kept.summary()
     ran = plan_options(RuntimeOptions(reshard_after_forward="auto"), kept)
     assert ran.reshard_after_forward is False
+
+
+def test_a_free_plan_of_sharded_parameters_kept_whole_for_compute():
+    """No preset: the planner itself picks sharded parameter storage (so sharded gradients and
+    optimizer states) with the forward's gathers kept, a shape no hand recipe here writes."""
+    plan = _plan("auto", preset=False)
+    assert plan.memory_fraction < 1.0 and plan.reshard_after_forward is False
+    sharded = [fqn for fqn, placement in plan.param_placements().items() if "S(" in placement]
+    assert sharded and any(k.startswith("reduce_scatter") for k in plan.comm_us)
 
 
 def test_a_limit_the_kept_copies_break_reshards_and_fits():
