@@ -1,6 +1,7 @@
 """Auto mode's runtime options through the trainer, on 2 gloo ranks (one plan, replayed):
 activation checkpointing (every mode) and overlap change nothing in the numbers (1e-6),
-and a compile failure falls back to eager only when training.compile_fallback says so."""
+and a compile failure falls back to eager only when training.compile_fallback says so; all
+in one launch of the ranks."""
 
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ def _train(tmp: str, job: str, extra: list[str]) -> tuple[dict, object]:
     return tr.train(), tr
 
 
-def _options_worker(rank: int, world: int, tmp: str) -> dict:
+def _worker(rank: int, world: int, tmp: str) -> dict:
+    """One launch for the module: every runtime option's run (one plan, replayed), then the
+    compile-failure runs (fallback on, then off: its error ends the ranks' work)."""
     out = {}
     losses, tr = _train(tmp, "none", VARIANTS["none"])
     out["none"], out["none_recomputed"] = losses, tr.model.plan_runner.recomputed
@@ -42,12 +45,19 @@ def _options_worker(rank: int, world: int, tmp: str) -> dict:
             losses, tr = _train(tmp, name, [*flags, *replay])
             out[name] = losses
             out[f"{name}_recomputed"] = tr.model.plan_runner.recomputed
+    for fallback in (True, False):
+        out[f"fallback_{fallback}"] = _fallback(tmp, fallback, replay)
     return out
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("auto_runtime")), timeout=600)[0]
+
+
 @pytest.mark.slow
-def test_activation_checkpointing_and_overlap_keep_the_numbers(tmp_path):
-    out = run_distributed(_options_worker, 2, str(tmp_path), timeout=600)[0]
+def test_activation_checkpointing_and_overlap_keep_the_numbers(runs):
+    out = runs
     ref = out["none"]
     for name in VARIANTS:
         d = max(abs(out[name][s] - ref[s]) for s in ref)
@@ -59,7 +69,7 @@ def test_activation_checkpointing_and_overlap_keep_the_numbers(tmp_path):
     assert out["no_overlap_recomputed"] == out["none_recomputed"] and out["keep_gathered_recomputed"] == 0
 
 
-def _fallback_worker(rank: int, world: int, tmp: str, fallback: bool) -> dict:
+def _fallback(tmp: str, fallback: bool, replay: list[str]) -> dict:
     import torch
 
     def broken_compile(*args, **kwargs):
@@ -67,19 +77,21 @@ def _fallback_worker(rank: int, world: int, tmp: str, fallback: bool) -> dict:
             raise RuntimeError("injected: the C++ compiler crashed")
         return run
 
-    torch.compile = broken_compile  # this spawned rank only
+    real, torch.compile = torch.compile, broken_compile  # this spawned rank only
     try:
         losses, tr = _train(tmp, f"fallback_{fallback}", ["--training.compile", "true", "--training.compile_fallback",
-                                                         str(fallback).lower()])
+                                                         str(fallback).lower(), *replay])
         return {"losses": losses, "compile_failed": tr.model.compile_failed}
     except Exception as e:  # noqa: BLE001 - the error is the result
         return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        torch.compile = real
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fallback", [True, False])
-def test_compile_failure_falls_back_only_when_asked(tmp_path, fallback, caplog):
-    out = run_distributed(_fallback_worker, 2, str(tmp_path), fallback, timeout=600)[0]
+def test_compile_failure_falls_back_only_when_asked(runs, fallback):
+    out = runs[f"fallback_{fallback}"]
     if fallback:
         assert out["compile_failed"] and sorted(out["losses"]) == [1, 2, 3]
     else:

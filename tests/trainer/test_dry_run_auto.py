@@ -133,17 +133,23 @@ def test_dry_run_with_micro_batches_runs_the_graph_without_gradient_reductions()
     assert r.collectives and not {k for k in r.collectives if "reduce" in k[0]}, r.collectives
     assert any("2 micro-batches a step" in n for n in r.notes)
     assert "per device in the" in r.memory  # estimated with the sum held (RuntimeOptions.micro_batches)
+    _runs_the_kernel(r, "efficient")  # fp32 (the job's default): test_gpu_job_step_graph_runs_attention_...'s case
+
+
+def _runs_the_kernel(r, kernel: str) -> None:
+    fwd, bwd = f"_scaled_dot_product_{kernel}_attention", f"_scaled_dot_product_{kernel}_attention_backward"
+    assert set(r.attention) == {fwd, bwd} and r.attention[fwd] == r.attention[bwd] > 0, r.attention
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mp,kernel", [("bfloat16", "flash"), ("float32", "efficient")])
+@pytest.mark.parametrize("mp,kernel", [("bfloat16", "flash")])
 def test_gpu_job_step_graph_runs_attention_as_the_cuda_kernel(mp, kernel):
     """The joint graph holds the CPU flash op; a CUDA job's step graph runs it as the kernel torch
-    would choose (flash for bf16, memory-efficient for fp32), forward and backward, and no
+    would choose (flash for bf16, memory-efficient for fp32: the fp32 case is the micro-batch
+    test's dry run, test_dry_run_with_micro_batches_...), forward and backward, and no
     attention `bmm` / `softmax` is left."""
     r = dry_run_auto(_cfg("llama3_debug_auto", 2, "--training.mixed_precision_param", mp,
                           "--parallelism.memory_estimate", "false"), 2)
     print(format_auto_report(r))
-    fwd, bwd = f"_scaled_dot_product_{kernel}_attention", f"_scaled_dot_product_{kernel}_attention_backward"
-    assert set(r.attention) == {fwd, bwd} and r.attention[fwd] == r.attention[bwd] > 0, r.attention
+    _runs_the_kernel(r, kernel)
     assert r.off_device == []

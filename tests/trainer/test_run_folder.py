@@ -4,6 +4,7 @@ moves newer checkpoints aside, a checkpoint that fails to load is renamed ``.cor
 conversion does not replace an existing or overlapping destination without ``--overwrite``."""
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -84,10 +85,14 @@ FORKS_AND_DIES = """
 import os, sys, time
 from trainer.run_folder import RunFolderLock
 RunFolderLock(sys.argv[1], 0).acquire()
-if os.fork() == 0:  # a worker forked by the job (a data loader's, a compiler's) outlives it
+child = os.fork()
+if child == 0:  # a worker forked by the job (a data loader's, a compiler's) outlives it
+    null = os.open(os.devnull, os.O_WRONLY)  # off the job's output pipes: the test reads them to their end
+    os.dup2(null, 1)
+    os.dup2(null, 2)
     time.sleep(30)
     os._exit(0)
-print("forked", flush=True)
+print("forked", child, flush=True)
 os._exit(0)  # the job dies (kill -9 alike: nothing released by hand)
 """
 
@@ -96,10 +101,15 @@ def test_a_forked_child_that_outlives_the_job_does_not_keep_the_lock(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", FORKS_AND_DIES, str(tmp_path)], capture_output=True, text=True,
                        env=env, timeout=60, check=False)
-    assert r.stdout.strip() == "forked", r.stderr
-    lock = RunFolderLock(tmp_path, 0)
-    lock.acquire()  # the orphaned child is still sleeping; the folder is free
-    lock.release()
+    said, child = r.stdout.split()
+    assert said == "forked", r.stderr
+    try:
+        os.kill(int(child), 0)  # the orphaned child is still sleeping ...
+        lock = RunFolderLock(tmp_path, 0)
+        lock.acquire()  # ... and the folder is free
+        lock.release()
+    finally:
+        os.kill(int(child), signal.SIGKILL)
 
 
 def test_only_the_trainers_unfinished_folders_are_cleaned(cfg_factory, tmp_path):

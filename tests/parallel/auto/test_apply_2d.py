@@ -1,8 +1,10 @@
 """Plan materialisation numerics on 4 gloo ranks (2x2 mesh): the default plan and plans
-forced into DDP-, FSDP- and TP-like (FSDP on dp x TP on tp) shapes equal a 1-rank run (fp32, rtol 1e-4, atol 1e-6);
-ten AdamW steps of the default LLaMA plan track the 1-rank losses. Qwen3 (LLaMA's graph plus
-the q/k norms) runs its default and TP-like plans: the forced DDP/FSDP shapes add nothing
-that LLaMA's do not test."""
+forced into DDP- and TP-like (FSDP on dp x TP on tp) shapes equal a 1-rank run (fp32, rtol 1e-4, atol 1e-6);
+four AdamW steps of the default LLaMA plan track the 1-rank losses. Qwen3 (LLaMA's graph plus
+the q/k norms) runs its TP-like plan (the q/k norms on tp-sharded heads). Not here, as the same
+path is run: the FSDP-like plan (batch on dp, parameters free: the default plan's solve with
+the input fixed; FSDP-like numerics on 1-D in test_apply.py) and Qwen3's default plan
+(test_apply.py, 1-D)."""
 
 import functools
 
@@ -10,8 +12,7 @@ import pytest
 from apply_workers import compare, grads_close, make_plans, reference, run_distributed, worker
 
 SHAPE, NAMES = (2, 2), ("dp", "tp")
-JOBS = [("llama3", "default", 10), ("llama3", "ddp", 1), ("llama3", "fsdp", 1), ("llama3", "tp", 1),
-        ("qwen3", "default", 1), ("qwen3", "tp", 1)]
+JOBS = [("llama3", "default", 4), ("llama3", "ddp", 1), ("llama3", "tp", 1), ("qwen3", "tp", 1)]
 # any valid plan is exact: the MRF solver (TRW-S + local search) with a 1 s budget per
 # run keeps the test fast (same energies as unbounded here; proving 2x2 ILPs optimal takes ~1 min)
 SOLVER = "mrf"
@@ -33,7 +34,7 @@ def results():
 @pytest.mark.slow
 @pytest.mark.parametrize("model,kind,steps", JOBS)
 def test_matches_one_rank_2x2(results, model, kind, steps):
-    ref = _reference(model, 10)
+    ref = _reference(model, 4)
     for rank, out in enumerate(results[(model, kind)]):
         abs_d, rel_d, loss_d = compare(out, ref)
         print(f"{model} {kind} 2x2 rank {rank}: max |dgrad| {abs_d:.2e} (rel {rel_d:.2e}), "
