@@ -13,6 +13,8 @@ Same model, global batch, optimizer and world size for every variant:
   hsdp     HSDP, 2 replicas x 2 shards               auto_4_ddp   the planner on that mesh, DDP-shaped preset
   fsdp_tp  FSDP (2) x Megatron TP + SP (2)           auto_2x2_dp  free on a 2 x 2 (replicate x shard) mesh
                                                      auto_2x2_tp  free on a 2 x 2 (shard x tp) mesh
+                                                     auto_4_resharded  auto_4 with the resharding fixed
+                                                       (gathered again in the backward, not chosen)
                                                      auto_4_per_block  auto_4 with one gradient
                                                        bucket per block (reduce_bucket_mb 0)
 Every auto variant plans with `hardware = "auto"` (this machine, measured); the presets
@@ -45,6 +47,8 @@ VARIANTS = {
     "auto_4_ddp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4"],
     "auto_4_fsdp_kept": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4",
                          "--parallelism.reshard_after_forward", "false"],
+    "auto_4_resharded": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4",
+                         "--parallelism.reshard_after_forward", "true"],
     "auto_4_per_block": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "4",
                          "--parallelism.reduce_bucket_mb", "0"],
     "auto_2x2_dp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_replicate_degree", "2",
