@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from parallel.auto.plan import Plan
+from parallel.auto.plan.report import resharding_words
 from parallel.auto.problem.placement_problem import MemoryLimitError
 from parallel.auto.runtime import RuntimeOptions
 
@@ -127,9 +128,8 @@ def choose_resharding(autop: Any, solve: Callable[[], Plan]) -> Plan:
     micro = runtime.micro_batches
     fitting = [o for o in outcomes if o.plan is not None and _fits(o.plan)]
     best = min(fitting, key=lambda o: o.plan.step_time_us(micro)) if fitting else None
-    if best is None:
-        best = next((o for o in outcomes if o.plan is not None), None)
-    if best is None:  # neither solve made a plan: the resharding one's refusal (the least memory)
+    if best is None:  # every returned plan fits (or was not estimated): neither solve made one;
+        # the resharding one's refusal (it needs the least memory)
         raise next((o.error for o in outcomes if o.reshard), outcomes[-1].error)
     for k, v in best.state.items():
         setattr(autop, k, v)
@@ -137,14 +137,8 @@ def choose_resharding(autop: Any, solve: Callable[[], Plan]) -> Plan:
         other = next(o for o in outcomes if o is not best)
         theirs = (f"{other.plan.step_time_us(micro) / 1e3:,.1f} ms" if other.plan is not None and _fits(other.plan)
                   else "does not fit")
-        log.info("resharding: %s (step %.1f ms; %s: %s)", _words(best.reshard),
-                 best.plan.step_time_us(micro) / 1e3, _words(other.reshard), theirs)
+        log.info("resharding: %s (step %.1f ms; %s: %s)", resharding_words(best.reshard),
+                 best.plan.step_time_us(micro) / 1e3, resharding_words(other.reshard), theirs)
     else:
-        log.info("resharding: %s (settled by one solve)", _words(best.reshard))
+        log.info("resharding: %s (settled by one solve)", resharding_words(best.reshard))
     return best.plan
-
-
-
-def _words(reshard: bool) -> str:
-    return ("the backward gathers the parameters again" if reshard
-            else "the forward's gathered parameters are kept for the backward")

@@ -42,13 +42,16 @@ def recompute_line(plan: Any) -> str | None:
             f"({rc.get('saved_bytes', 0.0) / 2**30:,.2f} GiB less than keeping every block whole)")
 
 
+def resharding_words(reshard: bool) -> str:
+    """What a resharding setting does, in the words of logs and plan pages."""
+    return ("the backward gathers the parameters again (FSDP's default)" if reshard
+            else "the forward's gathered parameters are kept for the backward (ZeRO-2's shape)")
+
+
 def resharding_line(plan: Any) -> str | None:
     """The planner's resharding choice (parallel/auto/resharding.py); None when the job fixed it."""
-    keep = getattr(plan, "reshard_after_forward", None)
-    if keep is None:
-        return None
-    return ("resharding chosen by the planner: " + ("the backward gathers the parameters again (FSDP's default)"
-            if keep else "the forward's gathered parameters are kept for the backward (ZeRO-2's shape)"))
+    reshard = getattr(plan, "reshard_after_forward", None)
+    return None if reshard is None else f"resharding chosen by the planner: {resharding_words(reshard)}"
 
 
 def summary(plan: Any) -> str:
