@@ -42,7 +42,8 @@ def mesh_shape(degrees: ParallelDegrees, world_size: int, *, expert_axis: bool =
                ) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """(shape, axis names) for the mesh, size-1 axes omitted (at least one axis).
     `expert_axis` (auto mode): an expert-parallel degree splits ``dp_shard`` into
-    ``dp_shard_mod_ep x ep``. Raises ValueError when the degrees do not multiply to
+    ``dp_shard_mod_ep x ep``, and a ``pp`` axis alone gets a size-1 ``dp_shard`` beside it (the
+    axis its stages are planned on). Raises ValueError when the degrees do not multiply to
     ``world_size`` or the expert degree does not divide ``dp_shard``."""
     deg = degrees.resolved(world_size)
     sizes = [deg[a] for a in MESH_AXES]
@@ -58,6 +59,8 @@ def mesh_shape(degrees: ParallelDegrees, world_size: int, *, expert_axis: bool =
         i = MESH_AXES.index(DP_SHARD)
         pairs[i:i + 1] = [(deg[DP_SHARD] // ep, DP_SHARD_MOD_EP), (ep, EP)]
     kept = [(s, a) for s, a in pairs if s > 1] or [(1, DP_SHARD)]
+    if expert_axis and [a for _, a in kept] == [PP]:
+        kept.append((1, DP_SHARD))
     shape, names = zip(*kept)
     return tuple(shape), tuple(names)
 

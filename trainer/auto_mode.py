@@ -230,18 +230,24 @@ def _plan_and_apply(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, s
 
 
 def _solve_on_rank0(autop: AutoParallel) -> Plan:
-    """Rank 0 solves and broadcasts the plan, or its error: then every rank raises that
-    error (instead of waiting forever in the broadcast)."""
+    """Rank 0 solves and broadcasts the plan (see solve_in_group)."""
+    return solve_in_group(autop, None)
+
+
+def solve_in_group(autop: AutoParallel, group: Optional[dist.ProcessGroup]) -> Plan:
+    """The first rank of `group` (None: of the world) solves and broadcasts the plan, or its
+    error: then every rank raises that error (instead of waiting forever in the broadcast)."""
     payload: list[Any] = [None]
     error: Optional[Exception] = None
-    if _rank() == 0:
+    first = (dist.get_rank(group) if group is not None else _rank()) == 0
+    if first:
         try:
             payload = [autop.optimize_placement(verbose=True).to_json()]
         except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
             error = e
             payload = [_sendable(e)]
-    if _world() > 1:
-        dist.broadcast_object_list(payload, src=0)
+    if (dist.get_world_size(group) if group is not None else _world()) > 1:
+        dist.broadcast_object_list(payload, group=group, group_src=0)
     if error is not None:
         raise error
     if isinstance(payload[0], Exception):

@@ -175,8 +175,11 @@ def _validate_parallelism(cfg: JobConfig, world_size: int) -> None:
         raise _err(cfg, "parallelism", e.key, e.fix) from None
     deg = cfg.parallelism.degrees.resolved(world_size)
     if cfg.parallelism.mode == "auto" and deg["pp"] > 1:
-        raise _err(cfg, "parallelism", "pipeline_parallel_degree", 'pipeline parallelism is manual-mode only for '
-                   'now; set mode = "manual" (the pp recipe) or pipeline_parallel_degree = 1')
+        for key, axis in (("context_parallel_degree", "cp"), ("expert_parallel_degree", "ep")):
+            if deg[axis] > 1:
+                raise _err(cfg, "parallelism", key, f"auto mode does not yet plan pipeline stages with a {axis} axis "
+                           f"(pipeline_parallel_degree = {deg['pp']}); set it to 1, or use mode = \"manual\" (the "
+                           "recipes compose pp with it)")
     try:
         cfg.parallelism.pipeline.check()
         schedule_name(cfg.parallelism.pipeline.pipeline_parallel_schedule)  # a typo should not wait for pp > 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -28,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from models import cross_entropy_loss
 from parallel import _torch as T
 from parallel.auto.cost.correction import BAND, correctable, record_correction, run_delay_s
+from parallel.auto.plan.pipeline import PipelinePlan
 from parallel.auto.regions import load_balanced_batch
 from parallel.auto.runtime import is_parallel_module
 from parallel.mesh import CP, PP, axis_size, flatten_axes
@@ -38,13 +40,19 @@ from parallel.recipes.ddp import ddp_reducer
 from parallel.recipes.tp import loss_parallel_context, loss_value
 
 from .auto_mode import PlanSource, auto_parallelize_for_training
+from .auto_pipeline import STAGE_RANKS, auto_pipeline, gradient_scale, save_pipeline_plan
 from .config import ConfigError, JobConfig
 from .measured import StepForecast, repeated
 from .moe_balance import LOCAL
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-STAGE_RANKS = "pp_stage_ranks"  # a pipeline's non-pp axes flattened: the ranks of one set of stages
 logger = logging.getLogger("autotitan")
+
+
+def stage_ranks(mesh: DeviceMesh) -> Any:
+    """A pipeline's ranks that hold this rank's stages: its mesh without the pp axis, flattened."""
+    others = [a for a in mesh.mesh_dim_names if a != PP]
+    return flatten_axes(mesh, others, STAGE_RANKS).get_group() if others else LOCAL
 
 
 class ParallelismMode:
@@ -138,7 +146,7 @@ class ManualMode(ParallelismMode):
                 if axis_size(self.mesh, PP) > 1:  # the stages, each parallelized by the recipes; the rank's model
                     self.pipeline = apply_pipeline(model, self.mesh, self.cfg, self.device, cross_entropy_loss)
                     model, self.pp_group = self.pipeline.model, self.pipeline.group
-                    self.stage_ranks = self._stage_ranks()
+                    self.stage_ranks = stage_ranks(self.mesh)
                     if dist.get_rank() == 0:
                         logger.info(self.pipeline.describe())
                 else:
@@ -156,10 +164,6 @@ class ManualMode(ParallelismMode):
         self.pipeline.rebuild()  # the stages' shapes are inferred at their first step: again, at the new length
         return model, None, "same model; the pipeline's stages and schedule built again for the new shapes"
 
-    def _stage_ranks(self) -> Any:
-        """A pipeline's ranks that hold this rank's stages: its mesh without the pp axis, flattened."""
-        others = [a for a in self.mesh.mesh_dim_names if a != PP]
-        return flatten_axes(self.mesh, others, STAGE_RANKS).get_group() if others else LOCAL
 
     def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple:
         if self.cp_axis:  # context parallel: each cp rank keeps its load-balanced chunks
@@ -217,21 +221,40 @@ class ManualMode(ParallelismMode):
 class AutoMode(ParallelismMode):
     """`mode = "auto"`: the planner's plan, run as one step graph per step."""
 
-    def __init__(self, cfg: JobConfig, mesh: Optional[DeviceMesh],
+    def __init__(self, cfg: JobConfig, mesh: Optional[DeviceMesh], device: torch.device,
                  plan_constraints: Optional[Callable[[Any], None]] = None) -> None:
         super().__init__(cfg, mesh)
         self.plan_constraints = plan_constraints  # applied to the planner (parallel.auto.search.presets)
         self.plans: dict[int, Any] = {}  # seq_len -> the plan this job trains that length with
         self.origin = ""  # where the current plan came from (solved, replayed, cached, a plan file)
         self.delays: list[float] = []  # run_delay_s() at the first steps' starts (for the step time report)
+        self.device = device
+        self.pipeline: Optional[Pipeline] = None  # pipeline_parallel_degree > 1: the planned stages and schedule
+        self.pipeline_plan: Optional[PipelinePlan] = None  # their plan (global rank 0)
 
     def parallelize(self, model: torch.nn.Module, sample_batch: Batch,
                     source: Optional[PlanSource] = None) -> torch.nn.Module:
+        if axis_size(self.mesh, PP) > 1:  # each stage planned on the mesh without pp (trainer/auto_pipeline.py)
+            return self._pipeline(model)
         model, self.origin = auto_parallelize_for_training(model, self.mesh, self.cfg, sample_batch,
                                                            self.plan_constraints, source=source)
         if is_parallel_module(model):
             self.plans[sample_batch[0].shape[1]] = model.plan
         return model
+
+    def _pipeline(self, model: torch.nn.Module) -> torch.nn.Module:
+        """This rank's planned stages under the job's schedule; the rank's model (their union)."""
+        try:
+            self.pipeline, plan = auto_pipeline(model, self.mesh, self.cfg, self.device)
+        except RecipeError as e:
+            raise ConfigError(f"{self.cfg.source}: {e}") from None
+        self.pp_group, self.stage_ranks = self.pipeline.group, stage_ranks(self.mesh)
+        self.origin = "each stage solved on the mesh without its pp axis"
+        if plan is not None:
+            logger.info("auto-parallel pipeline plan:\n%s", plan.summary())
+            save_pipeline_plan(plan, Path(self.cfg.job.dump_folder) / self.cfg.job.name)
+            self.pipeline_plan = plan
+        return self.pipeline.model
 
     def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple:
         if self.cp_axis:  # every cp rank takes the whole sequence in the load-balanced order: the plan cuts it
@@ -243,6 +266,8 @@ class AutoMode(ParallelismMode):
         """The plan's step graph once: with micro-batches (`accumulate`) once per micro-batch, its
         gradients scaled and summed unreduced, reduced to their planned placements once, by
         the last micro-batch (`no_gradient_sync`)."""
+        if self.pipeline is not None:  # the schedule runs the planned stages over the microbatches
+            return self.pipeline.step(inputs, labels, scale * gradient_scale(self.mesh), positions)
         if not is_parallel_module(model):  # a single process: nothing was planned
             loss = cross_entropy_loss(model(inputs), labels)
             (loss if scale == 1.0 else loss * scale).backward()
@@ -263,6 +288,8 @@ class AutoMode(ParallelismMode):
                      positions: Optional[torch.Tensor]) -> torch.Tensor:
         """The plan's forward phase alone (the module's forward: the planned placements, the
         DTensor parameters as they are); no backward, no optimizer."""
+        if self.pipeline is not None:
+            return self.pipeline.eval_loss(inputs, labels, positions)
         if not is_parallel_module(model):
             return cross_entropy_loss(model(inputs), labels)
         out = model(*((inputs, labels) if positions is None else (inputs, labels, positions)))
@@ -271,6 +298,10 @@ class AutoMode(ParallelismMode):
     def for_seq_len(self, model: torch.nn.Module, sample_batch: Batch) -> tuple[torch.nn.Module, Any, str]:
         """The plan this job made for the new length before, else a fresh solve or a replay of
         the current plan (`parallelism.replan`); the parameters move into the new module."""
+        if self.pipeline is not None:
+            raise ConfigError(f"{self.cfg.source}: 'parallelism.pipeline_parallel_degree' = "
+                              f"{axis_size(self.mesh, PP)}: auto mode plans a pipeline's stages for one sequence "
+                              "length; keep training.seq_len fixed, or use mode = \"manual\" (the pp recipe)")
         if not is_parallel_module(model):
             return super().for_seq_len(model, sample_batch)
         cached = self.plans.get(sample_batch[0].shape[1])
@@ -346,7 +377,7 @@ def parallelism_mode(cfg: JobConfig, mesh: Optional[DeviceMesh], device: torch.d
                      plan_constraints: Optional[Callable[[Any], None]] = None) -> ParallelismMode:
     """The job's parallelism mode (`[parallelism] mode`): the one place it is asked."""
     if cfg.parallelism.mode == "auto":
-        return AutoMode(cfg, mesh, plan_constraints)
+        return AutoMode(cfg, mesh, device, plan_constraints)
     return ManualMode(cfg, mesh, device)
 
 

@@ -99,12 +99,15 @@ class AutoParallel:
         mp_policy: MixedPrecisionPolicy | None = None,
         regions: tuple[str, ...] = (),
         graph: JointGraph | None = None,
+        stage: bool = False,
     ) -> None:
         """`planner`: every planner setting (config.py); `runtime`: how the plan will run (priced);
         `regions`: declared local_map regions traced as one node each; `graph`: a joint graph
         traced earlier for this model and these global inputs (a sweep plans one trace on many
         meshes). The planner's "choose for me" values are made concrete by the request builder's
-        resolver (`config.resolve_planner`; a no-op for a request's planner, resolved already)."""
+        resolver (`config.resolve_planner`; a no-op for a request's planner, resolved already).
+        `stage`: `model` is a pipeline stage (its forward returns a hidden state or logits; the
+        gradient of a hidden-state input is part of the plan: trace_joint)."""
 
         self.model = model
         planner = planner if planner is not None else PlannerConfig()
@@ -114,6 +117,7 @@ class AutoParallel:
         self.input_fn = input_fn
         self.mesh = mesh
         self.loss_fn = loss_fn
+        self.stage = stage
         self.mp_policy = mp_policy
         self.seed_info: Any = None
         self.runtime = runtime if runtime is not None else RuntimeOptions()
@@ -159,7 +163,7 @@ class AutoParallel:
             self.graph = self._given_graph
         else:
             self.graph = trace_joint(self.model, inputs, self.loss_fn, device=self.mesh.device_type,
-                                     regions=self.regions, compute_dtype=self.mp_dtype)
+                                     regions=self.regions, compute_dtype=self.mp_dtype, stage=self.stage)
         self.timings["trace"] = time.perf_counter() - t0 if self._given_graph is None else 0.0  # 0: not traced here
         t1 = time.perf_counter()
         if not self._seeded():  # seeded candidates are enumerated in optimize_placement

@@ -53,8 +53,8 @@ from parallel.settings import PipelineSettings
 
 from .errors import RecipeError
 
-__all__ = ["SCHEDULE_STYLES", "Pipeline", "PipelineLayout", "apply_pp", "check_composition", "pipeline_layout",
-           "schedule_name", "split_model"]
+__all__ = ["SCHEDULE_STYLES", "Pipeline", "PipelineLayout", "apply_pp", "check_composition", "join_stages",
+           "pipeline_layout", "schedule_name", "split_model"]
 
 SINGLE, LOOP, V = "single", "loop", "v"
 SCHEDULE_STYLES: dict[str, str] = {
@@ -236,6 +236,24 @@ def split_model(model: nn.Module, layers: Sequence[int], first: bool, last: bool
         part.output = None
     part.train(model.training)
     return part
+
+
+def join_stages(model: nn.Module, parts: Sequence[nn.Module], stage_ids: Sequence[int],
+                layout: PipelineLayout) -> nn.Module:
+    """The rank's model over stage modules that are not ``model``'s own submodules (the
+    planner's stage modules are copies with DTensor parameters): a module of ``model``'s class
+    holding the parts' blocks, embedding, norm and output, under the unsplit model's names."""
+    last = layout.n_stages - 1
+    union = split_model(model, sorted(i for s in stage_ids for i in layout.stages[s]), 0 in stage_ids,
+                        last in stage_ids)
+    for part in parts:
+        for name, child in part.named_children():
+            if name == "layers":
+                for key, block in child.items():
+                    union.layers[key] = block
+            elif child is not None and getattr(union, name, None) is not None:
+                setattr(union, name, child)
+    return union
 
 
 class Pipeline:

@@ -55,7 +55,7 @@ class LocalGraphs:
         self.pspecs = [dspec(p) for p in params]
         self.param_dtypes = [p.dtype for p in params]
         bspecs = [dspec(b) if isinstance(b, DTensor) else None for b in buffers]
-        ispecs = [dspec(x) for x in inputs]
+        ispecs = self.ispecs = [dspec(x) for x in inputs]
         plocs, blocs, ilocs = ([p.to_local() for p in params], [local_value(b) for b in buffers],
                                [x.to_local() for x in inputs])
         layout: dict[str, Any] = {}
@@ -90,23 +90,28 @@ class LocalGraphs:
             vals = wrap(slocs, sspecs, self.mesh)
             saved = dict(zip(keys, vals[:len(keys)]))
             saved["__cache__"] = dict(zip(ckeys, vals[len(keys):]))
-            grads = runner.run_backward(saved, wrap(tlocs, self.out_specs, self.mesh), metas)
+            input_grads: list[Any] = []
+            grads = runner.run_backward(saved, wrap(tlocs, self.out_specs, self.mesh), metas,
+                                        input_grads=input_grads)
             layout["has_grad"] = [g is not None for g in grads]
-            return [g.to_local() for g in grads if g is not None]
+            layout["has_input_grad"] = [g is not None for g in input_grads]
+            return [g.to_local() for g in grads + input_grads if g is not None]
 
         tlocs = [torch.ones(self.local_out_shape(sp), dtype=o.dtype, device=runner.device)
                  for sp, o in zip(self.out_specs, outs_l)]
         gm = T.trace_fake(bwd)(slocs, tlocs)
         self.has_grad: list[bool] = layout["has_grad"]
+        self.has_input_grad: list[bool] = layout["has_input_grad"]
         return gm
 
     def local_out_shape(self, sp: DSpec) -> tuple[int, ...]:
         return local_shape(sp[1], sp[0], tuple(self.mesh.shape))
 
     def grads_as_dtensors(self, grad_locals: list[torch.Tensor]) -> list[DTensor | None]:
+        """The parameters' gradients, then the inputs' (None where none), as DTensors."""
         it = iter(grad_locals)
         return [DTensor.from_local(next(it), self.mesh, sp[0], run_check=False, shape=sp[1], stride=sp[2])
-                if has else None for has, sp in zip(self.has_grad, self.pspecs)]
+                if has else None for has, sp in zip(self.has_grad + self.has_input_grad, self.pspecs + self.ispecs)]
 
 
 def local_graphs_for(runner: Any, params: list[DTensor], buffers: list[Any],
@@ -136,7 +141,7 @@ class PlanFunction(torch.autograd.Function):
     def forward(ctx: Any, runner: Any, n_params: int, n_buffers: int, *flat: Any) -> Any:
         params, buffers = list(flat[:n_params]), list(flat[n_params:n_params + n_buffers])
         inputs = list(flat[n_params + n_buffers:])
-        ctx.runner, ctx.n_rest = runner, n_buffers + len(inputs)
+        ctx.runner, ctx.n_rest, ctx.n_inputs = runner, n_buffers + len(inputs), len(inputs)
         ctx.lg = local_graphs_for(runner, params, buffers, inputs)
         if ctx.lg is not None:
             runner.stats["local_graph_steps"] += 1
@@ -162,6 +167,9 @@ class PlanFunction(torch.autograd.Function):
         else:
             tangents = [None if g is None else wrap([g.contiguous()], [sp], runner.mesh)[0]
                         for g, sp in zip(grad_outs, ctx.out_specs)]
-            grads = runner.run_backward(ctx.saved, tangents, ctx.params)
+            input_grads: list[Any] = []
+            grads = runner.run_backward(ctx.saved, tangents, ctx.params, input_grads=input_grads) + input_grads
         ctx.saved = None
-        return (None, None, None, *grads, *([None] * ctx.n_rest))
+        # the inputs' gradients (a pipeline stage's hidden state) follow the buffers' Nones
+        n_params = len(grads) - ctx.n_inputs
+        return (None, None, None, *grads[:n_params], *([None] * (ctx.n_rest - ctx.n_inputs)), *grads[n_params:])

@@ -223,6 +223,7 @@ class PlanRunner:
         self.spec = resolve_specs(candidates, plan)
         self.out_slots = [s for s in graph.slots if s.kind == "output"]
         self.grad_slots = {s.of: s for s in graph.slots if s.kind == "grad_param"}
+        self.input_grad_slots = {s.of: s for s in graph.slots if s.kind == "grad_input" and s.node is not None}
         self.param_names = list(graph.params)
         self.buffer_names = list(graph.buffers)
         self.input_nodes = list(graph.inputs)
@@ -334,11 +335,14 @@ class PlanRunner:
         return outs, saved
 
     # -- backward --------------------------------------------------------------
-    def run_backward(self, saved: dict, tangents: list[Any], params: list[Any], reduce: bool = True) -> list[Any]:
+    def run_backward(self, saved: dict, tangents: list[Any], params: list[Any], reduce: bool = True,
+                     input_grads: list | None = None) -> list[Any]:
         """Gradients of the parameters (None where none), at the parameters' placements;
         `reduce=False`: as the backward leaves them (a weight gradient of a batch-sharded
         matmul is Partial), in the dtype they are summed in (`accumulation_dtype`), for a
-        gradient accumulation that reduces once per step (`reduce_grads`)."""
+        gradient accumulation that reduces once per step (`reduce_grads`). `input_grads`: a
+        list to fill with the inputs' gradients at the inputs' placements (None where an input
+        has none): a pipeline stage's backward hands them to the stage before it."""
         env = dict(saved)
         cache = env.pop("__cache__", {})
         self.ops.cache = {} if self.reshard_after_forward else cache
@@ -354,10 +358,23 @@ class PlanRunner:
         by_slot = dict(zip([s.index for s in self.graph.slots if s.kind != "output"], results))
         values = [by_slot.get(s.index) if s is not None else None
                   for s in (self.grad_slots.get(fqn) for fqn in self.param_names)]
+        if input_grads is not None:
+            input_grads.extend(self._input_grads(by_slot))
         if not reduce:
             return [v if v is None or not v.dtype.is_floating_point else v.to(self.accumulation_dtype(p))
                     for v, p in zip(values, params)]
         return self.reduce_grads(values, params)
+
+    def _input_grads(self, by_slot: dict[int, Any]) -> list[Any]:
+        """Each user input's gradient from the backward's results, at the input's placement."""
+        out: list[Any] = []
+        for i in range(len(self.input_nodes)):
+            s = self.input_grad_slots.get(i)
+            v = by_slot.get(s.index) if s is not None else None
+            if v is not None and tuple(v.placements) != self.input_placements(i):
+                v = redistribute(v, self.mesh, self.input_placements(i))
+            out.append(v)
+        return out
 
     def accumulation_dtype(self, param: Any) -> torch.dtype:
         """The dtype unreduced gradients are summed in over micro-batches: the reduce dtype of

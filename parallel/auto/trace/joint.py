@@ -209,8 +209,8 @@ def _to_fake(x: Any, fake_mode: Any, device: str) -> Any:
     if isinstance(x, torch.Tensor) and not isinstance(x, T.FakeTensor):
         if x.device.type == "meta":
             with fake_mode:
-                if x.dtype.is_floating_point:
-                    return torch.empty(x.shape, dtype=x.dtype, device=device)
+                if x.dtype.is_floating_point:  # a stage's hidden-state input keeps requires_grad
+                    return torch.empty(x.shape, dtype=x.dtype, device=device, requires_grad=x.requires_grad)
                 return torch.zeros(x.shape, dtype=x.dtype, device=device)
         return fake_mode.from_tensor(x)
     return x
@@ -224,6 +224,7 @@ def trace_joint(
     regions: tuple[str, ...] = (),
     copy_blocks: bool = True,
     compute_dtype: torch.dtype | None = None,
+    stage: bool = False,
 ) -> JointGraph:
     """Trace model (+ loss_fn(model, *inputs)) into a labelled joint fwd+bwd graph.
 
@@ -237,6 +238,9 @@ def trace_joint(
     names its repeated blocks is traced with two of the last run and the rest are copied
     (trace/repeated_blocks.py); False traces every block. `compute_dtype`: the dtype the job
     computes in (mixed precision's parameter dtype), which picks a GPU job's attention kernel.
+    `stage`: the model is a pipeline stage (parallel/auto/stages.py): its output is a hidden
+    state or the logits, not a scalar loss, and an input that requires grad (the previous
+    stage's hidden state) gets its gradient in the joint graph.
     """
     T.register_planner_ops()
     t0 = time.perf_counter()
@@ -268,7 +272,7 @@ def trace_joint(
     flat = T.tree_flatten(sample_inputs)[0]
     jg.input_shapes = [(list(x.shape), str(x.dtype)) for x in flat if isinstance(x, torch.Tensor)]
     jg.trace_seconds = time.perf_counter() - t0
-    _check_loss_and_grads(jg)
+    _check_loss_and_grads(jg, stage)
     log.info("trace: %s", jg.summary())
     return jg
 
@@ -318,10 +322,13 @@ def _folded_in_copies(folded: list[FoldedRead], run: BlockRun) -> list[FoldedRea
     return out
 
 
-def _check_loss_and_grads(jg: JointGraph) -> None:
-    """The planner needs a scalar loss and gradients that reach the parameters."""
+def _check_loss_and_grads(jg: JointGraph, stage: bool = False) -> None:
+    """The planner needs a scalar loss (a pipeline stage: one tensor) and gradients that reach
+    the parameters."""
     out_val = jg.slots[0].node.meta.get("val") if jg.slots and jg.slots[0].node is not None else None
-    if out_val is None or not isinstance(out_val, torch.Tensor) or out_val.ndim != 0:
+    if stage and isinstance(out_val, torch.Tensor):
+        pass
+    elif out_val is None or not isinstance(out_val, torch.Tensor) or out_val.ndim != 0:
         raise ValueError(
             "the traced forward must return a scalar loss; pass loss_fn(model, *inputs) "
             f"around a model that returns {getattr(out_val, 'shape', out_val)}"
