@@ -23,13 +23,14 @@ profile) become ConfigErrors naming the `[parallelism]` key to change.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import math
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -146,9 +147,17 @@ def auto_parallelize_for_training(model: nn.Module, mesh: Optional[DeviceMesh], 
         logger.info("parallelism.mode = auto on a single process: nothing to plan, training the model as is")
         return model, "not planned (a single process)"
     _check_supported(job_config, mesh)
+    with planner_errors(job_config):
+        return _plan_and_apply(model, mesh, job_config, sample_batch, constraints, source or PlanSource())
+
+
+@contextlib.contextmanager
+def planner_errors(job_config: JobConfig) -> Iterator[None]:
+    """The planner's errors as the ConfigError naming the `[parallelism]` key to change: a plan
+    file that does not fit, no feasible plan, a bad hardware profile."""
     par, src = job_config.parallelism, job_config.source
     try:
-        return _plan_and_apply(model, mesh, job_config, sample_batch, constraints, source or PlanSource())
+        yield
     except PlanMismatchError as e:
         raise ConfigError(f"{src}: 'parallelism.plan_file' = {par.plan_file!r}: {e}") from None
     except PlanningError as e:

@@ -32,7 +32,17 @@ from models import cross_entropy_loss, transformer_blocks
 from parallel.auto.plan import Plan
 from parallel.auto.plan.pipeline import PipelinePlan, StagePlan
 from parallel.auto.request import data_degree
-from parallel.auto.stages import StageShape, p2p_us, stage_planning, stage_submesh
+from parallel.auto.stages import (
+    EMBEDDING,
+    StageShape,
+    balanced_stages,
+    p2p_us,
+    pipeline_step_us,
+    stage_planning,
+    stage_submesh,
+    stage_times_us,
+    unit_times,
+)
 from parallel.mesh import PP, flatten_axes
 from parallel.precision import dtype_of
 from parallel.recipes.pp import Pipeline, join_stages, pipeline_layout, split_model
@@ -54,30 +64,100 @@ def _hidden_dtype(job_config: JobConfig) -> torch.dtype:
 def auto_pipeline(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, device: torch.device
                   ) -> tuple[Pipeline, PipelinePlan | None]:
     """This rank's stages of `model`, each planned and applied, under the job's schedule; the
-    pipeline's plan on global rank 0 (None elsewhere). RecipeError for a layout that cannot work."""
-    t, pp_mesh = job_config.training, mesh[PP]
-    layout = pipeline_layout(len(transformer_blocks(model)), pp_mesh.size(), job_config.parallelism.pipeline,
-                             t.local_batch_size)
+    pipeline's plan on global rank 0 (None elsewhere). RecipeError for a layout that cannot work.
+
+    The cut: the recipe's (equal units) is planned first; unless the job fixed the split
+    (`pipeline_parallel_split_points`, `pipeline_parallel_layers_per_stage`), the stages' plans
+    price every unit (stages.unit_times) and the cut whose slowest stage is fastest is planned
+    instead when it is predicted faster by more than `RECUT_GAIN`."""
+    t, pp_mesh, par = job_config.training, mesh[PP], job_config.parallelism
+    settings = par.pipeline
+    layout = pipeline_layout(len(transformer_blocks(model)), pp_mesh.size(), settings, t.local_batch_size)
+    saved = PipelinePlan.load(par.plan_file) if par.plan_file else None  # a bad file fails before tracing
+    if saved is not None:  # its cut and its stages' plans, replayed
+        saved.check_layout(layout.schedule, layout.pp, layout.n_microbatches, layout.n_stages, par.plan_file)
+        layout = dataclasses.replace(layout, stages=tuple(s.layers for s in saved.stages))
+    job = _StageJob(model, mesh, job_config, layout)
+    parts, plans = job.plan_and_apply(layout, saved)
+    if saved is None and not (settings.pipeline_parallel_split_points or settings.pipeline_parallel_layers_per_stage):
+        cut = job.faster_cut(layout, plans)
+        if cut is not None:
+            layout = dataclasses.replace(layout, stages=cut)
+            parts, plans = job.plan_and_apply(layout)
     ids = layout.stages_of(pp_mesh.get_local_rank())
-    sub = stage_submesh(mesh)
-    group = flatten_axes(mesh, [n for n in mesh.mesh_dim_names if n != PP], STAGE_RANKS).get_group()
-    rows = t.local_batch_size // layout.n_microbatches
-    request = plan_request(job_config, sub, local_batch_size=rows, seq_len=t.seq_len)
-    request = dataclasses.replace(request, runtime=dataclasses.replace(request.runtime, micro_batches=1))
-    dim = model.tok_embeddings.weight.shape[1]
-    last = layout.n_stages - 1
-    parts, plans, hw = [], {}, None
-    for i in ids:
-        part = split_model(model, layout.stages[i], i == 0, i == last)
-        shape = StageShape(first=i == 0, rows=rows, seq_len=t.seq_len, dim=dim, dtype=_hidden_dtype(job_config))
-        with stage_planning(part, sub, request, shape) as autop:
-            plans[i] = solve_in_group(autop, group)
-            parts.append(autop.apply_placement(plans[i]))
-            hw = autop.cost_model().hw
-    union = join_stages(model, parts, ids, layout)
-    pipeline = Pipeline(union, parts, ids, layout, pp_mesh, device, cross_entropy_loss)
-    nbytes = rows * t.seq_len * dim * torch.empty((), dtype=_hidden_dtype(job_config)).element_size()
-    return pipeline, _gather_plan(layout, plans, pp_mesh, p2p_us(hw, mesh, nbytes))
+    pipeline = Pipeline(join_stages(model, parts, ids, layout), parts, ids, layout, pp_mesh, device,
+                        cross_entropy_loss)
+    return pipeline, _gather_plan(layout, plans, pp_mesh, job.p2p_us())
+
+
+RECUT_GAIN = 0.03
+"""The share of the slowest stage's predicted time a new cut must save to be planned."""
+
+
+class _StageJob:
+    """What planning this rank's stages needs: the model, the mesh and its stage submesh, the
+    group that shares a plan, the request of one microbatch."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, layout: Any) -> None:
+        t = job_config.training
+        self.model, self.mesh, self.pp_mesh, self.cfg = model, mesh, mesh[PP], job_config
+        self.sub = stage_submesh(mesh)
+        self.group = flatten_axes(mesh, [n for n in mesh.mesh_dim_names if n != PP], STAGE_RANKS).get_group()
+        self.rows = t.local_batch_size // layout.n_microbatches
+        request = plan_request(job_config, self.sub, local_batch_size=self.rows, seq_len=t.seq_len)
+        self.request = dataclasses.replace(request, runtime=dataclasses.replace(request.runtime, micro_batches=1))
+        self.dim = model.tok_embeddings.weight.shape[1]
+        self.n_layers = len(transformer_blocks(model))
+        self.hw: Any = None
+
+    def plan_and_apply(self, layout: Any, saved: PipelinePlan | None = None
+                       ) -> tuple[list[nn.Module], dict[int, Plan]]:
+        """This rank's stage modules of `layout`, planned (shared in the stage's group), or taken
+        from `saved` (checked against the stage: model, submesh, input shapes), and applied."""
+        parts, plans, last = [], {}, layout.n_stages - 1
+        for i in layout.stages_of(self.pp_mesh.get_local_rank()):
+            part = split_model(self.model, layout.stages[i], i == 0, i == last)
+            shape = StageShape(first=i == 0, rows=self.rows, seq_len=self.cfg.training.seq_len, dim=self.dim,
+                               dtype=_hidden_dtype(self.cfg))
+            with stage_planning(part, self.sub, self.request, shape) as autop:
+                if saved is not None:
+                    plans[i] = saved.stages[i].plan
+                    plans[i].check_compatible(model=part, mesh=self.sub, source=f"{self.cfg.parallelism.plan_file}, "
+                                              f"stage {i}", input_shapes=[[list(x.shape), str(x.dtype)]
+                                                                          for x in autop.input_fn])
+                else:
+                    plans[i] = solve_in_group(autop, self.group)
+                parts.append(autop.apply_placement(plans[i]))
+                self.hw = autop.cost_model().hw
+        return parts, plans
+
+    def faster_cut(self, layout: Any, plans: dict[int, Plan]) -> tuple[tuple[int, ...], ...] | None:
+        """The cut by predicted unit times (the same on every rank: the units' times are
+        gathered over the pp ranks), or None when it is not faster by RECUT_GAIN."""
+        last = layout.n_stages - 1
+        mine = {}
+        for i, plan in plans.items():
+            mine.update(unit_times(plan, layout.stages[i], i == 0, i == last, self.n_layers))
+        gathered: list[Any] = [None] * self.pp_mesh.size()
+        dist.all_gather_object(gathered, mine, group=self.pp_mesh.get_group())
+        times = {u: us for part in gathered for u, us in part.items()}
+        unit_us = [times[u] for u in range(EMBEDDING, self.n_layers + 1)]
+        cut = balanced_stages(unit_us, layout.n_stages)
+        ranks = [layout.rank_of(i) for i in range(layout.n_stages)]
+        before, after = (pipeline_step_us(stage_times_us(unit_us, c), ranks, layout.pp, layout.n_microbatches)
+                         for c in (layout.stages, cut))
+        if after > (1 - RECUT_GAIN) * before:
+            return None
+        if dist.get_rank() == 0:
+            logger.info("pipeline cut by the stages' predicted times: %s (step %.2f ms) instead of %s (%.2f ms)",
+                        [list(s) for s in cut], after / 1e3, [list(s) for s in layout.stages], before / 1e3)
+        return cut
+
+    def p2p_us(self) -> float:
+        """One boundary's send of a microbatch's hidden state on the pp axis's link."""
+        dtype = _hidden_dtype(self.cfg)
+        nbytes = self.rows * self.cfg.training.seq_len * self.dim * torch.empty((), dtype=dtype).element_size()
+        return p2p_us(self.hw, self.mesh, nbytes)
 
 
 def _gather_plan(layout: Any, plans: dict[int, Plan], pp_mesh: DeviceMesh, p2p: float) -> PipelinePlan | None:

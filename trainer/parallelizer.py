@@ -39,7 +39,7 @@ from parallel.recipes.cp import cp_shard_batch
 from parallel.recipes.ddp import ddp_reducer
 from parallel.recipes.tp import loss_parallel_context, loss_value
 
-from .auto_mode import PlanSource, auto_parallelize_for_training
+from .auto_mode import PlanSource, auto_parallelize_for_training, planner_errors
 from .auto_pipeline import STAGE_RANKS, auto_pipeline, gradient_scale, save_pipeline_plan
 from .config import ConfigError, JobConfig
 from .measured import StepForecast, repeated
@@ -245,11 +245,13 @@ class AutoMode(ParallelismMode):
     def _pipeline(self, model: torch.nn.Module) -> torch.nn.Module:
         """This rank's planned stages under the job's schedule; the rank's model (their union)."""
         try:
-            self.pipeline, plan = auto_pipeline(model, self.mesh, self.cfg, self.device)
+            with planner_errors(self.cfg):
+                self.pipeline, plan = auto_pipeline(model, self.mesh, self.cfg, self.device)
         except RecipeError as e:
             raise ConfigError(f"{self.cfg.source}: {e}") from None
         self.pp_group, self.stage_ranks = self.pipeline.group, stage_ranks(self.mesh)
-        self.origin = "each stage solved on the mesh without its pp axis"
+        plan_file = self.cfg.parallelism.plan_file
+        self.origin = f"loaded from {plan_file}" if plan_file else "each stage solved on the mesh without its pp axis"
         if plan is not None:
             logger.info("auto-parallel pipeline plan:\n%s", plan.summary())
             save_pipeline_plan(plan, Path(self.cfg.job.dump_folder) / self.cfg.job.name)

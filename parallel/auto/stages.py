@@ -21,7 +21,7 @@ local logits.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -33,11 +33,13 @@ from parallel.auto.api import AutoParallel
 from parallel.auto.config import resolve_planner
 from parallel.auto.cost import HardwareProfile
 from parallel.auto.cost.comm import axis_links
+from parallel.auto.plan import Plan
 from parallel.auto.request import PlanRequest, data_degree, data_placements, default_memory_high, planner_regions
 from parallel.auto.trace.gc_pause import collector_paused
 from parallel.mesh import PP
 
-__all__ = ["StageShape", "p2p_us", "stage_inputs", "stage_planning", "stage_submesh"]
+__all__ = ["EMBEDDING", "StageShape", "balanced_stages", "p2p_us", "stage_inputs",
+           "stage_planning", "stage_times_us", "pipeline_step_us", "stage_submesh", "unit_times"]
 
 
 @dataclass(frozen=True)
@@ -96,3 +98,77 @@ def p2p_us(hw: HardwareProfile, mesh: DeviceMesh, nbytes: float) -> float:
     names = list(mesh.mesh_dim_names or ())
     link = axis_links(hw, tuple(mesh.shape), names)[names.index(PP)]
     return link.latency_us + link.hop_latency_us + nbytes / (link.bus_bandwidth_gbps["all_gather"] * 1e3)
+
+
+# ------------------------------------------------------------------ the cut, by predicted time
+EMBEDDING = -1
+"""The unit index of the embedding; blocks are 0 .. L - 1, the head (norm, output) is L."""
+
+
+def unit_times(plan: Plan, layers: Sequence[int], first: bool, last: bool, n_layers: int) -> dict[int, float]:
+    """A stage plan's predicted time split over its units (the embedding, each block, the head):
+    each node's compute by the module it runs in, scaled so the units sum to the plan's
+    objective (its communication spread in proportion); the root module's few nodes (RoPE
+    tables) go to the stage's first unit."""
+    units = ([EMBEDDING] if first else []) + list(layers) + ([n_layers] if last else [])
+    got = dict.fromkeys(units, 0.0)
+    for node in plan.nodes.values():
+        m = node.module
+        if m.startswith("layers."):
+            unit = int(m.split(".")[1])
+        elif m.startswith("tok_embeddings"):
+            unit = EMBEDDING
+        elif m.startswith(("norm", "output")):
+            unit = n_layers
+        else:
+            unit = units[0]
+        got[unit if unit in got else units[0]] += node.compute_us
+    total = sum(got.values())
+    scale = plan.objective_us / total if total > 0 else 0.0
+    return {u: t * scale for u, t in got.items()}
+
+
+def balanced_stages(unit_us: Sequence[float], n_stages: int) -> tuple[tuple[int, ...], ...]:
+    """The contiguous cut of the units (``unit_us``: the embedding, the L blocks, the head, in
+    order) into ``n_stages`` stages, each at least one unit, whose slowest stage is fastest
+    (the linear-partition recurrence); the block indices of each stage."""
+    n = len(unit_us)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"cannot cut {n} units into {n_stages} stages")
+    prefix = [0.0]
+    for t in unit_us:
+        prefix.append(prefix[-1] + t)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n_stages + 1):
+        for j in range(k, n - (n_stages - k) + 1):  # the first j units in k stages
+            for i in range(k - 1, j):
+                v = max(best[k - 1][i], prefix[j] - prefix[i])
+                if v < best[k][j]:
+                    best[k][j], cut[k][j] = v, i
+    bounds, j = [], n
+    for k in range(n_stages, 0, -1):
+        bounds.append((cut[k][j], j))
+        j = cut[k][j]
+    n_layers = n - 2
+    return tuple(tuple(u - 1 for u in range(a, b) if 0 < u <= n_layers) for a, b in reversed(bounds))
+
+
+def stage_times_us(unit_us: Sequence[float], stages: Sequence[Sequence[int]]) -> list[float]:
+    """Each stage's time under a cut (blocks per stage; the embedding with the first, the head with the last)."""
+    times = []
+    for i, blocks in enumerate(stages):
+        t = sum(unit_us[b + 1] for b in blocks)
+        t += unit_us[0] if i == 0 else 0.0
+        t += unit_us[-1] if i == len(stages) - 1 else 0.0
+        times.append(t)
+    return times
+
+
+def pipeline_step_us(stage_us: Sequence[float], rank_of: Sequence[int], pp: int, n_microbatches: int) -> float:
+    """The step of a schedule over stages of these times (plan/pipeline.py's pricing):
+    ``n`` times the slowest rank's stages, plus ``pp - 1`` slots of the slowest stage."""
+    ranks = [sum(t for t, r in zip(stage_us, rank_of) if r == rank) for rank in range(pp)]
+    return n_microbatches * max(ranks) + (pp - 1) * max(stage_us)

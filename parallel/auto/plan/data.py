@@ -227,6 +227,10 @@ class Plan:
         if not isinstance(d, dict):
             raise PlanMismatchError(f"{source} is not a plan (a JSON object was expected); re-plan")
         d = dict(d)
+        if "pipeline_format" in d:
+            raise PlanMismatchError(f"{source} is a pipeline's plan (its stages' plans, pipeline_parallel_degree = "
+                                    f"{d.get('pp')}): use it with that pipeline job, or one stage's plan file "
+                                    "(plan.stage<i>.json)")
         if d.pop("format_version", None) != FORMAT_VERSION:
             raise PlanMismatchError(f"{source}: plan file format is not version {FORMAT_VERSION}; re-plan")
         timeline = _timeline(d.pop("timeline", None), source)

@@ -6,12 +6,12 @@ Pricing (one optimizer step of ``n`` microbatches; ``v`` stages per pp rank):
 - a stage's time is its plan's ``objective_us``: one microbatch's forward and backward on
   the submesh with its collectives (the runtime reduces a stage's gradients at each
   microbatch's backward, as priced);
-- a pp rank's time per microbatch is the sum over its stages, plus the point-to-point sends
-  of its boundaries (a hidden state forward, its gradient backward: ``p2p_us`` each);
-- the schedule runs the slowest rank ``n + (pp - 1) / v`` times: ``n`` microbatches and the
-  fill-and-drain bubble of ``pp - 1`` stage slots, which ``v`` looped stages per rank shorten
-  by ``v`` (Interleaved1F1B; the zero-bubble schedules are priced as their 1F1B counterparts,
-  an upper bound).
+- a pp rank's time per microbatch is the sum over its stages, each with the point-to-point
+  sends of its boundaries (a hidden state forward, its gradient backward: ``p2p_us`` each);
+- the step is ``n`` times the slowest rank, plus the fill and drain: ``pp - 1`` slots of the
+  slowest stage. With one stage per rank that is ``(n + pp - 1)`` stage times (GPipe, 1F1B);
+  ``v`` balanced stages per rank shorten the bubble ``v``-fold (Interleaved1F1B). The
+  zero-bubble schedules are priced as their 1F1B counterparts, an upper bound.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from .data import Plan
+from .data import Plan, PlanMismatchError
 
 __all__ = ["PipelinePlan", "StagePlan"]
 
@@ -70,22 +70,23 @@ class PipelinePlan:
     def stages_per_rank(self) -> int:
         return max(1, len(self.stages) // self.pp)
 
+    def stage_slot_us(self, stage: StagePlan) -> float:
+        """One microbatch through ``stage``: its plan's time and its boundaries' sends."""
+        return stage.step_us + ((stage.index > 0) + (stage.index < len(self.stages) - 1)) * self.p2p_us
+
     def rank_us(self, rank: int) -> float:
-        """pp rank ``rank``'s time per microbatch: its stages, and the sends of their boundaries."""
-        mine = [s for s in self.stages if s.rank == rank]
-        sends = sum((s.index > 0) + (s.index < len(self.stages) - 1) for s in mine)
-        return sum(s.step_us for s in mine) + sends * self.p2p_us
+        """pp rank ``rank``'s time per microbatch: its stages' slots."""
+        return sum(self.stage_slot_us(s) for s in self.stages if s.rank == rank)
 
     @property
-    def bubble_slots(self) -> float:
-        """Microbatch slots the slowest rank waits in the fill and drain of the schedule."""
-        return (self.pp - 1) / self.stages_per_rank
+    def bubble_us(self) -> float:
+        """The schedule's fill and drain: ``pp - 1`` slots of the slowest stage."""
+        return (self.pp - 1) * max(self.stage_slot_us(s) for s in self.stages)
 
     @property
     def step_us(self) -> float:
         """The predicted optimizer step (forward and backward of every microbatch, bubble included)."""
-        slowest = max(self.rank_us(r) for r in range(self.pp))
-        return (self.n_microbatches + self.bubble_slots) * slowest
+        return self.n_microbatches * max(self.rank_us(r) for r in range(self.pp)) + self.bubble_us
 
     def in_flight(self, stage: int) -> int:
         """Microbatches whose activations ``stage`` holds at once under the schedule."""
@@ -97,9 +98,8 @@ class PipelinePlan:
         """The schedule, then one line per stage: blocks, rank, predicted time and peak."""
         n = len(self.stages)
         lines = [f"pipeline: {self.schedule}, {n} stages on pp = {self.pp} ({self.stages_per_rank} per rank), "
-                 f"{self.n_microbatches} microbatches; predicted step {self.step_us / 1e3:,.1f} ms "
-                 f"(bubble {self.bubble_slots:.2f} of {self.n_microbatches + self.bubble_slots:.2f} microbatch "
-                 f"slots; p2p {self.p2p_us:,.1f} µs a boundary)"]
+                 f"{self.n_microbatches} microbatches; predicted step {self.step_us / 1e3:,.2f} ms "
+                 f"(bubble {self.bubble_us / 1e3:,.2f} ms; p2p {self.p2p_us:,.1f} µs a boundary)"]
         for s in self.stages:
             k = self.in_flight(s.index)
             peak = "" if s.peak_bytes(k) is None else \
@@ -119,10 +119,26 @@ class PipelinePlan:
     @classmethod
     def from_json(cls, d: dict, source: str = "the pipeline plan") -> PipelinePlan:
         if not isinstance(d, dict) or d.get("pipeline_format") != PIPELINE_FORMAT:
-            raise ValueError(f"{source} is not a pipeline plan of format {PIPELINE_FORMAT}")
-        stages = [StagePlan(s["index"], tuple(s["layers"]), s["rank"], Plan.from_json(s["plan"], source))
-                  for s in d["stages"]]
-        return cls(d["schedule"], d["pp"], d["n_microbatches"], stages, d.get("p2p_us", 0.0), list(d.get("notes", [])))
+            raise PlanMismatchError(f"{source} is not a pipeline's plan (pipeline_plan.json, format "
+                                    f"{PIPELINE_FORMAT}); a pipeline job replays the pipeline_plan.json it wrote")
+        try:
+            stages = [StagePlan(s["index"], tuple(s["layers"]), s["rank"],
+                                Plan.from_json(s["plan"], f"{source}, stage {s['index']}")) for s in d["stages"]]
+            return cls(d["schedule"], d["pp"], d["n_microbatches"], stages, d.get("p2p_us", 0.0),
+                       list(d.get("notes", [])))
+        except (KeyError, TypeError) as e:
+            raise PlanMismatchError(f"{source} is not a complete pipeline plan ({type(e).__name__}: {e}); "
+                                    "re-plan") from None
+
+    def check_layout(self, schedule: str, pp: int, n_microbatches: int, n_stages: int, source: str) -> None:
+        """PlanMismatchError unless this plan was made for that schedule, degree, microbatch count
+        and number of stages."""
+        want = (schedule, pp, n_microbatches, n_stages)
+        have = (self.schedule, self.pp, self.n_microbatches, len(self.stages))
+        if want != have:
+            raise PlanMismatchError(f"{source} was made for schedule {have[0]}, pp {have[1]}, {have[2]} microbatches, "
+                                    f"{have[3]} stages; this job runs {want[0]}, pp {want[1]}, {want[2]} "
+                                    f"microbatches, {want[3]} stages: re-plan (unset parallelism.plan_file)")
 
     def save(self, path: str) -> None:
         """Write the pipeline plan as JSON (``path.tmp``, then renamed: never half-written)."""
@@ -133,5 +149,10 @@ class PipelinePlan:
 
     @classmethod
     def load(cls, path: str) -> PipelinePlan:
-        with open(path) as f:
-            return cls.from_json(json.load(f), path)
+        """The pipeline plan in ``path``; PlanMismatchError when it is missing, not JSON or not one."""
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except (OSError, ValueError) as e:
+            raise PlanMismatchError(f"cannot read {path} ({type(e).__name__}: {e})") from None
+        return cls.from_json(d, path)
