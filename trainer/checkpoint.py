@@ -50,7 +50,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -74,6 +74,12 @@ from .hf_checkpoint import write_model_hf_config
 from .optim import lr_schedule_state, restore_lr_schedule
 
 logger = logging.getLogger("autotitan")
+
+
+STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+"""The optimizer's state and hyperparameters keyed by each parameter's name
+(``param_groups.<name>.lr``): a pipeline's ranks hold different parameters, and a nested
+``param_groups`` list, one object that DCP saves once, would keep only one rank's names."""
 
 
 @contextlib.contextmanager
@@ -231,7 +237,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ state
 
     def _state(self, step: int) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
         return {
             "model": model_sd,
             "optimizer": optim_sd,
@@ -425,7 +431,7 @@ class CheckpointManager:
         _check_matches(path, state, meta)
         _agreed(lambda: dcp_load(state, path, trust))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+                       optim_state_dict=state["optimizer"], options=STATE_OPTIONS)
         restore_lr_schedule(self.lr_scheduler, state["lr_scheduler"])
         step = int(state["train_state"]["step"])
         if have_dl:

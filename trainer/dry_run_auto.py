@@ -160,7 +160,7 @@ def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
         fake_mode = T.FakeTensorMode(allow_non_fake_inputs=True)  # one mode: the weights meet the step's inputs
         fake = lambda: fake_mode  # noqa: E731
         host_inputs = _step_inputs(cfg, mesh)
-        mode = AutoMode(cfg, mesh)
+        mode = AutoMode(cfg, mesh, device)
         pm = build_parallel_model(cfg, mode, device, vocab, host_inputs[:2], storage=fake)
         plan = pm.plan
         report.plan_summary, report.plan_origin, report.objective_us = plan.summary(), mode.origin, plan.objective_us

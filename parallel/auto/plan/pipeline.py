@@ -50,7 +50,8 @@ class StagePlan:
 
     def describe(self, n_stages: int) -> str:
         parts = (["embedding"] if self.index == 0 else []) + (
-            [f"layers.{self.layers[0]}-{self.layers[-1]}"] if self.layers else []) + (
+            [f"layers.{self.layers[0]}" + (f"-{self.layers[-1]}" if len(self.layers) > 1 else "")]
+            if self.layers else []) + (
             ["norm", "output"] if self.index == n_stages - 1 else [])
         return ", ".join(parts)
 
