@@ -80,7 +80,9 @@ def auto_pipeline(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, dev
     job = _StageJob(model, mesh, job_config, layout)
     parts, plans = job.plan_and_apply(layout, saved)
     if saved is None and not (settings.pipeline_parallel_split_points or settings.pipeline_parallel_layers_per_stage):
-        cut = job.faster_cut(layout, plans)
+        gathered: list[Any] = [None] * pp_mesh.size()  # every unit's time, from the rank that planned it
+        dist.all_gather_object(gathered, job.unit_times(layout, plans), group=pp_mesh.get_group())
+        cut = faster_cut(layout, {u: us for part in gathered for u, us in part.items()}, job.n_layers)
         if cut is not None:
             layout = dataclasses.replace(layout, stages=cut)
             parts, plans = job.plan_and_apply(layout)
@@ -90,8 +92,50 @@ def auto_pipeline(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, dev
     return pipeline, _gather_plan(layout, plans, pp_mesh, job.p2p_us())
 
 
+def plan_pipeline(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig) -> PipelinePlan:
+    """The pipeline's plan made on this one process (the dry run's fake world): every kind of
+    stage solved once, the cut by their predicted unit times, as `auto_pipeline` cuts."""
+    settings = job_config.parallelism.pipeline
+    layout = pipeline_layout(len(transformer_blocks(model)), mesh[PP].size(), settings,
+                             job_config.training.local_batch_size)
+    job = _StageJob(model, mesh, job_config, layout)
+    plans, made_on = job.plan_distinct(layout)
+    if not (settings.pipeline_parallel_split_points or settings.pipeline_parallel_layers_per_stage):
+        cut = faster_cut(layout, job.unit_times(layout, plans, made_on), job.n_layers)
+        if cut is not None:
+            layout = dataclasses.replace(layout, stages=cut)
+            plans, made_on = job.plan_distinct(layout)
+    notes = [f"stage {i} is priced by stage {j}'s plan (as many blocks: one solve)"
+             for i, j in made_on.items() if i != j]
+    return PipelinePlan(layout.schedule, layout.pp, layout.n_microbatches,
+                        [StagePlan(i, layout.stages[i], layout.rank_of(i), plans[i]) for i in range(layout.n_stages)],
+                        p2p_us=job.p2p_us(), notes=notes)
+
+
 RECUT_GAIN = 0.03
 """The share of the slowest stage's predicted time a new cut must save to be planned."""
+
+
+def _units(layout: Any, stage: int, n_layers: int) -> list[int]:
+    """A stage's units in order: the embedding (first stage), its blocks, the head (last stage)."""
+    return ([EMBEDDING] if stage == 0 else []) + list(layout.stages[stage]) + (
+        [n_layers] if stage == layout.n_stages - 1 else [])
+
+
+def faster_cut(layout: Any, times: dict[int, float], n_layers: int) -> tuple[tuple[int, ...], ...] | None:
+    """The cut by the units' predicted times (stages.balanced_stages), or None when its
+    predicted step is not faster than `layout`'s by RECUT_GAIN."""
+    unit_us = [times[u] for u in range(EMBEDDING, n_layers + 1)]
+    cut = balanced_stages(unit_us, layout.n_stages)
+    ranks = [layout.rank_of(i) for i in range(layout.n_stages)]
+    before, after = (pipeline_step_us(stage_times_us(unit_us, c), ranks, layout.pp, layout.n_microbatches)
+                     for c in (layout.stages, cut))
+    if after > (1 - RECUT_GAIN) * before:
+        return None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info("pipeline cut by the stages' predicted times: %s (step %.2f ms) instead of %s (%.2f ms)",
+                    [list(s) for s in cut], after / 1e3, [list(s) for s in layout.stages], before / 1e3)
+    return cut
 
 
 class _StageJob:
@@ -117,9 +161,7 @@ class _StageJob:
         parts, plans, last = [], {}, layout.n_stages - 1
         for i in layout.stages_of(self.pp_mesh.get_local_rank()):
             part = split_model(self.model, layout.stages[i], i == 0, i == last)
-            shape = StageShape(first=i == 0, rows=self.rows, seq_len=self.cfg.training.seq_len, dim=self.dim,
-                               dtype=_hidden_dtype(self.cfg))
-            with stage_planning(part, self.sub, self.request, shape) as autop:
+            with stage_planning(part, self.sub, self.request, self._shape(i == 0)) as autop:
                 if saved is not None:
                     plans[i] = saved.stages[i].plan
                     plans[i].check_compatible(model=part, mesh=self.sub, source=f"{self.cfg.parallelism.plan_file}, "
@@ -131,27 +173,38 @@ class _StageJob:
                 self.hw = autop.cost_model().hw
         return parts, plans
 
-    def faster_cut(self, layout: Any, plans: dict[int, Plan]) -> tuple[tuple[int, ...], ...] | None:
-        """The cut by predicted unit times (the same on every rank: the units' times are
-        gathered over the pp ranks), or None when it is not faster by RECUT_GAIN."""
-        last = layout.n_stages - 1
-        mine = {}
+    def plan_distinct(self, layout: Any) -> tuple[dict[int, Plan], dict[int, int]]:
+        """Every stage's plan on this one process (the dry run's fake world): stages of one kind
+        (as many blocks, the first, the last or neither) are solved once, on the first of them.
+        (stage -> its kind's plan, stage -> the stage that plan was made on)."""
+        made: dict[tuple, int] = {}
+        plans, made_on, last = {}, {}, layout.n_stages - 1
+        for i, blocks in enumerate(layout.stages):
+            kind = (len(blocks), i == 0, i == last)
+            if kind not in made:
+                made[kind] = i
+                part = split_model(self.model, blocks, i == 0, i == last)
+                with stage_planning(part, self.sub, self.request, self._shape(i == 0)) as autop:
+                    plans[i] = autop.optimize_placement(verbose=False)
+                    self.hw = autop.cost_model().hw
+            made_on[i] = made[kind]
+            plans[i] = plans[made[kind]]
+        return plans, made_on
+
+    def unit_times(self, layout: Any, plans: dict[int, Plan], made_on: dict[int, int] | None = None
+                   ) -> dict[int, float]:
+        """The predicted time of every unit of these stages (a plan made on another stage of
+        the same kind: its units' times, in order)."""
+        out: dict[int, float] = {}
         for i, plan in plans.items():
-            mine.update(unit_times(plan, layout.stages[i], i == 0, i == last, self.n_layers))
-        gathered: list[Any] = [None] * self.pp_mesh.size()
-        dist.all_gather_object(gathered, mine, group=self.pp_mesh.get_group())
-        times = {u: us for part in gathered for u, us in part.items()}
-        unit_us = [times[u] for u in range(EMBEDDING, self.n_layers + 1)]
-        cut = balanced_stages(unit_us, layout.n_stages)
-        ranks = [layout.rank_of(i) for i in range(layout.n_stages)]
-        before, after = (pipeline_step_us(stage_times_us(unit_us, c), ranks, layout.pp, layout.n_microbatches)
-                         for c in (layout.stages, cut))
-        if after > (1 - RECUT_GAIN) * before:
-            return None
-        if dist.get_rank() == 0:
-            logger.info("pipeline cut by the stages' predicted times: %s (step %.2f ms) instead of %s (%.2f ms)",
-                        [list(s) for s in cut], after / 1e3, [list(s) for s in layout.stages], before / 1e3)
-        return cut
+            j = i if made_on is None else made_on[i]
+            got = unit_times(plan, layout.stages[j], j == 0, j == layout.n_stages - 1, self.n_layers)
+            out.update(zip(_units(layout, i, self.n_layers), (got[u] for u in _units(layout, j, self.n_layers))))
+        return out
+
+    def _shape(self, first: bool) -> StageShape:
+        return StageShape(first=first, rows=self.rows, seq_len=self.cfg.training.seq_len, dim=self.dim,
+                          dtype=_hidden_dtype(self.cfg))
 
     def p2p_us(self) -> float:
         """One boundary's send of a microbatch's hidden state on the pp axis's link."""

@@ -1,0 +1,75 @@
+"""The dry run of an auto-mode pipeline (`train.py --dry-run --world-size N`, mode "auto",
+`pipeline_parallel_degree` > 1), on a fake world: every kind of stage (the first, the last,
+the middle ones of as many blocks) planned once on the stage submesh, the cut by their
+predicted times (trainer/auto_pipeline.py `plan_pipeline`), and the pipeline's plan printed:
+the schedule, each stage's blocks, pp rank, predicted time and peak with the microbatches the
+schedule keeps in flight, against the memory limit."""
+
+from __future__ import annotations
+
+import time
+
+from models import build_model
+from parallel import _torch as T
+from parallel.auto.cost.memory import format_bytes
+from parallel.auto.plan.pipeline import PipelinePlan
+from parallel.mesh import build_mesh
+
+from .auto_pipeline import plan_pipeline
+from .config import ConfigError, JobConfig
+from .device import CUDA, check_fake_cuda, simulated_device
+from .dry_run_auto import simulated_job
+from .tokenizer import tokenizer_vocab
+
+__all__ = ["dry_run_pipeline", "format_pipeline_report", "main"]
+
+
+def dry_run_pipeline(job_config: JobConfig, world_size: int) -> tuple[PipelinePlan, list[str]]:
+    """(the pipeline's plan, the report's header and notes) of `job_config` on a fake world."""
+    t0 = time.time()
+    device = simulated_device(job_config.job.device)
+    if device.type == CUDA:
+        why = check_fake_cuda()
+        if why is not None:
+            raise ConfigError(f"{job_config.source}: 'job.device' = {job_config.job.device!r}: {why}")
+        T.enable_fake_cuda()
+    cfg, note = simulated_job(job_config, world_size, device)
+    m = cfg.model
+    vocab = m.vocab_size if m.vocab_size > 0 else tokenizer_vocab(cfg) or build_model(
+        m.name, m.flavor, device="meta", **m.arg_overrides()).args.vocab_size
+    with T.fake_world(world_size):
+        mesh = build_mesh(cfg.parallelism.degrees, world_size, device.type, expert_axis=True)
+        model = build_model(m.name, m.flavor, device="meta", **{**m.arg_overrides(), "vocab_size": vocab})
+        plan = plan_pipeline(model, mesh, cfg)
+        axes = " x ".join(f"{n}={s}" for n, s in zip(mesh.mesh_dim_names, mesh.shape))
+    t = cfg.training
+    lines = [f"dry run (auto mode, pipeline): {m.name}/{m.flavor} on a fake world of {world_size} ranks, fake "
+             f"{device} tensors, mesh {axes}, local batch {t.local_batch_size} x {t.seq_len} tokens "
+             f"({time.time() - t0:.1f} s)", *([f"  note: {note}"] if note else [])]
+    return plan, lines
+
+
+def format_pipeline_report(plan: PipelinePlan, lines: list[str]) -> str:
+    """The header, the pipeline plan's summary, planning time and the memory check per stage."""
+    out = [*lines, plan.summary()]
+    seconds = sum(sum(s.plan.timings.values()) for s in {id(s.plan): s for s in plan.stages}.values())
+    out.append(f"planning: {seconds:.1f} s over {len({id(s.plan) for s in plan.stages})} distinct stage plans "
+               "(trace, candidates, solve, memory estimate)")
+    for s in plan.stages:
+        k = plan.in_flight(s.index)
+        peak, limit = s.peak_bytes(k), s.plan.memory.limit_bytes if s.plan.memory is not None else 0
+        if peak is not None and limit:
+            verdict = "fits" if peak <= limit else "DOES NOT FIT: raise pipeline_parallel_degree or lower " \
+                                                   "pipeline_parallel_microbatch_size"
+            out.append(f"memory: stage {s.index} peaks at {format_bytes(peak)} a device with {k} microbatches in "
+                       f"flight, limit {format_bytes(limit)}: {verdict}")
+    return "\n".join(out)
+
+
+def main(job_config: JobConfig, world_size: int) -> int:
+    """Print the report; exit code 1 when a stage does not fit its memory limit."""
+    plan, lines = dry_run_pipeline(job_config, world_size)
+    print(format_pipeline_report(plan, lines), flush=True)
+    over = [s for s in plan.stages if s.plan.memory is not None and s.plan.memory.limit_bytes
+            and (s.peak_bytes(plan.in_flight(s.index)) or 0) > s.plan.memory.limit_bytes]
+    return 1 if over else 0
