@@ -29,8 +29,7 @@ from parallel.recipes import RecipeError
 from trainer.config import ConfigError, JobConfig, load_config
 from trainer.config_checks import validate_config
 from trainer.device import backend, local_device
-from trainer.dry_run import main as dry_run_main
-from trainer.dry_run_auto import main as dry_run_auto_main
+from trainer.dry_run_pipeline import dry_run_main
 from trainer.errors import TrainingFault
 from trainer.mesh_auto import resolve_mesh
 from trainer.trainer import Trainer
@@ -110,7 +109,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         ws = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
         cfg = load_config(args.config, overrides, world_size=ws, validate=False)
         validate_config(cfg, ws, simulated_device=True)  # the device is faked: it need not be here
-        return (dry_run_auto_main if cfg.parallelism.mode == "auto" else dry_run_main)(cfg, ws)
+        return dry_run_main(cfg, ws)
     cfg = load_config(args.config, overrides)
     if args.print_config:
         print(f"# resolved from {cfg.source}")

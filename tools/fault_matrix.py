@@ -2,7 +2,7 @@
 between runs, restarted as a user would (the same command), and must resume from the right
 checkpoint and end with the uninterrupted run's weights.
 
-    python scripts/fault_matrix.py [--modes manual,auto] [--worlds 2,4] [--trials-per-mode 20]
+    python scripts/fault_matrix.py [--modes manual,auto,auto_pp] [--worlds 2,4] [--trials-per-mode 20]
                                    [--faults all] [--timeout 300] [--seed 0]
 
 Each (mode, world) runs `--trials-per-mode` trials, round-robin over the faults that apply
@@ -83,8 +83,10 @@ from tools.fault_trials import (
 
 
 def schedule(faults: tuple[str, ...], mode: str, n: int) -> list[str]:
-    """`n` trials, round-robin over the faults that apply to `mode` (planning faults: auto only)."""
-    apply = [f for f in faults if mode == "auto" or f not in AUTO_ONLY]
+    """`n` trials, round-robin over the faults that apply to `mode` (planning faults: auto only;
+    an auto pipeline plans its stages for one sequence length: no re-plan)."""
+    apply = [f for f in faults if (mode != "manual" or f not in AUTO_ONLY) and not (
+        mode == "auto_pp" and f == "kill_replan")]
     return [apply[i % len(apply)] for i in range(n)] if apply else []
 
 

@@ -34,6 +34,7 @@ JOB = ["--config", "llama3_debug", "--model.n_layers", "1", "--training.seq_len"
        "2", "--metrics.log_freq", "1", "--training.steps", str(STEPS), "--checkpoint.enable", "true",
        "--checkpoint.interval", str(INTERVAL)]
 AUTO = ["--parallelism.mode", "auto", "--parallelism.hardware", "cpu", "--parallelism.memory_estimate", "false"]
+PIPELINE = ["--parallelism.pipeline_parallel_degree", "2"]  # mode "auto_pp": auto mode's planned stages
 REPLAN = ["--training.seq_len_schedule", "[[0, 16], [4, 32]]"]
 ASYNC = ["--checkpoint.async_mode", "async"]
 OTHER_MODEL = ["--model.dim", "128", "--model.n_heads", "4"]
@@ -56,7 +57,8 @@ GARBAGE = b"\xffnot DCP metadata\n" * 64  # 0xff is no pickle opcode: unpickling
 
 def command(world: int, mode: str, fault: str, folder: Path, name: str) -> list[str]:
     """The job's torchrun command (`--standalone`: torchrun picks a free port itself)."""
-    extra = (AUTO if mode == "auto" else []) + (REPLAN if fault == "kill_replan" else []) + (
+    extra = (AUTO if mode in ("auto", "auto_pp") else []) + (PIPELINE if mode == "auto_pp" else []) + (
+        REPLAN if fault == "kill_replan" else []) + (
         ASYNC if fault == "kill_async_save" else []) + (HANG if fault in HANGS else [])
     return ["torchrun", "--standalone", "--nproc_per_node", str(world), str(ROOT / "train.py"), *JOB, *extra,
             "--job.dump_folder", str(folder), "--job.name", name]

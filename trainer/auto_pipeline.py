@@ -161,7 +161,7 @@ class _StageJob:
         parts, plans, last = [], {}, layout.n_stages - 1
         for i in layout.stages_of(self.pp_mesh.get_local_rank()):
             part = split_model(self.model, layout.stages[i], i == 0, i == last)
-            with stage_planning(part, self.sub, self.request, self._shape(i == 0)) as autop:
+            with stage_planning(part, self.sub, self.request, self._shape(layout, i)) as autop:
                 if saved is not None:
                     plans[i] = saved.stages[i].plan
                     plans[i].check_compatible(model=part, mesh=self.sub, source=f"{self.cfg.parallelism.plan_file}, "
@@ -181,10 +181,10 @@ class _StageJob:
         plans, made_on, last = {}, {}, layout.n_stages - 1
         for i, blocks in enumerate(layout.stages):
             kind = (len(blocks), i == 0, i == last)
-            if kind not in made:
+            if kind not in made:  # the first of a kind holds the most microbatches (1F1B): its plan fits the others
                 made[kind] = i
                 part = split_model(self.model, blocks, i == 0, i == last)
-                with stage_planning(part, self.sub, self.request, self._shape(i == 0)) as autop:
+                with stage_planning(part, self.sub, self.request, self._shape(layout, i)) as autop:
                     plans[i] = autop.optimize_placement(verbose=False)
                     self.hw = autop.cost_model().hw
             made_on[i] = made[kind]
@@ -202,9 +202,9 @@ class _StageJob:
             out.update(zip(_units(layout, i, self.n_layers), (got[u] for u in _units(layout, j, self.n_layers))))
         return out
 
-    def _shape(self, first: bool) -> StageShape:
-        return StageShape(first=first, rows=self.rows, seq_len=self.cfg.training.seq_len, dim=self.dim,
-                          dtype=_hidden_dtype(self.cfg))
+    def _shape(self, layout: Any, stage: int) -> StageShape:
+        return StageShape(first=stage == 0, rows=self.rows, seq_len=self.cfg.training.seq_len, dim=self.dim,
+                          dtype=_hidden_dtype(self.cfg), microbatches_held=layout.in_flight(stage))
 
     def p2p_us(self) -> float:
         """One boundary's send of a microbatch's hidden state on the pp axis's link."""

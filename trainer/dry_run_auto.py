@@ -258,12 +258,7 @@ def format_auto_report(r: AutoDryRunReport) -> str:
 
 def main(job_config: JobConfig, world_size: int) -> int:
     """Entry point of ``train.py --dry-run --world-size N`` in auto mode: print the report;
-    exit code 1 when a graph holds a value off the job's device. A pipeline (a pp degree):
-    trainer/dry_run_pipeline.py."""
-    if job_config.parallelism.degrees.resolved(world_size)["pp"] > 1:
-        from .dry_run_pipeline import main as pipeline_main  # it imports this module's simulated_job
-
-        return pipeline_main(job_config, world_size)
+    exit code 1 when a graph holds a value off the job's device."""
     report = dry_run_auto(job_config, world_size)
     print(format_auto_report(report), flush=True)
     return 1 if report.off_device else 0

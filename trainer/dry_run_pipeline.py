@@ -18,10 +18,12 @@ from parallel.mesh import build_mesh
 from .auto_pipeline import plan_pipeline
 from .config import ConfigError, JobConfig
 from .device import CUDA, check_fake_cuda, simulated_device
+from .dry_run import main as recipe_main
+from .dry_run_auto import main as auto_main
 from .dry_run_auto import simulated_job
 from .tokenizer import tokenizer_vocab
 
-__all__ = ["dry_run_pipeline", "format_pipeline_report", "main"]
+__all__ = ["dry_run_main", "dry_run_pipeline", "format_pipeline_report", "main"]
 
 
 def dry_run_pipeline(job_config: JobConfig, world_size: int) -> tuple[PipelinePlan, list[str]]:
@@ -61,8 +63,9 @@ def format_pipeline_report(plan: PipelinePlan, lines: list[str]) -> str:
         if peak is not None and limit:
             verdict = "fits" if peak <= limit else "DOES NOT FIT: raise pipeline_parallel_degree or lower " \
                                                    "pipeline_parallel_microbatch_size"
-            out.append(f"memory: stage {s.index} peaks at {format_bytes(peak)} a device with {k} microbatches in "
-                       f"flight, limit {format_bytes(limit)}: {verdict}")
+            held = f"{k} microbatch{'es' if k > 1 else ''}"
+            out.append(f"memory: stage {s.index} peaks at {format_bytes(peak)} a device with {held} in flight, "
+                       f"limit {format_bytes(limit)}: {verdict}")
     return "\n".join(out)
 
 
@@ -73,3 +76,13 @@ def main(job_config: JobConfig, world_size: int) -> int:
     over = [s for s in plan.stages if s.plan.memory is not None and s.plan.memory.limit_bytes
             and (s.peak_bytes(plan.in_flight(s.index)) or 0) > s.plan.memory.limit_bytes]
     return 1 if over else 0
+
+
+def dry_run_main(job_config: JobConfig, world_size: int) -> int:
+    """``train.py --dry-run``: the recipes' dry run (manual mode), auto mode's, or this one (auto
+    mode with a pp degree); its exit code."""
+    if job_config.parallelism.mode != "auto":
+        return recipe_main(job_config, world_size)
+    if job_config.parallelism.degrees.resolved(world_size)["pp"] > 1:
+        return main(job_config, world_size)
+    return auto_main(job_config, world_size)

@@ -34,10 +34,6 @@ from .config import JobConfig
 
 __all__ = ["PipelineRank", "pipeline_rank", "pipeline_fwd_bwd"]
 
-ALL_IN_FLIGHT = ("GPipe", "LoopedBFS")
-"""Schedules that run every microbatch's forward before the first backward."""
-
-
 @dataclass
 class PipelineRank:
     """The simulated pp rank's stages: their indices, modules and the rank's model (their union)."""
@@ -49,8 +45,7 @@ class PipelineRank:
 
     def in_flight(self, stage: int) -> int:
         """Microbatches whose activations ``stage`` holds at once under the schedule."""
-        n = self.layout.n_microbatches
-        return n if self.layout.schedule in ALL_IN_FLIGHT else min(n, self.layout.n_stages - stage)
+        return self.layout.in_flight(stage)
 
 
 def pipeline_rank(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> PipelineRank:

@@ -87,6 +87,8 @@ def _as_placements(p: Any, ndim: int, what: str) -> tuple | None:
 class AutoParallel:
     """Plan SPMD placements for `model` on `mesh` (see the module docstring)."""
 
+    microbatches_held = 1  # saved activations alive at the peak (a pipeline stage's: stages.StagePlanner)
+
     def __init__(
         self,
         model: nn.Module,
@@ -313,7 +315,8 @@ class AutoParallel:
     def _optimize(self, verbose: bool, warm_start: Plan | None) -> Plan:
         jg = self._need_graph()
         self._warm_start = warm_start
-        self.recompute_row = RowState(self.memory_limit()[0]) if chooses_recompute(self.runtime) else None
+        self.recompute_row = RowState(self.memory_limit()[0], held=self.microbatches_held) \
+            if chooses_recompute(self.runtime) else None
         level = logging.INFO if verbose else logging.DEBUG
         cm = self.cost_model()
         if self._seeded():

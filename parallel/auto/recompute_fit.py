@@ -58,16 +58,20 @@ class RowState:
     limit: int  # bytes (0: no limit)
     outside: float = 0.0  # the estimate's peak less the row's value, largest seen
     full_only: bool = False  # every block recomputed, no row (the plan a refusal names)
+    held: int = 1  # microbatches whose kept activations are alive at the peak (a pipeline stage's in flight)
 
     def row(self) -> RecomputeRow:
+        """held x kept activations + states <= limit, posed as kept + states / held <= limit / held."""
         if self.full_only:
             return RecomputeRow(None, full_only=True)
-        return RecomputeRow(self.limit - self.outside if self.limit else None)
+        return RecomputeRow((self.limit - self.outside) / self.held if self.limit else None,
+                            state_factor=STATE_FACTOR / self.held)
 
 
-def row_value(plan: Plan, state_factor: float) -> float:
-    """The row's value of a plan: its kept activations and model states (bytes)."""
-    return plan.recompute.get("activation_bytes", 0.0) + state_factor * plan.memory_fraction * plan.total_param_bytes
+def row_value(plan: Plan, state_factor: float, held: int = 1) -> float:
+    """The row's value of a plan: its kept activations (`held` microbatches') and model states (bytes)."""
+    return held * plan.recompute.get("activation_bytes", 0.0) + \
+        state_factor * plan.memory_fraction * plan.total_param_bytes
 
 
 def fit_with_recompute(autop: Any, plan: Plan, low: float | None, high: float | None, level: int) -> Plan:
@@ -85,7 +89,7 @@ def fit_with_recompute(autop: Any, plan: Plan, low: float | None, high: float | 
         plan.timings["memory"] = autop.timings.get("memory", 0.0)
         if not plan.recompute:
             return plan if est.fits else _refuse(autop, plan, est, low, high)
-        outside = est.peak_bytes - row_value(plan, STATE_FACTOR)
+        outside = est.peak_bytes - row_value(plan, STATE_FACTOR, state.held)
         if est.fits:
             if best is None or plan.objective_us < best.objective_us:
                 best = plan

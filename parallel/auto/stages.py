@@ -20,10 +20,12 @@ local logits.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,12 +35,13 @@ from parallel.auto.api import AutoParallel
 from parallel.auto.config import resolve_planner
 from parallel.auto.cost import HardwareProfile
 from parallel.auto.cost.comm import axis_links
+from parallel.auto.cost.memory import MemoryEstimate
 from parallel.auto.plan import Plan
 from parallel.auto.request import PlanRequest, data_degree, data_placements, default_memory_high, planner_regions
 from parallel.auto.trace.gc_pause import collector_paused
 from parallel.mesh import PP
 
-__all__ = ["EMBEDDING", "StageShape", "balanced_stages", "p2p_us", "stage_inputs",
+__all__ = ["EMBEDDING", "StagePlanner", "StageShape", "balanced_stages", "p2p_us", "stage_inputs",
            "stage_planning", "stage_times_us", "pipeline_step_us", "stage_submesh", "unit_times"]
 
 
@@ -52,6 +55,7 @@ class StageShape:
     seq_len: int
     dim: int
     dtype: torch.dtype
+    microbatches_held: int = 1  # saved activations the schedule holds on the stage (plan/pipeline.in_flight)
 
 
 def stage_submesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -71,16 +75,34 @@ def stage_inputs(shape: StageShape, sub: DeviceMesh) -> tuple[torch.Tensor]:
     return (torch.empty((rows, shape.seq_len, shape.dim), dtype=shape.dtype, device="meta", requires_grad=True),)
 
 
+class StagePlanner(AutoParallel):
+    """The planner of one pipeline stage: its memory estimate holds the saved activations of
+    the ``microbatches_held`` microbatches the schedule keeps in flight on the stage (the
+    others' ``saved_bytes`` on top of one microbatch's step), so the recomputation and the
+    resharding it chooses fit the stage's peak under the schedule, not one microbatch's."""
+
+    def __init__(self, *args: Any, microbatches_held: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, stage=True, **kwargs)
+        self.microbatches_held = microbatches_held
+
+    def estimate_memory(self, plan: Plan, options: Any = None) -> MemoryEstimate:
+        est = super().estimate_memory(plan, options)
+        extra = (self.microbatches_held - 1) * est.saved_bytes
+        return dataclasses.replace(est, activations_bytes=est.activations_bytes + extra,
+                                   peak_bytes=est.peak_bytes + extra, microbatches_held=self.microbatches_held)
+
+
 @contextmanager
 def stage_planning(part: nn.Module, sub: DeviceMesh, request: PlanRequest, shape: StageShape
                    ) -> Iterator[AutoParallel]:
-    """The entered AutoParallel of one stage on ``sub``: its input, output and the output's
+    """The entered planner of one stage on ``sub``: its input, output and the output's
     gradient pinned to the data placement; the parameter budget as ``request.planning`` sets it."""
     planner = resolve_planner(request.planner, math.prod(sub.shape), getattr(sub, "device_type", None))
     pl = data_placements(sub)
-    with collector_paused(), AutoParallel(part, stage_inputs(shape, sub), sub, planner=planner,
+    with collector_paused(), StagePlanner(part, stage_inputs(shape, sub), sub, planner=planner,
                                           runtime=request.runtime, mp_policy=request.mp_policy,
-                                          regions=planner_regions(part, cp=False), stage=True) as autop:
+                                          regions=planner_regions(part, cp=False),
+                                          microbatches_held=shape.microbatches_held) as autop:
         autop.add_input_constraints([pl])
         autop.add_output_constraints([pl])
         for _, tangent in autop.graph.output_tangents:  # the gradient the schedule hands in: as the output

@@ -53,7 +53,7 @@ from parallel.settings import PipelineSettings
 
 from .errors import RecipeError
 
-__all__ = ["SCHEDULE_STYLES", "Pipeline", "PipelineLayout", "apply_pp", "check_composition", "join_stages",
+__all__ = ["SCHEDULE_STYLES", "Pipeline", "in_flight", "PipelineLayout", "apply_pp", "check_composition", "join_stages",
            "pipeline_layout", "schedule_name", "split_model"]
 
 SINGLE, LOOP, V = "single", "loop", "v"
@@ -79,6 +79,16 @@ def schedule_name(name: str) -> str:
                       f"{', '.join(SCHEDULE_STYLES)}")
 
 
+ALL_IN_FLIGHT = ("GPipe", "LoopedBFS")
+"""Schedules that run every microbatch's forward before the first backward."""
+
+
+def in_flight(schedule: str, n_microbatches: int, n_stages: int, stage: int) -> int:
+    """Microbatches whose saved activations ``stage`` holds at once under ``schedule``: all of
+    them (GPipe, LoopedBFS), else the stages from it to the last (1F1B's warm-up)."""
+    return n_microbatches if schedule in ALL_IN_FLIGHT else min(n_microbatches, n_stages - stage)
+
+
 @dataclass(frozen=True)
 class PipelineLayout:
     """The stages (the block indices of each; stage 0 also embeds, the last one also norms and
@@ -102,6 +112,10 @@ class PipelineLayout:
         if self.style == V:
             return [rank, 2 * self.pp - 1 - rank]
         return list(range(rank, self.n_stages, self.pp))
+
+    def in_flight(self, stage: int) -> int:
+        """Microbatches whose activations ``stage`` holds at once under the schedule."""
+        return in_flight(self.schedule, self.n_microbatches, self.n_stages, stage)
 
     def rank_of(self, stage: int) -> int:
         """The pp rank that runs ``stage``."""

@@ -78,6 +78,9 @@ class MemoryEstimate:
     recompute: str = ""  # activation checkpointing: "none", "full", "selective op", "per block: full, op", ...
     # ("": not recorded); per layer, its choice ("none", "op", "full"): {} without checkpointing
     recompute_by_block: dict[str, str] = field(default_factory=dict)
+    # a pipeline stage: the microbatches whose saved activations the schedule holds at its peak
+    # (the others' `saved_bytes` are in `activations_bytes` and `peak_bytes`); 1 without a pipeline
+    microbatches_held: int = 1
 
     def summary(self) -> str:
         """One line for the plan summary and logs."""

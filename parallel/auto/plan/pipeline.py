@@ -20,6 +20,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from parallel.recipes.pp import in_flight
+
 from .data import Plan, PlanMismatchError
 
 __all__ = ["PipelinePlan", "StagePlan"]
@@ -43,10 +45,10 @@ class StagePlan:
 
     def peak_bytes(self, in_flight: int) -> float | None:
         """The stage's predicted peak per device with ``in_flight`` microbatches' activations
-        held (None: not estimated): its plan's peak for one, plus the activations each further
-        one keeps for its backward (``saved_bytes``)."""
+        held (None: not estimated): its plan's peak (made for ``microbatches_held`` of them),
+        plus or minus the activations each microbatch keeps for its backward (``saved_bytes``)."""
         m = self.plan.memory
-        return None if m is None else float(m.peak_bytes + (in_flight - 1) * m.saved_bytes)
+        return None if m is None else float(m.peak_bytes + (in_flight - m.microbatches_held) * m.saved_bytes)
 
     def describe(self, n_stages: int) -> str:
         parts = (["embedding"] if self.index == 0 else []) + (
@@ -91,9 +93,7 @@ class PipelinePlan:
 
     def in_flight(self, stage: int) -> int:
         """Microbatches whose activations ``stage`` holds at once under the schedule."""
-        if self.schedule in ("GPipe", "LoopedBFS"):
-            return self.n_microbatches
-        return min(self.n_microbatches, len(self.stages) - stage)
+        return in_flight(self.schedule, self.n_microbatches, len(self.stages), stage)
 
     def summary(self) -> str:
         """The schedule, then one line per stage: blocks, rank, predicted time and peak."""

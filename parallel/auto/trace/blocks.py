@@ -28,21 +28,23 @@ def block_prefixes(graph: JointGraph) -> dict[str, str]:
 def block_indices(graph: JointGraph) -> dict[str, int]:
     """node name -> id of the transformer block (layer instance, as the planner finds the
     repeated blocks: `problem/repeated_blocks.layer_instance`) it belongs to; parameters and buffers by their FQN,
-    other nodes by the module that produced them. One id per instance: a stack's index
-    ('layers.3' -> 3), each further stack (a T5 decoder's 'decoder.block.i' after
+    other nodes by the module that produced them. One id per instance: its position among
+    the stack's blocks ('layers.3' -> 3 in a whole model), each further stack (a T5 decoder's 'decoder.block.i' after
     'encoder.block.i') numbered after the previous one, so blocks of the same index in two
     stacks never share a gather or reduction bucket or a recomputation graph."""
     prefixes = block_prefixes(graph)
-    top: dict[str, int] = {}  # stack ('encoder.block') -> its largest index, in order of appearance
+    present: dict[str, set[int]] = {}  # stack ('encoder.block') -> the indices it holds, in order of appearance
     for prefix in prefixes.values():
         stack, idx = prefix.rsplit(".", 1)
-        top[stack] = max(top.get(stack, -1), int(idx))
-    offset, start = 0, {}
-    for stack, last in top.items():
-        start[stack] = offset
-        offset += last + 1
+        present.setdefault(stack, set()).add(int(idx))
+    # dense ids: a pipeline stage holding layers 7-14 has blocks 0-7 (one recomputation choice each)
+    offset, dense = 0, {}
+    for stack, indices in present.items():
+        for rank, idx in enumerate(sorted(indices)):
+            dense[(stack, idx)] = offset + rank
+        offset += len(indices)
     out: dict[str, int] = {}
     for name, prefix in prefixes.items():
         stack, idx = prefix.rsplit(".", 1)
-        out[name] = start[stack] + int(idx)
+        out[name] = dense[(stack, int(idx))]
     return out
