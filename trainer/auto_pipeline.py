@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from models import cross_entropy_loss, transformer_blocks
 from parallel.auto.plan import Plan
 from parallel.auto.plan.pipeline import PipelinePlan, StagePlan
+from parallel.auto.plan.pipeline_html import save_pipeline_html
 from parallel.auto.request import data_degree
 from parallel.auto.stages import (
     EMBEDDING,
@@ -49,6 +50,7 @@ from parallel.recipes.pp import Pipeline, join_stages, pipeline_layout, split_mo
 
 from .auto_mode import plan_request, solve_in_group
 from .config import JobConfig
+from .measured import StepForecast
 
 logger = logging.getLogger("autotitan")
 
@@ -62,9 +64,9 @@ def _hidden_dtype(job_config: JobConfig) -> torch.dtype:
 
 
 def auto_pipeline(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, device: torch.device
-                  ) -> tuple[Pipeline, PipelinePlan | None]:
+                  ) -> tuple[Pipeline, PipelinePlan]:
     """This rank's stages of `model`, each planned and applied, under the job's schedule; the
-    pipeline's plan on global rank 0 (None elsewhere). RecipeError for a layout that cannot work.
+    pipeline's plan. RecipeError for a layout that cannot work.
 
     The cut: the recipe's (equal units) is planned first; unless the job fixed the split
     (`pipeline_parallel_split_points`, `pipeline_parallel_layers_per_stage`), the stages' plans
@@ -213,14 +215,12 @@ class _StageJob:
         return p2p_us(self.hw, self.mesh, nbytes)
 
 
-def _gather_plan(layout: Any, plans: dict[int, Plan], pp_mesh: DeviceMesh, p2p: float) -> PipelinePlan | None:
-    """Every stage's plan from the pp rank that holds it (the ranks of one data-parallel
-    coordinate); the pipeline's plan on global rank 0."""
+def _gather_plan(layout: Any, plans: dict[int, Plan], pp_mesh: DeviceMesh, p2p: float) -> PipelinePlan:
+    """The pipeline's plan, on every rank: every stage's plan from the pp rank that holds it
+    (the ranks of one data-parallel coordinate)."""
     mine = {i: p.to_json() for i, p in plans.items()}
     gathered: list[Any] = [None] * pp_mesh.size()
     dist.all_gather_object(gathered, mine, group=pp_mesh.get_group())
-    if dist.get_rank() != 0:
-        return None
     stages = [StagePlan(i, layout.stages[i], layout.rank_of(i), Plan.from_json(d))
               for part in gathered for i, d in part.items()]
     return PipelinePlan(layout.schedule, layout.pp, layout.n_microbatches, sorted(stages, key=lambda s: s.index),
@@ -234,9 +234,26 @@ def save_pipeline_plan(plan: PipelinePlan, run_dir: Path) -> None:
     for s in plan.stages:
         s.plan.save(str(run_dir / f"plan.stage{s.index}.json"))
     logger.info("pipeline plan saved to %s (stages: plan.stage<i>.json)", run_dir / "pipeline_plan.json")
+    save_pipeline_html(plan, run_dir)
+    logger.info("pipeline picture (stages, the schedule simulated) saved to %s", run_dir / "pipeline_plan.html")
 
 
 def gradient_scale(mesh: DeviceMesh) -> float:
     """What each microbatch's loss is multiplied by before its backward, beyond 1 / microbatches:
     1 / the data degree of the stage's submesh (the plan sums its data ranks' gradients)."""
     return 1.0 / data_degree(stage_submesh(mesh))
+
+
+def pipeline_forecast(plan: PipelinePlan, micro_batches: int = 1) -> StepForecast:
+    """The pipeline's predicted step (`micro_batches` schedule steps of gradient accumulation)
+    for the trainer's measured-step line: its compute and communication are the slowest pp
+    rank's stages', once per microbatch; the peak, the largest stage's with its microbatches in flight."""
+    slowest = max(range(plan.pp), key=plan.rank_us)
+    mine = [s for s in plan.stages if s.rank == slowest]
+    compute = plan.n_microbatches * sum(s.plan.compute_us for s in mine)
+    comm = plan.n_microbatches * sum(sum(s.plan.comm_us.values()) for s in mine)
+    peaks = [s.peak_bytes(plan.in_flight(s.index)) for s in plan.stages]
+    return StepForecast(step_us=plan.step_us * micro_batches, compute_us=compute * micro_batches,
+                        comm_us=comm * micro_batches, peak_bytes=int(max(peaks)) if None not in peaks else None,
+                        words=f"{plan.schedule} over {len(plan.stages)} planned stages, bubble "
+                              f"{plan.bubble_us / 1e3:,.1f} ms, slowest pp rank {slowest}")

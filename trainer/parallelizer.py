@@ -40,7 +40,7 @@ from parallel.recipes.ddp import ddp_reducer
 from parallel.recipes.tp import loss_parallel_context, loss_value
 
 from .auto_mode import PlanSource, auto_parallelize_for_training, planner_errors
-from .auto_pipeline import STAGE_RANKS, auto_pipeline, gradient_scale, save_pipeline_plan
+from .auto_pipeline import STAGE_RANKS, auto_pipeline, gradient_scale, pipeline_forecast, save_pipeline_plan
 from .config import ConfigError, JobConfig
 from .measured import StepForecast, repeated
 from .moe_balance import LOCAL
@@ -252,10 +252,10 @@ class AutoMode(ParallelismMode):
         self.pp_group, self.stage_ranks = self.pipeline.group, stage_ranks(self.mesh)
         plan_file = self.cfg.parallelism.plan_file
         self.origin = f"loaded from {plan_file}" if plan_file else "each stage solved on the mesh without its pp axis"
-        if plan is not None:
+        self.pipeline_plan = plan
+        if dist.get_rank() == 0:
             logger.info("auto-parallel pipeline plan:\n%s", plan.summary())
             save_pipeline_plan(plan, Path(self.cfg.job.dump_folder) / self.cfg.job.name)
-            self.pipeline_plan = plan
         return self.pipeline.model
 
     def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple:
@@ -316,6 +316,8 @@ class AutoMode(ParallelismMode):
     def predict(self, model: torch.nn.Module, micro_batches: int = 1) -> Optional[StepForecast]:
         """The cost model's step (its simulation of the step graph, `micro_batches` times) and
         the plan's memory estimate; the plan, so that its page shows the measured step too."""
+        if self.pipeline_plan is not None:
+            return pipeline_forecast(self.pipeline_plan, micro_batches)
         if not is_parallel_module(model):
             return None
         pred, n = model.predict_step(), micro_batches

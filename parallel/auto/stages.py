@@ -40,6 +40,7 @@ from parallel.auto.plan import Plan
 from parallel.auto.request import PlanRequest, data_degree, data_placements, default_memory_high, planner_regions
 from parallel.auto.trace.gc_pause import collector_paused
 from parallel.mesh import PP
+from parallel.recipes.pp import fill_and_drain_us
 
 __all__ = ["EMBEDDING", "StagePlanner", "StageShape", "balanced_stages", "p2p_us", "stage_inputs",
            "stage_planning", "stage_times_us", "pipeline_step_us", "stage_submesh", "unit_times"]
@@ -190,7 +191,7 @@ def stage_times_us(unit_us: Sequence[float], stages: Sequence[Sequence[int]]) ->
 
 
 def pipeline_step_us(stage_us: Sequence[float], rank_of: Sequence[int], pp: int, n_microbatches: int) -> float:
-    """The step of a schedule over stages of these times (plan/pipeline.py's pricing):
-    ``n`` times the slowest rank's stages, plus ``pp - 1`` slots of the slowest stage."""
+    """The step of a schedule over stages of these times (plan/pipeline.py's pricing): ``n``
+    times the slowest rank's stages, plus the fill and drain (recipes.pp.fill_and_drain_us)."""
     ranks = [sum(t for t, r in zip(stage_us, rank_of) if r == rank) for rank in range(pp)]
-    return n_microbatches * max(ranks) + (pp - 1) * max(stage_us)
+    return n_microbatches * max(ranks) + fill_and_drain_us(stage_us, pp)

@@ -53,8 +53,8 @@ from parallel.settings import PipelineSettings
 
 from .errors import RecipeError
 
-__all__ = ["SCHEDULE_STYLES", "Pipeline", "in_flight", "PipelineLayout", "apply_pp", "check_composition", "join_stages",
-           "pipeline_layout", "schedule_name", "split_model"]
+__all__ = ["Pipeline", "PipelineLayout", "SCHEDULE_STYLES", "apply_pp", "check_composition", "fill_and_drain_us",
+           "in_flight", "join_stages", "pipeline_layout", "schedule_name", "split_model"]
 
 SINGLE, LOOP, V = "single", "loop", "v"
 SCHEDULE_STYLES: dict[str, str] = {
@@ -87,6 +87,15 @@ def in_flight(schedule: str, n_microbatches: int, n_stages: int, stage: int) -> 
     """Microbatches whose saved activations ``stage`` holds at once under ``schedule``: all of
     them (GPipe, LoopedBFS), else the stages from it to the last (1F1B's warm-up)."""
     return n_microbatches if schedule in ALL_IN_FLIGHT else min(n_microbatches, n_stages - stage)
+
+
+def fill_and_drain_us(stage_us: Sequence[float], pp: int) -> float:
+    """The time a schedule's slowest rank waits while the pipeline fills and drains: with one
+    stage per rank, the other stages' times (GPipe's exactly; 1F1B overlaps some of it); with
+    several, ``pp - 1`` times the slowest stage."""
+    if len(stage_us) == pp:
+        return sum(stage_us) - max(stage_us)
+    return (pp - 1) * max(stage_us)
 
 
 @dataclass(frozen=True)

@@ -56,8 +56,12 @@ def test_pp2_one_and_two_stages_a_rank_resumed_and_replayed_match_one_process(re
         _check(reference, first | resumed, "pp2 1f1b, resumed")
         assert list(looped) == [1, 2, 3, 4]
         _check(reference, looped, "pp2 interleaved1f1b")
-    saved = json.loads((tmp_path / "pp" / "llama3_debug" / "pipeline_plan.json").read_text())
+    run_dir = tmp_path / "pp" / "llama3_debug"
+    saved = json.loads((run_dir / "pipeline_plan.json").read_text())
     assert saved["schedule"] == "1F1B" and [s["layers"] for s in saved["stages"]] == [[0, 1], [2, 3]]
+    page = (run_dir / "pipeline_plan.html").read_text()
+    assert 'class="pipeline-schedule"' in page and page.count('class="slot-F"') == 2 * 4  # 2 ranks x 4 microbatches
+    assert (run_dir / "plan.stage1.html").exists() and (run_dir / "plan.stage1.json").exists()
     assert all(s["plan"]["mesh_axis_names"] == ["dp_shard"] for s in saved["stages"])  # planned without pp
     looped = json.loads((tmp_path / "looped" / "llama3_debug" / "pipeline_plan.json").read_text())
     assert [s["rank"] for s in looped["stages"]] == [0, 1, 0, 1]

@@ -8,10 +8,11 @@ Pricing (one optimizer step of ``n`` microbatches; ``v`` stages per pp rank):
   microbatch's backward, as priced);
 - a pp rank's time per microbatch is the sum over its stages, each with the point-to-point
   sends of its boundaries (a hidden state forward, its gradient backward: ``p2p_us`` each);
-- the step is ``n`` times the slowest rank, plus the fill and drain: ``pp - 1`` slots of the
-  slowest stage. With one stage per rank that is ``(n + pp - 1)`` stage times (GPipe, 1F1B);
-  ``v`` balanced stages per rank shorten the bubble ``v``-fold (Interleaved1F1B). The
-  zero-bubble schedules are priced as their 1F1B counterparts, an upper bound.
+- the step is ``n`` times the slowest rank, plus the fill and drain: with one stage per rank
+  the other stages' slots (the step of GPipe exactly, as the schedule simulated on the plan
+  page shows; an upper bound for 1F1B, which overlaps some of them); with ``v`` looped stages
+  per rank (Interleaved1F1B) ``pp - 1`` slots of the slowest stage, ``v``-fold less than one
+  stage a rank. The zero-bubble schedules are priced as their 1F1B counterparts, an upper bound.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from parallel.recipes.pp import in_flight
+from parallel.recipes.pp import fill_and_drain_us, in_flight
 
 from .data import Plan, PlanMismatchError
 
@@ -83,8 +84,8 @@ class PipelinePlan:
 
     @property
     def bubble_us(self) -> float:
-        """The schedule's fill and drain: ``pp - 1`` slots of the slowest stage."""
-        return (self.pp - 1) * max(self.stage_slot_us(s) for s in self.stages)
+        """The schedule's fill and drain (stages.pipeline_step_us)."""
+        return fill_and_drain_us([self.stage_slot_us(s) for s in self.stages], self.pp)
 
     @property
     def step_us(self) -> float:

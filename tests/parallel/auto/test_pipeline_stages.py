@@ -70,8 +70,8 @@ def test_the_cut_by_unit_times_moves_blocks_off_a_heavy_head():
     assert stage_times_us(units, ((0, 1), (2, 3))) == pytest.approx([2.1, 5.0])
     assert stage_times_us(units, ((0, 1, 2), (3,))) == pytest.approx([3.1, 4.0])
     assert balanced_stages([1.0] * 6, 3) == ((0,), (1, 2), (3,))  # equal units: two each
-    # the step: n x the slowest rank + (pp - 1) x the slowest stage (one stage per rank: (n + pp - 1) x)
-    assert pipeline_step_us([2.0, 3.0], [0, 1], 2, 4) == pytest.approx(5 * 3.0)
+    # the step: n x the slowest rank + the fill and drain (one stage per rank: the other stages' times)
+    assert pipeline_step_us([2.0, 3.0], [0, 1], 2, 4) == pytest.approx(4 * 3.0 + 2.0)
     # two stages per rank (looped): the bubble is one slot of a stage, not of a rank
     assert pipeline_step_us([1.0, 1.0, 1.0, 1.0], [0, 1, 0, 1], 2, 4) == pytest.approx(4 * 2.0 + 1.0)
 
@@ -80,7 +80,7 @@ def test_pipeline_plan_prices_the_schedule_and_round_trips(tmp_path):
     first, last = _stage_plan((0, 1), True, False), _stage_plan((2, 3), False, True)
     plan = PipelinePlan("1F1B", 2, 4, [StagePlan(0, (0, 1), 0, first), StagePlan(1, (2, 3), 1, last)], p2p_us=10.0)
     slots = [first.objective_us + 10.0, last.objective_us + 10.0]
-    assert plan.step_us == pytest.approx(4 * max(slots) + max(slots))
+    assert plan.step_us == pytest.approx(4 * max(slots) + min(slots))
     assert plan.in_flight(0) == 2 and plan.in_flight(1) == 1  # 1F1B: stages to the last
     text = plan.summary()
     assert "stage 0 on pp rank 0: embedding, layers.0-1" in text and "stage 1 on pp rank 1: layers.2-3, norm, " \
@@ -93,3 +93,21 @@ def test_pipeline_plan_prices_the_schedule_and_round_trips(tmp_path):
         back.check_layout("Interleaved1F1B", 2, 4, 4, "pipeline_plan.json")
     with pytest.raises(PlanMismatchError, match="is a pipeline's plan"):  # given where one plan is expected
         Plan.load(str(tmp_path / "pipeline_plan.json"))
+
+
+def test_the_simulated_schedule_is_the_priced_step_for_gpipe_and_below_it_for_1f1b():
+    """The plan page's schedule picture: GPipe's simulated step is the priced one (n x the
+    slowest stage + the others' fill and drain); 1F1B overlaps part of the drain."""
+    from parallel.auto.plan.pictures.pipeline import schedule_svg, simulate
+    from parallel.recipes.pp import fill_and_drain_us
+
+    fwd = [3.0, 1.0, 2.0, 1.0]
+    bwd = [2 * f for f in fwd]
+    slots_us = [f + b for f, b in zip(fwd, bwd)]
+    priced = 8 * max(slots_us) + fill_and_drain_us(slots_us, 4)
+    gpipe, one_f_one_b = (simulate(s, fwd, bwd, 8, 0.0) for s in ("GPipe", "1F1B"))
+    assert max(s.end for s in gpipe) == pytest.approx(priced)
+    assert max(s.end for s in one_f_one_b) < priced
+    assert len(one_f_one_b) == 2 * 4 * 8 and all(s.end > s.start for s in one_f_one_b)
+    picture = schedule_svg(one_f_one_b, 4, priced)
+    assert picture.count('class="slot-B"') == 32 and f'data-priced-us="{priced}"' in picture
