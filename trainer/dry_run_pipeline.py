@@ -54,9 +54,13 @@ def dry_run_pipeline(job_config: JobConfig, world_size: int) -> tuple[PipelinePl
 def format_pipeline_report(plan: PipelinePlan, lines: list[str]) -> str:
     """The header, the pipeline plan's summary, planning time and the memory check per stage."""
     out = [*lines, plan.summary()]
-    seconds = sum(sum(s.plan.timings.values()) for s in {id(s.plan): s for s in plan.stages}.values())
-    out.append(f"planning: {seconds:.1f} s over {len({id(s.plan) for s in plan.stages})} distinct stage plans "
-               "(trace, candidates, solve, memory estimate)")
+    distinct = list({id(s.plan): s for s in plan.stages}.values())
+    seconds = sum(sum(s.plan.timings.values()) for s in distinct)
+    out.append(f"planning: {seconds:.1f} s over {len(distinct)} distinct stage plans (the last cut's; trace, "
+               "candidates, solve, memory estimate)")
+    for s in distinct:
+        parts = ", ".join(f"{k} {v:.1f} s" for k, v in s.plan.timings.items() if v >= 0.05)
+        out.append(f"  stage {s.index}'s plan: {parts}; recomputation {s.plan.recompute.get('summary', 'fixed')}")
     for s in plan.stages:
         k = plan.in_flight(s.index)
         peak, limit = s.peak_bytes(k), s.plan.memory.limit_bytes if s.plan.memory is not None else 0
