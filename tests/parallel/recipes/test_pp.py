@@ -90,7 +90,6 @@ BAD = [  # (overrides, key, words of the fix)
      "a multiple of 2 stages, >= 4"),
     (PP2 + ["--parallelism.data_parallel_replicate_degree", "2"], "data_parallel_replicate_degree",
      "use data_parallel_shard_degree (FSDP) instead"),
-    (PP2 + ["--parallelism.mode", "auto"], "pipeline_parallel_degree", "manual-mode only"),
     (PP2 + ["--checkpoint.last_save_in_hf", "true"], "last_save_in_hf", "convert_hf.py to-hf"),
 ]
 
