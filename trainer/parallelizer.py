@@ -254,6 +254,9 @@ class AutoMode(ParallelismMode):
         self.origin = f"loaded from {plan_file}" if plan_file else "each stage solved on the mesh without its pp axis"
         self.pipeline_plan = plan
         if dist.get_rank() == 0:
+            if self.cfg.training.compile:
+                logger.warning("training.compile = true: a pipeline's planned stages run their plans' per-device "
+                               "graphs eagerly under the schedule (not compiled, not one step graph)")
             logger.info("auto-parallel pipeline plan:\n%s", plan.summary())
             save_pipeline_plan(plan, Path(self.cfg.job.dump_folder) / self.cfg.job.name)
         return self.pipeline.model
