@@ -35,6 +35,12 @@ def redistribute(x: DTensor, mesh: DeviceMesh, target: tuple) -> DTensor:
     cur = tuple(x.placements)
     if cur == target:
         return x
+    ones = [ax for ax, (c, t) in enumerate(zip(cur, target)) if c != t and mesh.size(ax) == 1]
+    if ones:  # on a mesh axis of one rank every placement holds the same local values: relabel
+        cur = tuple(target[ax] if ax in ones else c for ax, c in enumerate(cur))
+        x = DTensor.from_local(x.to_local(), mesh, cur, run_check=False, shape=x.shape, stride=x.stride())
+        if cur == target:
+            return x
     if not any(isinstance(p, Partial) for p in target):
         return x.redistribute(mesh, target)
     inter = list(target)

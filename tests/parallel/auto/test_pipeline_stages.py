@@ -111,3 +111,29 @@ def test_the_simulated_schedule_is_the_priced_step_for_gpipe_and_below_it_for_1f
     assert len(one_f_one_b) == 2 * 4 * 8 and all(s.end > s.start for s in one_f_one_b)
     picture = schedule_svg(one_f_one_b, 4, priced)
     assert picture.count('class="slot-B"') == 32 and f'data-priced-us="{priced}"' in picture
+
+
+def _relabel_on_one_rank(rank, world):
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from parallel.auto.runtime.redistribute import redistribute
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    t = torch.arange(6.0).reshape(2, 3)
+    x = DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+    out = {}
+    for target in ((Partial("product"),), (Partial("min"),), (Partial("avg"),), (Shard(1),)):
+        y = redistribute(x, mesh, target)
+        out[str(target)] = (tuple(y.placements) == target, torch.equal(y.to_local(), t))
+    return out
+
+
+@pytest.mark.slow
+def test_a_stage_on_one_rank_relabels_any_placement_without_communication():
+    """PP2 on 2 ranks plans each stage on a 1-rank submesh, where every placement is free and
+    the solve may pick any (P(min), P(product)): each is the same local values there, so the
+    runtime relabels where DTensor would refuse (Replicate -> Partial(product))."""
+    from dist_utils import run_distributed
+
+    (got,) = run_distributed(_relabel_on_one_rank, 1, timeout=60)
+    assert got and all(ok == (True, True) for ok in got.values()), got
