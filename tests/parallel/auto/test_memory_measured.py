@@ -39,7 +39,7 @@ def test_allocator_peak_counts_the_window_s_allocations_and_names_the_phase():
         gc.enable()
 
 
-def _window_counts_its_own_allocations() -> None:
+def _known_window() -> AllocatorPeak:
     before = torch.empty(MIB, dtype=torch.uint8)  # allocated before the window: its free is not seen
     with AllocatorPeak() as mem:
         with phase("forward_backward"):
@@ -50,11 +50,21 @@ def _window_counts_its_own_allocations() -> None:
             del a, c
         with phase("optimizer"):
             d = torch.empty(4 * MIB, dtype=torch.uint8)  # 5 MiB alive: below the peak
-    r = mem.result
+    del b, d
+    return mem
+
+
+def _window_counts_its_own_allocations() -> None:
+    # the allocator's total counts every thread of the process: a thread an earlier test of this
+    # worker left running (once, in CI: 0.75 MiB freed inside the window) lowers both figures;
+    # such a window is measured again, up to twice
+    for _ in range(3):
+        r = _known_window().result
+        if (r.peak_bytes, r.end_bytes) == (6 * MIB, 5 * MIB):
+            break
     assert (r.peak_bytes, r.end_bytes) == (6 * MIB, 5 * MIB)
     assert r.phase == "forward" and r.op in ("aten::zeros", "aten::empty")
     assert r.rss_start > 0 and r.events >= 5
-    del b, d
 
     x = torch.randn(MIB // 4, requires_grad=True)
     with AllocatorPeak() as mem:
