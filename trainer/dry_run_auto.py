@@ -139,15 +139,22 @@ def simulated_job(job_config: JobConfig, world_size: int, device: torch.device) 
     return cfg, note
 
 
-def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
-    """Plan, materialise and build one step of `job_config` (auto mode) on a fake world."""
-    t0 = time.time()
+def faked_device(job_config: JobConfig) -> torch.device:
+    """The device the dry run simulates (`job.device`; "auto": CUDA), fake CUDA switched on for
+    it; a ConfigError naming `job.device` when this machine cannot fake it."""
     device = simulated_device(job_config.job.device)
     if device.type == CUDA:
         why = check_fake_cuda()
         if why is not None:
             raise ConfigError(f"{job_config.source}: 'job.device' = {job_config.job.device!r}: {why}")
         T.enable_fake_cuda()
+    return device
+
+
+def dry_run_auto(job_config: JobConfig, world_size: int) -> AutoDryRunReport:
+    """Plan, materialise and build one step of `job_config` (auto mode) on a fake world."""
+    t0 = time.time()
+    device = faked_device(job_config)
     cfg, note = simulated_job(job_config, world_size, device)
     compiled = job_config.training.compile
     with T.fake_world(world_size):

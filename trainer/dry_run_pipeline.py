@@ -16,11 +16,10 @@ from parallel.auto.plan.pipeline import PipelinePlan
 from parallel.mesh import build_mesh
 
 from .auto_pipeline import plan_pipeline
-from .config import ConfigError, JobConfig
-from .device import CUDA, check_fake_cuda, simulated_device
+from .config import JobConfig
 from .dry_run import main as recipe_main
+from .dry_run_auto import faked_device, simulated_job
 from .dry_run_auto import main as auto_main
-from .dry_run_auto import simulated_job
 from .tokenizer import tokenizer_vocab
 
 __all__ = ["dry_run_main", "dry_run_pipeline", "format_pipeline_report", "main"]
@@ -29,12 +28,7 @@ __all__ = ["dry_run_main", "dry_run_pipeline", "format_pipeline_report", "main"]
 def dry_run_pipeline(job_config: JobConfig, world_size: int) -> tuple[PipelinePlan, list[str]]:
     """(the pipeline's plan, the report's header and notes) of `job_config` on a fake world."""
     t0 = time.time()
-    device = simulated_device(job_config.job.device)
-    if device.type == CUDA:
-        why = check_fake_cuda()
-        if why is not None:
-            raise ConfigError(f"{job_config.source}: 'job.device' = {job_config.job.device!r}: {why}")
-        T.enable_fake_cuda()
+    device = faked_device(job_config)
     cfg, note = simulated_job(job_config, world_size, device)
     m = cfg.model
     vocab = m.vocab_size if m.vocab_size > 0 else tokenizer_vocab(cfg) or build_model(

@@ -105,3 +105,18 @@ def test_a_heavy_output_head_moves_blocks_to_the_first_stage(tmp_path):
 def test_what_auto_pipelines_cannot_run_is_one_config_error(extra, key, tmp_path):
     with pytest.raises(ConfigError, match=f"'parallelism.{key}' = "):
         load_config("llama3_debug", FAST + ["--job.dump_folder", str(tmp_path)] + extra, world_size=4)
+
+
+@pytest.mark.slow
+def test_the_dry_run_plans_each_kind_of_stage_once_and_checks_each_stages_memory(capsys):
+    """`train.py --dry-run` of an auto pipeline on a fake world (fake CUDA, h100): 4 stages of
+    Interleaved1F1B on pp 2, stages 1 and 2 alike (one solve), a verdict per stage."""
+    from trainer.dry_run_pipeline import dry_run_main
+
+    cfg = load_config("llama3_debug_auto", PP2 + ["--parallelism.hardware", "h100", "--parallelism.pipeline_parallel_"
+                                                 "schedule", "Interleaved1F1B", "--model.n_layers", "6"], world_size=4)
+    assert dry_run_main(cfg, 4) == 0
+    out = capsys.readouterr().out
+    assert "dry run (auto mode, pipeline)" in out and "mesh pp=2 x dp_shard=2" in out
+    assert "over 3 distinct stage plans" in out and "priced by stage 1's plan" in out, out
+    assert out.count(": fits") == 4 and "pipeline: Interleaved1F1B, 4 stages on pp = 2" in out

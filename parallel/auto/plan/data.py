@@ -34,6 +34,14 @@ from parallel.auto.trace.joint import BUFFER, GRAD_PARAM, INPUT, PARAM, NodeRole
 FORMAT_VERSION = 1
 
 
+def write_json(path: str, data: Any) -> None:
+    """`data` as JSON to `path.tmp`, then renamed: a reader never sees a half-written file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
 class PlanMismatchError(ValueError):
     """A saved plan was made for a different model, inputs or mesh."""
 
@@ -216,11 +224,8 @@ class Plan:
         return d
 
     def save(self, path: str) -> None:
-        """Write the plan as JSON (to `path.tmp`, then renamed: never half-written)."""
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
-        os.replace(tmp, path)
+        """Write the plan as JSON (never half-written: `write_json`)."""
+        write_json(path, self.to_json())
 
     @classmethod
     def from_json(cls, d: dict, source: str = "the plan") -> Plan:

@@ -18,12 +18,11 @@ Pricing (one optimizer step of ``n`` microbatches; ``v`` stages per pp rank):
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 
 from parallel.recipes.pp import fill_and_drain_us, in_flight
 
-from .data import Plan, PlanMismatchError
+from .data import Plan, PlanMismatchError, write_json
 
 __all__ = ["PipelinePlan", "StagePlan"]
 
@@ -143,11 +142,8 @@ class PipelinePlan:
                                     f"microbatches, {want[3]} stages: re-plan (unset parallelism.plan_file)")
 
     def save(self, path: str) -> None:
-        """Write the pipeline plan as JSON (``path.tmp``, then renamed: never half-written)."""
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
-        os.replace(tmp, path)
+        """Write the pipeline plan as JSON (never half-written: `write_json`)."""
+        write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path: str) -> PipelinePlan:
