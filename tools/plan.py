@@ -9,7 +9,11 @@
 global batch ([training] global_batch_size, else local_batch_size x world size; each mesh's local
 batch = global / its data degree, more micro-batches where a plan does not fit), prints them
 ranked by the predicted time of that step (meshes that cannot divide the batch or do not fit
-listed after, with the reason) and goes on with the best.
+listed after, with the reason) and goes on with the best. Pipelined meshes (pp x dp_shard x tp,
+1F1B and Interleaved1F1B, pp or 2 x pp microbatches) are searched too when the world spans nodes
+(--pipelines / --no-pipelines to choose), and TorchTitan's recipe shapes for the model (FSDP;
+70B: FSDP·TP8; 405B: FSDP8·TP8·PP8 Interleaved1F1B) are priced beside the pick (--solver mrf
+makes a big search faster).
 
 The summary gives the predicted peak memory per device (parameters, gradients, AdamW
 states, activations, transients, with the config's activation checkpointing) against the
@@ -42,6 +46,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -49,10 +54,13 @@ from models import build_model
 from parallel.auto.api import MemoryLimitError, fake_world
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.plan.html import save_diff_html, save_html
+from parallel.auto.plan.pipeline import PipelinePlan
+from parallel.auto.plan.pipeline_html import save_pipeline_html
 from parallel.auto.request import planning
-from parallel.auto.search.mesh_search import ranked_table, search_global_batch, search_meshes
+from parallel.auto.search.mesh_search import ranked_table, search_global_batch, search_with_recipes
 from parallel.auto.search.mesh_space import MeshSearchError, MeshSpec, parse_mesh
 from parallel.auto.search.point import PlanCache
+from parallel.auto.search.recipe_shapes import compare_line
 from parallel.process_exit import freezes_at_exit
 from trainer.auto_mode import base_job, plan_request
 from trainer.config import load_config
@@ -109,29 +117,36 @@ def plan_job(args: argparse.Namespace) -> tuple:
     return plan, autop
 
 
-def search_job(args: argparse.Namespace) -> Plan:
-    """--mesh auto: plan every mesh of --world-size (cached), print them ranked, return the best plan."""
+def search_job(args: argparse.Namespace) -> Plan | PipelinePlan:
+    """--mesh auto: plan every mesh of --world-size (cached) and TorchTitan's recipe shapes, print
+    the meshes ranked and the recipes beside the pick, return the best plan."""
     cfg = job_config(args)
     hardware = cfg.parallelism.planner.hardware
     if hardware == "auto":
         raise SystemExit("--mesh auto plans for a named profile: pass --hardware (e.g. h100)")
     cache = PlanCache(args.cache_dir)
+    t0 = time.perf_counter()
     try:
-        rows = search_meshes(base_job(cfg), args.world_size, hardware, workers=args.workers, cache=cache)
+        rows, recipes = search_with_recipes(base_job(cfg), args.world_size, hardware, workers=args.workers,
+                                            cache=cache, pipelines=args.pipelines)
     except MeshSearchError as e:
         raise SystemExit(f"--world-size {args.world_size}: {e}") from None
     gb = search_global_batch(base_job(cfg), args.world_size)
     print(f"meshes of {args.world_size} devices for {cfg.model.name} {cfg.model.flavor} on {hardware}, "
-          f"global batch {gb} x seq {cfg.training.seq_len}, ranked by predicted step time:")
+          f"global batch {gb} x seq {cfg.training.seq_len}, ranked by predicted step time "
+          f"(searched in {time.perf_counter() - t0:.0f} s):")
     print(ranked_table(rows))
     best = next((r for r in rows if r["rank"] == 1), None)
+    print("TorchTitan's recipe shapes, priced by the same cost model:")
+    print(compare_line(best, recipes))
     if best is None:
         raise SystemExit(f"no mesh of {args.world_size} devices fits; lower the batch, the sequence or the budget")
-    plan = cache.plan(best["key"])
+    plan = cache.pipeline_plan(best["key"]) if best.get("pipeline") else cache.plan(best["key"])
     if plan is None:
         raise SystemExit(f"the best mesh's plan is missing from the cache {cache.folder}; run again")
-    print(f"best mesh: {best['mesh']}, local batch {best['local_batch']} x {best.get('micro_batches', 1)} "
-          f"micro-batches ({best['step_ms']:.1f} ms per step predicted)")
+    how = (f"{best['pipeline']} microbatches of {best['local_batch']}" if best.get("pipeline") else
+           f"local batch {best['local_batch']} x {best.get('micro_batches', 1)} micro-batches")
+    print(f"best mesh: {best['mesh']}, {how} ({best['step_ms']:.1f} ms per step predicted)")
     return plan
 
 
@@ -169,6 +184,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --html: draw this saved plan instead of planning (no --config, --mesh)")
     ap.add_argument("--world-size", type=int, default=None, help="with --mesh auto: the number of devices")
     ap.add_argument("--workers", type=int, default=2, help="with --mesh auto: planning processes")
+    ap.add_argument("--pipelines", action=argparse.BooleanOptionalAction, default=None,
+                    help="with --mesh auto: search pipelined meshes too (default: when the world spans nodes)")
     ap.add_argument("--cache-dir", default=None, help="with --mesh auto: plan cache (default ~/.cache/autotitan/plans)")
     ap.add_argument("--axis-names", default=None, help="comma-separated mesh axis names (default dp[,tp])")
     ap.add_argument("--hardware", default=None, help="hardware profile (default: [parallelism] hardware)")
@@ -214,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryLimitError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if isinstance(plan, PipelinePlan):  # the search picked a pipeline
+        return _pipeline_out(plan, args)
     print(plan.summary())
     print(f"objective: {plan.objective_us:,.1f} µs per step ({plan.status}, {plan.solver}); "
           f"timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in plan.timings.items()))
@@ -227,6 +246,20 @@ def main(argv: list[str] | None = None) -> int:
     elif args.html:
         save_html(plan, args.html)
         print(f"plan page written to {args.html}")
+    return 0
+
+
+def _pipeline_out(plan: PipelinePlan, args: argparse.Namespace) -> int:
+    """A pipeline's plan: its summary; --out writes it (replayable by the trainer's plan_file),
+    --html its page (pipeline_plan.html and a page per stage, beside the --html path)."""
+    print(plan.summary())
+    if args.out:
+        plan.save(args.out)
+        print(f"pipeline plan written to {args.out}")
+    if args.html:
+        folder = Path(args.html).parent
+        save_pipeline_html(plan, folder)
+        print(f"pipeline page written to {folder / 'pipeline_plan.html'}")
     return 0
 
 

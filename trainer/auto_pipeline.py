@@ -33,20 +33,11 @@ from parallel.auto.plan import Plan
 from parallel.auto.plan.pipeline import PipelinePlan, StagePlan
 from parallel.auto.plan.pipeline_html import save_pipeline_html
 from parallel.auto.request import data_degree
-from parallel.auto.stages import (
-    EMBEDDING,
-    StageShape,
-    balanced_stages,
-    p2p_us,
-    pipeline_step_us,
-    stage_planning,
-    stage_submesh,
-    stage_times_us,
-    unit_times,
-)
+from parallel.auto.stage_plans import PipelineStages, faster_cut
+from parallel.auto.stages import stage_submesh
 from parallel.mesh import PP, flatten_axes
 from parallel.precision import dtype_of
-from parallel.recipes.pp import Pipeline, join_stages, pipeline_layout, split_model
+from parallel.recipes.pp import Pipeline, join_stages, pipeline_layout
 
 from .auto_mode import plan_request, solve_in_group
 from .config import JobConfig
@@ -81,7 +72,7 @@ def auto_pipeline(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, dev
         layout = dataclasses.replace(layout, stages=tuple(s.layers for s in saved.stages))
     job = _StageJob(model, mesh, job_config, layout)
     parts, plans = job.plan_and_apply(layout, saved)
-    if saved is None and not (settings.pipeline_parallel_split_points or settings.pipeline_parallel_layers_per_stage):
+    if saved is None and not _fixed_split(settings):
         gathered: list[Any] = [None] * pp_mesh.size()  # every unit's time, from the rank that planned it
         dist.all_gather_object(gathered, job.unit_times(layout, plans), group=pp_mesh.get_group())
         cut = faster_cut(layout, {u: us for part in gathered for u, us in part.items()}, job.n_layers)
@@ -101,69 +92,34 @@ def plan_pipeline(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig) -> 
     layout = pipeline_layout(len(transformer_blocks(model)), mesh[PP].size(), settings,
                              job_config.training.local_batch_size)
     job = _StageJob(model, mesh, job_config, layout)
-    plans, made_on = job.plan_distinct(layout)
-    if not (settings.pipeline_parallel_split_points or settings.pipeline_parallel_layers_per_stage):
-        cut = faster_cut(layout, job.unit_times(layout, plans, made_on), job.n_layers)
-        if cut is not None:
-            layout = dataclasses.replace(layout, stages=cut)
-            plans, made_on = job.plan_distinct(layout)
-    notes = [f"stage {i} is priced by stage {j}'s plan (as many blocks: one solve)"
-             for i, j in made_on.items() if i != j]
-    return PipelinePlan(layout.schedule, layout.pp, layout.n_microbatches,
-                        [StagePlan(i, layout.stages[i], layout.rank_of(i), plans[i]) for i in range(layout.n_stages)],
-                        p2p_us=job.p2p_us(), notes=notes)
+    return job.plan(layout, recut=not _fixed_split(settings))
 
 
-RECUT_GAIN = 0.03
-"""The share of the slowest stage's predicted time a new cut must save to be planned."""
+def _fixed_split(settings: Any) -> bool:
+    return bool(settings.pipeline_parallel_split_points or settings.pipeline_parallel_layers_per_stage)
 
 
-def _units(layout: Any, stage: int, n_layers: int) -> list[int]:
-    """A stage's units in order: the embedding (first stage), its blocks, the head (last stage)."""
-    return ([EMBEDDING] if stage == 0 else []) + list(layout.stages[stage]) + (
-        [n_layers] if stage == layout.n_stages - 1 else [])
-
-
-def faster_cut(layout: Any, times: dict[int, float], n_layers: int) -> tuple[tuple[int, ...], ...] | None:
-    """The cut by the units' predicted times (stages.balanced_stages), or None when its
-    predicted step is not faster than `layout`'s by RECUT_GAIN."""
-    unit_us = [times[u] for u in range(EMBEDDING, n_layers + 1)]
-    cut = balanced_stages(unit_us, layout.n_stages)
-    ranks = [layout.rank_of(i) for i in range(layout.n_stages)]
-    before, after = (pipeline_step_us(stage_times_us(unit_us, c), ranks, layout.pp, layout.n_microbatches)
-                     for c in (layout.stages, cut))
-    if after > (1 - RECUT_GAIN) * before:
-        return None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        logger.info("pipeline cut by the stages' predicted times: %s (step %.2f ms) instead of %s (%.2f ms)",
-                    [list(s) for s in cut], after / 1e3, [list(s) for s in layout.stages], before / 1e3)
-    return cut
-
-
-class _StageJob:
-    """What planning this rank's stages needs: the model, the mesh and its stage submesh, the
-    group that shares a plan, the request of one microbatch."""
+class _StageJob(PipelineStages):
+    """This rank's stages: the pipeline's stages of one microbatch's request, and the group
+    of ranks that shares a stage's plan."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, layout: Any) -> None:
         t = job_config.training
-        self.model, self.mesh, self.pp_mesh, self.cfg = model, mesh, mesh[PP], job_config
-        self.sub = stage_submesh(mesh)
+        sub = stage_submesh(mesh)
+        request = plan_request(job_config, sub, local_batch_size=t.local_batch_size // layout.n_microbatches,
+                               seq_len=t.seq_len)
+        super().__init__(model, mesh, request, _hidden_dtype(job_config))
+        self.cfg, self.pp_mesh = job_config, mesh[PP]
         self.group = flatten_axes(mesh, [n for n in mesh.mesh_dim_names if n != PP], STAGE_RANKS).get_group()
-        self.rows = t.local_batch_size // layout.n_microbatches
-        request = plan_request(job_config, self.sub, local_batch_size=self.rows, seq_len=t.seq_len)
-        self.request = dataclasses.replace(request, runtime=dataclasses.replace(request.runtime, micro_batches=1))
-        self.dim = model.tok_embeddings.weight.shape[1]
-        self.n_layers = len(transformer_blocks(model))
-        self.hw: Any = None
 
     def plan_and_apply(self, layout: Any, saved: PipelinePlan | None = None
                        ) -> tuple[list[nn.Module], dict[int, Plan]]:
         """This rank's stage modules of `layout`, planned (shared in the stage's group), or taken
         from `saved` (checked against the stage: model, submesh, input shapes), and applied."""
-        parts, plans, last = [], {}, layout.n_stages - 1
+        parts, plans = [], {}
         for i in layout.stages_of(self.pp_mesh.get_local_rank()):
-            part = split_model(self.model, layout.stages[i], i == 0, i == last)
-            with stage_planning(part, self.sub, self.request, self._shape(layout, i)) as autop:
+            part = self.part(layout, i)
+            with self.planner(layout, i, part) as autop:
                 if saved is not None:
                     plans[i] = saved.stages[i].plan
                     plans[i].check_compatible(model=part, mesh=self.sub, source=f"{self.cfg.parallelism.plan_file}, "
@@ -172,47 +128,7 @@ class _StageJob:
                 else:
                     plans[i] = solve_in_group(autop, self.group)
                 parts.append(autop.apply_placement(plans[i]))
-                self.hw = autop.cost_model().hw
         return parts, plans
-
-    def plan_distinct(self, layout: Any) -> tuple[dict[int, Plan], dict[int, int]]:
-        """Every stage's plan on this one process (the dry run's fake world): stages of one kind
-        (as many blocks, the first, the last or neither) are solved once, on the first of them.
-        (stage -> its kind's plan, stage -> the stage that plan was made on)."""
-        made: dict[tuple, int] = {}
-        plans, made_on, last = {}, {}, layout.n_stages - 1
-        for i, blocks in enumerate(layout.stages):
-            kind = (len(blocks), i == 0, i == last)
-            if kind not in made:  # the first of a kind holds the most microbatches (1F1B): its plan fits the others
-                made[kind] = i
-                part = split_model(self.model, blocks, i == 0, i == last)
-                with stage_planning(part, self.sub, self.request, self._shape(layout, i)) as autop:
-                    plans[i] = autop.optimize_placement(verbose=False)
-                    self.hw = autop.cost_model().hw
-            made_on[i] = made[kind]
-            plans[i] = plans[made[kind]]
-        return plans, made_on
-
-    def unit_times(self, layout: Any, plans: dict[int, Plan], made_on: dict[int, int] | None = None
-                   ) -> dict[int, float]:
-        """The predicted time of every unit of these stages (a plan made on another stage of
-        the same kind: its units' times, in order)."""
-        out: dict[int, float] = {}
-        for i, plan in plans.items():
-            j = i if made_on is None else made_on[i]
-            got = unit_times(plan, layout.stages[j], j == 0, j == layout.n_stages - 1, self.n_layers)
-            out.update(zip(_units(layout, i, self.n_layers), (got[u] for u in _units(layout, j, self.n_layers))))
-        return out
-
-    def _shape(self, layout: Any, stage: int) -> StageShape:
-        return StageShape(first=stage == 0, rows=self.rows, seq_len=self.cfg.training.seq_len, dim=self.dim,
-                          dtype=_hidden_dtype(self.cfg), microbatches_held=layout.in_flight(stage))
-
-    def p2p_us(self) -> float:
-        """One boundary's send of a microbatch's hidden state on the pp axis's link."""
-        dtype = _hidden_dtype(self.cfg)
-        nbytes = self.rows * self.cfg.training.seq_len * self.dim * torch.empty((), dtype=dtype).element_size()
-        return p2p_us(self.hw, self.mesh, nbytes)
 
 
 def _gather_plan(layout: Any, plans: dict[int, Plan], pp_mesh: DeviceMesh, p2p: float) -> PipelinePlan:

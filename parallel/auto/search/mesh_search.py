@@ -16,19 +16,23 @@ the predicted time of that same step; those that do not fit are listed after. Us
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
+from models import model_args
 from parallel.auto.cost import HardwareProfile, load_hardware
 from parallel.auto.search.mesh_space import MeshOption, MeshSpec, enumerate_meshes, rank_mesh_options
-from parallel.mesh import CP, DP_REPLICATE, DP_SHARD, TP
+from parallel.mesh import CP, DP_REPLICATE, DP_SHARD, PP, TP
 
+from .pipeline_points import PP_SCHEDULES, choices, pipeline_meshes, with_choice
 from .point import PlanCache
+from .recipe_shapes import RecipeShape, recipe_points, recipe_shapes
 from .report import markdown_table, memory_note
 from .run import Progress, run_points
 from .spec import BaseJob, Point, point_request, with_global_batch
 
-RANK_COLUMNS = ("rank", "mesh", "batch x seq", "local", "micro", "step ms", "tokens/s", "MFU", "mem GiB", "OOM",
-                "plan s", "status", "plan")
+RANK_COLUMNS = ("rank", "mesh", "pipeline", "batch x seq", "local", "micro", "step ms", "tokens/s", "MFU", "mem GiB",
+                "OOM", "plan s", "status", "plan")
 
 
 def search_global_batch(job: BaseJob, world: int) -> int:
@@ -39,19 +43,55 @@ def search_global_batch(job: BaseJob, world: int) -> int:
 
 
 def search_points(job: BaseJob, world: int, hardware: str | HardwareProfile,
-                  vocab_size: int | None = None) -> list[Point]:
+                  vocab_size: int | None = None, pipelines: bool | None = None) -> list[Point]:
     """One point per candidate mesh of ``world`` devices for the job: its whole planning
     request (planner settings, runtime, mixed precision) on ``hardware``, at the job's global
-    batch (:func:`search_global_batch`; local batch = global / the mesh's data degree)."""
+    batch (:func:`search_global_batch`; local batch = global / the mesh's data degree); with
+    `pipelines` (default: when the world spans nodes), one per pipelined mesh, schedule and
+    microbatch count too (search/pipeline_points.py)."""
     hw = load_hardware(hardware)
+    meshes = searched_meshes(world, hw.gpus_per_node, job.request.seq_len)
+    points = [with_global_batch(job_point(job, i, spec, hardware), search_global_batch(job, world))
+              for i, spec in enumerate(meshes)]
+    if pipelines if pipelines is not None else world > hw.gpus_per_node:
+        points += pipelined_points(job, world, hardware, start=len(points))
+    return [dataclasses.replace(p, vocab_size=vocab_size) for p in points]
+
+
+def job_point(job: BaseJob, index: int, spec: MeshSpec, hardware: str | HardwareProfile, preset: str = "") -> Point:
+    """The job on mesh `spec` (its whole request on `hardware`), before its batch is fixed."""
     req = job.request
     budget = req.planner.memory_budget_high if req.planner.memory_budget_high is not None else "auto"
     request = point_request(req, req.local_batch_size, req.seq_len, req.runtime.ac_mode, hardware, budget)
+    return Point(index=index, model=job.model, flavor=job.flavor, model_args=job.model_args, mesh=spec,
+                 request=request, memory_high=budget, mesh_auto=True, preset=preset)
+
+
+def pipelined_points(job: BaseJob, world: int, hardware: str | HardwareProfile, start: int = 0) -> list[Point]:
+    """A point per pipelined mesh (pipeline_points.pipeline_meshes), schedule and microbatch
+    count its data ranks' share of the global batch allows; a mesh allowing none is a row saying why."""
+    hw = load_hardware(hardware)
+    n_layers = model_args(job.model, job.flavor, **dict(job.model_args)).n_layers
     gb = search_global_batch(job, world)
-    return [with_global_batch(Point(index=i, model=job.model, flavor=job.flavor, model_args=job.model_args,
-                                    mesh=spec, request=request, memory_high=budget, vocab_size=vocab_size,
-                                    mesh_auto=True), gb)
-            for i, spec in enumerate(searched_meshes(world, hw.gpus_per_node, req.seq_len))]
+    out: list[Point] = []
+    for spec in pipeline_meshes(world, hw.gpus_per_node, n_layers):
+        point = with_global_batch(job_point(job, start + len(out), spec, hardware), gb)
+        out += pipelined(point, spec.degree(PP), n_layers, start + len(out))
+    return out
+
+
+def pipelined(point: Point, pp: int, n_layers: int, start: int) -> list[Point]:
+    """`point` (at its global batch) under every schedule and microbatch count it allows, or
+    itself rejected (its row says why)."""
+    if point.reject:
+        return [point]
+    per_rank = point.global_batch // point.data_degree
+    found = choices(pp, n_layers, per_rank)
+    if not found:
+        why = (f"not run: {per_rank} samples per data rank make no microbatch count of "
+               f"{', '.join(PP_SCHEDULES)} on {pp} pipeline ranks")
+        return [dataclasses.replace(point, reject=why)]
+    return [dataclasses.replace(with_choice(point, c, per_rank), index=start + i) for i, c in enumerate(found)]
 
 
 def searched_meshes(world: int, gpus_per_node: int, seq_len: int) -> list[MeshSpec]:
@@ -67,12 +107,12 @@ def rank_rows(points: list[Point], rows: list[dict]) -> list[dict]:
     of all micro-batches), then the dropped ones (OOM, a global batch the mesh cannot divide,
     planning failures) with ``rank`` "-" and their reason."""
     options = [MeshOption(p.mesh, r["step_ms"] * 1e3 if r.get("step_ms") is not None else None,
-                        r.get("status") == "ok", r.get("status", ""), tokens=p.global_batch * p.seq_len)
-             for p, r in zip(points, rows)]
-    by_mesh = {p.mesh: r for p, r in zip(points, rows)}
+                          r.get("status") == "ok", r.get("status", ""), tokens=p.global_batch * p.seq_len)
+               for p, r in zip(points, rows)]
+    row_of = {id(o): r for o, r in zip(options, rows)}  # one mesh may be several pipelined points
     out = []
     for i, c in enumerate(rank_mesh_options(options)):
-        r = dict(by_mesh[c.mesh])
+        r = dict(row_of[id(c)])
         r["rank"] = i + 1 if c.fits and c.step_us is not None else "-"
         out.append(r)
     return out
@@ -80,13 +120,26 @@ def rank_rows(points: list[Point], rows: list[dict]) -> list[dict]:
 
 def search_meshes(job: BaseJob, world: int, hardware: str | HardwareProfile, *, workers: int = 2,
                   cache: PlanCache | None = None, vocab_size: int | None = None,
-                  out: Callable[[str], None] | None = None) -> list[dict]:
+                  out: Callable[[str], None] | None = None, pipelines: bool | None = None) -> list[dict]:
     """Plan every candidate mesh (cached) and return the ranked rows (see :func:`rank_rows`);
-    ``out`` prints the progress lines (default: stderr)."""
-    points = search_points(job, world, hardware, vocab_size)
-    rows = run_points(points, workers=workers, cache=cache if cache is not None else PlanCache(),
-                      progress=Progress(len(points), out))
-    return rank_rows(points, rows)
+    ``out`` prints the progress lines (default: stderr); `pipelines`: see :func:`search_points`."""
+    return search_with_recipes(job, world, hardware, workers=workers, cache=cache, vocab_size=vocab_size,
+                               out=out, pipelines=pipelines, recipes=False)[0]
+
+
+def search_with_recipes(job: BaseJob, world: int, hardware: str | HardwareProfile, *, workers: int = 2,
+                        cache: PlanCache | None = None, vocab_size: int | None = None,
+                        out: Callable[[str], None] | None = None, pipelines: bool | None = None,
+                        recipes: bool = True) -> tuple[list[dict], list[tuple[RecipeShape, dict]]]:
+    """:func:`search_meshes`, and TorchTitan's recipe shapes for the job (recipe_shapes.py)
+    planned in the same run, each with its row (not ranked with the search's own candidates)."""
+    points = search_points(job, world, hardware, vocab_size, pipelines)
+    shapes = recipe_shapes(job.model, job.flavor, world) if recipes else []
+    base = dataclasses.replace(job_point(job, 0, points[0].mesh, hardware), vocab_size=vocab_size)
+    extra = recipe_points(job, world, shapes, base, search_global_batch(job, world), start=len(points))
+    rows = run_points(points + extra, workers=workers, cache=cache if cache is not None else PlanCache(),
+                      progress=Progress(len(points) + len(extra), out))
+    return rank_rows(points, rows[:len(points)]), list(zip(shapes, rows[len(points):]))
 
 
 def ranked_table(rows: list[dict]) -> str:

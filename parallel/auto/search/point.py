@@ -25,15 +25,18 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from models import build_model, model_args
+from models import build_model, model_args, transformer_blocks
 from parallel.auto.api import fake_world
 from parallel.auto.cost import load_hardware
 from parallel.auto.plan import Plan, linear_roles
+from parallel.auto.plan.pipeline import PipelinePlan
 from parallel.auto.problem.placement_problem import MemoryLimitError, PlanningError
 from parallel.auto.request import planning, request_key
-from parallel.auto.search import presets
+from parallel.auto.search import pipeline_points, presets
 from parallel.auto.search.mesh_space import uses_context_parallel
+from parallel.auto.stage_plans import PipelineStages
 from parallel.cache_dir import cache_root
+from parallel.mesh import DATA_AXES, PP, TP
 
 from .spec import Point
 
@@ -45,9 +48,17 @@ _NEIGHBOURS: dict[tuple, Plan] = {}  # this process's last plan per model and me
 NEIGHBOURS_KEPT = 16
 PRESETS: dict[str, Any] = {
     # FSDP-shaped: parameters fully sharded, gathered for every matmul; activations batch-sharded on the data axes
-    "fsdp": lambda autop, point: presets.fsdp(autop, point.mesh.data_axes()),
+    "fsdp": lambda autop: presets.fsdp(autop, _axes_of(autop, DATA_AXES)),
+    # FSDP + TP (TorchTitan's 70B / 405B shape): Megatron projections on tp, sharded on the data axes too
+    "fsdp_tp": lambda autop: presets.megatron(autop, _axes_of(autop, (TP,))[0], fsdp_other_axes=True,
+                                              data_axes=_axes_of(autop, DATA_AXES)),
 }
-"""A point's `preset` -> how it constrains the planner (parallel/auto/search/presets.py)."""
+"""A point's `preset` -> how it constrains the planner (parallel/auto/search/presets.py); it
+is applied to the planner of the point's mesh (a pipelined point: of each stage's mesh)."""
+
+
+def _axes_of(autop: Any, names: tuple[str, ...]) -> list[int]:
+    return [i for i, n in enumerate(autop.mesh.mesh_dim_names or ()) if n in names]
 
 
 def point_key(point: Point) -> str:
@@ -59,6 +70,8 @@ def point_key(point: Point) -> str:
         model["micro_batches"] = point.micro_batches
     if point.preset:  # constrained to a preset's shape (the keys of free points are unchanged)
         model["preset"] = point.preset
+    if point.pipeline is not None:  # the schedule and microbatches of a pipelined point
+        model["pipeline"] = [point.pipeline.schedule, point.pipeline.n_microbatches]
     return request_key(model, (point.mesh.shape, point.mesh.names), point.request)
 
 
@@ -105,7 +118,15 @@ class PlanCache:
         except (OSError, json.JSONDecodeError, ValueError):
             return None
 
-    def put(self, key: str, row: dict, plan: Plan | None) -> None:
+    def pipeline_plan(self, key: str) -> PipelinePlan | None:
+        """A pipelined point's plan (its stages' plans, the schedule)."""
+        try:
+            with gzip.open(self.folder / f"{key}.plan.json.gz", "rt") as f:
+                return PipelinePlan.from_json(json.load(f), source=f"cached plan {key}")
+        except (OSError, json.JSONDecodeError, ValueError):
+            return None
+
+    def put(self, key: str, row: dict, plan: Plan | PipelinePlan | None) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         if plan is not None:
             tmp = self.folder / f"{key}.plan.json.gz.tmp{os.getpid()}"
@@ -158,7 +179,16 @@ def base_row(point: Point) -> dict:
             "global_batch": point.global_batch, "local_batch": point.local_batch_size,
             "micro_batches": point.micro_batches, "seq_len": point.seq_len,
             "ac_mode": point.ac_mode, "budget": point.memory_high, "cached": False, "mesh_auto": point.mesh_auto,
-            **dict(point.model_args), **({"preset": point.preset} if point.preset else {})}
+            **dict(point.model_args), **({"preset": point.preset} if point.preset else {}),
+            **(_pipeline_columns(point) if point.pipeline is not None else {})}
+
+
+def _pipeline_columns(point: Point) -> dict:
+    """A pipelined row's columns: its schedule; "micro" counts the pipeline's microbatches."""
+    choice = point.pipeline
+    assert choice is not None
+    return {"pipeline": choice.label, "pp": point.mesh.degree(PP), "schedule": choice.schedule,
+            "micro_batches": choice.n_microbatches}
 
 
 def failure_row(point: Point, reason: str) -> dict:
@@ -166,7 +196,9 @@ def failure_row(point: Point, reason: str) -> dict:
             "mem_gib": None, "mem_kind": "", "oom": None, "summary": ""}
 
 
-def _plan_and_row(point: Point) -> tuple[Plan, dict]:
+def _plan_and_row(point: Point) -> tuple[Plan | PipelinePlan, dict]:
+    if point.pipeline is not None:
+        return _pipeline_and_row(point)
     hw = load_hardware(point.hardware)
     plan, n_params, param_bytes, budget = _plan(point, hw)
     step_s = plan.step_time_us(point.micro_batches) * 1e-6  # each micro-batch's graph, the reductions once
@@ -192,6 +224,43 @@ def _plan_and_row(point: Point) -> tuple[Plan, dict]:
     return plan, row
 
 
+def _pipeline_and_row(point: Point) -> tuple[PipelinePlan, dict]:
+    """A pipelined point: its pipeline's plan (every kind of stage planned, the recipe's cut) and row."""
+    hw = load_hardware(point.hardware)
+    kw = {"vocab_size": point.vocab_size} if point.vocab_size else {}
+    model = build_model(point.model, point.flavor, device="meta", **dict(point.model_args), **kw)
+    choice, n_layers = point.pipeline, len(transformer_blocks(model))
+    assert choice is not None
+    pp = point.mesh.degree(PP)
+    layout = pipeline_points.layout(choice.schedule, pp, n_layers, choice.n_microbatches,
+                                    point.local_batch_size * choice.n_microbatches)
+    if layout is None:
+        raise PlanningError(f"{choice.label} cannot run {pp} pipeline ranks")
+    mp = point.request.mp_policy
+    dtype = mp.param_dtype if mp is not None and mp.param_dtype is not None else torch.float32
+    constrain = PRESETS[point.preset] if point.preset else None
+    spec = point.mesh
+    with _open_mesh(spec.world, tuple(spec.shape), tuple(spec.names)) as mesh:
+        pplan = PipelineStages(model, mesh, point.request, dtype, constrain).plan(layout, recut=False)
+    step_s = pplan.step_us * 1e-6
+    tokens = point.global_batch * point.seq_len
+    tps = tokens / step_s if step_s > 0 else float("inf")
+    args = model_args(point.model, point.flavor, **dict(point.model_args))
+    fpt = float(args.flops_per_token(point.seq_len))
+    peak = hw.peak_flops(dtype) * spec.world
+    peaks = [s.peak_bytes(pplan.in_flight(s.index)) for s in pplan.stages]
+    mem = max(p for p in peaks if p is not None) if any(p is not None for p in peaks) else None
+    middle = pplan.stages[len(pplan.stages) // 2].plan
+    row = {**base_row(point), "step_ms": step_s * 1e3, "tokens_per_s": tps, "mfu": fpt * tps / peak,
+           "mem_gib": mem / 2**30 if mem is not None else None, "mem_kind": "peak" if mem is not None else "",
+           "oom": mem is not None and mem > memory_limit(hw), "bubble_ms": pplan.bubble_us / 1e3,
+           "summary": f"{choice.label} microbatches, {len(pplan.stages)} stages; a middle stage: "
+                      f"{one_line_summary(middle)}",
+           "objective_us": pplan.step_us, "solver": middle.solver, "plan_status": middle.status}
+    row["status"] = "OOM" if row["oom"] else "ok"
+    return pplan, row
+
+
 def _plan(point: Point, hw: Any) -> tuple[Plan, int, int, float | None]:
     """Plan the point on a fake world: (plan, parameters, parameter bytes, the budget used).
     ``plan.timings["trace"]`` is 0 when this process's last trace was reused."""
@@ -211,7 +280,7 @@ def _plan(point: Point, hw: Any) -> tuple[Plan, int, int, float | None]:
             if point.memory_high is None:  # "sharded": fully sharded, whatever the rule would free
                 autop.add_parameter_memory_constraint(low=point.request.planner.memory_budget_low, high=None)
             if point.preset:
-                PRESETS[point.preset](autop, point)
+                PRESETS[point.preset](autop)
             high = autop.memory_high
             nkey = neighbour_key(point)
             warm = _NEIGHBOURS.get(nkey) if _MESHES.active else None  # within one run of points only

@@ -21,7 +21,8 @@ from parallel.auto.plan.pictures.scatter import scatter_svg
 
 COLUMNS = [  # (header, row key, format)
     ("rank", "rank", "{}"), ("#", "index", "{}"), ("model", "model", "{}"), ("hw", "hardware", "{}"),
-    ("world", "world", "{}"), ("mesh", "mesh", "{}"), ("batch x seq", None, ""), ("local", "local_batch", "{}"),
+    ("world", "world", "{}"), ("mesh", "mesh", "{}"), ("pipeline", "pipeline", "{}"), ("batch x seq", None, ""),
+    ("local", "local_batch", "{}"),
     ("micro", "micro_batches", "{}"), ("AC", "ac_mode", "{}"),
     ("budget", "budget", "{:.4g}"),
     ("step ms", "step_ms", "{:,.1f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"), ("MFU", "mfu", "{:.1%}"),

@@ -34,6 +34,8 @@ from parallel.auto.request import BaseJob, PlanRequest
 from parallel.auto.search.mesh_space import MeshSearchError, MeshSpec, check_world, enumerate_meshes, parse_mesh
 from parallel.mesh import DATA_AXES
 
+from .pipeline_points import PipelineChoice
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -74,6 +76,9 @@ class Point:
     # "": the planner's free choice; a preset's name (point.PRESETS, e.g. "fsdp"): its plan constraints
     # applied, what the sweep compares its best point with
     preset: str = ""
+    # a pipelined point (mesh with a pp axis): its schedule and microbatches; the request's local
+    # batch is one microbatch of a data rank (search/pipeline_points.py)
+    pipeline: PipelineChoice | None = None
 
     @property
     def local_batch_size(self) -> int:
@@ -273,8 +278,8 @@ def with_global_batch(point: Point, global_batch: int, micro_batches: int = 1) -
 def more_micro_batches(point: Point) -> Point | None:
     """The point with the next larger number of micro-batches that divides its per-rank batch
     (a smaller local batch: less activation memory), or None when it is at one sample each."""
-    if point.global_batch_size is None or point.reject:
-        return None
+    if point.global_batch_size is None or point.reject or point.pipeline is not None:
+        return None  # a pipelined point's other microbatch counts are points of their own
     per_rank = point.global_batch_size // point.data_degree
     m = next((m for m in range(point.micro_batches + 1, per_rank + 1) if per_rank % m == 0), None)
     return None if m is None else with_global_batch(point, point.global_batch_size, m)

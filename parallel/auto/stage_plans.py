@@ -1,0 +1,166 @@
+"""A pipeline's stage plans made on one process, and the cut by their predicted times.
+
+    stages = PipelineStages(model, mesh, request, hidden_dtype)
+    pipeline_plan = stages.plan(layout)          # every kind of stage solved once, then cut
+
+What the trainer's auto pipeline (trainer/auto_pipeline.py), its dry run and the mesh search's
+pipeline points (search/pipeline_points.py) share: the stage submesh, one microbatch's request,
+the stage shapes under the schedule, every kind of stage (as many blocks; the first, the last
+or neither) solved once, each unit's predicted time (stages.unit_times) and the cut whose
+slowest stage is fastest (`faster_cut`). ``constrain`` shapes every stage's planner (a preset,
+e.g. the FSDP·TP recipe shape the mesh search prices beside its own picks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from models import transformer_blocks
+from parallel.auto.api import AutoParallel
+from parallel.auto.plan import Plan
+from parallel.auto.plan.pipeline import PipelinePlan, StagePlan
+from parallel.auto.request import PlanRequest
+from parallel.auto.stages import (
+    EMBEDDING,
+    StageShape,
+    balanced_stages,
+    p2p_us,
+    pipeline_step_us,
+    stage_planning,
+    stage_submesh,
+    stage_times_us,
+    unit_times,
+)
+from parallel.recipes.pp import PipelineLayout, split_model
+
+logger = logging.getLogger("autotitan")
+
+RECUT_GAIN = 0.03
+"""The share of the slowest stage's predicted time a new cut must save to be planned."""
+
+
+def stage_units(layout: PipelineLayout, stage: int, n_layers: int) -> list[int]:
+    """A stage's units in order: the embedding (first stage), its blocks, the head (last stage)."""
+    return ([EMBEDDING] if stage == 0 else []) + list(layout.stages[stage]) + (
+        [n_layers] if stage == layout.n_stages - 1 else [])
+
+
+def faster_cut(layout: PipelineLayout, times: dict[int, float], n_layers: int) -> tuple[tuple[int, ...], ...] | None:
+    """The cut by the units' predicted times (stages.balanced_stages), or None when its
+    predicted step is not faster than `layout`'s by RECUT_GAIN."""
+    unit_us = [times[u] for u in range(EMBEDDING, n_layers + 1)]
+    cut = balanced_stages(unit_us, layout.n_stages)
+    ranks = [layout.rank_of(i) for i in range(layout.n_stages)]
+    before, after = (pipeline_step_us(stage_times_us(unit_us, c), ranks, layout.pp, layout.n_microbatches)
+                     for c in (layout.stages, cut))
+    if after > (1 - RECUT_GAIN) * before:
+        return None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info("pipeline cut by the stages' predicted times: %s (step %.2f ms) instead of %s (%.2f ms)",
+                    [list(s) for s in cut], after / 1e3, [list(s) for s in layout.stages], before / 1e3)
+    return cut
+
+
+class PipelineStages:
+    """What planning a model's pipeline stages needs: the model, the mesh (with its ``pp``
+    axis) and the stage submesh, the request of one microbatch (``request.local_batch_size``:
+    its rows per data rank), the dtype stages hand each other, and an optional constraint set."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, request: PlanRequest, hidden_dtype: torch.dtype,
+                 constrain: Callable[[AutoParallel], None] | None = None) -> None:
+        self.model, self.mesh, self.sub = model, mesh, stage_submesh(mesh)
+        self.request = dataclasses.replace(request, runtime=dataclasses.replace(request.runtime, micro_batches=1))
+        self.hidden_dtype, self.constrain = hidden_dtype, constrain
+        self.dim = model.tok_embeddings.weight.shape[1]
+        self.n_layers = len(transformer_blocks(model))
+        self.hw: Any = None
+
+    @property
+    def rows(self) -> int:
+        return self.request.local_batch_size
+
+    def shape(self, layout: PipelineLayout, stage: int) -> StageShape:
+        return StageShape(first=stage == 0, rows=self.rows, seq_len=self.request.seq_len, dim=self.dim,
+                          dtype=self.hidden_dtype, microbatches_held=layout.in_flight(stage))
+
+    def part(self, layout: PipelineLayout, stage: int) -> nn.Module:
+        return split_model(self.model, layout.stages[stage], stage == 0, stage == layout.n_stages - 1)
+
+    def planner(self, layout: PipelineLayout, stage: int, part: nn.Module) -> Any:
+        """The entered planner of `stage` (a context manager), the constraint set applied."""
+        return _Constrained(stage_planning(part, self.sub, self.request, self.shape(layout, stage)), self)
+
+    def plan_distinct(self, layout: PipelineLayout) -> tuple[dict[int, Plan], dict[int, int]]:
+        """Every stage's plan on this one process: stages of one kind (as many blocks, the
+        first, the last or neither) are solved once, on the first of them (under 1F1B it holds
+        the most microbatches: its plan fits the others). (stage -> its kind's plan,
+        stage -> the stage that plan was made on)."""
+        made: dict[tuple, int] = {}
+        plans, made_on, last = {}, {}, layout.n_stages - 1
+        for i, blocks in enumerate(layout.stages):
+            kind = (len(blocks), i == 0, i == last)
+            if kind not in made:
+                made[kind] = i
+                with self.planner(layout, i, self.part(layout, i)) as autop:
+                    plans[i] = autop.optimize_placement(verbose=False)
+            made_on[i] = made[kind]
+            plans[i] = plans[made[kind]]
+        return plans, made_on
+
+    def unit_times(self, layout: PipelineLayout, plans: dict[int, Plan], made_on: dict[int, int] | None = None
+                   ) -> dict[int, float]:
+        """The predicted time of every unit of these stages (a plan made on another stage of
+        the same kind: its units' times, in order)."""
+        out: dict[int, float] = {}
+        for i, plan in plans.items():
+            j = i if made_on is None else made_on[i]
+            got = unit_times(plan, layout.stages[j], j == 0, j == layout.n_stages - 1, self.n_layers)
+            theirs = stage_units(layout, j, self.n_layers)
+            out.update(zip(stage_units(layout, i, self.n_layers), (got[u] for u in theirs)))
+        return out
+
+    def p2p_us(self) -> float:
+        """One boundary's send of a microbatch's hidden state on the pp axis's link."""
+        itemsize = torch.empty((), dtype=self.hidden_dtype).element_size()
+        return p2p_us(self.hw, self.mesh, self.rows * self.request.seq_len * self.dim * itemsize)
+
+    def plan(self, layout: PipelineLayout, recut: bool = True) -> PipelinePlan:
+        """The pipeline's plan: every kind of stage solved once; with `recut`, the cut by their
+        predicted unit times when it is faster (and its stages solved)."""
+        plans, made_on = self.plan_distinct(layout)
+        if recut:
+            cut = faster_cut(layout, self.unit_times(layout, plans, made_on), self.n_layers)
+            if cut is not None:
+                layout = dataclasses.replace(layout, stages=cut)
+                plans, made_on = self.plan_distinct(layout)
+        notes = [f"stage {i} is priced by stage {j}'s plan (as many blocks: one solve)"
+                 for i, j in made_on.items() if i != j]
+        stages = [StagePlan(i, layout.stages[i], layout.rank_of(i), plans[i]) for i in range(layout.n_stages)]
+        return PipelinePlan(layout.schedule, layout.pp, layout.n_microbatches, stages, p2p_us=self.p2p_us(),
+                            notes=notes)
+
+
+class _Constrained:
+    """A stage's planner context with the job's constraint set applied on entry; keeps the
+    cost model's hardware for the p2p price."""
+
+    def __init__(self, context: Any, stages: PipelineStages) -> None:
+        self.context, self.stages = context, stages
+
+    def __enter__(self) -> AutoParallel:
+        autop = self.context.__enter__()
+        if self.stages.constrain is not None:
+            self.stages.constrain(autop)
+        self.stages.hw = autop.cost_model().hw
+        return autop
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.context.__exit__(*exc)
