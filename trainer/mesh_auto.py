@@ -21,6 +21,7 @@ import torch.distributed as dist
 from parallel.auto.cost import ProfileError
 from parallel.auto.search.mesh_search import degrees_of, ranked_table, search_global_batch, search_meshes
 from parallel.auto.search.mesh_space import MeshSearchError
+from parallel.auto.search.pipeline_points import pipeline_settings
 
 from .auto_mode import base_job, planner_config
 from .config import JobConfig
@@ -56,6 +57,8 @@ def choose_mesh(cfg: JobConfig, world: int, device_type: str, vocab_size: int) -
         raise payload[0]
     chosen = payload[0]
     par = dataclasses.replace(par, mesh="", degrees=dataclasses.replace(par.degrees, **chosen["degrees"]))
+    if chosen["pipeline"]:  # a pipelined pick: its schedule and microbatch rows
+        par = dataclasses.replace(par, pipeline=dataclasses.replace(par.pipeline, **chosen["pipeline"]))
     training = dataclasses.replace(cfg.training, local_batch_size=chosen["local_batch_size"],
                                    global_batch_size=chosen["global_batch_size"])
     return dataclasses.replace(cfg, parallelism=par, training=training)
@@ -76,4 +79,6 @@ def _search_on_rank0(cfg: JobConfig, world: int, hw: Any, vocab_size: int) -> di
                            "lower the budget, the batch or the sequence, or set the degrees")
     logger.info("mesh search: building the best mesh %s (local batch %d x %d micro-batches, %.1f ms predicted per "
                 "step)", best["mesh"], best["local_batch"], best.get("micro_batches", 1), best["step_ms"])
-    return {"degrees": degrees_of(best), "local_batch_size": best["local_batch"], "global_batch_size": gb}
+    pipeline = pipeline_settings(best)  # a data rank's batch is all of its microbatches
+    local = best["local_batch"] * (best["micro_batches"] if pipeline else 1)
+    return {"degrees": degrees_of(best), "local_batch_size": local, "global_batch_size": gb, "pipeline": pipeline}

@@ -154,4 +154,4 @@ def degrees_of(row: dict) -> dict[str, int]:
     sizes = dict((n, int(s)) for n, s in (kv.split("=") for kv in row["mesh"].split(",")))
     return {"data_parallel_replicate_degree": sizes.get(DP_REPLICATE, 1),
             "data_parallel_shard_degree": sizes.get(DP_SHARD, 1), "tensor_parallel_degree": sizes.get(TP, 1),
-            "context_parallel_degree": sizes.get(CP, 1)}
+            "context_parallel_degree": sizes.get(CP, 1), "pipeline_parallel_degree": sizes.get(PP, 1)}

@@ -94,12 +94,12 @@ def layout(schedule: str, pp: int, n_layers: int, n_microbatches: int, per_rank:
         return None
 
 
-def pipeline_degrees(row: dict) -> dict:
-    """The `[parallelism]` pipeline keys of a pipelined row (empty for a row without pp)."""
+def pipeline_settings(row: dict) -> dict:
+    """The `[parallelism]` pipeline keys of a pipelined row's schedule and microbatch rows
+    (empty for a row without pp)."""
     if not row.get("pipeline"):
         return {}
-    return {"pipeline_parallel_degree": int(row["pp"]), "pipeline_parallel_schedule": row["schedule"],
-            "pipeline_parallel_microbatch_size": int(row["local_batch"])}
+    return {"pipeline_parallel_schedule": row["schedule"], "pipeline_parallel_microbatch_size": int(row["local_batch"])}
 
 
 def with_choice(point: Point, choice: PipelineChoice, per_rank: int) -> Point:

@@ -1,0 +1,104 @@
+"""The mesh search with pipelines: pipelined candidates at the job's global batch, priced by their
+stage plans and ranked with the rest; TorchTitan's recipe shapes priced beside the pick.
+
+Planning tests use a two-layer LLaMA of width 64 on a fake world of 4 ranks (h100 profile),
+in-process (workers=1).
+"""
+
+import pytest
+
+from parallel.auto.plan.pipeline_html import simulated_step_us
+from parallel.auto.search.mesh_search import degrees_of, search_points, search_with_recipes
+from parallel.auto.search.pipeline_points import pipeline_meshes, pipeline_settings
+from parallel.auto.search.point import PlanCache
+from parallel.auto.search.recipe_shapes import compare_line, recipe_shapes
+from trainer.auto_mode import base_job
+from trainer.config import load_config
+
+JOB = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+       "--model.ffn_hidden_dim", "128", "--model.vocab_size", "256", "--training.seq_len", "32",
+       "--training.local_batch_size", "2", "--training.global_batch_size", "8"]
+
+
+def _job():
+    return base_job(load_config("llama3_debug_auto", JOB, validate=False))
+
+
+def test_pipelined_candidates_split_the_global_batch():
+    points = search_points(_job(), 4, "h100", pipelines=True)
+    piped = [p for p in points if p.pipeline is not None]
+    assert {p.mesh.label for p in piped} == {"pp=2,dp_shard=2", "pp=2,tp=2"}  # 2 blocks + 2 units: at most pp 2
+    assert {p.pipeline.schedule for p in piped} == {"1F1B", "Interleaved1F1B"}
+    for p in piped:  # every data rank's share of the global batch, cut into the microbatches
+        assert p.local_batch_size * p.pipeline.n_microbatches * p.data_degree == 8
+        assert p.pipeline.n_microbatches in (2, 4) and p.micro_batches == 1 and not p.reject
+    assert len({p.index for p in points}) == len(points)
+    # by default pipelines are searched only where the world spans nodes (h100: 8 a node)
+    assert not any(p.pipeline for p in search_points(_job(), 4, "h100"))
+
+
+def test_pipeline_meshes_keep_tp_in_a_node_and_two_units_a_stage():
+    labels = [s.label for s in pipeline_meshes(512, 8, 126)]
+    assert "pp=8,dp_shard=8,tp=8" in labels and "pp=16,dp_shard=4,tp=8" in labels and "pp=2,dp_shard=256" in labels
+    for s in pipeline_meshes(512, 8, 126):
+        assert s.names[0] == "pp" and s.world == 512 and s.degree("tp") <= 8 and "cp" not in s.names
+    assert {s.degree("pp") for s in pipeline_meshes(512, 8, 6)} == {2, 4}  # 8 units: at most 4 stages of two
+
+
+def test_recipe_shapes_as_torchtitan_publishes_them():
+    def shapes(flavor, world):
+        return [(r.name, r.mesh.label, r.preset, r.schedule) for r in recipe_shapes("llama3", flavor, world)]
+
+    assert shapes("405B", 512) == [
+        ("FSDP", "dp_shard=512", "fsdp", ""), ("FSDP·TP8", "dp_shard=64,tp=8", "fsdp_tp", ""),
+        ("FSDP8·TP8·PP8 Interleaved1F1B", "pp=8,dp_shard=8,tp=8", "fsdp_tp", "Interleaved1F1B")]
+    assert shapes("70B", 64) == [("FSDP", "dp_shard=64", "fsdp", ""), ("FSDP·TP8", "dp_shard=8,tp=8", "fsdp_tp", "")]
+    assert shapes("8B", 64) == [("FSDP", "dp_shard=64", "fsdp", "")]
+
+
+def test_a_pipelined_pick_sets_the_pipeline_keys():
+    row = {"mesh": "pp=4,dp_shard=8,tp=8", "pipeline": "Interleaved1F1B x8", "schedule": "Interleaved1F1B",
+           "local_batch": 2, "micro_batches": 8}
+    assert degrees_of(row) == {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": 8,
+                               "tensor_parallel_degree": 8, "context_parallel_degree": 1, "pipeline_parallel_degree": 4}
+    assert pipeline_settings(row) == {"pipeline_parallel_schedule": "Interleaved1F1B",
+                                      "pipeline_parallel_microbatch_size": 2}
+    assert pipeline_settings({"mesh": "dp_shard=4"}) == {}
+
+
+@pytest.mark.slow  # plans 14 meshes and 8 pipelined points of a 2-layer model, and the FSDP recipe shape
+def test_the_search_prices_pipelines_with_the_rest(tmp_path):
+    cache = PlanCache(tmp_path / "cache")
+    rows, recipes = search_with_recipes(_job(), 4, "h100", workers=1, cache=cache, pipelines=True,
+                                        out=lambda s: None)
+    ranked = [r for r in rows if r["rank"] != "-"]
+    assert [r["rank"] for r in ranked] == list(range(1, len(ranked) + 1))
+    steps = [r["step_ms"] for r in ranked]
+    assert steps == sorted(steps)  # one global batch for all: ranked by the step
+    piped = [r for r in ranked if r.get("pipeline")]
+    assert len(piped) == 8 and len(ranked) > len(piped)  # planned and ranked with the meshes without pp
+    for r in piped:
+        plan = cache.pipeline_plan(r["key"])
+        assert plan is not None and plan.schedule == r["schedule"] and plan.n_microbatches == r["micro_batches"]
+        assert r["step_ms"] * 1e3 == pytest.approx(plan.step_us)
+        assert len(plan.stages) == (2 if r["schedule"] == "1F1B" else 4)
+        # the price holds the schedule's bubble: a simulation of 1F1B (an independent walk of the
+        # microbatches through the stages; looped schedules are not simulated) never takes longer
+        simulated = simulated_step_us(plan)
+        if r["schedule"] == "1F1B":
+            assert simulated is not None and 0 < simulated <= plan.step_us * (1 + 1e-9)
+        assert r["bubble_ms"] > 0
+    # more microbatches of the same mesh and schedule: a smaller bubble each
+    by = {(r["mesh"], r["schedule"], r["micro_batches"]): r for r in piped}
+    for (mesh, schedule, n), r in by.items():
+        if n == 4:
+            assert r["bubble_ms"] < by[(mesh, schedule, 2)]["bubble_ms"]
+    # the recipe shape (FSDP on dp_shard=4) is planned under its preset: every block weight FSDP-gathered
+    (shape, row), = recipes
+    assert shape.name == "FSDP" and row["status"] == "ok" and row["preset"] == "fsdp"
+    assert "dp_shard: FSDP (all-gather)" in row["summary"] and "data parallel" not in row["summary"]
+    best = next(r for r in rows if r["rank"] == 1)
+    assert f"{row['step_ms'] / best['step_ms']:.2f}x faster" in compare_line(best, recipes)
+    # the free plan of the same mesh may choose the recipe's placements: it is never predicted slower
+    free = next(r for r in rows if r["mesh"] == "dp_shard=4")
+    assert free["step_ms"] <= row["step_ms"] * (1 + 1e-6)
