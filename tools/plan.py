@@ -12,8 +12,10 @@ ranked by the predicted time of that step (meshes that cannot divide the batch o
 listed after, with the reason) and goes on with the best. Pipelined meshes (pp x dp_shard x tp,
 1F1B and Interleaved1F1B, pp or 2 x pp microbatches) are searched too when the world spans nodes
 (--pipelines / --no-pipelines to choose), and TorchTitan's recipe shapes for the model (FSDP;
-70B: FSDP·TP8; 405B: FSDP8·TP8·PP8 Interleaved1F1B) are priced beside the pick (--solver mrf
-makes a big search faster).
+70B: FSDP·TP8; 405B: FSDP8·TP8·PP8 Interleaved1F1B) are priced beside the pick. From 64 devices
+(--screen / --no-screen) every candidate is screened with a cheaper request of the same cost model
+and the --verify best, with the recipe shapes, are planned with the job's whole request
+(parallel/auto/search/screen.py); the pick is the fastest of those.
 
 The summary gives the predicted peak memory per device (parameters, gradients, AdamW
 states, activations, transients, with the config's activation checkpointing) against the
@@ -127,18 +129,24 @@ def search_job(args: argparse.Namespace) -> Plan | PipelinePlan:
     cache = PlanCache(args.cache_dir)
     t0 = time.perf_counter()
     try:
-        rows, recipes = search_with_recipes(base_job(cfg), args.world_size, hardware, workers=args.workers,
-                                            cache=cache, pipelines=args.pipelines)
+        found = search_with_recipes(base_job(cfg), args.world_size, hardware, workers=args.workers, cache=cache,
+                                    pipelines=args.pipelines, screen=args.screen, verify=args.verify)
     except MeshSearchError as e:
         raise SystemExit(f"--world-size {args.world_size}: {e}") from None
     gb = search_global_batch(base_job(cfg), args.world_size)
+    how = "screened (search/screen.py: MRF, recomputation fixed, model states only)" if found.screened else "planned"
     print(f"meshes of {args.world_size} devices for {cfg.model.name} {cfg.model.flavor} on {hardware}, "
-          f"global batch {gb} x seq {cfg.training.seq_len}, ranked by predicted step time "
+          f"global batch {gb} x seq {cfg.training.seq_len}, {how}, ranked by predicted step time "
           f"(searched in {time.perf_counter() - t0:.0f} s):")
-    print(ranked_table(rows))
-    best = next((r for r in rows if r["rank"] == 1), None)
-    print("TorchTitan's recipe shapes, priced by the same cost model:")
-    print(compare_line(best, recipes))
+    print(ranked_table(found.rows))
+    print("TorchTitan's recipe shapes, priced the same way:")
+    print(compare_line(next((r for r in found.rows if r["rank"] == 1), None), found.recipes))
+    if found.screened and (found.verified or found.verified_recipes):
+        print("the screen's leaders planned with the job's whole request (what the trainer plans):")
+        print(ranked_table(found.verified))
+        print("TorchTitan's recipe shapes planned the same way:")
+        print(compare_line(found.best, found.verified_recipes))
+    best = found.best
     if best is None:
         raise SystemExit(f"no mesh of {args.world_size} devices fits; lower the batch, the sequence or the budget")
     plan = cache.pipeline_plan(best["key"]) if best.get("pipeline") else cache.plan(best["key"])
@@ -186,6 +194,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers", type=int, default=2, help="with --mesh auto: planning processes")
     ap.add_argument("--pipelines", action=argparse.BooleanOptionalAction, default=None,
                     help="with --mesh auto: search pipelined meshes too (default: when the world spans nodes)")
+    ap.add_argument("--screen", action=argparse.BooleanOptionalAction, default=None,
+                    help="with --mesh auto: screen every candidate cheaply, plan the leaders in full (default: "
+                         "from 64 devices)")
+    ap.add_argument("--verify", type=int, default=3, help="with --mesh auto --screen: leaders planned in full")
     ap.add_argument("--cache-dir", default=None, help="with --mesh auto: plan cache (default ~/.cache/autotitan/plans)")
     ap.add_argument("--axis-names", default=None, help="comma-separated mesh axis names (default dp[,tp])")
     ap.add_argument("--hardware", default=None, help="hardware profile (default: [parallelism] hardware)")

@@ -82,6 +82,7 @@ class PipelineStages:
         self.dim = model.tok_embeddings.weight.shape[1]
         self.n_layers = len(transformer_blocks(model))
         self.hw: Any = None
+        self.solved: dict[tuple, Plan] = {}  # kind and microbatches held -> its plan (a recut reuses them)
 
     @property
     def rows(self) -> int:
@@ -109,8 +110,11 @@ class PipelineStages:
             kind = (len(blocks), i == 0, i == last)
             if kind not in made:
                 made[kind] = i
-                with self.planner(layout, i, self.part(layout, i)) as autop:
-                    plans[i] = autop.optimize_placement(verbose=False)
+                solved = (*kind, layout.in_flight(i))  # a cut planned before may have solved it
+                if solved not in self.solved:
+                    with self.planner(layout, i, self.part(layout, i)) as autop:
+                        self.solved[solved] = autop.optimize_placement(verbose=False)
+                plans[i] = self.solved[solved]
             made_on[i] = made[kind]
             plans[i] = plans[made[kind]]
         return plans, made_on

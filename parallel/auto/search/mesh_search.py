@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from models import model_args
 from parallel.auto.cost import HardwareProfile, load_hardware
@@ -29,6 +30,7 @@ from .point import PlanCache
 from .recipe_shapes import RecipeShape, recipe_points, recipe_shapes
 from .report import markdown_table, memory_note
 from .run import Progress, run_points
+from .screen import SCREEN_FROM_WORLD, VERIFY, leaders, screened
 from .spec import BaseJob, Point, point_request, with_global_batch
 
 RANK_COLUMNS = ("rank", "mesh", "pipeline", "batch x seq", "local", "micro", "step ms", "tokens/s", "MFU", "mem GiB",
@@ -122,24 +124,55 @@ def search_meshes(job: BaseJob, world: int, hardware: str | HardwareProfile, *, 
                   cache: PlanCache | None = None, vocab_size: int | None = None,
                   out: Callable[[str], None] | None = None, pipelines: bool | None = None) -> list[dict]:
     """Plan every candidate mesh (cached) and return the ranked rows (see :func:`rank_rows`);
-    ``out`` prints the progress lines (default: stderr); `pipelines`: see :func:`search_points`."""
+    ``out`` prints the progress lines (default: stderr); `pipelines`: see :func:`search_points`.
+    A world of SCREEN_FROM_WORLD devices or more is ranked by the screen (search/screen.py)."""
     return search_with_recipes(job, world, hardware, workers=workers, cache=cache, vocab_size=vocab_size,
-                               out=out, pipelines=pipelines, recipes=False)[0]
+                               out=out, pipelines=pipelines, recipes=False, verify=0).rows
+
+
+@dataclass
+class SearchResult:
+    """The ranked candidates (screened, or planned in full), TorchTitan's recipe shapes priced the
+    same way, and where the search screened: its leaders and the recipe shapes planned in full."""
+
+    rows: list[dict]
+    recipes: list[tuple[RecipeShape, dict]]
+    screened: bool = False
+    verified: list[dict] = field(default_factory=list)  # ranked by their full plans' step
+    verified_recipes: list[tuple[RecipeShape, dict]] = field(default_factory=list)
+
+    @property
+    def best(self) -> dict | None:
+        """The pick: the fastest fitting full plan (the verified leaders' where screened and
+        verified; the screen's first where it screened alone)."""
+        rows = self.verified if self.verified else self.rows
+        return next((r for r in rows if r["rank"] == 1), None)
 
 
 def search_with_recipes(job: BaseJob, world: int, hardware: str | HardwareProfile, *, workers: int = 2,
                         cache: PlanCache | None = None, vocab_size: int | None = None,
                         out: Callable[[str], None] | None = None, pipelines: bool | None = None,
-                        recipes: bool = True) -> tuple[list[dict], list[tuple[RecipeShape, dict]]]:
+                        recipes: bool = True, screen: bool | None = None, verify: int = VERIFY) -> SearchResult:
     """:func:`search_meshes`, and TorchTitan's recipe shapes for the job (recipe_shapes.py)
-    planned in the same run, each with its row (not ranked with the search's own candidates)."""
+    planned in the same run (not ranked with the search's own candidates). `screen` (default:
+    from SCREEN_FROM_WORLD devices) screens every candidate, then plans the `verify` best and
+    the recipe shapes with the job's whole request (search/screen.py; `verify` 0: the screen alone)."""
+    cache = cache if cache is not None else PlanCache()
     points = search_points(job, world, hardware, vocab_size, pipelines)
     shapes = recipe_shapes(job.model, job.flavor, world) if recipes else []
     base = dataclasses.replace(job_point(job, 0, points[0].mesh, hardware), vocab_size=vocab_size)
     extra = recipe_points(job, world, shapes, base, search_global_batch(job, world), start=len(points))
-    rows = run_points(points + extra, workers=workers, cache=cache if cache is not None else PlanCache(),
-                      progress=Progress(len(points) + len(extra), out))
-    return rank_rows(points, rows[:len(points)]), list(zip(shapes, rows[len(points):]))
+    screen = screen if screen is not None else world >= SCREEN_FROM_WORLD
+    first = [screened(p) for p in points + extra] if screen else points + extra
+    rows = run_points(first, workers=workers, cache=cache, progress=Progress(len(first), out))
+    n = len(points)
+    result = SearchResult(rank_rows(first[:n], rows[:n]), list(zip(shapes, rows[n:])), screen)
+    if screen and verify:
+        top = leaders(points, result.rows, verify)
+        full = run_points(top + extra, workers=workers, cache=cache, progress=Progress(len(top) + len(extra), out))
+        result.verified = rank_rows(top, full[:len(top)])
+        result.verified_recipes = list(zip(shapes, full[len(top):]))
+    return result
 
 
 def ranked_table(rows: list[dict]) -> str:

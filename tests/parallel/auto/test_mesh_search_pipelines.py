@@ -5,6 +5,8 @@ Planning tests use a two-layer LLaMA of width 64 on a fake world of 4 ranks (h10
 in-process (workers=1).
 """
 
+import dataclasses
+
 import pytest
 
 from parallel.auto.plan.pipeline_html import simulated_step_us
@@ -12,6 +14,7 @@ from parallel.auto.search.mesh_search import degrees_of, search_points, search_w
 from parallel.auto.search.pipeline_points import pipeline_meshes, pipeline_settings
 from parallel.auto.search.point import PlanCache
 from parallel.auto.search.recipe_shapes import compare_line, recipe_shapes
+from parallel.auto.search.screen import screen_request
 from trainer.auto_mode import base_job
 from trainer.config import load_config
 
@@ -69,8 +72,9 @@ def test_a_pipelined_pick_sets_the_pipeline_keys():
 @pytest.mark.slow  # plans 14 meshes and 8 pipelined points of a 2-layer model, and the FSDP recipe shape
 def test_the_search_prices_pipelines_with_the_rest(tmp_path):
     cache = PlanCache(tmp_path / "cache")
-    rows, recipes = search_with_recipes(_job(), 4, "h100", workers=1, cache=cache, pipelines=True,
-                                        out=lambda s: None)
+    found = search_with_recipes(_job(), 4, "h100", workers=1, cache=cache, pipelines=True, out=lambda s: None)
+    rows, recipes = found.rows, found.recipes
+    assert not found.screened and found.best is rows[0]  # 4 devices: planned in full, no screen
     ranked = [r for r in rows if r["rank"] != "-"]
     assert [r["rank"] for r in ranked] == list(range(1, len(ranked) + 1))
     steps = [r["step_ms"] for r in ranked]
@@ -102,3 +106,16 @@ def test_the_search_prices_pipelines_with_the_rest(tmp_path):
     # the free plan of the same mesh may choose the recipe's placements: it is never predicted slower
     free = next(r for r in rows if r["mesh"] == "dp_shard=4")
     assert free["step_ms"] <= row["step_ms"] * (1 + 1e-6)
+
+
+def test_the_screen_is_a_cheaper_request_of_the_same_cost_model():
+    job = _job()
+    fast = screen_request(job.request)
+    assert job.request.planner.memory_estimate and job.request.runtime.ac_mode == "auto"
+    assert fast.planner.solver == "mrf" and not fast.planner.memory_estimate and fast.runtime.ac_mode == "full"
+    # what prices a plan is unchanged: hardware, shapes, precision, the rest of the runtime
+    assert fast.planner.hardware == job.request.planner.hardware and fast.mp_policy == job.request.mp_policy
+    assert (fast.local_batch_size, fast.seq_len) == (job.request.local_batch_size, job.request.seq_len)
+    assert fast.runtime.overlap == job.request.runtime.overlap
+    exact = job.request.planner.replace(solver="ilp")  # a solver the job names is kept
+    assert screen_request(dataclasses.replace(job.request, planner=exact)).planner.solver == "ilp"
