@@ -30,7 +30,7 @@ from .point import PlanCache
 from .recipe_shapes import RecipeShape, recipe_points, recipe_shapes
 from .report import markdown_table, memory_note
 from .run import Progress, run_points
-from .screen import SCREEN_FROM_WORLD, VERIFY, leaders, screened
+from .screen import SCREEN_FROM_WORLD, VERIFY, fsdp_parent, leaders, refinements, screened, unrefined_row
 from .spec import BaseJob, Point, point_request, with_global_batch
 
 RANK_COLUMNS = ("rank", "mesh", "pipeline", "batch x seq", "local", "micro", "step ms", "tokens/s", "MFU", "mem GiB",
@@ -163,16 +163,37 @@ def search_with_recipes(job: BaseJob, world: int, hardware: str | HardwareProfil
     base = dataclasses.replace(job_point(job, 0, points[0].mesh, hardware), vocab_size=vocab_size)
     extra = recipe_points(job, world, shapes, base, search_global_batch(job, world), start=len(points))
     screen = screen if screen is not None else world >= SCREEN_FROM_WORLD
-    first = [screened(p) for p in points + extra] if screen else points + extra
-    rows = run_points(first, workers=workers, cache=cache, progress=Progress(len(first), out))
-    n = len(points)
-    result = SearchResult(rank_rows(first[:n], rows[:n]), list(zip(shapes, rows[n:])), screen)
+    if screen:
+        points = [screened(p) for p in points]
+        extra = [screened(p) for p in extra]
+    rows, recipe_rows = _plan_candidates(points, extra, screen, workers, cache, out)
+    result = SearchResult(rank_rows(points, rows), list(zip(shapes, recipe_rows)), screen)
     if screen and verify:
-        top = leaders(points, result.rows, verify)
+        full = {p.index: p for p in search_points(job, world, hardware, vocab_size, pipelines)}
+        extra = recipe_points(job, world, shapes, base, search_global_batch(job, world), start=len(full))
+        top = [full[p.index] for p in leaders(points, result.rows, verify)]
         full = run_points(top + extra, workers=workers, cache=cache, progress=Progress(len(top) + len(extra), out))
         result.verified = rank_rows(top, full[:len(top)])
         result.verified_recipes = list(zip(shapes, full[len(top):]))
     return result
+
+
+def _plan_candidates(points: list[Point], extra: list[Point], screen: bool, workers: int, cache: PlanCache,
+                     out: Callable[[str], None] | None) -> tuple[list[dict], list[dict]]:
+    """The rows of `points` and of `extra` (the recipe shapes). Screened: the HSDP meshes only
+    as refinements of the leaders of the others (screen.refinements)."""
+    later = [p for p in points if screen and fsdp_parent(p.mesh) is not None]
+    first = [p for p in points if p not in later]
+    progress = Progress(len(first) + len(extra), out)
+    rows = run_points(first + extra, workers=workers, cache=cache, progress=progress)
+    by_index = {p.index: r for p, r in zip(first, rows)}
+    if later:
+        chosen, skipped = refinements(later, rank_rows(first, rows[:len(first)]))
+        progress.total += len(chosen)
+        by_index.update(zip((p.index for p in chosen), run_points(chosen, workers=workers, cache=cache,
+                                                                   progress=progress)))
+        by_index.update((p.index, unrefined_row(p)) for p in skipped)
+    return [by_index[p.index] for p in points], rows[len(first):]
 
 
 def ranked_table(rows: list[dict]) -> str:

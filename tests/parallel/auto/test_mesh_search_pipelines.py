@@ -11,10 +11,11 @@ import pytest
 
 from parallel.auto.plan.pipeline_html import simulated_step_us
 from parallel.auto.search.mesh_search import degrees_of, search_points, search_with_recipes
+from parallel.auto.search.mesh_space import parse_mesh
 from parallel.auto.search.pipeline_points import pipeline_meshes, pipeline_settings
 from parallel.auto.search.point import PlanCache
 from parallel.auto.search.recipe_shapes import compare_line, recipe_shapes
-from parallel.auto.search.screen import screen_request
+from parallel.auto.search.screen import REFINE_TOP, fsdp_parent, screen_request
 from trainer.auto_mode import base_job
 from trainer.config import load_config
 
@@ -119,3 +120,26 @@ def test_the_screen_is_a_cheaper_request_of_the_same_cost_model():
     assert fast.runtime.overlap == job.request.runtime.overlap
     exact = job.request.planner.replace(solver="ilp")  # a solver the job names is kept
     assert screen_request(dataclasses.replace(job.request, planner=exact)).planner.solver == "ilp"
+
+
+@pytest.mark.slow  # screens the meshes of 8 devices (4 of them HSDP) and plans the 2 leaders in full
+def test_a_screened_search_plans_its_leaders_in_full(tmp_path):
+    found = search_with_recipes(_job(), 8, "h100", workers=1, cache=PlanCache(tmp_path / "cache"), pipelines=False,
+                                screen=True, verify=2, out=lambda s: None)
+    assert found.screened
+    screened = {r["mesh"]: r for r in found.rows}
+    assert {r["ac_mode"] for r in found.rows} == {"full"}  # the job's "auto" fixed for the screen
+    # HSDP meshes are screened only where their FSDP parent is among the first: the rest say so
+    hsdp = [r for m, r in screened.items() if "dp_replicate" in m]
+    skipped = [r for r in hsdp if r["status"].startswith("not screened")]
+    top = [r["mesh"] for r in found.rows if r["rank"] != "-" and "dp_replicate" not in r["mesh"]][:REFINE_TOP]
+    for r in hsdp:
+        parent = fsdp_parent(parse_mesh(r["mesh"])).label
+        assert (r in skipped) == (parent not in top), (r["mesh"], parent, top)
+    # the two leaders are planned again with the job's whole request: its recomputation choice, its estimate
+    leaders = [r["mesh"] for r in found.rows if r["rank"] != "-"][:2]
+    assert sorted(r["mesh"] for r in found.verified) == sorted(leaders)
+    assert {r["ac_mode"] for r in found.verified} == {"auto"} and {r["mem_kind"] for r in found.verified} == {"peak"}
+    assert found.best is found.verified[0] and found.best["rank"] == 1
+    (shape, full), = found.verified_recipes
+    assert shape.name == "FSDP" and full["ac_mode"] == "auto" and full["status"] == "ok"
