@@ -27,7 +27,7 @@ from models import transformer_blocks
 from parallel.auto.api import AutoParallel
 from parallel.auto.plan import Plan
 from parallel.auto.plan.pipeline import PipelinePlan, StagePlan
-from parallel.auto.request import PlanRequest
+from parallel.auto.request import PlanRequest, data_degree
 from parallel.auto.stages import (
     EMBEDDING,
     StageShape,
@@ -75,7 +75,7 @@ class PipelineStages:
     its rows per data rank), the dtype stages hand each other, and an optional constraint set."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, request: PlanRequest, hidden_dtype: torch.dtype,
-                 constrain: Callable[[AutoParallel], None] | None = None) -> None:
+                 constrain: Callable[[AutoParallel], None] | None = None, traces: dict | None = None) -> None:
         self.model, self.mesh, self.sub = model, mesh, stage_submesh(mesh)
         self.request = dataclasses.replace(request, runtime=dataclasses.replace(request.runtime, micro_batches=1))
         self.hidden_dtype, self.constrain = hidden_dtype, constrain
@@ -83,6 +83,8 @@ class PipelineStages:
         self.n_layers = len(transformer_blocks(model))
         self.hw: Any = None
         self.solved: dict[tuple, Plan] = {}  # kind and microbatches held -> its plan (a recut reuses them)
+        # stage -> (module, joint graph) by trace_key: a caller's dict shares them between pipelines
+        self.traces: dict[tuple, tuple[nn.Module, Any]] = traces if traces is not None else {}
 
     @property
     def rows(self) -> int:
@@ -95,9 +97,15 @@ class PipelineStages:
     def part(self, layout: PipelineLayout, stage: int) -> nn.Module:
         return split_model(self.model, layout.stages[stage], stage == 0, stage == layout.n_stages - 1)
 
-    def planner(self, layout: PipelineLayout, stage: int, part: nn.Module) -> Any:
+    def planner(self, layout: PipelineLayout, stage: int, part: nn.Module, graph: Any = None) -> Any:
         """The entered planner of `stage` (a context manager), the constraint set applied."""
-        return _Constrained(stage_planning(part, self.sub, self.request, self.shape(layout, stage)), self)
+        return _Constrained(stage_planning(part, self.sub, self.request, self.shape(layout, stage), graph), self)
+
+    def trace_key(self, layout: PipelineLayout, stage: int) -> tuple:
+        """What a stage's joint graph depends on: its blocks, the embedding or the head, its global
+        input (one microbatch of every data rank), the dtype it takes; not the submesh."""
+        return (tuple(layout.stages[stage]), stage == 0, stage == layout.n_stages - 1,
+                self.rows * data_degree(self.sub), self.request.seq_len, self.hidden_dtype)
 
     def plan_distinct(self, layout: PipelineLayout) -> tuple[dict[int, Plan], dict[int, int]]:
         """Every stage's plan on this one process: stages of one kind (as many blocks, the
@@ -112,8 +120,11 @@ class PipelineStages:
                 made[kind] = i
                 solved = (*kind, layout.in_flight(i))  # a cut planned before may have solved it
                 if solved not in self.solved:
-                    with self.planner(layout, i, self.part(layout, i)) as autop:
+                    key = self.trace_key(layout, i)
+                    part, graph = self.traces.get(key) or (self.part(layout, i), None)
+                    with self.planner(layout, i, part, graph) as autop:
                         self.solved[solved] = autop.optimize_placement(verbose=False)
+                        _keep(self.traces, key, (part, autop.graph))
                 plans[i] = self.solved[solved]
             made_on[i] = made[kind]
             plans[i] = plans[made[kind]]
@@ -150,6 +161,17 @@ class PipelineStages:
         stages = [StagePlan(i, layout.stages[i], layout.rank_of(i), plans[i]) for i in range(layout.n_stages)]
         return PipelinePlan(layout.schedule, layout.pp, layout.n_microbatches, stages, p2p_us=self.p2p_us(),
                             notes=notes)
+
+
+TRACES_KEPT = 6
+"""Stage traces a shared dict keeps (a 405B stage's graph is some 100 MB)."""
+
+
+def _keep(traces: dict, key: tuple, value: tuple) -> None:
+    traces.pop(key, None)
+    while len(traces) >= TRACES_KEPT:
+        traces.pop(next(iter(traces)))
+    traces[key] = value
 
 
 class _Constrained:

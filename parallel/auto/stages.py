@@ -94,16 +94,17 @@ class StagePlanner(AutoParallel):
 
 
 @contextmanager
-def stage_planning(part: nn.Module, sub: DeviceMesh, request: PlanRequest, shape: StageShape
-                   ) -> Iterator[AutoParallel]:
+def stage_planning(part: nn.Module, sub: DeviceMesh, request: PlanRequest, shape: StageShape,
+                   graph: Any = None) -> Iterator[AutoParallel]:
     """The entered planner of one stage on ``sub``: its input, output and the output's
-    gradient pinned to the data placement; the parameter budget as ``request.planning`` sets it."""
+    gradient pinned to the data placement; the parameter budget as ``request.planning`` sets it.
+    `graph`: the stage's joint graph traced earlier for these global inputs (on any submesh)."""
     planner = resolve_planner(request.planner, math.prod(sub.shape), getattr(sub, "device_type", None))
     pl = data_placements(sub)
     with collector_paused(), StagePlanner(part, stage_inputs(shape, sub), sub, planner=planner,
                                           runtime=request.runtime, mp_policy=request.mp_policy,
                                           regions=planner_regions(part, cp=False),
-                                          microbatches_held=shape.microbatches_held) as autop:
+                                          microbatches_held=shape.microbatches_held, graph=graph) as autop:
         autop.add_input_constraints([pl])
         autop.add_output_constraints([pl])
         for _, tangent in autop.graph.output_tangents:  # the gradient the schedule hands in: as the output

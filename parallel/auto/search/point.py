@@ -227,8 +227,7 @@ def _plan_and_row(point: Point) -> tuple[Plan | PipelinePlan, dict]:
 def _pipeline_and_row(point: Point) -> tuple[PipelinePlan, dict]:
     """A pipelined point: its pipeline's plan (every kind of stage planned, the recipe's cut) and row."""
     hw = load_hardware(point.hardware)
-    kw = {"vocab_size": point.vocab_size} if point.vocab_size else {}
-    model = build_model(point.model, point.flavor, device="meta", **dict(point.model_args), **kw)
+    model, traces = _stage_traces(point)
     choice, n_layers = point.pipeline, len(transformer_blocks(model))
     assert choice is not None
     pp = point.mesh.degree(PP)
@@ -241,7 +240,7 @@ def _pipeline_and_row(point: Point) -> tuple[PipelinePlan, dict]:
     constrain = PRESETS[point.preset] if point.preset else None
     spec = point.mesh
     with _open_mesh(spec.world, tuple(spec.shape), tuple(spec.names)) as mesh:
-        pplan = PipelineStages(model, mesh, point.request, dtype, constrain).plan(layout, recut=False)
+        pplan = PipelineStages(model, mesh, point.request, dtype, constrain, traces).plan(layout, recut=False)
     step_s = pplan.step_us * 1e-6
     tokens = point.global_batch * point.seq_len
     tps = tokens / step_s if step_s > 0 else float("inf")
@@ -259,6 +258,20 @@ def _pipeline_and_row(point: Point) -> tuple[PipelinePlan, dict]:
            "objective_us": pplan.step_us, "solver": middle.solver, "plan_status": middle.status}
     row["status"] = "OOM" if row["oom"] else "ok"
     return pplan, row
+
+
+_STAGES: dict[tuple, Any] = {}  # this process's model of pipelined points and its stages' traces
+
+
+def _stage_traces(point: Point) -> tuple[Any, dict]:
+    """The model of a pipelined point (on meta) and the stage traces made for it in this process
+    (a stage's trace does not depend on the inner mesh: the points of one pp degree share them)."""
+    key = (point.model, point.flavor, point.model_args, point.vocab_size)
+    if key not in _STAGES:
+        _STAGES.clear()
+        kw = {"vocab_size": point.vocab_size} if point.vocab_size else {}
+        _STAGES[key] = (build_model(point.model, point.flavor, device="meta", **dict(point.model_args), **kw), {})
+    return _STAGES[key]
 
 
 def _plan(point: Point, hw: Any) -> tuple[Plan, int, int, float | None]:
