@@ -380,7 +380,7 @@ def test_a_preset_that_plans_the_best_placements_says_so(tmp_path, monkeypatch):
     """A preset that constrains nothing plans the free plan again: the line says it is the same."""
     from parallel.auto.search.compare import best_vs_preset
 
-    monkeypatch.setitem(sweep_point.PRESETS, "fsdp", lambda autop, point: None)
+    monkeypatch.setitem(sweep_point.PRESETS, "fsdp", lambda autop: None)
     spec = load_sweep(spec_file(tmp_path, TINY + "mesh = '2'\n"))
     cache = PlanCache(tmp_path / "cache")
     rows = run_points(spec.points, workers=1, cache=cache, progress=quiet())

@@ -25,13 +25,13 @@ from parallel.auto.cost import HardwareProfile, load_hardware
 from parallel.auto.search.mesh_space import MeshOption, MeshSpec, enumerate_meshes, rank_mesh_options
 from parallel.mesh import CP, DP_REPLICATE, DP_SHARD, PP, TP
 
-from .pipeline_points import PP_SCHEDULES, choices, pipeline_meshes, with_choice
+from .pipeline_points import PP_SCHEDULES, choices, pipeline_meshes
 from .point import PlanCache
 from .recipe_shapes import RecipeShape, recipe_points, recipe_shapes
 from .report import markdown_table, memory_note
 from .run import Progress, run_points
 from .screen import SCREEN_FROM_WORLD, VERIFY, fsdp_parent, leaders, refinements, screened, unrefined_row
-from .spec import BaseJob, Point, point_request, with_global_batch
+from .spec import BaseJob, Point, point_request, with_choice, with_global_batch
 
 RANK_COLUMNS = ("rank", "mesh", "pipeline", "batch x seq", "local", "micro", "step ms", "tokens/s", "MFU", "mem GiB",
                 "OOM", "plan s", "status", "plan")

@@ -14,18 +14,13 @@ and an HSDP replicate axis are left to the meshes without a pipeline).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from parallel.mesh import DP_SHARD, PP, TP
 from parallel.recipes.pp import PipelineLayout, RecipeError, pipeline_layout
 from parallel.settings import PipelineSettings
 
 from .mesh_space import MeshSearchError, MeshSpec, enumerate_meshes
-
-if TYPE_CHECKING:
-    from .spec import Point
 
 PP_DEGREES = (2, 4, 8, 16)
 """Pipeline degrees the search tries (those dividing the world, at most a stage per two units)."""
@@ -100,13 +95,3 @@ def pipeline_settings(row: dict) -> dict:
     if not row.get("pipeline"):
         return {}
     return {"pipeline_parallel_schedule": row["schedule"], "pipeline_parallel_microbatch_size": int(row["local_batch"])}
-
-
-def with_choice(point: Point, choice: PipelineChoice, per_rank: int) -> Point:
-    """`point` (at its global batch) as a pipelined point: its planned batch is one microbatch
-    of each data rank."""
-    req = point.request
-    rows = per_rank // choice.n_microbatches
-    return dataclasses.replace(point, pipeline=choice, request=dataclasses.replace(req, local_batch_size=rows))
-
-

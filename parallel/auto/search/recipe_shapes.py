@@ -18,8 +18,8 @@ from parallel.auto.request import BaseJob
 from parallel.mesh import DP_SHARD, PP, TP
 
 from .mesh_space import MeshSpec
-from .pipeline_points import PipelineChoice, with_choice
-from .spec import Point, with_global_batch
+from .pipeline_points import PipelineChoice
+from .spec import Point, with_choice, with_global_batch
 
 TP_DEGREE = 8
 """TorchTitan's tensor-parallel degree for 70B and 405B: one node of eight GPUs."""

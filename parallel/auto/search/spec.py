@@ -275,6 +275,14 @@ def with_global_batch(point: Point, global_batch: int, micro_batches: int = 1) -
                                global_batch_size=global_batch, micro_batches=micro_batches, reject="")
 
 
+def with_choice(point: Point, choice: PipelineChoice, per_rank: int) -> Point:
+    """`point` (at its global batch) as a pipelined point: its planned batch is one microbatch
+    of each data rank."""
+    req = point.request
+    rows = per_rank // choice.n_microbatches
+    return dataclasses.replace(point, pipeline=choice, request=dataclasses.replace(req, local_batch_size=rows))
+
+
 def more_micro_batches(point: Point) -> Point | None:
     """The point with the next larger number of micro-batches that divides its per-rank batch
     (a smaller local batch: less activation memory), or None when it is at one sample each."""
