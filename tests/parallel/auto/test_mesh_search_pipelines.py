@@ -71,9 +71,19 @@ def test_a_pipelined_pick_sets_the_pipeline_keys():
 
 
 @pytest.mark.slow  # plans 14 meshes and 8 pipelined points of a 2-layer model, and the FSDP recipe shape
-def test_the_search_prices_pipelines_with_the_rest(tmp_path):
+def test_the_search_prices_pipelines_with_the_rest(tmp_path, capsys):
+    from tools import plan as plan_script
+
     cache = PlanCache(tmp_path / "cache")
+    # as a user runs it: the ranked table, the recipe shape beside the pick, the pick's plan written
+    assert plan_script.main(["--config", "llama3_debug_auto", *JOB, "--mesh", "auto", "--world-size", "4",
+                             "--hardware", "h100", "--pipelines", "--workers", "1", "--cache-dir", str(cache.folder),
+                             "--out", str(tmp_path / "best.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "| pp=2,dp_shard=2 | 1F1B x2 |" in printed and "TorchTitan's recipe shapes" in printed
+    assert "FSDP (dp_shard=4): " in printed and "best mesh: " in printed and (tmp_path / "best.json").exists()
     found = search_with_recipes(_job(), 4, "h100", workers=1, cache=cache, pipelines=True, out=lambda s: None)
+    assert all(r["cached"] for r in found.rows if r["rank"] != "-")  # the script's plans, read back
     rows, recipes = found.rows, found.recipes
     assert not found.screened and found.best is rows[0]  # 4 devices: planned in full, no screen
     ranked = [r for r in rows if r["rank"] != "-"]
