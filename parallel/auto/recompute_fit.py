@@ -134,7 +134,9 @@ def first_solve(autop: Any, low: float | None, high: float | None) -> tuple[Any,
 
 
 def _refuse(autop: Any, plan: Plan | None, est: Any, low: float | None, high: float | None) -> Plan:
-    """MemoryLimitError with the estimate of the plan that recomputes every block."""
+    """The plan that recomputes every block when its estimate fits (the row, a bound, may have
+    refused what fits: the 70B FSDP·TP8 recipe shape's row was infeasible at a 52 GiB peak of
+    79.6), else MemoryLimitError with its estimate."""
     state: RowState = autop.recompute_row
     full = plan
     if plan is None or (plan.recompute and set(plan.recompute["blocks"]) != {"full"}):
@@ -145,6 +147,11 @@ def _refuse(autop: Any, plan: Plan | None, est: Any, low: float | None, high: fl
             est = autop.estimate_memory(full)
         finally:
             autop.recompute_row = saved
+    if est is not None and est.fits and full is not None:
+        full.memory = est
+        log.info("memory: no plan kept the recomputation row; the plan recomputing every block fits (peak %s of %s)",
+                 format_bytes(est.peak_bytes), format_bytes(est.limit_bytes))
+        return full
     what = "with every block recomputed" if full.recompute else "(the graph has no blocks to recompute)"
     raise MemoryLimitError(
         f"no plan fits in the memory limit {what}: predicted peak {format_bytes(est.peak_bytes)} per device "
