@@ -163,16 +163,17 @@ def search_with_recipes(job: BaseJob, world: int, hardware: str | HardwareProfil
     base = dataclasses.replace(job_point(job, 0, points[0].mesh, hardware), vocab_size=vocab_size)
     extra = recipe_points(job, world, shapes, base, search_global_batch(job, world), start=len(points))
     screen = screen if screen is not None else world >= SCREEN_FROM_WORLD
+    full_points, full_extra = points, extra
     if screen:
         points = [screened(p) for p in points]
         extra = [screened(p) for p in extra]
     rows, recipe_rows = _plan_candidates(points, extra, screen, workers, cache, out)
     result = SearchResult(rank_rows(points, rows), list(zip(shapes, recipe_rows)), screen)
     if screen and verify:
-        full = {p.index: p for p in search_points(job, world, hardware, vocab_size, pipelines)}
-        extra = recipe_points(job, world, shapes, base, search_global_batch(job, world), start=len(full))
-        top = [full[p.index] for p in leaders(points, result.rows, verify)]
-        full = run_points(top + extra, workers=workers, cache=cache, progress=Progress(len(top) + len(extra), out))
+        by_index = {p.index: p for p in full_points}
+        top = [by_index[p.index] for p in leaders(points, result.rows, verify)]
+        full = run_points(top + full_extra, workers=workers, cache=cache,
+                          progress=Progress(len(top) + len(full_extra), out))
         result.verified = rank_rows(top, full[:len(top)])
         result.verified_recipes = list(zip(shapes, full[len(top):]))
     return result

@@ -112,17 +112,16 @@ class PlanCache:
             return None
 
     def plan(self, key: str) -> Plan | None:
-        try:
-            with gzip.open(self.folder / f"{key}.plan.json.gz", "rt") as f:
-                return Plan.from_json(json.load(f), source=f"cached plan {key}")
-        except (OSError, json.JSONDecodeError, ValueError):
-            return None
+        return self._read(key, Plan)
 
     def pipeline_plan(self, key: str) -> PipelinePlan | None:
         """A pipelined point's plan (its stages' plans, the schedule)."""
+        return self._read(key, PipelinePlan)
+
+    def _read(self, key: str, kind: Any) -> Any:
         try:
             with gzip.open(self.folder / f"{key}.plan.json.gz", "rt") as f:
-                return PipelinePlan.from_json(json.load(f), source=f"cached plan {key}")
+                return kind.from_json(json.load(f), source=f"cached plan {key}")
         except (OSError, json.JSONDecodeError, ValueError):
             return None
 
