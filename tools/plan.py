@@ -119,7 +119,7 @@ def plan_job(args: argparse.Namespace) -> tuple:
     return plan, autop
 
 
-def search_job(args: argparse.Namespace) -> Plan | PipelinePlan:
+def search_job(args: argparse.Namespace) -> Plan | PipelinePlan | None:
     """--mesh auto: plan every mesh of --world-size (cached) and TorchTitan's recipe shapes, print
     the meshes ranked and the recipes beside the pick, return the best plan."""
     cfg = job_config(args)
@@ -149,6 +149,11 @@ def search_job(args: argparse.Namespace) -> Plan | PipelinePlan:
     best = found.best
     if best is None:
         raise SystemExit(f"no mesh of {args.world_size} devices fits; lower the batch, the sequence or the budget")
+    if best.get("depth_scaled"):  # screened on shallow copies: no plan of the model was made
+        print(f"best mesh: {best['mesh']}{' ' + best['pipeline'] if best.get('pipeline') else ''} "
+              f"({best['step_ms']:.1f} ms per step predicted by the screen); it has no plan of the whole model "
+              "yet: run again with --verify 1 to plan it")
+        return None
     plan = cache.pipeline_plan(best["key"]) if best.get("pipeline") else cache.plan(best["key"])
     if plan is None:
         raise SystemExit(f"the best mesh's plan is missing from the cache {cache.folder}; run again")
@@ -243,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryLimitError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if plan is None:  # a screen's pick without a plan of its own (said above)
+        return 0
     if isinstance(plan, PipelinePlan):  # the search picked a pipeline
         return _pipeline_out(plan, args)
     print(plan.summary())

@@ -184,8 +184,8 @@ class Parallelism:
     # size (trainer/mesh_auto.py) and builds the fastest that fits
     mesh: str = ""
     # auto mode: the planner's settings (parallel/auto/config.py), written as keys of [parallelism]:
-    # hardware, solver, time_limit, repeated_blocks, split_seeding(_radius, _rounds), memory_budget_low,
-    # memory_budget_high, memory_limit_gib, memory_estimate, moe_imbalance_factor
+    # hardware, solver, time_limit, mrf_patience, mrf_polish, repeated_blocks, split_seeding(_radius, _rounds),
+    # memory_budget_low, memory_budget_high, memory_limit_gib, memory_estimate, moe_imbalance_factor
     planner: PlannerConfig = field(default_factory=PlannerConfig, metadata={FLAT: True})
     recalibrate: bool = False  # hardware "auto": measure again instead of reading the cached profile
     plan_file: str = ""  # replay this plan.json instead of solving

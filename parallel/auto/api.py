@@ -56,7 +56,7 @@ from parallel.auto.runtime import RuntimeOptions, apply_plan
 from parallel.auto.runtime.memory import TracedStep, predict_traced, step_memory, trace_step
 from parallel.auto.runtime.runner import same_graph_options
 from parallel.auto.runtime.step_graph import fake_constants
-from parallel.auto.solve import Solution, solve
+from parallel.auto.solve import MRFEffort, Solution, solve
 from parallel.auto.solve.seed import plan_candidates, reseeded_candidates, seeded_candidates, use_seeding
 from parallel.auto.trace.gc_pause import pauses_collector
 from parallel.auto.trace.joint import JointGraph, trace_joint
@@ -324,7 +324,7 @@ class AutoParallel:
             self.candidates, self.seed_info = seeded_candidates(
                 jg, self.mesh, cm, self.constraints, radius=self.planner.split_seeding_radius, mp_dtype=self.mp_dtype,
                 repeated_blocks=self.planner.repeated_blocks, solver=self.planner.solver,
-                time_limit=self.planner.time_limit)
+                time_limit=self.planner.time_limit, effort=MRFEffort.of(self.planner))
             self.timings["seed"] = time.perf_counter() - t0  # seed.py logs its summary
         assert self.candidates is not None
         low, high = self._memory_bounds()
@@ -496,7 +496,8 @@ class AutoParallel:
                              repeated_blocks=self.planner.repeated_blocks, mp_dtype=self.mp_dtype,
                              recompute=self.recompute_row.row() if self.recompute_row is not None else None)
         self.timings["build"] = self.timings.get("build", 0.0) + time.perf_counter() - t0
-        sol = solve(prob, self.planner.solver, time_limit=self.planner.time_limit, start=self._start_labels(prob))
+        sol = solve(prob, self.planner.solver, time_limit=self.planner.time_limit, start=self._start_labels(prob),
+                    effort=MRFEffort.of(self.planner))
         self.timings["solve"] = self.timings.get("solve", 0.0) + sol.seconds
         return prob, sol
 

@@ -39,7 +39,10 @@ class PlannerConfig:
 
     hardware: the cost model's profile (a configs/hardware name, a path, or a profile);
     solver: "auto" | "ilp" | "mrf" | "highs" | "cbc"; time_limit: seconds for the ILP (per
-    TRW-S run for the MRF); repeated_blocks: one decision for the repeated copies of a block;
+    TRW-S run for the MRF); mrf_patience: TRW-S stops when its best decoded plan has not
+    improved for this many sweeps (the mesh search's screen uses fewer); mrf_polish: after the
+    MRF, re-solve the repeated blocks jointly with the rest fixed (the screen skips it); repeated_blocks:
+    one decision for the repeated copies of a block;
     split_seeding / _radius / _rounds: split-dimension seeding (None: on from 3-D meshes),
     the mesh axes a seeded strategy may differ on, re-seeding rounds around the plan;
     memory_budget_low / _high: parameter bytes per device as a fraction of all (None: no
@@ -52,6 +55,8 @@ class PlannerConfig:
     hardware: Union[str, HardwareProfile] = DEFAULT_HARDWARE
     solver: str = "auto"
     time_limit: float = 600.0
+    mrf_patience: int = 60
+    mrf_polish: bool = True
     repeated_blocks: bool = True
     split_seeding: Optional[bool] = None
     split_seeding_radius: int = 2
@@ -116,6 +121,8 @@ def _problems(c: PlannerConfig) -> list[SettingError]:
     if c.split_seeding_rounds < 1:
         out.append(SettingError("split_seeding_rounds", c.split_seeding_rounds,
                                 "must be >= 1 (1: seed once, no re-seeding)"))
+    if c.mrf_patience < 1:
+        out.append(SettingError("mrf_patience", c.mrf_patience, "must be >= 1 TRW-S sweeps (default 60)"))
     if not c.time_limit > 0:
         out.append(SettingError("time_limit", c.time_limit, "must be > 0 seconds"))
     if not c.moe_imbalance_factor >= 1.0:

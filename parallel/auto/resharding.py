@@ -86,12 +86,14 @@ def price_as(autop: Any, reshard: bool) -> None:
         autop._cost_model = cm
 
 
+def keeps_first(n_params: int, limit_bytes: int) -> bool:
+    """Whether keeping is solved first for a model of `n_params` parameters under this memory
+    limit (0: none): its unsharded states take at most KEEP_FIRST_SHARE of it."""
+    return not limit_bytes or 16 * n_params <= KEEP_FIRST_SHARE * limit_bytes
+
+
 def _keep_first(autop: Any) -> bool:
-    limit = autop.memory_limit()[0]
-    if not limit:
-        return True
-    n_params = sum(p.numel() for p in autop.model.parameters())
-    return 16 * n_params <= KEEP_FIRST_SHARE * limit
+    return keeps_first(sum(p.numel() for p in autop.model.parameters()), autop.memory_limit()[0])
 
 
 def _recomputes(plan: Plan) -> bool:

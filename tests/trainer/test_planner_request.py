@@ -24,7 +24,8 @@ from trainer.config import ConfigError, load_config
 TINY = ["--model.n_layers", "1", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--training.seq_len", "16", "--training.local_batch_size", "1", "--parallelism.hardware", "h100"]
 # one value per field, none the default; every field of PlannerConfig must be here
-VALUES = {"hardware": "a100", "solver": "mrf", "time_limit": 12.5, "repeated_blocks": False, "split_seeding": True,
+VALUES = {"hardware": "a100", "solver": "mrf", "time_limit": 12.5, "mrf_patience": 7, "mrf_polish": False,
+          "repeated_blocks": False, "split_seeding": True,
           "split_seeding_radius": 1, "split_seeding_rounds": 3, "memory_budget_low": 0.05, "memory_budget_high": 0.5,
           "memory_limit_gib": 33.0, "memory_estimate": False, "moe_imbalance_factor": 2.0, "optimizer": "for-loop"}
 

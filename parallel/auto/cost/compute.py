@@ -208,9 +208,22 @@ class ComputeEstimate:
 class FlopCache:
     """Counts FLOPs (and output shapes) of an op on local shapes once per unique key."""
 
+    MAX_ENTRIES = 200_000
+    """Entries kept before the cache starts again (a 405B mesh search counts some 10 k)."""
+    _shared: "FlopCache | None" = None
+
     def __init__(self) -> None:
         T.register_planner_ops()  # FLOP formulas of the CPU flash-attention ops
         self._cache: dict[Any, ComputeEstimate] = {}
+
+    @classmethod
+    def shared(cls) -> "FlopCache":
+        """The process's cache: an op's FLOPs on given local shapes depend on neither the hardware
+        nor the mesh, so every cost model of a process (a search's candidates, a pipeline's
+        stages, the copies of a screened model) counts each op once."""
+        if cls._shared is None:
+            cls._shared = cls()
+        return cls._shared
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -223,6 +236,8 @@ class FlopCache:
         if hit is not None:
             return hit
         est = self._run(op, args, kwargs)
+        if len(self._cache) >= self.MAX_ENTRIES:
+            self._cache.clear()
         self._cache[key] = est
         return est
 

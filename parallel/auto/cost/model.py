@@ -138,7 +138,7 @@ class CostModel:
             raise ValueError(f"{len(self.links)} links for a {len(self.mesh_shape)}-D mesh")
         self.mesh_axis_names: tuple[str, ...] = tuple(link.name for link in self.links)
         self.compute_dtype = compute_dtype
-        self.flop_cache = FlopCache()
+        self.flop_cache = FlopCache.shared()
         self._redist_cache: dict[Any, tuple[Step, ...]] = {}
         self._cost_cache: dict[Any, float] = {}
         self._op_cost_cache: dict[Any, float] = {}

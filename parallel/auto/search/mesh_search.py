@@ -189,11 +189,12 @@ def _plan_candidates(points: list[Point], extra: list[Point], screen: bool, work
     rows = run_points(first + extra, workers=workers, cache=cache, progress=progress)
     by_index = {p.index: r for p, r in zip(first, rows)}
     if later:
-        chosen, skipped = refinements(later, rank_rows(first, rows[:len(first)]))
+        node = load_hardware(later[0].hardware).gpus_per_node
+        chosen, skipped = refinements(later, rank_rows(first, rows[:len(first)]), node)
         progress.total += len(chosen)
         by_index.update(zip((p.index for p in chosen), run_points(chosen, workers=workers, cache=cache,
                                                                    progress=progress)))
-        by_index.update((p.index, unrefined_row(p)) for p in skipped)
+        by_index.update((p.index, unrefined_row(p, chosen)) for p in skipped)
     return [by_index[p.index] for p in points], rows[len(first):]
 
 

@@ -32,7 +32,7 @@ from parallel.auto.plan import Plan, linear_roles
 from parallel.auto.plan.pipeline import PipelinePlan
 from parallel.auto.problem.placement_problem import MemoryLimitError, PlanningError
 from parallel.auto.request import planning, request_key
-from parallel.auto.search import pipeline_points, presets
+from parallel.auto.search import depth_scaling, pipeline_points, presets
 from parallel.auto.search.mesh_space import uses_context_parallel
 from parallel.auto.stage_plans import PipelineStages
 from parallel.cache_dir import cache_root
@@ -42,7 +42,7 @@ from .spec import Point
 
 DEFAULT_CACHE = cache_root() / "plans"
 
-_TRACES: dict[tuple, Any] = {}  # this process's last joint graph, by trace key
+_TRACES: dict[tuple, Any] = {}  # this process's last joint graph (two for shallow copies), by trace key
 _STATS = {"traced": 0, "reused": 0}
 _NEIGHBOURS: dict[tuple, Plan] = {}  # this process's last plan per model and mesh: the next one's warm start
 NEIGHBOURS_KEPT = 16
@@ -72,6 +72,8 @@ def point_key(point: Point) -> str:
         model["preset"] = point.preset
     if point.pipeline is not None:  # the schedule and microbatches of a pipelined point
         model["pipeline"] = [point.pipeline.schedule, point.pipeline.n_microbatches]
+    if point.depth_scaled:  # priced on shallow copies (no plan of its own)
+        model["depth_scaled"] = list(depth_scaling.SCREEN_DEPTHS)
     return request_key(model, (point.mesh.shape, point.mesh.names), point.request)
 
 
@@ -195,25 +197,19 @@ def failure_row(point: Point, reason: str) -> dict:
             "mem_gib": None, "mem_kind": "", "oom": None, "summary": ""}
 
 
-def _plan_and_row(point: Point) -> tuple[Plan | PipelinePlan, dict]:
+def _plan_and_row(point: Point) -> tuple[Plan | PipelinePlan | None, dict]:
+    if point.depth_scaled:
+        return None, _depth_scaled_row(point)
     if point.pipeline is not None:
         return _pipeline_and_row(point)
     hw = load_hardware(point.hardware)
     plan, n_params, param_bytes, budget = _plan(point, hw)
     step_s = plan.step_time_us(point.micro_batches) * 1e-6  # each micro-batch's graph, the reductions once
-    tokens = point.global_batch * point.seq_len
-    tps = tokens / step_s if step_s > 0 else float("inf")
-    args = model_args(point.model, point.flavor, **dict(point.model_args))
-    try:
-        fpt = float(args.flops_per_token(point.seq_len))
-    except (AttributeError, TypeError):
-        fpt = 6.0 * n_params
-    mp = point.request.mp_policy
-    peak = hw.peak_flops(mp.param_dtype if mp is not None else torch.float32) * point.mesh.world
+    tps, mfu = _rates(point, step_s, hw)
     mem, kind = memory_estimate(plan, param_bytes)
     limit = memory_limit(hw)
     row = {**base_row(point), "budget": budget, "step_ms": step_s * 1e3, "tokens_per_s": tps,
-           "mfu": fpt * tps / peak, "mem_gib": mem / 2**30, "mem_kind": kind, "oom": mem > limit,
+           "mfu": mfu, "mem_gib": mem / 2**30, "mem_kind": kind, "oom": mem > limit,
            "summary": one_line_summary(plan), "objective_us": plan.objective_us, "compute_us": plan.compute_us,
            "comm_us": sum(plan.comm_us.values()), "grad_reduction_us": plan.grad_reduction_us,
            "solver": plan.solver, "plan_status": plan.status,
@@ -234,22 +230,17 @@ def _pipeline_and_row(point: Point) -> tuple[PipelinePlan, dict]:
                                     point.local_batch_size * choice.n_microbatches)
     if layout is None:
         raise PlanningError(f"{choice.label} cannot run {pp} pipeline ranks")
-    mp = point.request.mp_policy
-    dtype = mp.param_dtype if mp is not None and mp.param_dtype is not None else torch.float32
     constrain = PRESETS[point.preset] if point.preset else None
     spec = point.mesh
     with _open_mesh(spec.world, tuple(spec.shape), tuple(spec.names)) as mesh:
-        pplan = PipelineStages(model, mesh, point.request, dtype, constrain, traces).plan(layout, recut=False)
+        pplan = PipelineStages(model, mesh, point.request, _compute_dtype(point), constrain,
+                               traces).plan(layout, recut=False)
     step_s = pplan.step_us * 1e-6
-    tokens = point.global_batch * point.seq_len
-    tps = tokens / step_s if step_s > 0 else float("inf")
-    args = model_args(point.model, point.flavor, **dict(point.model_args))
-    fpt = float(args.flops_per_token(point.seq_len))
-    peak = hw.peak_flops(dtype) * spec.world
+    tps, mfu = _rates(point, step_s, hw)
     peaks = [s.peak_bytes(pplan.in_flight(s.index)) for s in pplan.stages]
     mem = max(p for p in peaks if p is not None) if any(p is not None for p in peaks) else None
     middle = pplan.stages[len(pplan.stages) // 2].plan
-    row = {**base_row(point), "step_ms": step_s * 1e3, "tokens_per_s": tps, "mfu": fpt * tps / peak,
+    row = {**base_row(point), "step_ms": step_s * 1e3, "tokens_per_s": tps, "mfu": mfu,
            "mem_gib": mem / 2**30 if mem is not None else None, "mem_kind": "peak" if mem is not None else "",
            "oom": mem is not None and mem > memory_limit(hw), "bubble_ms": pplan.bubble_us / 1e3,
            "summary": f"{choice.label} microbatches, {len(pplan.stages)} stages; a middle stage: "
@@ -259,7 +250,47 @@ def _pipeline_and_row(point: Point) -> tuple[PipelinePlan, dict]:
     return pplan, row
 
 
-_STAGES: dict[tuple, Any] = {}  # this process's model of pipelined points and its stages' traces
+def _depth_scaled_row(point: Point) -> dict:
+    """A point priced on two shallow copies of its model, extrapolated to its depth
+    (search/depth_scaling.py); a copy's planning error is the point's."""
+    copies = [_plan_and_row(c)[1] for c in depth_scaling.shallow_copies(point)]
+    hw = load_hardware(point.hardware)
+    row = {**base_row(point), **depth_scaling.extrapolate(point, copies)}
+    row["tokens_per_s"], row["mfu"] = _rates(point, row["step_ms"] * 1e-3, hw)
+    deeper = copies[-1]
+    row.update({k: deeper[k] for k in ("mem_kind", "summary", "solver", "plan_status", "budget") if k in deeper})
+    row["oom"] = row.get("mem_gib") is not None and row["mem_gib"] * 2**30 > memory_limit(hw)
+    row["status"] = "OOM" if row["oom"] else "ok"
+    row["depth_scaled"] = depth_scaling.SCREEN_DEPTHS
+    row["timings"] = {k: round(sum(c.get("timings", {}).get(k, 0.0) for c in copies), 2)
+                      for k in {k for c in copies for k in c.get("timings", {})}}
+    return row
+
+
+def _compute_dtype(point: Point) -> torch.dtype:
+    mp = point.request.mp_policy
+    return mp.param_dtype if mp is not None and mp.param_dtype is not None else torch.float32
+
+
+def _rates(point: Point, step_s: float, hw: Any) -> tuple[float, float]:
+    """(tokens per second, MFU) of a step of the point's global batch taking `step_s`."""
+    tps = point.global_batch * point.seq_len / step_s if step_s > 0 else float("inf")
+    args = model_args(point.model, point.flavor, **dict(point.model_args))
+    try:
+        fpt = float(args.flops_per_token(point.seq_len))
+    except (AttributeError, TypeError):
+        fpt = 6.0 * args.num_params()
+    return tps, fpt * tps / (hw.peak_flops(_compute_dtype(point)) * point.mesh.world)
+
+
+_STAGES: dict[tuple, Any] = {}  # this process's model(s) of pipelined points and its stages' traces
+
+
+def _remember(cache: dict, key: tuple, value: Any, shallow: bool) -> None:
+    """Keep `value` as this process's last entry (the last two for shallow copies, planned in pairs)."""
+    while len(cache) >= (2 if shallow else 1):
+        cache.pop(next(iter(cache)))
+    cache[key] = value
 
 
 def _stage_traces(point: Point) -> tuple[Any, dict]:
@@ -267,9 +298,9 @@ def _stage_traces(point: Point) -> tuple[Any, dict]:
     (a stage's trace does not depend on the inner mesh: the points of one pp degree share them)."""
     key = (point.model, point.flavor, point.model_args, point.vocab_size)
     if key not in _STAGES:
-        _STAGES.clear()
         kw = {"vocab_size": point.vocab_size} if point.vocab_size else {}
-        _STAGES[key] = (build_model(point.model, point.flavor, device="meta", **dict(point.model_args), **kw), {})
+        model = build_model(point.model, point.flavor, device="meta", **dict(point.model_args), **kw)
+        _remember(_STAGES, key, (model, {}), point.shallow)
     return _STAGES[key]
 
 
@@ -287,8 +318,7 @@ def _plan(point: Point, hw: Any) -> tuple[Plan, int, int, float | None]:
     with _open_mesh(spec.world, tuple(spec.shape), tuple(spec.names)) as mesh:
         with planning(model, mesh, point.request, graph=cached[1] if cached else None) as autop:
             _STATS["reused" if cached else "traced"] += 1
-            _TRACES.clear()
-            _TRACES[tkey] = (model, autop.graph)  # one graph a process: an 8B trace holds ~0.5 GB
+            _remember(_TRACES, tkey, (model, autop.graph), point.shallow)  # an 8B trace holds ~0.5 GB
             if point.memory_high is None:  # "sharded": fully sharded, whatever the rule would free
                 autop.add_parameter_memory_constraint(low=point.request.planner.memory_budget_low, high=None)
             if point.preset:

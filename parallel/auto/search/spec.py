@@ -79,6 +79,10 @@ class Point:
     # a pipelined point (mesh with a pp axis): its schedule and microbatches; the request's local
     # batch is one microbatch of a data rank (search/pipeline_points.py)
     pipeline: PipelineChoice | None = None
+    # screened on two shallow copies of the model, its figures extrapolated to its depth
+    # (search/depth_scaling.py); `shallow`: one of those copies
+    depth_scaled: bool = False
+    shallow: bool = False
 
     @property
     def local_batch_size(self) -> int:

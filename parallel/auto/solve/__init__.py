@@ -23,7 +23,7 @@ import logging
 
 from parallel.auto.problem.placement_problem import Problem
 from parallel.auto.solve.ilp import available_solver, solve_ilp
-from parallel.auto.solve.problem_mrf import solve_problem_mrf
+from parallel.auto.solve.problem_mrf import MRFEffort, solve_problem_mrf
 from parallel.auto.solve.solution import Solution
 
 log = logging.getLogger("parallel.auto.solve")
@@ -37,7 +37,7 @@ problems (~1-2 M) stay with the MRF."""
 CBC_MAX_EDGE_VARS = 200_000
 """The same limit when CBC is the only backend (no highspy): slower, so smaller."""
 
-__all__ = ["SOLVERS", "ILP_MAX_EDGE_VARS", "CBC_MAX_EDGE_VARS", "Solution", "choose_solver", "solve",
+__all__ = ["SOLVERS", "ILP_MAX_EDGE_VARS", "CBC_MAX_EDGE_VARS", "MRFEffort", "Solution", "choose_solver", "solve",
            "solve_problem_mrf"]
 
 
@@ -60,12 +60,14 @@ def choose_solver(prob: Problem, solver: str = "auto", *,
 
 
 def solve(prob: Problem, solver: str = "auto", *, time_limit: float | None = 600.0, verbose: bool = False,
-          max_ilp_edge_vars: int | None = None, start: list[int] | None = None) -> Solution:
+          max_ilp_edge_vars: int | None = None, start: list[int] | None = None,
+          effort: MRFEffort = MRFEffort()) -> Solution:
     """Solve `prob` with the chosen solver; the returned Solution names the one used.
     `start`: one strategy per group from a neighbouring problem's plan (a warm start: an
-    incumbent for the exact ILP, a second starting point for the MRF's local search)."""
+    incumbent for the exact ILP, a second starting point for the MRF's local search);
+    `effort`: how hard the MRF works (its sweeps' patience, the repeated layers' re-solve)."""
     kind, why = choose_solver(prob, solver, max_ilp_edge_vars=max_ilp_edge_vars)
     log.info("solver: %s", why)
     if kind == "ilp":  # the setting as it is: "highs" / "cbc" name the backend, "ilp" / "auto" take the best
         return solve_ilp(prob, solver=solver, time_limit=time_limit, verbose=verbose, start=start)
-    return solve_problem_mrf(prob, time_budget=time_limit, start=start)
+    return solve_problem_mrf(prob, time_budget=time_limit, start=start, effort=effort)

@@ -481,7 +481,7 @@ def local_search(mrf: PairwiseMRF, labels: np.ndarray, max_rounds: int = 5) -> n
 
 
 def block_resolve(mrf: PairwiseMRF, labels: np.ndarray, block: list[int],
-                  time_budget: float | None = 30.0) -> np.ndarray:
+                  time_budget: float | None = 30.0, patience: int = 60) -> np.ndarray:
     """Re-solve the nodes of `block` jointly (TRW-S + local search) with every other node
     fixed at its label; returns the better of the old and the new assignment.
 
@@ -510,7 +510,7 @@ def block_resolve(mrf: PairwiseMRF, labels: np.ndarray, block: list[int],
             f = mrf.factors.get((i, j))
             if f is not None:
                 sub.set_factor(index[i], index[j], *f)
-    sol = solve_mrf(sub, time_budget=time_budget)
+    sol = solve_mrf(sub, time_budget=time_budget, patience=patience)
     new = labels.copy()
     for g in block:
         new[g] = sol.labels[index[g]]

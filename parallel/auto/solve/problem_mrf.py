@@ -244,6 +244,20 @@ def _try_axis_permutations(prob: Problem, red: ReducedMRF, sol: MRFSolution) -> 
             sol.labels, sol.energy = lab, e
 
 
+@dataclass(frozen=True)
+class MRFEffort:
+    """How hard the MRF solver works: TRW-S stops after `patience` sweeps without a better
+    plan; `polish` re-solves the repeated layers jointly with the rest fixed afterwards."""
+
+    patience: int = 60
+    polish: bool = True
+
+    @classmethod
+    def of(cls, planner: Any) -> "MRFEffort":
+        """The effort a PlannerConfig asks for (its mrf_patience and mrf_polish)."""
+        return cls(planner.mrf_patience, planner.mrf_polish)
+
+
 @dataclass
 class _Runner:
     """One MRF solve of the Problem under a strategy mask and a Lagrangian multiplier on parameter bytes."""
@@ -252,6 +266,7 @@ class _Runner:
     layers: list[int]  # the repeated layers' groups, re-solved jointly when polishing
     max_sweeps: int
     time_budget: float | None
+    effort: MRFEffort = MRFEffort()
 
     def __call__(self, allowed: list[np.ndarray], lam: float = 0.0, polish: bool = False) -> tuple[list[int], float]:
         """(strategy per group, objective) of the best plan found."""
@@ -260,11 +275,13 @@ class _Runner:
         if lam:
             extra = {g: lam * prob.param_bytes[g] / prob.total_param_bytes for g in prob.param_groups}
         red = ReducedMRF(prob, allowed, extra)
-        sol = solve_mrf(red.mrf, max_sweeps=self.max_sweeps, time_budget=self.time_budget)
+        sol = solve_mrf(red.mrf, max_sweeps=self.max_sweeps, time_budget=self.time_budget,
+                        patience=self.effort.patience)
         if len(prob.candidates.mesh.shape) > 1:
             _try_axis_permutations(prob, red, sol)
-        if polish and self.layers and len(self.layers) < prob.num_groups:
-            lab = block_resolve(red.mrf, sol.labels, self.layers, time_budget=self.time_budget)
+        if polish and self.effort.polish and self.layers and len(self.layers) < prob.num_groups:
+            lab = block_resolve(red.mrf, sol.labels, self.layers, time_budget=self.time_budget,
+                                patience=self.effort.patience)
             e = red.mrf.energy(lab)
             if _improves(e, sol.energy):
                 log.info("mrf: re-solving the repeated layers with the rest fixed improves %.1f -> %.1f", sol.energy, e)
@@ -386,20 +403,22 @@ def _best_option(prob: Problem, sol: Solution) -> Solution:
 
 
 def solve_problem_mrf(prob: Problem, *, max_sweeps: int = 1000, bisection_steps: int = 12,
-                      time_budget: float | None = 60.0, start: list[int] | None = None) -> Solution:
+                      time_budget: float | None = 60.0, start: list[int] | None = None,
+                      effort: MRFEffort = MRFEffort()) -> Solution:
     """Solve `prob` as a pairwise MRF (paper §4.3), honouring the parameter-memory budget
     (and the recomputation choice's memory row, when the problem has one). `start` (a
     neighbouring plan's strategies, a warm start) is improved by local search too; the
     better of the two plans is returned."""
     if prob.recompute is not None and prob.recompute.limited:
-        return _solve_with_row(prob, lambda p: _solve_unrowed(p, max_sweeps, bisection_steps, time_budget, start))
-    return _solve_unrowed(prob, max_sweeps, bisection_steps, time_budget, start)
+        return _solve_with_row(prob, lambda p: _solve_unrowed(p, max_sweeps, bisection_steps, time_budget, start,
+                                                              effort))
+    return _solve_unrowed(prob, max_sweeps, bisection_steps, time_budget, start, effort)
 
 
 def _solve_unrowed(prob: Problem, max_sweeps: int, bisection_steps: int, time_budget: float | None,
-                   start: list[int] | None) -> Solution:
+                   start: list[int] | None, effort: MRFEffort = MRFEffort()) -> Solution:
     t0 = time.perf_counter()
-    run = _Runner(prob, repeated_layer_groups(prob), max_sweeps, time_budget)
+    run = _Runner(prob, repeated_layer_groups(prob), max_sweeps, time_budget, effort)
     base = [a.copy() for a in prob.allowed]
     masks = _param_masks(prob)
     min_frac = _min_param_fraction(prob, masks)

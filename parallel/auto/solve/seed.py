@@ -26,6 +26,7 @@ import itertools
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.problem.formulation import build_problem
 from parallel.auto.problem.placement_problem import Constraint, min_parameter_fraction
 from parallel.auto.solve import solve
+from parallel.auto.solve.problem_mrf import MRFEffort
 from parallel.auto.trace.joint import JointGraph
 
 log = logging.getLogger("parallel.auto.seed")
@@ -70,7 +72,8 @@ class SeedInfo:
         parts = []
         for a in self.axes:
             how = "same 1-D problem as axis %d" % a["reused_from"] if a.get("reused_from") is not None else \
-                f"{a['solver']} {a['objective']:,.1f} µs, {a['seconds']:.1f}s"
+                f"{a['solver']} {a['objective']:,.1f} µs, " + (
+                    "solved for an earlier mesh" if a.get("earlier_mesh") else f"{a['seconds']:.1f}s")
             parts.append(f"axis {a['axis']} ({a['name']}, {a['size']}): {how}")
         return (f"seeding: radius {self.radius}; " + "; ".join(parts) +
                 f"; Hamming-ball menus: max {self.ball_max}, mean {self.ball_mean:.1f} strategies per node "
@@ -168,6 +171,20 @@ def _ball_keys(options: list[list[tuple]], seed: list[int], radius: int, cache: 
     return keys
 
 
+_SOLVED_AXES: dict[int, dict[tuple, tuple]] = {}
+"""Per joint graph (by id; dropped with the graph): the 1-D seeds solved in this process, by
+everything that decides one. A mesh search's meshes share axes (one size on one link), and a
+1-D problem depends on the graph, the axis and the planner settings, not on the other axes."""
+
+
+def _solved_axes(graph: JointGraph) -> dict[tuple, tuple]:
+    memo = _SOLVED_AXES.get(id(graph))
+    if memo is None:
+        memo = _SOLVED_AXES[id(graph)] = {}
+        weakref.finalize(graph, _SOLVED_AXES.pop, id(graph), None)
+    return memo
+
+
 def _axis_candidates(graph: JointGraph, mesh: DeviceMesh) -> list[Candidates]:
     """Per mesh axis, the full 1-D candidates on that axis's sub-mesh (built once per axis size)."""
     by_size: dict[int, Candidates] = {}
@@ -192,11 +209,13 @@ def _axis_submesh(mesh: DeviceMesh, axis: int) -> DeviceMesh:
 def solve_axes(graph: JointGraph, mesh: DeviceMesh, cost_model: CostModel,
                constraints: list[Constraint] | None = None, *,
                mp_dtype: Any = None, repeated_blocks: bool = True, solver: str = "auto",
-               time_limit: float | None = 120.0) -> tuple[list[tuple[Candidates, list[int], Any]], list[dict]]:
+               time_limit: float | None = 120.0,
+               effort: MRFEffort = MRFEffort()) -> tuple[list[tuple[Candidates, list[int], Any]], list[dict]]:
     """One 1-D plan per mesh axis: [(1-D candidates, strategy index per node name... as labels, problem)]."""
     shape = tuple(mesh.shape)
     names = list(getattr(mesh, "mesh_dim_names", None) or [f"axis{i}" for i in range(len(shape))])
-    axis_cands = _axis_candidates(graph, mesh)
+    by_size: dict[int, Candidates] = {}
+    memo = _solved_axes(graph)
     solved: dict[tuple, int] = {}
     results: list[tuple[Candidates, list[int], Any]] = []
     info: list[dict] = []
@@ -209,13 +228,24 @@ def solve_axes(graph: JointGraph, mesh: DeviceMesh, cost_model: CostModel,
             results.append(results[solved[ident]])
             info.append({"axis": a, "name": names[a], "size": size, "reused_from": solved[ident]})
             continue
-        cands = axis_cands[a]
         cons = [project_constraint(c, a) for c in (constraints or []) if c.kind != "memory"]
+        key = (ident, repr(cons), cm_a.pricing_key(), str(mp_dtype), repeated_blocks, solver, time_limit, effort)
+        if key in memo:  # solved for an earlier mesh of this graph
+            solved[ident] = a
+            cands, labels, prob, objective, how = memo[key]
+            results.append((cands, labels, prob))
+            info.append({"axis": a, "name": names[a], "size": size, "objective": objective, "solver": how,
+                         "seconds": 0.0, "reused_from": None, "earlier_mesh": True})
+            continue
+        if size not in by_size:
+            by_size[size] = build_candidates(graph, _axis_submesh(mesh, a))
+        cands = by_size[size]
         high = max(1.0 / size, min_parameter_fraction(cands))
         prob = build_problem(cands, cm_a, constraints=cons, memory_high=high, repeated_blocks=repeated_blocks,
                              mp_dtype=mp_dtype)
-        sol = solve(prob, solver, time_limit=time_limit)
+        sol = solve(prob, solver, time_limit=time_limit, effort=effort)
         solved[ident] = a
+        memo[key] = (cands, sol.labels, prob, sol.objective, sol.solver)
         results.append((cands, sol.labels, prob))
         info.append({"axis": a, "name": names[a], "size": size, "objective": sol.objective, "solver": sol.solver,
                      "seconds": time.perf_counter() - t0, "reused_from": None})
@@ -227,11 +257,13 @@ def solve_axes(graph: JointGraph, mesh: DeviceMesh, cost_model: CostModel,
 def seeded_candidates(graph: JointGraph, mesh: DeviceMesh, cost_model: CostModel,
                       constraints: list[Constraint] | None = None, *,
                       radius: int = DEFAULT_RADIUS, mp_dtype: Any = None, repeated_blocks: bool = True,
-                      solver: str = "auto", time_limit: float | None = 120.0) -> tuple[Candidates, SeedInfo]:
+                      solver: str = "auto", time_limit: float | None = 120.0,
+                      effort: MRFEffort = MRFEffort()) -> tuple[Candidates, SeedInfo]:
     """D-dim candidates restricted to the Hamming ball of `radius` around the 1-D seeds."""
     t0 = time.perf_counter()
     axes, info = solve_axes(graph, mesh, cost_model, constraints, mp_dtype=mp_dtype,
-                            repeated_blocks=repeated_blocks, solver=solver, time_limit=time_limit)
+                            repeated_blocks=repeated_blocks, solver=solver, time_limit=time_limit,
+                            effort=effort)
     restrict: dict[str, list[tuple]] = {}
     ref = axes[0][0]
     menu_cache: dict[tuple, list[tuple]] = {}

@@ -15,7 +15,7 @@ from parallel.auto.search.mesh_space import parse_mesh
 from parallel.auto.search.pipeline_points import pipeline_meshes, pipeline_settings
 from parallel.auto.search.point import PlanCache
 from parallel.auto.search.recipe_shapes import compare_line, recipe_shapes
-from parallel.auto.search.screen import REFINE_TOP, fsdp_parent, screen_request
+from parallel.auto.search.screen import REFINE_TOP, fsdp_parent, refinements, screen_request, unrefined_row
 from trainer.auto_mode import base_job
 from trainer.config import load_config
 
@@ -139,13 +139,19 @@ def test_a_screened_search_plans_its_leaders_in_full(tmp_path):
     assert found.screened
     screened = {r["mesh"]: r for r in found.rows}
     assert {r["ac_mode"] for r in found.rows} == {"full"}  # the job's "auto" fixed for the screen
-    # HSDP meshes are screened only where their FSDP parent is among the first: the rest say so
-    hsdp = [r for m, r in screened.items() if "dp_replicate" in m]
-    skipped = [r for r in hsdp if r["status"].startswith("not screened")]
+    # HSDP meshes are screened only as refinements of the first: of each leading FSDP parent's HSDP
+    # meshes, the one whose replica (the mesh without dp_replicate) is nearest a node of 8 (on 8
+    # devices: the largest); the rest say why
+    hsdp = [parse_mesh(m) for m in screened if "dp_replicate" in m]
     top = [r["mesh"] for r in found.rows if r["rank"] != "-" and "dp_replicate" not in r["mesh"]][:REFINE_TOP]
-    for r in hsdp:
-        parent = fsdp_parent(parse_mesh(r["mesh"])).label
-        assert (r in skipped) == (parent not in top), (r["mesh"], parent, top)
+    expected = set()
+    for parent in top:
+        kids = [m for m in hsdp if fsdp_parent(m).label == parent]
+        if kids:
+            expected.add(max(kids, key=lambda m: m.world // m.degree("dp_replicate")).label)
+    planned = {m.label for m in hsdp if not screened[m.label]["status"].startswith("not screened")}
+    assert planned == expected, (planned, expected)  # here none: no leader has a data axis
+    assert all(screened[m.label]["status"].startswith("not screened") for m in hsdp if m.label not in planned)
     # the two leaders are planned again with the job's whole request: its recomputation choice, its estimate
     leaders = [r["mesh"] for r in found.rows if r["rank"] != "-"][:2]
     assert sorted(r["mesh"] for r in found.verified) == sorted(leaders)
@@ -153,3 +159,18 @@ def test_a_screened_search_plans_its_leaders_in_full(tmp_path):
     assert found.best is found.verified[0] and found.best["rank"] == 1
     (shape, full), = found.verified_recipes
     assert shape.name == "FSDP" and full["ac_mode"] == "auto" and full["status"] == "ok"
+
+
+def test_an_hsdp_refinement_per_leader_its_replica_a_node():
+    job = base_job(load_config("llama3_405b_h100", [], validate=False))
+    later = [p for p in search_points(job, 512, "h100", pipelines=False) if fsdp_parent(p.mesh) is not None]
+    leaders = ["dp_shard=128,tp=4", "cp=128,tp=4", "dp_shard=64,tp=8"]
+    chosen, skipped = refinements(later, [{"mesh": m, "rank": i + 1} for i, m in enumerate(leaders)], gpus_per_node=8)
+    # dp_shard=128,tp=4 has six HSDP children (dp_replicate 2 .. 64): a replica of 2 x 4 is a node;
+    # cp=128,tp=4 has none; dp_shard=64,tp=8's smallest replica is two nodes (dp_shard 2 x tp 8)
+    assert sorted(p.mesh.label for p in chosen) == ["dp_replicate=32,dp_shard=2,tp=8",
+                                                    "dp_replicate=64,dp_shard=2,tp=4"]
+    assert len(chosen) + len(skipped) == len(later)
+    why = {p.mesh.label: unrefined_row(p, chosen)["status"] for p in skipped}
+    assert "only dp_replicate=64,dp_shard=2,tp=4 is screened" in why["dp_replicate=2,dp_shard=64,tp=4"]
+    assert "not among the screen's" in why["dp_replicate=2,dp_shard=256"]
