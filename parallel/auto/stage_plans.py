@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -107,24 +108,32 @@ class PipelineStages:
         return (tuple(layout.stages[stage]), stage == 0, stage == layout.n_stages - 1,
                 self.rows * data_degree(self.sub), self.request.seq_len, self.hidden_dtype)
 
-    def plan_distinct(self, layout: PipelineLayout) -> tuple[dict[int, Plan], dict[int, int]]:
-        """Every stage's plan on this one process: stages of one kind (as many blocks, the
-        first, the last or neither) are solved once, on the first of them (under 1F1B it holds
-        the most microbatches: its plan fits the others). (stage -> its kind's plan,
+    def plan_distinct(self, layout: PipelineLayout, only: list[int] | None = None
+                      ) -> tuple[dict[int, Plan], dict[int, int]]:
+        """Every stage's plan (`only`: these stages') on this one process: stages of one kind (as
+        many blocks, the first, the last or neither) are solved once, on the first of them (under
+        1F1B it holds the most microbatches: its plan fits the others). (stage -> its kind's plan,
         stage -> the stage that plan was made on)."""
         made: dict[tuple, int] = {}
         plans, made_on, last = {}, {}, layout.n_stages - 1
         for i, blocks in enumerate(layout.stages):
+            if only is not None and i not in only:
+                continue
             kind = (len(blocks), i == 0, i == last)
             if kind not in made:
                 made[kind] = i
                 solved = (*kind, layout.in_flight(i))  # a cut planned before may have solved it
                 if solved not in self.solved:
+                    t0 = time.perf_counter()
                     key = self.trace_key(layout, i)
                     part, graph = self.traces.get(key) or (self.part(layout, i), None)
                     with self.planner(layout, i, part, graph) as autop:
                         self.solved[solved] = autop.optimize_placement(verbose=False)
                         _keep(self.traces, key, (part, autop.graph))
+                    if not dist.is_initialized() or dist.get_rank() == 0:
+                        logger.info("pipeline stage %d (%d blocks%s%s) planned in %.1f s", i, len(blocks),
+                                    ", the embedding" if i == 0 else "", ", the output" if i == last else "",
+                                    time.perf_counter() - t0)
                 plans[i] = self.solved[solved]
             made_on[i] = made[kind]
             plans[i] = plans[made[kind]]
@@ -141,6 +150,24 @@ class PipelineStages:
             theirs = stage_units(layout, j, self.n_layers)
             out.update(zip(stage_units(layout, i, self.n_layers), (got[u] for u in theirs)))
         return out
+
+    def plan_deeper(self, layout: PipelineLayout, shallower: PipelinePlan) -> PipelinePlan:
+        """`layout`'s pipeline, as many stages as `shallower`'s and one block more in each, with
+        only its middle stages solved: its first and last stages are `shallower`'s, each longer by
+        what the block adds to a middle stage (the deeper of the screen's two pipelined copies,
+        search/depth_scaling.py; two stages, no middle one: every stage solved)."""
+        last = layout.n_stages - 1
+        middle = list(range(1, last))
+        if not middle:
+            return self.plan(layout, recut=False)
+        plans, _ = self.plan_distinct(layout, only=middle)
+        block_us = plans[1].objective_us - shallower.stages[1].plan.objective_us
+        for i in (0, last):
+            end = shallower.stages[i].plan
+            plans[i] = dataclasses.replace(end, objective_us=end.objective_us + block_us)
+        stages = [StagePlan(i, layout.stages[i], layout.rank_of(i), plans[i]) for i in range(layout.n_stages)]
+        return PipelinePlan(layout.schedule, layout.pp, layout.n_microbatches, stages, p2p_us=self.p2p_us(),
+                            notes=[f"stages 0 and {last}: the shallower copy's, {block_us:,.1f} µs longer"])
 
     def p2p_us(self) -> float:
         """One boundary's send of a microbatch's hidden state on the pp axis's link."""

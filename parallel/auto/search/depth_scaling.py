@@ -13,8 +13,11 @@ candidate's mesh, ``SCREEN_DEPTHS`` blocks deep after the model's distinct first
 A pipelined candidate's copies are cut so that every stage holds ``a`` (then ``b``) units,
 the embedding and the output head counting one unit each as the recipe's cut counts them; the
 pipeline's step is extrapolated to the full cut's largest stage (a step is the microbatches
-times the slowest stage plus the fill and drain, linear in a stage's time). DeepSeek-V3's dense
-blocks are not kept apart in a pipelined copy (they fall in its first stage, not the slowest).
+times the slowest stage plus the fill and drain, linear in a stage's time). The deeper copy
+solves only its middle stages and takes its first and last from the shallower copy, longer by
+what the block adds to a middle stage (PipelineStages.plan_deeper: four stage plans instead of
+six). DeepSeek-V3's dense blocks are not kept apart in a pipelined copy (they fall in its
+first stage, not the slowest).
 
 Where the full model's size decides how it is planned, the copies are planned as it would be:
 resharding after the forward is fixed where the full model's first solve settles it

@@ -219,8 +219,10 @@ def _plan_and_row(point: Point) -> tuple[Plan | PipelinePlan | None, dict]:
     return plan, row
 
 
-def _pipeline_and_row(point: Point) -> tuple[PipelinePlan, dict]:
-    """A pipelined point: its pipeline's plan (every kind of stage planned, the recipe's cut) and row."""
+def _pipeline_and_row(point: Point, shallower: PipelinePlan | None = None) -> tuple[PipelinePlan, dict]:
+    """A pipelined point: its pipeline's plan (every kind of stage planned, the recipe's cut) and row;
+    `shallower`: the shallower screen copy's plan, whose end stages this deeper copy takes
+    (PipelineStages.plan_deeper)."""
     hw = load_hardware(point.hardware)
     model, traces = _stage_traces(point)
     choice, n_layers = point.pipeline, len(transformer_blocks(model))
@@ -233,8 +235,8 @@ def _pipeline_and_row(point: Point) -> tuple[PipelinePlan, dict]:
     constrain = PRESETS[point.preset] if point.preset else None
     spec = point.mesh
     with _open_mesh(spec.world, tuple(spec.shape), tuple(spec.names)) as mesh:
-        pplan = PipelineStages(model, mesh, point.request, _compute_dtype(point), constrain,
-                               traces).plan(layout, recut=False)
+        stages = PipelineStages(model, mesh, point.request, _compute_dtype(point), constrain, traces)
+        pplan = stages.plan(layout, recut=False) if shallower is None else stages.plan_deeper(layout, shallower)
     step_s = pplan.step_us * 1e-6
     tps, mfu = _rates(point, step_s, hw)
     peaks = [s.peak_bytes(pplan.in_flight(s.index)) for s in pplan.stages]
@@ -253,7 +255,9 @@ def _pipeline_and_row(point: Point) -> tuple[PipelinePlan, dict]:
 def _depth_scaled_row(point: Point) -> dict:
     """A point priced on two shallow copies of its model, extrapolated to its depth
     (search/depth_scaling.py); a copy's planning error is the point's."""
-    copies = [_plan_and_row(c)[1] for c in depth_scaling.shallow_copies(point)]
+    shallow, deeper = depth_scaling.shallow_copies(point)
+    plan, row = _plan_and_row(shallow)
+    copies = [row, _pipeline_and_row(deeper, plan)[1] if point.pipeline is not None else _plan_and_row(deeper)[1]]
     hw = load_hardware(point.hardware)
     row = {**base_row(point), **depth_scaling.extrapolate(point, copies)}
     row["tokens_per_s"], row["mfu"] = _rates(point, row["step_ms"] * 1e-3, hw)

@@ -23,8 +23,10 @@ def _points(job_args=JOB, config="llama3_debug_auto"):
     return search_points(base_job(load_config(config, job_args, validate=False)), 4, "h100", pipelines=True)
 
 
-def _point(label, pipeline=""):
-    return next(p for p in _points() if p.mesh.label == label and (p.pipeline.label if p.pipeline else "") == pipeline)
+def _point(label, pipeline="", n_layers=8):
+    job = ["--model.n_layers", str(n_layers), *JOB[2:]]
+    return next(p for p in _points(job)
+                if p.mesh.label == label and (p.pipeline.label if p.pipeline else "") == pipeline)
 
 
 def _layers_built(monkeypatch) -> list[int]:
@@ -42,22 +44,38 @@ def _layers_built(monkeypatch) -> list[int]:
     return built
 
 
-@pytest.mark.parametrize("mesh, pipeline", [("dp_shard=4", ""), ("dp_shard=2,tp=2", ""),
-                                            ("pp=2,dp_shard=2", "1F1B x2")])
-def test_the_copies_extrapolate_to_the_full_depth(monkeypatch, mesh, pipeline):
-    point = screened(_point(mesh, pipeline))
+@pytest.mark.parametrize("mesh, pipeline, n_layers", [
+    ("dp_shard=4", "", 8), ("dp_shard=2,tp=2", "", 8), ("pp=2,dp_shard=2", "1F1B x2", 8),
+    ("pp=2,dp_shard=2", "Interleaved1F1B x2", 14)])  # 4 stages: the deeper copy plans its middle ones only
+def test_the_copies_extrapolate_to_the_full_depth(monkeypatch, mesh, pipeline, n_layers):
+    point = screened(_point(mesh, pipeline, n_layers))
     assert point.depth_scaled
     built = _layers_built(monkeypatch)
     scaled = sweep_point.plan_point(point, None)
-    # the two copies, not the model: blocks 2 and 3; a pipeline's two stages 2 and 3 units each
-    assert built == ([2, 3] if not pipeline else [2 * 2 - 2, 3 * 2 - 2])
+    # the two copies, not the model: blocks 2 and 3; a pipeline's stages 2 and 3 units each
+    stages = 0 if not pipeline else 4 if pipeline.startswith("Interleaved") else 2
+    assert built == ([2, 3] if not pipeline else [2 * stages - 2, 3 * stages - 2])
     full = sweep_point.plan_point(dataclasses.replace(point, depth_scaled=False), None)
-    assert built[-1] == 8
+    assert built[-1] == n_layers
     assert scaled["status"] == full["status"] == "ok"
     assert scaled["step_ms"] == pytest.approx(full["step_ms"], rel=0.02)
     if full["mem_gib"] is not None:  # model states: exact in the blocks
         assert scaled["mem_gib"] == pytest.approx(full["mem_gib"], rel=1e-6)
     assert scaled["tokens_per_s"] == pytest.approx(8 * 32 / (scaled["step_ms"] * 1e-3))
+
+
+def test_the_deeper_pipelined_copy_plans_its_middle_stages_only(monkeypatch):
+    point = screened(_point("pp=2,dp_shard=2", "Interleaved1F1B x2", 14))
+    solved = []
+    real = sweep_point.PipelineStages.plan_distinct
+
+    def spy(self, layout, only=None):
+        solved.append((len(layout.stages), only))
+        return real(self, layout, only)
+
+    monkeypatch.setattr(sweep_point.PipelineStages, "plan_distinct", spy)
+    sweep_point.plan_point(point, None)
+    assert solved == [(4, None), (4, [1, 2])]  # the shallower copy whole, the deeper one's middle stages
 
 
 def test_which_points_scale_and_their_depth():
