@@ -45,7 +45,8 @@ def _layers_built(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("mesh, pipeline, n_layers", [
-    ("dp_shard=4", "", 8), ("dp_shard=2,tp=2", "", 8), ("pp=2,dp_shard=2", "1F1B x2", 8),
+    ("dp_shard=4", "", 8), pytest.param("dp_shard=2,tp=2", "", 8, marks=pytest.mark.slow),
+    pytest.param("pp=2,dp_shard=2", "1F1B x2", 8, marks=pytest.mark.slow),  # two stages: both copies whole
     ("pp=2,dp_shard=2", "Interleaved1F1B x2", 14)])  # 4 stages: the deeper copy plans its middle ones only
 def test_the_copies_extrapolate_to_the_full_depth(monkeypatch, mesh, pipeline, n_layers):
     point = screened(_point(mesh, pipeline, n_layers))
