@@ -165,9 +165,7 @@ class PipelineStages:
         for i in (0, last):
             end = shallower.stages[i].plan
             plans[i] = dataclasses.replace(end, objective_us=end.objective_us + block_us)
-        stages = [StagePlan(i, layout.stages[i], layout.rank_of(i), plans[i]) for i in range(layout.n_stages)]
-        return PipelinePlan(layout.schedule, layout.pp, layout.n_microbatches, stages, p2p_us=self.p2p_us(),
-                            notes=[f"stages 0 and {last}: the shallower copy's, {block_us:,.1f} µs longer"])
+        return self._pipeline(layout, plans, [f"stages 0 and {last}: the shallower copy's, {block_us:,.1f} µs longer"])
 
     def p2p_us(self) -> float:
         """One boundary's send of a microbatch's hidden state on the pp axis's link."""
@@ -185,6 +183,9 @@ class PipelineStages:
                 plans, made_on = self.plan_distinct(layout)
         notes = [f"stage {i} is priced by stage {j}'s plan (as many blocks: one solve)"
                  for i, j in made_on.items() if i != j]
+        return self._pipeline(layout, plans, notes)
+
+    def _pipeline(self, layout: PipelineLayout, plans: dict[int, Plan], notes: list[str]) -> PipelinePlan:
         stages = [StagePlan(i, layout.stages[i], layout.rank_of(i), plans[i]) for i in range(layout.n_stages)]
         return PipelinePlan(layout.schedule, layout.pp, layout.n_microbatches, stages, p2p_us=self.p2p_us(),
                             notes=notes)

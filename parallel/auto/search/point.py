@@ -256,13 +256,14 @@ def _depth_scaled_row(point: Point) -> dict:
     """A point priced on two shallow copies of its model, extrapolated to its depth
     (search/depth_scaling.py); a copy's planning error is the point's."""
     shallow, deeper = depth_scaling.shallow_copies(point)
-    plan, row = _plan_and_row(shallow)
-    copies = [row, _pipeline_and_row(deeper, plan)[1] if point.pipeline is not None else _plan_and_row(deeper)[1]]
+    shallow_plan, shallow_row = _plan_and_row(shallow)
+    deeper_row = (_pipeline_and_row(deeper, shallow_plan) if point.pipeline is not None else _plan_and_row(deeper))[1]
+    copies = [shallow_row, deeper_row]
     hw = load_hardware(point.hardware)
     row = {**base_row(point), **depth_scaling.extrapolate(point, copies)}
     row["tokens_per_s"], row["mfu"] = _rates(point, row["step_ms"] * 1e-3, hw)
-    deeper = copies[-1]
-    row.update({k: deeper[k] for k in ("mem_kind", "summary", "solver", "plan_status", "budget") if k in deeper})
+    kept = ("mem_kind", "summary", "solver", "plan_status", "budget")
+    row.update({k: deeper_row[k] for k in kept if k in deeper_row})
     row["oom"] = row.get("mem_gib") is not None and row["mem_gib"] * 2**30 > memory_limit(hw)
     row["status"] = "OOM" if row["oom"] else "ok"
     row["depth_scaled"] = depth_scaling.SCREEN_DEPTHS
