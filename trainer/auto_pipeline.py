@@ -33,7 +33,7 @@ from parallel.auto.plan import Plan
 from parallel.auto.plan.pipeline import PipelinePlan, StagePlan
 from parallel.auto.plan.pipeline_html import save_pipeline_html
 from parallel.auto.request import data_degree
-from parallel.auto.stage_plans import PipelineStages, faster_cut
+from parallel.auto.stage_plans import PipelineStages, SolveKinds, faster_cut
 from parallel.auto.stages import stage_submesh
 from parallel.mesh import PP, flatten_axes
 from parallel.precision import dtype_of
@@ -85,14 +85,21 @@ def auto_pipeline(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, dev
     return pipeline, _gather_plan(layout, plans, pp_mesh, job.p2p_us())
 
 
-def plan_pipeline(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig) -> PipelinePlan:
-    """The pipeline's plan made on this one process (the dry run's fake world): every kind of
-    stage solved once, the cut by their predicted unit times, as `auto_pipeline` cuts."""
+def plan_pipeline(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig,
+                  solve_kinds: SolveKinds | None = None) -> PipelinePlan:
+    """The pipeline's plan made for the dry run's fake world: every kind of stage solved once
+    (on this process, or by `solve_kinds`: trainer/stage_processes.py), the cut by their
+    predicted unit times, as `auto_pipeline` cuts."""
     settings = job_config.parallelism.pipeline
     layout = pipeline_layout(len(transformer_blocks(model)), mesh[PP].size(), settings,
                              job_config.training.local_batch_size)
-    job = _StageJob(model, mesh, job_config, layout)
-    return job.plan(layout, recut=not _fixed_split(settings))
+    return stage_job(model, mesh, job_config, layout, solve_kinds).plan(layout, recut=not _fixed_split(settings))
+
+
+def stage_job(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, layout: Any,
+              solve_kinds: SolveKinds | None = None) -> PipelineStages:
+    """The stages of `job_config`'s pipeline on `mesh` (one microbatch's request, the compute dtype)."""
+    return _StageJob(model, mesh, job_config, layout, solve_kinds)
 
 
 def _fixed_split(settings: Any) -> bool:
@@ -103,12 +110,13 @@ class _StageJob(PipelineStages):
     """This rank's stages: the pipeline's stages of one microbatch's request, and the group
     of ranks that shares a stage's plan."""
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, layout: Any) -> None:
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, job_config: JobConfig, layout: Any,
+                 solve_kinds: SolveKinds | None = None) -> None:
         t = job_config.training
         sub = stage_submesh(mesh)
         request = plan_request(job_config, sub, local_batch_size=t.local_batch_size // layout.n_microbatches,
                                seq_len=t.seq_len)
-        super().__init__(model, mesh, request, _hidden_dtype(job_config))
+        super().__init__(model, mesh, request, _hidden_dtype(job_config), solve_kinds=solve_kinds)
         self.cfg, self.pp_mesh = job_config, mesh[PP]
         self.group = flatten_axes(mesh, [n for n in mesh.mesh_dim_names if n != PP], STAGE_RANKS).get_group()
 

@@ -1,12 +1,14 @@
 """The dry run of an auto-mode pipeline (`train.py --dry-run --world-size N`, mode "auto",
 `pipeline_parallel_degree` > 1), on a fake world: every kind of stage (the first, the last,
-the middle ones of as many blocks) planned once on the stage submesh, the cut by their
+the middle ones of as many blocks) planned once on the stage submesh (the kinds side by side in
+worker processes: trainer/stage_processes.py), the cut by their
 predicted times (trainer/auto_pipeline.py `plan_pipeline`), and the pipeline's plan printed:
 the schedule, each stage's blocks, pp rank, predicted time and peak with the microbatches the
 schedule keeps in flight, against the memory limit."""
 
 from __future__ import annotations
 
+import os
 import time
 
 from models import build_model
@@ -20,13 +22,19 @@ from .config import JobConfig
 from .dry_run import main as recipe_main
 from .dry_run_auto import faked_device, simulated_job
 from .dry_run_auto import main as auto_main
+from .stage_processes import DryRunJob, StageProcesses
 from .tokenizer import tokenizer_vocab
+
+STAGE_WORKERS = max(1, min(4, os.cpu_count() or 1))
+"""Processes the dry run plans its kinds of stage on (a pipeline has three or four kinds)."""
 
 __all__ = ["dry_run_main", "dry_run_pipeline", "format_pipeline_report", "main"]
 
 
-def dry_run_pipeline(job_config: JobConfig, world_size: int) -> tuple[PipelinePlan, list[str]]:
-    """(the pipeline's plan, the report's header and notes) of `job_config` on a fake world."""
+def dry_run_pipeline(job_config: JobConfig, world_size: int, workers: int = STAGE_WORKERS
+                     ) -> tuple[PipelinePlan, list[str]]:
+    """(the pipeline's plan, the report's header and notes) of `job_config` on a fake world;
+    two kinds of stage or more are planned on `workers` processes (trainer/stage_processes.py)."""
     t0 = time.time()
     device = faked_device(job_config)
     cfg, note = simulated_job(job_config, world_size, device)
@@ -36,7 +44,8 @@ def dry_run_pipeline(job_config: JobConfig, world_size: int) -> tuple[PipelinePl
     with T.fake_world(world_size):
         mesh = build_mesh(cfg.parallelism.degrees, world_size, device.type, expert_axis=True)
         model = build_model(m.name, m.flavor, device="meta", **{**m.arg_overrides(), "vocab_size": vocab})
-        plan = plan_pipeline(model, mesh, cfg)
+        elsewhere = StageProcesses(DryRunJob(cfg, world_size, vocab), workers) if workers > 1 else None
+        plan = plan_pipeline(model, mesh, cfg, elsewhere)
         axes = " x ".join(f"{n}={s}" for n, s in zip(mesh.mesh_dim_names, mesh.shape))
     t = cfg.training
     lines = [f"dry run (auto mode, pipeline): {m.name}/{m.flavor} on a fake world of {world_size} ranks, fake "

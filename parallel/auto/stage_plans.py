@@ -8,7 +8,8 @@ pipeline points (search/pipeline_points.py) share: the stage submesh, one microb
 the stage shapes under the schedule, every kind of stage (as many blocks; the first, the last
 or neither) solved once, each unit's predicted time (stages.unit_times) and the cut whose
 slowest stage is fastest (`faster_cut`). ``constrain`` shapes every stage's planner (a preset,
-e.g. the FSDP·TP recipe shape the mesh search prices beside its own picks).
+e.g. the FSDP·TP recipe shape the mesh search prices beside its own picks). ``solve_kinds``
+solves several kinds at once elsewhere (the dry run's worker processes, trainer/stage_processes.py).
 """
 
 from __future__ import annotations
@@ -70,13 +71,26 @@ def faster_cut(layout: PipelineLayout, times: dict[int, float], n_layers: int) -
     return cut
 
 
+@dataclasses.dataclass
+class KindsSolved:
+    """Stage plans made elsewhere: stage -> its plan, and the cost model's hardware (the p2p price)."""
+
+    plans: dict[int, Plan]
+    hardware: Any
+
+
+SolveKinds = Callable[[PipelineLayout, list[int]], KindsSolved]
+"""Solves these stages of a layout (one of each kind not solved yet), e.g. in other processes."""
+
+
 class PipelineStages:
     """What planning a model's pipeline stages needs: the model, the mesh (with its ``pp``
     axis) and the stage submesh, the request of one microbatch (``request.local_batch_size``:
     its rows per data rank), the dtype stages hand each other, and an optional constraint set."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, request: PlanRequest, hidden_dtype: torch.dtype,
-                 constrain: Callable[[AutoParallel], None] | None = None, traces: dict | None = None) -> None:
+                 constrain: Callable[[AutoParallel], None] | None = None, traces: dict | None = None,
+                 solve_kinds: SolveKinds | None = None) -> None:
         self.model, self.mesh, self.sub = model, mesh, stage_submesh(mesh)
         self.request = dataclasses.replace(request, runtime=dataclasses.replace(request.runtime, micro_batches=1))
         self.hidden_dtype, self.constrain = hidden_dtype, constrain
@@ -86,6 +100,7 @@ class PipelineStages:
         self.solved: dict[tuple, Plan] = {}  # kind and microbatches held -> its plan (a recut reuses them)
         # stage -> (module, joint graph) by trace_key: a caller's dict shares them between pipelines
         self.traces: dict[tuple, tuple[nn.Module, Any]] = traces if traces is not None else {}
+        self.solve_kinds = solve_kinds
 
     @property
     def rows(self) -> int:
@@ -114,12 +129,13 @@ class PipelineStages:
         many blocks, the first, the last or neither) are solved once, on the first of them (under
         1F1B it holds the most microbatches: its plan fits the others). (stage -> its kind's plan,
         stage -> the stage that plan was made on)."""
+        self._solve_elsewhere(layout, only)
         made: dict[tuple, int] = {}
-        plans, made_on, last = {}, {}, layout.n_stages - 1
+        plans, made_on = {}, {}
         for i, blocks in enumerate(layout.stages):
             if only is not None and i not in only:
                 continue
-            kind = (len(blocks), i == 0, i == last)
+            kind, last = self.kind(layout, i), i == layout.n_stages - 1
             if kind not in made:
                 made[kind] = i
                 solved = (*kind, layout.in_flight(i))  # a cut planned before may have solved it
@@ -138,6 +154,26 @@ class PipelineStages:
             made_on[i] = made[kind]
             plans[i] = plans[made[kind]]
         return plans, made_on
+
+    def kind(self, layout: PipelineLayout, stage: int) -> tuple[int, bool, bool]:
+        """What makes two stages' plans one: as many blocks, the first or not, the last or not."""
+        return len(layout.stages[stage]), stage == 0, stage == layout.n_stages - 1
+
+    def _solve_elsewhere(self, layout: PipelineLayout, only: list[int] | None) -> None:
+        """Two or more kinds not solved yet, and a `solve_kinds`: solve them there, one each."""
+        if self.solve_kinds is None:
+            return
+        firsts: dict[tuple, int] = {}
+        for i in range(layout.n_stages):
+            kind = self.kind(layout, i)
+            if (only is None or i in only) and kind not in firsts and (*kind, layout.in_flight(i)) not in self.solved:
+                firsts[kind] = i
+        if len(firsts) < 2:
+            return
+        got = self.solve_kinds(layout, list(firsts.values()))
+        self.hw = got.hardware
+        for kind, i in firsts.items():
+            self.solved[(*kind, layout.in_flight(i))] = got.plans[i]
 
     def unit_times(self, layout: PipelineLayout, plans: dict[int, Plan], made_on: dict[int, int] | None = None
                    ) -> dict[int, float]:

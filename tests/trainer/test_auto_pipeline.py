@@ -120,3 +120,28 @@ def test_the_dry_run_plans_each_kind_of_stage_once_and_checks_each_stages_memory
     assert "dry run (auto mode, pipeline)" in out and "mesh pp=2 x dp_shard=2" in out
     assert "over 3 distinct stage plans" in out and "priced by stage 1's plan" in out, out
     assert out.count(": fits") == 4 and "pipeline: Interleaved1F1B, 4 stages on pp = 2" in out
+
+
+@pytest.mark.slow
+def test_stage_kinds_planned_in_worker_processes_are_the_plans_one_process_makes(capfd):
+    """The dry run's kinds of stage solved side by side in spawned processes
+    (trainer/stage_processes.py) come back as the plans one process makes: every stage's
+    placements, recomputation, predicted time and peak; one progress line a kind."""
+    from trainer.dry_run_pipeline import dry_run_pipeline
+
+    cfg = load_config("llama3_debug_auto", PP2 + ["--parallelism.hardware", "h100", "--model.n_layers", "6",
+                                                 "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                                 "--activation_checkpoint.mode", "auto"], world_size=4)
+    alone, _ = dry_run_pipeline(cfg, 4, workers=1)
+    assert "planned in" not in capfd.readouterr().err
+    side_by_side, _ = dry_run_pipeline(cfg, 4, workers=2)
+    err = capfd.readouterr().err
+    assert err.count("[dry run] pipeline stage") == 3 and "(3/3 kinds" in err and "2 processes" in err, err
+
+    def decided(plan):
+        return [(s.index, s.layers, s.rank, s.plan.objective_us, s.plan.recompute,
+                 {k: v for k, v in s.plan.to_json().items() if k not in ("timings", "memory")},
+                 s.peak_bytes(plan.in_flight(s.index))) for s in plan.stages]
+
+    assert decided(side_by_side) == decided(alone)
+    assert side_by_side.step_us == alone.step_us and side_by_side.p2p_us == alone.p2p_us
