@@ -1,10 +1,10 @@
 """The dry run of an auto-mode pipeline (`train.py --dry-run --world-size N`, mode "auto",
 `pipeline_parallel_degree` > 1), on a fake world: every kind of stage (the first, the last,
-the middle ones of as many blocks) planned once on the stage submesh (the kinds side by side in
-worker processes: trainer/stage_processes.py), the cut by their
-predicted times (trainer/auto_pipeline.py `plan_pipeline`), and the pipeline's plan printed:
-the schedule, each stage's blocks, pp rank, predicted time and peak with the microbatches the
-schedule keeps in flight, against the memory limit."""
+the middle ones of as many blocks) planned once on the stage submesh, side by side in worker
+processes (trainer/stage_processes.py), the cut by their predicted times (trainer/auto_pipeline.py
+`plan_pipeline`), and the pipeline's plan printed: the schedule, each stage's blocks, pp rank,
+predicted time and peak with the microbatches the schedule keeps in flight, against the memory
+limit."""
 
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ import dataclasses
 import multiprocessing
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
 import torch
@@ -29,7 +28,9 @@ from parallel.auto.stage_plans import KindsSolved
 from parallel.mesh import build_mesh
 from parallel.recipes.pp import PipelineLayout
 
+from .auto_pipeline import stage_job
 from .config import JobConfig
+from .dry_run_auto import faked_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,16 +54,15 @@ class StageProcesses:
         plans: dict[int, Plan] = {}
         hardware: Any = None
         t0 = time.perf_counter()
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(self.workers, len(order)), mp_context=ctx) as pool:
-            running = {pool.submit(_plan_stage, self.job, layout, i): i for i in order}
-            for done in as_completed(running):
-                i = running[done]
-                plan_json, hardware, seconds = done.result()
+        n = min(self.workers, len(order))
+        # leaving the pool terminates its processes: a kind that failed does not wait for the others
+        with multiprocessing.get_context("spawn").Pool(n) as pool:
+            tasks = [(self.job, layout, i) for i in order]
+            for i, plan_json, hardware, seconds in pool.imap_unordered(_plan_stage, tasks, chunksize=1):
                 plans[i] = Plan.from_json(plan_json, source=f"stage {i}'s worker")
                 print(f"[dry run] pipeline stage {i} ({_stage_words(layout, i)}) planned in {seconds:.1f} s "
-                      f"({len(plans)}/{len(order)} kinds, {time.perf_counter() - t0:.0f} s, "
-                      f"{min(self.workers, len(order))} processes)", file=sys.stderr, flush=True)
+                      f"({len(plans)}/{len(order)} kinds, {time.perf_counter() - t0:.0f} s, {n} processes)",
+                      file=sys.stderr, flush=True)
         return KindsSolved(plans, hardware)
 
 
@@ -73,12 +73,10 @@ def _stage_words(layout: PipelineLayout, i: int) -> str:
     return " + ".join(parts) + f", {layout.in_flight(i)} in flight"
 
 
-def _plan_stage(job: DryRunJob, layout: PipelineLayout, stage: int) -> tuple[dict, Any, float]:
-    """In a worker: stage `stage` of `layout` planned on its own fake world (plan JSON, the
-    cost model's hardware, seconds)."""
-    from .auto_pipeline import stage_job  # the worker's import, after spawn
-    from .dry_run_auto import faked_device
-
+def _plan_stage(task: tuple[DryRunJob, PipelineLayout, int]) -> tuple[int, dict, Any, float]:
+    """In a worker: one stage of a layout planned on its own fake world (the stage, its plan's
+    JSON, the cost model's hardware, seconds)."""
+    job, layout, stage = task
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     cfg, m = job.job_config, job.job_config.model
@@ -88,4 +86,4 @@ def _plan_stage(job: DryRunJob, layout: PipelineLayout, stage: int) -> tuple[dic
         model = build_model(m.name, m.flavor, device="meta", **{**m.arg_overrides(), "vocab_size": job.vocab_size})
         stages = stage_job(model, mesh, cfg, layout)
         plans, _ = stages.plan_distinct(layout, only=[stage])
-        return plans[stage].to_json(), stages.hw, time.perf_counter() - t0
+        return stage, plans[stage].to_json(), stages.hw, time.perf_counter() - t0
