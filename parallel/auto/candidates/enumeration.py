@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,13 +234,17 @@ class OpEnumerator:
             self.coverage.counts[name] += 1
 
     def _enumerate_shared(self, key: Any, node: fx.Node) -> tuple[list[Any], str, str | None]:
+        return self._shared(key, lambda: self._enumerate_uncached(node))
+
+    def _shared(self, key: Any, enumerate_: Callable[[], tuple[list[Any], str, str | None]]
+                ) -> tuple[list[Any], str, str | None]:
         """From this mesh's shared cache, or enumerated and added to it; the strategies it
         dropped are counted in this build's coverage either way."""
         entry = self.shared.get(key)
         cov = self.coverage
         if entry is None:
             before = (cov.dropped_strided, cov.dropped_uneven)
-            specs, source, why = self._enumerate_uncached(node)
+            specs, source, why = enumerate_()
             dropped = (cov.dropped_strided - before[0], cov.dropped_uneven - before[1])
             self.shared[key] = (specs, source, why, dropped)
             return specs, source, why
@@ -418,11 +423,13 @@ class OpEnumerator:
         input placement of the keys and only their answers inside `keys` are kept. Nothing
         left -> replicate-only (counted in the coverage report).
         """
-        # by identity: seeding hands identical balls out as one shared list, alive for the whole build
-        ck = ("restricted", self.key(node) if key is None else key, id(keys), len(keys))
+        # by identity: seeding hands identical balls out as one shared list, alive for the whole build;
+        # by value in the mesh's shared cache (a search's shallow copies ask for the same balls)
+        op_key = self.key(node) if key is None else key
+        ck = ("restricted", op_key, id(keys), len(keys))
         hit = self.cache.get(ck)
         if hit is None:
-            hit = self._restricted_uncached(node, keys)
+            hit = self._shared(("restricted", op_key, tuple(keys)), lambda: self._restricted_uncached(node, keys))
             self.cache[ck] = hit
         specs, source, why = hit
         self.record_fallback(node, why)

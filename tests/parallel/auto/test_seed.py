@@ -223,3 +223,34 @@ def test_saved_placements_no_axis_menu_has_are_refused_on_a_seeded_mesh(seeded_3
         plan.nodes[wq].output_placements = ["(S(7), R, R)"]  # no such dim
         with pytest.raises(PlanMismatchError, match="layers.0.attention.wq.weight"):
             plan_candidates(seeded_3d["graph"], mesh, plan)
+
+
+def test_a_deeper_copy_on_the_same_mesh_reuses_the_restricted_menus(jg, monkeypatch):
+    """The mesh search's shallow copies (2 and 3 blocks) ask for the same seeded balls: the
+    second build on that mesh takes them from the mesh's shared cache by value, and its
+    candidates and coverage are those of a build on a fresh mesh object."""
+    deeper = trace_joint(build_model("llama3", "debug", device="meta", **{**TINY, "n_layers": 3}), _inputs(), lm_loss)
+    shape, names = (2, 2, 2), ("dp", "cp", "tp")
+    real = OpEnumerator._restricted_uncached
+    asked: list[str] = []
+
+    def counted(self, node, keys):
+        asked.append(node.name)
+        return real(self, node, keys)
+
+    monkeypatch.setattr(OpEnumerator, "_restricted_uncached", counted)
+    with fake_world(8):
+        cm = CostModel("h100", shape, names)
+        fresh_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        alone, _ = seeded_candidates(deeper, fresh_mesh, cm, radius=1)
+        asked_alone = len(asked)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        seeded_candidates(jg, mesh, cm, radius=1)
+        asked.clear()
+        after, _ = seeded_candidates(deeper, mesh, cm, radius=1)
+    assert asked_alone > 0 and len(asked) < asked_alone / 2, (len(asked), asked_alone)
+    assert set(after.nodes) == set(alone.nodes)
+    for name, c in after.nodes.items():
+        assert [_key(s) for s in c.specs] == [_key(s) for s in alone.nodes[name].specs], name
+    assert (after.coverage.dropped_strided, after.coverage.dropped_uneven) == \
+        (alone.coverage.dropped_strided, alone.coverage.dropped_uneven)
