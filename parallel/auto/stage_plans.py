@@ -129,51 +129,46 @@ class PipelineStages:
         many blocks, the first, the last or neither) are solved once, on the first of them (under
         1F1B it holds the most microbatches: its plan fits the others). (stage -> its kind's plan,
         stage -> the stage that plan was made on)."""
-        self._solve_elsewhere(layout, only)
-        made: dict[tuple, int] = {}
-        plans, made_on = {}, {}
-        for i, blocks in enumerate(layout.stages):
-            if only is not None and i not in only:
-                continue
-            kind, last = self.kind(layout, i), i == layout.n_stages - 1
-            if kind not in made:
-                made[kind] = i
-                solved = (*kind, layout.in_flight(i))  # a cut planned before may have solved it
-                if solved not in self.solved:
-                    t0 = time.perf_counter()
-                    key = self.trace_key(layout, i)
-                    part, graph = self.traces.get(key) or (self.part(layout, i), None)
-                    with self.planner(layout, i, part, graph) as autop:
-                        self.solved[solved] = autop.optimize_placement(verbose=False)
-                        _keep(self.traces, key, (part, autop.graph))
-                    if not dist.is_initialized() or dist.get_rank() == 0:
-                        logger.info("pipeline stage %d (%d blocks%s%s) planned in %.1f s", i, len(blocks),
-                                    ", the embedding" if i == 0 else "", ", the output" if i == last else "",
-                                    time.perf_counter() - t0)
-                plans[i] = self.solved[solved]
-            made_on[i] = made[kind]
-            plans[i] = plans[made[kind]]
-        return plans, made_on
+        firsts = self.kinds(layout, only)
+        todo = {kind: i for kind, i in firsts.items() if self._solved_key(layout, i) not in self.solved}
+        if self.solve_kinds is not None and len(todo) > 1:  # side by side, elsewhere
+            got = self.solve_kinds(layout, list(todo.values()))
+            self.hw = got.hardware
+            self.solved.update((self._solved_key(layout, i), got.plans[i]) for i in todo.values())
+        for i in todo.values():
+            if self._solved_key(layout, i) not in self.solved:
+                self._solve(layout, i)
+        made_on = {i: firsts[self.kind(layout, i)] for i in range(layout.n_stages) if only is None or i in only}
+        return {i: self.solved[self._solved_key(layout, j)] for i, j in made_on.items()}, made_on
 
     def kind(self, layout: PipelineLayout, stage: int) -> tuple[int, bool, bool]:
         """What makes two stages' plans one: as many blocks, the first or not, the last or not."""
         return len(layout.stages[stage]), stage == 0, stage == layout.n_stages - 1
 
-    def _solve_elsewhere(self, layout: PipelineLayout, only: list[int] | None) -> None:
-        """Two or more kinds not solved yet, and a `solve_kinds`: solve them there, one each."""
-        if self.solve_kinds is None:
-            return
+    def kinds(self, layout: PipelineLayout, only: list[int] | None = None) -> dict[tuple, int]:
+        """Each kind of stage among `only` (default: all) -> the first stage of it."""
         firsts: dict[tuple, int] = {}
         for i in range(layout.n_stages):
-            kind = self.kind(layout, i)
-            if (only is None or i in only) and kind not in firsts and (*kind, layout.in_flight(i)) not in self.solved:
-                firsts[kind] = i
-        if len(firsts) < 2:
-            return
-        got = self.solve_kinds(layout, list(firsts.values()))
-        self.hw = got.hardware
-        for kind, i in firsts.items():
-            self.solved[(*kind, layout.in_flight(i))] = got.plans[i]
+            if only is None or i in only:
+                firsts.setdefault(self.kind(layout, i), i)
+        return firsts
+
+    def _solved_key(self, layout: PipelineLayout, stage: int) -> tuple:
+        """A stage's kind and microbatches held: a cut planned before may have solved it."""
+        return (*self.kind(layout, stage), layout.in_flight(stage))
+
+    def _solve(self, layout: PipelineLayout, i: int) -> None:
+        """Stage `i` planned on this process (its trace reused when a caller's dict has it)."""
+        t0 = time.perf_counter()
+        key = self.trace_key(layout, i)
+        part, graph = self.traces.get(key) or (self.part(layout, i), None)
+        with self.planner(layout, i, part, graph) as autop:
+            self.solved[self._solved_key(layout, i)] = autop.optimize_placement(verbose=False)
+            _keep(self.traces, key, (part, autop.graph))
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            last = i == layout.n_stages - 1
+            logger.info("pipeline stage %d (%d blocks%s%s) planned in %.1f s", i, len(layout.stages[i]),
+                        ", the embedding" if i == 0 else "", ", the output" if last else "", time.perf_counter() - t0)
 
     def unit_times(self, layout: PipelineLayout, plans: dict[int, Plan], made_on: dict[int, int] | None = None
                    ) -> dict[int, float]:
