@@ -118,6 +118,39 @@ def drop_dead_nodes(gm: Any) -> int:
     return before - len(gm.graph.nodes)
 
 
+_ADD = torch.ops.aten.add.Tensor
+_ADD_ = torch.ops.aten.add_.Tensor
+_HIDDEN_ALIASES = {"_unsafe_view"}  # a view whose schema does not say so
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    x, y = a.meta.get("val"), b.meta.get("val")
+    return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype \
+        and tuple(x.shape) == tuple(y.shape) and x.stride() == y.stride()
+
+
+def reinplace_adds(gm: Any) -> int:
+    """Turn `add(a, b)` into `a.add_(b)` where `a` is a fresh tensor nothing else reads, of the
+    sum's dtype, shape and strides: the backward's sums of several gradient contributions
+    (the residual stream, q/k/v's input gradient), which autograd's engine accumulates in
+    place and an eager FX graph would allocate anew, an untouched page each, every step. Only
+    for a graph run eagerly (Inductor fuses these itself). Returns how many adds now write
+    in place; the caller regenerates the code."""
+    changed = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not _ADD or n.kwargs or len(n.args) != 2:
+            continue
+        for i, a in enumerate(n.args):
+            other = n.args[1 - i]
+            if a is other or not _fresh_and_only_read_by(a, n) or T.op_name(a.target) in _HIDDEN_ALIASES \
+                    or not _same_layout(a, n):
+                continue
+            n.target, n.args = _ADD_, (a, other)  # a + b == b + a exactly: the sum is unchanged
+            changed += 1
+            break
+    return changed
+
+
 class CompileError(RuntimeError):
     """Inductor could not compile the step graph (the message says why and what to set)."""
 
@@ -204,6 +237,7 @@ class StepGraph:
         self.fn: Callable[..., Any] = _not_executable
         self.first_call_seconds: float | None = None
         self.recompile_seconds = 0.0
+        self.adds_in_place = 0
         log.info("apply: step graph traced in %.1fs (%d nodes, %d collectives)%s", self.trace_seconds,
                  len(self.gm.graph.nodes), self.collectives, ", compiling with Inductor" if compile else "")
         if executable:
@@ -221,6 +255,8 @@ class StepGraph:
                 raise RuntimeError(f"this StepGraph is already executable with compile={self.compiled}")
             return self
         t0 = time.perf_counter()
+        if not compile:
+            self.adds_in_place = reinplace_adds(self.gm)
         T.generate_code(self.gm)
         self.recompile_seconds = time.perf_counter() - t0
         self.compiled = compile
