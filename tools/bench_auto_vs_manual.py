@@ -17,11 +17,15 @@ Same model, global batch, optimizer and world size for every variant:
                                                        (gathered again in the backward, not chosen)
                                                      auto_4_per_block  auto_4 with one gradient
                                                        bucket per block (reduce_bucket_mb 0)
+                                                     auto_2x2_fsdp_tp  the planner on the 2 x 2
+                                                       (shard x tp) mesh, FSDP + Megatron TP preset
 Every auto variant plans with `hardware = "auto"` (this machine, measured); the presets
 (parallel/auto/search/presets.py `fsdp`, `ddp`) are plan constraints given to the Trainer, as in
 scripts/fidelity.py. The table separates the two gains: planner = free auto / the best
 preset on the same (auto) runtime; runtime = a preset on the auto runtime / the matching
-hand recipe (auto_4_fsdp / fsdp, auto_4_ddp / ddp). A 1-rank run of the same job comes
+hand recipe (auto_4_fsdp / fsdp, auto_4_ddp / ddp, auto_2x2_fsdp_tp / fsdp_tp). `--profile K`
+adds rank 0's torch profile of K more steps of each variant (its phases, top ops by self CPU
+time, when its collectives started): where a runtime loses to its recipe. A 1-rank run of the same job comes
 first; every variant's losses must track it (rtol 1e-4) before any speed is printed.
 Steps are timed round-robin across the variants (tools/bench_common.py); tokens/s from
 the median step.
@@ -32,7 +36,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from tools.bench_common import run_on_ranks, temp_folder, time_round_robin
+from tools.bench_common import profile_steps, run_on_ranks, temp_folder, time_round_robin
 
 VARIANTS = {
     "ddp": ["--parallelism.mode", "manual", "--parallelism.data_parallel_replicate_degree", "4"],
@@ -55,10 +59,13 @@ VARIANTS = {
                     "--parallelism.data_parallel_shard_degree", "2"],
     "auto_2x2_tp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "2",
                     "--parallelism.tensor_parallel_degree", "2"],
+    "auto_2x2_fsdp_tp": ["--parallelism.mode", "auto", "--parallelism.data_parallel_shard_degree", "2",
+                         "--parallelism.tensor_parallel_degree", "2"],
 }
 RECIPES = ("ddp", "fsdp", "hsdp", "fsdp_tp")
 # variant -> (preset, its hand recipe)
-PRESETS = {"auto_4_fsdp": ("fsdp", "fsdp"), "auto_4_ddp": ("ddp", "ddp"), "auto_4_fsdp_kept": ("fsdp", "fsdp")}
+PRESETS = {"auto_4_fsdp": ("fsdp", "fsdp"), "auto_4_ddp": ("ddp", "ddp"), "auto_4_fsdp_kept": ("fsdp", "fsdp"),
+           "auto_2x2_fsdp_tp": ("fsdp_tp", "fsdp_tp")}
 FREE = ("auto_4", "auto_2x2_dp", "auto_2x2_tp")
 RTOL = 1e-4
 
@@ -92,9 +99,23 @@ class _Job:
         built = {}
         for name in self.args.variants:
             flags = [*_flags(self.args, self.tmp, name, _data_degree(VARIANTS[name])), *VARIANTS[name]]
-            preset = getattr(presets, PRESETS[name][0]) if name in PRESETS else None
+            preset = _preset(presets, PRESETS[name][0]) if name in PRESETS else None
             built[name] = Trainer(load_config(self.args.config, flags, world_size=4), plan_constraints=preset)
-        return time_round_robin(built, self.args.warmup, self.args.steps, measure=_plan_digest)
+        rows = time_round_robin(built, self.args.warmup, self.args.steps, measure=_plan_digest)
+        if self.args.profile:
+            for name, prof in profile_steps(built, self.args.profile).items():
+                rows[name]["profile"] = prof
+        return rows
+
+
+def _preset(presets, name: str):
+    """The plan constraints of a preset variant: parallel/auto/search/presets.py's function, or
+    the mesh search's FSDP + Megatron TP shape (TorchTitan's, the `fsdp_tp` recipe's)."""
+    if name == "fsdp_tp":
+        from parallel.auto.search.point import PRESETS as SHAPES
+
+        return SHAPES["fsdp_tp"]
+    return getattr(presets, name)
 
 
 def _plan_digest(name: str, trainer) -> dict:
@@ -146,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--profile", type=int, default=0, metavar="K",
+                   help="after the timing, profile K more steps of each variant on rank 0 and print its top "
+                        "ops, phases and when each collective started")
     args = p.parse_args(argv)
     tmp = temp_folder()
     t0 = time.perf_counter()
@@ -167,7 +191,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:.0f} | {r['loss_rel']:.1e} "
               f"| {r['digest']} |")
     print_gains({n: r["tokens_per_s"] for n, r in rows.items()}, {n: r["digest"] for n, r in rows.items()})
+    for name, r in rows.items():
+        if "profile" in r:
+            print_profile(name, r["profile"])
     return 0
+
+
+def print_profile(name: str, prof: dict) -> None:
+    """One variant's rank-0 profile (ms a step): its phases, top ops and collective starts."""
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in prof["phases"].items())
+    print(f"\n#### {name}: rank 0, ms a step: {phases}\n\n| op | self CPU ms | calls |\n|---|---|---|")
+    for op, ms, calls in prof["ops"]:
+        print(f"| {op} | {ms:.1f} | {calls} |")
+    starts = prof["collectives"]
+    if starts:
+        shown = ", ".join(f"{op.split('::')[-1]} @{t:.0f}" for op, t in starts[:12])
+        print(f"\ncollectives of the last step ({len(starts)}), started at ms: {shown}"
+              f"{' ...' if len(starts) > 12 else ''}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ machine's speed drifts; figures are medians over the timed steps.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue
@@ -49,6 +50,54 @@ def time_round_robin(built: dict[str, Any], warmup: int, steps: int,
         if measure is not None:
             out[v].update(measure(v, trainer))
     return out
+
+
+def profile_steps(built: dict[str, Any], steps: int, top: int = 12) -> dict[str, dict]:
+    """Rank 0's torch profile of `steps` more steps of every built trainer, one variant after
+    another (every rank steps in lockstep; only rank 0 records): per variant its `top` ops by
+    self CPU time, the step's phases (forward_backward, clip, optimizer) and its collectives
+    with when each started (ms after the step began), all per step."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from parallel.measure import PHASE_PREFIX
+
+    out = {}
+    for v, trainer in built.items():
+        it = iter(trainer.dataloader)
+        batches = [next(it) for _ in range(steps)]
+        dist.barrier()
+        prof = profile(activities=[ProfilerActivity.CPU]) if dist.get_rank() == 0 else contextlib.nullcontext()
+        with prof:
+            for inputs, labels in batches:
+                with torch.profiler.record_function("bench_step"):
+                    trainer.train_step(inputs, labels)
+                dist.barrier()
+        if dist.get_rank() != 0:
+            continue
+        avg = prof.key_averages()
+        ops = sorted((e for e in avg if not e.key.startswith((PHASE_PREFIX, "bench_step", "ProfilerStep"))),
+                     key=lambda e: -e.self_cpu_time_total)[:top]
+        phases = {e.key.removeprefix(PHASE_PREFIX): e.cpu_time_total / 1e3 / steps
+                  for e in avg if e.key.startswith(PHASE_PREFIX)}
+        out[v] = {"ops": [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count // steps) for e in ops],
+                  "phases": phases, "collectives": _collective_starts(prof.events())}
+    return out
+
+
+def _collective_starts(events: Any) -> list[tuple[str, float]]:
+    """(collective, ms after its step began) of the last profiled step: c10d's dispatcher ops
+    (the functional collectives call them too, so each is counted once; DDP's reducer calls
+    the process group directly, so its buckets do not show)."""
+    steps = [e for e in events if e.name == "bench_step"]
+    if not steps:
+        return []
+    last = max(steps, key=lambda e: e.time_range.start)
+    t0, t1 = last.time_range.start, last.time_range.end
+    picked = [(e.name, (e.time_range.start - t0) / 1e3) for e in events
+              if t0 <= e.time_range.start <= t1 and e.name.startswith("c10d::") and e.name != "c10d::barrier"]
+    return sorted(picked, key=lambda x: x[1])
 
 
 def free_port() -> int:
