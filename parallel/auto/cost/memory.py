@@ -31,7 +31,7 @@ The labels sum to the peak. Eager execution only: Inductor plans its own buffers
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -176,7 +176,8 @@ def _forward_end(loss: fx.Node) -> fx.Node:
 class _Liveness:
     """Live ranges of the storages of a graph's values (node positions, inclusive)."""
 
-    def __init__(self, gm: fx.GraphModule, gather_staging: bool = False):
+    def __init__(self, gm: fx.GraphModule, gather_staging: bool = False,
+                 held: Sequence[tuple[fx.Node, fx.Node, int]] = ()):
         self.nodes = list(gm.graph.nodes)
         pos = {n: i for i, n in enumerate(self.nodes)}
         self.size: dict[Hashable, int] = {}
@@ -201,6 +202,9 @@ class _Liveness:
         self.staging: set[Hashable] = set()  # gloo's flat all-gather buffers (synthetic keys, negative)
         if gather_staging:
             self._stage_gathers(pos)
+        for j, (a, b, nbytes) in enumerate(held):  # kept outside the graph's values, from a to b
+            key = ("held", j)
+            self.size[key], self.start[key], self.end[key], self.producer[key] = nbytes, pos[a], pos[b], a
 
     def keys(self, n: fx.Node) -> list[tuple[Hashable, int]]:
         """(storage, bytes) of a node's tensors, a wait's result as its collective's output."""
@@ -301,7 +305,8 @@ def _sweep(lv: _Liveness, labels: dict[Hashable, str], boundary: int) -> tuple[_
 
 def step_graph_memory(gm: fx.GraphModule, *, n_inputs: int, n_outputs: int, state_bytes: int,
                       optimizer_bytes: int, optimizer_temp: int, gather_staging: bool = False,
-                      reduced_grad_bytes: int | None = None) -> MemoryEstimate:
+                      reduced_grad_bytes: int | None = None,
+                      held: Sequence[tuple[fx.Node, fx.Node, int]] = ()) -> MemoryEstimate:
     """The peak of one training step of `gm` (a rank's step graph: `(param locals, buffer
     locals, input locals) -> (outputs..., gradients...)`), see the module docstring.
 
@@ -311,8 +316,10 @@ def step_graph_memory(gm: fx.GraphModule, *, n_inputs: int, n_outputs: int, stat
     `reduced_grad_bytes`: `gm` is a micro-batch's graph without gradient reductions
     (gradient accumulation): the earlier micro-batches' summed unreduced gradients (as large
     as this graph's) are held through it, then reduced once into gradients of this many bytes.
+    `held`: memory the run keeps beside the graph's values, (from node, to node, bytes): a
+    region's forward kept for its backward (regions/tape.py).
     """
-    lv = _Liveness(gm, gather_staging)
+    lv = _Liveness(gm, gather_staging, held)
     outs = [a for a in gm.graph.output_node().args[0] if isinstance(a, fx.Node)]
     pos = {n: i for i, n in enumerate(lv.nodes)}
     boundary = max(pos[_forward_end(n)] for n in outs[:n_outputs])  # the loss: the forward ends there

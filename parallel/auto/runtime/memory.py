@@ -32,6 +32,7 @@ from parallel.auto.cost.comm import AxisLink
 from parallel.auto.cost.memory import MemoryEstimate, optimizer_temp_bytes, step_graph_memory
 from parallel.auto.cost.simulate import StepPrediction, simulate_step
 from parallel.auto.plan import Plan
+from parallel.auto.regions.tape import pair_region_calls, taped_bytes
 from parallel.auto.runtime.device import runtime_device
 from parallel.auto.runtime.options import RuntimeOptions
 from parallel.auto.runtime.redistribute import contiguous_stride
@@ -112,7 +113,8 @@ def step_memory(step: TracedStep, mesh: DeviceMesh, optimizer: str = "foreach") 
                             state_bytes=sum(local) + step.buffer_bytes, optimizer_bytes=2 * sum(trained),
                             optimizer_temp=optimizer_temp_bytes(trained, optimizer),
                             gather_staging=_on_gloo(mesh),
-                            reduced_grad_bytes=None if sg.reduces else sum(trained))
+                            reduced_grad_bytes=None if sg.reduces else sum(trained),
+                            held=[(f, b, taped_bytes(f)) for f, b in pair_region_calls(sg.gm)])
     est.recompute = step.options.ac_label
     by_layer = step.runner.ac_by_layer()
     if set(by_layer.values()) - {"none"}:  # the picture labels each block's choice

@@ -31,6 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from parallel import _torch as T
+from parallel.auto.regions.tape import RegionTape, use_region_tape
 from parallel.auto.runtime.local_graphs import dspec, local_value, wrap
 from parallel.auto.runtime.schedule import OverlapReport, count_collectives, schedule_overlap
 
@@ -238,6 +239,7 @@ class StepGraph:
         self.first_call_seconds: float | None = None
         self.recompile_seconds = 0.0
         self.adds_in_place = 0
+        self.region_tape: RegionTape | None = None  # the eager run's region forwards kept for their backward
         log.info("apply: step graph traced in %.1fs (%d nodes, %d collectives)%s", self.trace_seconds,
                  len(self.gm.graph.nodes), self.collectives, ", compiling with Inductor" if compile else "")
         if executable:
@@ -255,8 +257,9 @@ class StepGraph:
                 raise RuntimeError(f"this StepGraph is already executable with compile={self.compiled}")
             return self
         t0 = time.perf_counter()
-        if not compile:
+        if not compile:  # Inductor fuses the sums itself; a compiled region op recomputes its forward
             self.adds_in_place = reinplace_adds(self.gm)
+            self.region_tape = use_region_tape(self.gm)
         T.generate_code(self.gm)
         self.recompile_seconds = time.perf_counter() - t0
         self.compiled = compile

@@ -1,0 +1,172 @@
+"""A region's forward kept for its backward in an eager step graph, instead of recomputed.
+
+A region's backward op recomputes the region's local function under autograd to get its
+vjp (ops.py): the op pair is all a traced graph can hold, since the region's internals
+(routed token counts, an all-to-all's splits) are data-dependent. In the plan's eager step
+graph the pair runs in one Python call, though, so the forward can run under autograd
+once and hand its graph to the backward, as the plain model's autograd does: the
+DeepSeek-V3 debug step ran 48 expert matmuls more than torch's DDP on the same plan, each
+MoE region's forward a second time (bench_auto_vs_manual --profile).
+
+* `pair_region_calls`: each backward node with the forward node it undoes (the last one
+  before it with the same inputs: an activation-checkpointed recomputation of the forward
+  pairs, not the original; the two layouts differ, the backward's also placing the
+  gradients, but describe one option, so the forward's graph is the one the backward's
+  recomputation would build);
+* `RegionTape`: the replacement bodies of a paired forward (runs under autograd, keeps the
+  graph) and backward (uses it once; recomputes if it is missing);
+* `taped_bytes`: what a kept forward holds until its backward (the memory estimate's
+  figure), from the region's balanced-routing shape function on fake inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from parallel import _torch as T
+from parallel.auto.regions.declaration import lookup, region_of
+from parallel.auto.regions.layout import check_outputs
+from parallel.auto.regions.ops import _backward_impl, _run_local, _split, as_tuple, single
+
+__all__ = ["RegionTape", "pair_region_calls", "taped_bytes"]
+
+
+def _same_layouts(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    va, vb = [x.meta.get("val") if isinstance(x, fx.Node) else x for x in a], \
+        [x.meta.get("val") if isinstance(x, fx.Node) else x for x in b]
+    return all(isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+               and x.dtype == y.dtype and x.stride() == y.stride() for x, y in zip(va, vb))
+
+
+def pair_region_calls(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """(forward node, backward node) of every region call whose backward is in the graph:
+    the backward undoes the last forward of its region not yet undone (autograd's order),
+    whose inputs have the same shapes, dtypes and strides."""
+    open_calls: dict[str, list[fx.Node]] = {}
+    pairs = []
+    for n in gm.graph.nodes:
+        hit = region_of(n.target) if n.op == "call_function" else None
+        if hit is None:
+            continue
+        r, backward = hit
+        calls = open_calls.setdefault(r.name, [])
+        if not backward:
+            calls.append(n)
+        elif calls and _same_layouts(calls[-1].args[:r.n_inputs], n.args[r.n_outputs:r.n_outputs + r.n_inputs]):
+            pairs.append((calls.pop(), n))
+    return pairs
+
+
+class _Inputs:
+    """The saved tensors of a kept forward that are (views of) its inputs, packed as where
+    they sit in which input, and unpacked from the inputs the backward is given (the same
+    values: a parameter gathered again, an activation recomputed), so the tape holds only
+    what the region made itself."""
+
+    def __init__(self, leaves: list[torch.Tensor]):
+        self.leaves = leaves
+        self.given: Sequence[torch.Tensor] = ()
+
+    def pack(self, t: torch.Tensor) -> Any:
+        sid = T.storage_id(t)
+        for i, leaf in enumerate(self.leaves):
+            if T.storage_id(leaf) == sid and leaf.storage_offset() <= t.storage_offset() < \
+                    leaf.storage_offset() + max(leaf.numel(), 1) * max(leaf.stride() or (1,)):
+                return (i, tuple(t.shape), t.stride(), t.storage_offset() - leaf.storage_offset())
+        return t
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        i, shape, stride, offset = packed
+        given = self.given[i]
+        return given.as_strided(shape, stride, given.storage_offset() + offset)
+
+    def fit(self, given: Sequence[torch.Tensor]) -> bool:
+        """Whether `given` can stand for the forward's inputs (same shapes and strides)."""
+        return len(given) == len(self.leaves) and all(
+            g.shape == x.shape and g.stride() == x.stride() and g.dtype == x.dtype for g, x in zip(given, self.leaves))
+
+
+class RegionTape:
+    """Forward graphs of region calls kept, slot by slot, from a forward node's run to its
+    backward node's (one slot per pair of `pair_region_calls`)."""
+
+    def __init__(self) -> None:
+        self.kept: dict[int, tuple[_Inputs, tuple[torch.Tensor, ...]]] = {}
+        self.recomputed = 0  # backward calls that found no kept forward
+
+    def forward(self, slot: int, name: str, *xs: Any, layout: str = "") -> Any:
+        xs, layout = _split(xs, layout)
+        r = lookup(name)
+        inputs = _Inputs([x.detach().requires_grad_(x.is_floating_point()) for x in xs])
+        with T.autograd_enabled(), torch.autograd.graph.saved_tensors_hooks(inputs.pack, inputs.unpack):
+            outs = _run_local(r, inputs.leaves, layout)
+        if layout:
+            check_outputs(r.name, outs, layout)
+        self.kept[slot] = (inputs, outs)
+        return single([(o.detach().clone() if any(o is x for x in inputs.leaves) else o.detach().contiguous())
+                       for o in outs])
+
+    def backward(self, slot: int, name: str, *xs: Any, layout: str = "") -> Any:
+        xs, layout = _split(xs, layout)
+        r = lookup(name)
+        kept = self.kept.pop(slot, None)
+        given = xs[r.n_outputs:]
+        if kept is None or not kept[0].fit(given):  # no forward kept (or not one of these inputs): recompute
+            self.recomputed += 1
+            return _backward_impl(name, *xs, layout=layout)
+        inputs, outs = kept
+        inputs.given = given
+        pairs = [(o, g) for o, g in zip(outs, xs[:r.n_outputs]) if o.requires_grad]
+        wrt = [x for x in inputs.leaves if x.requires_grad]
+        with T.autograd_enabled():
+            got = list(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                       if pairs else [None] * len(wrt))
+        res = []
+        for x in inputs.leaves:
+            g = got.pop(0) if x.requires_grad else None
+            res.append(torch.zeros(x.shape, dtype=x.dtype, device=x.device) if g is None else g.detach().contiguous())
+        return single(res)
+
+
+def use_region_tape(gm: fx.GraphModule) -> RegionTape | None:
+    """Rewrite the paired region calls of an eager step graph onto a new tape (None: the
+    graph has none); the caller regenerates the code."""
+    pairs = pair_region_calls(gm)
+    if not pairs:
+        return None
+    tape = RegionTape()
+    for slot, (fwd, bwd) in enumerate(pairs):
+        for n, body in ((fwd, tape.forward), (bwd, tape.backward)):
+            r, _ = region_of(n.target)  # type: ignore[misc]
+            n.target, n.args = body, (slot, r.name, *n.args)
+    return tape
+
+
+def taped_bytes(fwd: fx.Node) -> int:
+    """Bytes a kept forward of region node `fwd` holds until its backward: the tensors its
+    autograd graph saves, from the region's shape function (balanced routing) run on the
+    node's fake inputs, less the inputs themselves (the graph holds those already)."""
+    r, _ = region_of(fwd.target)  # type: ignore[misc]
+    vals = [a.meta.get("val") for a in fwd.args[:r.n_inputs]]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return 0
+    held: dict[Any, int] = {}
+    inputs = {T.storage_id(v) for v in vals}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        key = T.storage_id(t)
+        if key not in inputs:
+            held[key] = max(held.get(key, 0), t.untyped_storage().nbytes())
+        return t
+
+    with T.fake_mode_of(vals), T.autograd_enabled(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        leaves = [v.detach().requires_grad_(v.is_floating_point()) for v in vals]
+        inputs |= {T.storage_id(v) for v in leaves}
+        as_tuple(r.shape_fn()(*leaves))
+    return sum(held.values())
