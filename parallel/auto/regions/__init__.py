@@ -11,6 +11,7 @@ local function on shards. One module a job:
 * layout.py      -- what the local function is told (`RegionContext`) and the check of its outputs;
 * pricing.py     -- `region_cost`: FLOPs on the local shapes + declared gathers and all-to-alls;
 * running.py     -- `run_region`: a planned region node on this rank's shards;
+* tape.py        -- an eager step graph's region forward kept for its backward (no recompute);
 * cp_attention.py, moe_dispatch.py -- the two regions the models mark (causal attention: CP;
   MoE token dispatch: EP), declared on import of this package.
 """

@@ -8,7 +8,10 @@ gradient locals)` with the loss's tangent fixed to one. On that graph:
   * `schedule.schedule_overlap` moves collective starts early and waits late (overlap);
   * `torch.compile` (Inductor) compiles it once per input layout; Inductor's own cache
     makes a second run of the same shapes skip the codegen;
-  * or it runs as it is (eager: FX's Python code, values freed after their last use).
+  * or it runs as it is (eager: FX's Python code, values freed after their last use), with
+    two rewrites autograd's engine makes implicitly: sums of gradient contributions written
+    into a summand nothing else reads (`reinplace_adds`), and each region's forward kept for
+    its backward instead of run again (regions/tape.py).
 
 Activation checkpointing is already in the graph: the runner's partition recomputes the
 tagged forward ops inside the backward part.
