@@ -1,14 +1,15 @@
 """An eager step graph sums gradient contributions in place where nothing else can see the
 summand (`reinplace_adds`), as autograd's engine does, and only there: inputs, values read
 again, broadcast or type-promoted summands and hidden views keep their out-of-place add, and
-the graph computes what it computed before."""
+the graph computes what it computed before. It all-reduces a bucket nothing else reads in
+place (`reduce_buffers_in_place`), as DDP does, and only such a bucket."""
 
 from __future__ import annotations
 
 import torch
 
 from parallel import _torch as T
-from parallel.auto.runtime.step_graph import reinplace_adds
+from parallel.auto.runtime.step_graph import reduce_buffers_in_place, reinplace_adds
 
 aten = torch.ops.aten
 
@@ -45,3 +46,31 @@ def test_only_summands_nothing_else_reads_are_written_and_the_results_are_unchan
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     torch.testing.assert_close(x, x_before)  # the input was not written
+
+
+def _reductions(a: torch.Tensor, b: torch.Tensor, group: str) -> tuple[torch.Tensor, ...]:
+    c10d = torch.ops._c10d_functional
+    bucket = aten.view.default(aten.cat.default([aten.mul.Tensor(a, 2.0), aten.mul.Tensor(b, 3.0)]), [-1])
+    reduced = c10d.wait_tensor.default(c10d.all_reduce.default(bucket, "sum", group))
+    of_input = c10d.wait_tensor.default(c10d.all_reduce.default(a, "sum", group))
+    kept = aten.mul.Tensor(b, 4.0)
+    of_kept = c10d.wait_tensor.default(c10d.all_reduce.default(kept, "sum", group))
+    return reduced, of_input, of_kept, kept
+
+
+def test_only_a_bucket_nothing_else_reads_is_reduced_in_place():
+    with T.fake_world(1):
+        import torch.distributed as dist
+
+        group = dist.group.WORLD.group_name
+        a, b = torch.randn(3, 4), torch.randn(2, 4)
+        want = _reductions(a, b, group)  # one rank: the sum is the value itself
+        gm = T.trace_fake(lambda a, b: _reductions(a, b, group))(a, b)
+        reductions = [n for n in gm.graph.nodes if "all_reduce" in str(n.target)]
+        assert reduce_buffers_in_place(gm) == 1
+        T.generate_code(gm)
+        assert [str(n.target).endswith("all_reduce_.default") for n in reductions] == [True, False, False]
+        a_before = a.clone()
+        for g, w in zip(gm(a, b), want):
+            torch.testing.assert_close(g, w)
+        torch.testing.assert_close(a, a_before)
