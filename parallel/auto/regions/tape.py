@@ -8,13 +8,15 @@ once and hand its graph to the backward, as the plain model's autograd does: the
 DeepSeek-V3 debug step ran 48 expert matmuls more than torch's DDP on the same plan, each
 MoE region's forward a second time (bench_auto_vs_manual --profile).
 
-* `pair_region_calls`: each backward node with the forward node it undoes (the last one
-  before it with the same inputs: an activation-checkpointed recomputation of the forward
-  pairs, not the original; the two layouts differ, the backward's also placing the
-  gradients, but describe one option, so the forward's graph is the one the backward's
-  recomputation would build);
+* `pair_region_calls`: each backward node with the forward node it undoes: the last
+  forward of its region not yet undone, its inputs of the same layout (autograd's order;
+  an activation-checkpointed recomputation of the forward pairs, not the original). The
+  two nodes' layout strings differ, the backward's also placing the gradients, but they
+  describe one option, so the forward's graph is the one the backward's recomputation
+  would build;
 * `RegionTape`: the replacement bodies of a paired forward (runs under autograd, keeps the
-  graph) and backward (uses it once; recomputes if it is missing);
+  graph, its saved inputs packed as references) and backward (uses it once, the inputs it
+  is given standing in for the forward's; recomputes if none is kept);
 * `taped_bytes`: what a kept forward holds until its backward (the memory estimate's
   figure), from the region's balanced-routing shape function on fake inputs.
 """
