@@ -347,12 +347,6 @@ def compile_errors_fall_back(enabled: bool) -> None:
     torch._dynamo.config.suppress_errors = enabled
 
 
-def fake_mode_of(values: Any) -> Any:
-    """The FakeTensorMode of fake `values` entered (a null context where they are real)."""
-    mode = torch._guards.detect_fake_mode(values)
-    return mode if mode is not None else contextlib.nullcontext()
-
-
 def is_fake(t: Any) -> bool:
     """True for FakeTensors (planning, dry runs): they carry shapes but no values."""
     return isinstance(t, FakeTensor)

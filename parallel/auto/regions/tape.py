@@ -30,7 +30,7 @@ import torch
 from torch import fx
 
 from parallel import _torch as T
-from parallel.auto.regions.declaration import lookup, region_of
+from parallel.auto.regions.declaration import backward_op, forward_op, lookup, region_of
 from parallel.auto.regions.layout import check_outputs
 from parallel.auto.regions.ops import _backward_impl, _run_local, _split, as_tuple, single
 
@@ -94,6 +94,10 @@ class _Inputs:
             g.shape == x.shape and g.stride() == x.stride() and g.dtype == x.dtype for g, x in zip(given, self.leaves))
 
 
+def _traced(xs: Sequence[Any]) -> bool:
+    return T.active_tracer() is not None or any(T.is_fake(x) for x in xs if isinstance(x, torch.Tensor))
+
+
 class RegionTape:
     """Forward graphs of region calls kept, slot by slot, from a forward node's run to its
     backward node's (one slot per pair of `pair_region_calls`)."""
@@ -104,6 +108,8 @@ class RegionTape:
 
     def forward(self, slot: int, name: str, *xs: Any, layout: str = "") -> Any:
         xs, layout = _split(xs, layout)
+        if _traced(xs):  # the graph traced again (a dry run on fake tensors): the op, whose fake body knows shapes
+            return forward_op(name)(*xs, layout=layout)
         r = lookup(name)
         inputs = _Inputs([x.detach().requires_grad_(x.is_floating_point()) for x in xs])
         with T.autograd_enabled(), torch.autograd.graph.saved_tensors_hooks(inputs.pack, inputs.unpack):
@@ -116,6 +122,8 @@ class RegionTape:
 
     def backward(self, slot: int, name: str, *xs: Any, layout: str = "") -> Any:
         xs, layout = _split(xs, layout)
+        if _traced(xs):
+            return backward_op(name)(*xs, layout=layout)
         r = lookup(name)
         kept = self.kept.pop(slot, None)
         given = xs[r.n_outputs:]
@@ -152,14 +160,17 @@ def use_region_tape(gm: fx.GraphModule) -> RegionTape | None:
 
 def taped_bytes(fwd: fx.Node) -> int:
     """Bytes a kept forward of region node `fwd` holds until its backward: the tensors its
-    autograd graph saves, from the region's shape function (balanced routing) run on the
-    node's fake inputs, less the inputs themselves (the graph holds those already)."""
+    autograd graph saves, from the region's shape function (balanced routing) run on meta
+    tensors of the node's input shapes (as its pricing runs it; no device, no fake mode),
+    less the inputs themselves (the graph holds those already)."""
     r, _ = region_of(fwd.target)  # type: ignore[misc]
     vals = [a.meta.get("val") for a in fwd.args[:r.n_inputs]]
     if not all(isinstance(v, torch.Tensor) for v in vals):
         return 0
+    leaves = [torch.empty(tuple(v.shape), dtype=v.dtype, device="meta").requires_grad_(v.is_floating_point())
+              for v in vals]
+    inputs = {T.storage_id(x) for x in leaves}
     held: dict[Any, int] = {}
-    inputs = {T.storage_id(v) for v in vals}
 
     def keep(t: torch.Tensor) -> torch.Tensor:
         key = T.storage_id(t)
@@ -167,8 +178,6 @@ def taped_bytes(fwd: fx.Node) -> int:
             held[key] = max(held.get(key, 0), t.untyped_storage().nbytes())
         return t
 
-    with T.fake_mode_of(vals), T.autograd_enabled(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        leaves = [v.detach().requires_grad_(v.is_floating_point()) for v in vals]
-        inputs |= {T.storage_id(v) for v in leaves}
+    with T.autograd_enabled(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         as_tuple(r.shape_fn()(*leaves))
     return sum(held.values())
