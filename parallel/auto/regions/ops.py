@@ -143,8 +143,15 @@ def _backward_impl(name: str, *xs: torch.Tensor, layout: str = "") -> Any:
     with T.autograd_enabled():
         leaves = [(x.clone() if x.is_inference() else x.detach()).requires_grad_(x.is_floating_point()) for x in ins]
         outs = _run_local(r, leaves, layout)
-        pairs = [(o, g) for o, g in zip(outs, grads_out) if o.requires_grad]
-        wrt = [x for x in leaves if x.requires_grad]
+    return vjp(outs, leaves, grads_out)
+
+
+def vjp(outs: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor], grads_out: Sequence[torch.Tensor]) -> Any:
+    """The gradient of every leaf (zeros where none flows, an input that needs none
+    included) from a region's outputs run under autograd and their gradients."""
+    pairs = [(o, g) for o, g in zip(outs, grads_out) if o.requires_grad]
+    wrt = [x for x in leaves if x.requires_grad]
+    with T.autograd_enabled():
         got = list(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
                    if pairs else [None] * len(wrt))
     res = []

@@ -32,7 +32,7 @@ from torch import fx
 from parallel import _torch as T
 from parallel.auto.regions.declaration import backward_op, forward_op, lookup, region_of
 from parallel.auto.regions.layout import check_outputs
-from parallel.auto.regions.ops import _backward_impl, _run_local, _split, as_tuple, single
+from parallel.auto.regions.ops import _backward_impl, _run_local, _split, as_tuple, single, vjp
 
 __all__ = ["RegionTape", "pair_region_calls", "taped_bytes"]
 
@@ -132,16 +132,7 @@ class RegionTape:
             return _backward_impl(name, *xs, layout=layout)
         inputs, outs = kept
         inputs.given = given
-        pairs = [(o, g) for o, g in zip(outs, xs[:r.n_outputs]) if o.requires_grad]
-        wrt = [x for x in inputs.leaves if x.requires_grad]
-        with T.autograd_enabled():
-            got = list(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-                       if pairs else [None] * len(wrt))
-        res = []
-        for x in inputs.leaves:
-            g = got.pop(0) if x.requires_grad else None
-            res.append(torch.zeros(x.shape, dtype=x.dtype, device=x.device) if g is None else g.detach().contiguous())
-        return single(res)
+        return vjp(outs, inputs.leaves, xs[:r.n_outputs])
 
 
 def use_region_tape(gm: fx.GraphModule) -> RegionTape | None:

@@ -129,9 +129,7 @@ _HIDDEN_ALIASES = {"_unsafe_view"}  # a view whose schema does not say so
 
 
 def _same_layout(a: Any, b: Any) -> bool:
-    x, y = a.meta.get("val"), b.meta.get("val")
-    return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype \
-        and tuple(x.shape) == tuple(y.shape) and x.stride() == y.stride()
+    return _same_shape(a, b) and a.meta["val"].dtype == b.meta["val"].dtype
 
 
 def reinplace_adds(gm: Any) -> int:
