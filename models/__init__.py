@@ -13,6 +13,7 @@ equals a meta build followed by ``to_empty`` + ``torch.manual_seed(s)`` + ``init
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ __all__ = [
     "MODEL_SPECS",
     "get_model_spec",
     "build_model",
+    "meta_copy",
     "model_args",
     "cross_entropy_loss",
     "transformer_blocks",
@@ -102,6 +104,18 @@ def build_model(
         model.to_empty(device=device)
         model.init_weights()
     return model
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are meta tensors of the same shapes and
+    dtypes, without copying the weights (real ones, or a dry run's fake ones, which
+    `.to("meta")` of a copy cannot swap: fake tensors carry weak references). Tied weights
+    stay tied; buffers lose their values, as a meta build's have none."""
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -101,6 +101,17 @@ def test_expert_axis_dry_run_prices_the_ep_recipe_next_to_the_free_plan():
     assert "free plan / recipe:" in text and "EP recipe (FSDP, experts over ep=2)" in text
 
 
+def test_cpu_job_dry_run_plans_and_builds_its_step_on_fake_cpu_tensors():
+    """`job.device = "cpu"`: a CPU job's model arrives at the planner initialised (in the dry
+    run, with fake weights of its own mode), and is traced, planned and materialised from a
+    meta copy; the step graph runs with a gradient reduction, every value on the CPU."""
+    r = dry_run_auto(_cfg("llama3_debug_auto", 2, "--job.device", "cpu", "--parallelism.memory_estimate", "false"), 2)
+    print(format_auto_report(r))
+    assert r.device == "cpu" and r.off_device == [], r.off_device
+    assert r.objective_us > 0 and "predicted step" in r.predicted_step
+    assert any("reduce" in kind and axis == "dp_shard" for kind, axis in r.collectives), r.collectives
+
+
 @pytest.mark.slow
 def test_dry_run_of_a_job_over_the_memory_limit_is_one_error(capsys):
     rc = train.main(["--config", "llama3_debug_auto", "--dry-run", "--world-size", "1", "--training.seq_len", "64",

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from models import meta_copy
 from parallel import _torch as T
 from parallel.auto.candidates.placements import local_shape, placement_str
 from parallel.auto.candidates.strategies import Candidates
@@ -381,8 +382,10 @@ def apply_plan(model: nn.Module, graph: JointGraph, candidates: Candidates, plan
     else:  # built for this plan (same placements) by the estimate: run it with these options, as this plan
         runner.options, runner.plan = options or RuntimeOptions(), plan
     on_meta = _all_meta(model)
-    pm = copy.deepcopy(model)
-    template = copy.deepcopy(model) if on_meta else copy.deepcopy(model).to("meta")
+    # the parameters are replaced by their shards below: shared, not copied; the buffers are
+    # cloned (a dry run's fake ones stay in their mode: a deepcopy would copy the mode too)
+    pm = copy.deepcopy(model, {id(t): t for t in model.parameters()} | {id(b): b.clone() for b in model.buffers()})
+    template = meta_copy(model)
     pm.__class__ = _parallel_class(type(model))
     param_refs = _shard_parameters(pm, runner, mesh, on_meta)
     buffer_refs = {fqn: _attr_ref(pm, fqn)[2] for fqn in runner.buffer_names}

@@ -10,7 +10,6 @@ the pairs the planner needs.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import hashlib
 import logging
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from models import meta_copy
 from parallel import _torch as T
 from parallel.auto.regions import regions_in, traced_regions
 from parallel.auto.trace.attention import SdpaCalls
@@ -195,9 +195,11 @@ def _fake_copy(model: nn.Module, fake_mode: Any, device: str, run: BlockRun | No
     untouched), cut to the blocks `run` keeps.
 
     A raw meta module would trace forward only (every grad output None, silently), so
-    meta parameters are materialised as fake CPU tensors with to_empty.
+    meta parameters are materialised as fake CPU tensors with to_empty. The copy starts on
+    meta whatever the model holds: a CPU job's model arrives initialised (real weights, or
+    fake ones of the dry run's own mode, which another mode's to_empty cannot swap).
     """
-    clone = copy.deepcopy(model)  # cheap for a meta model (the intended use)
+    clone = meta_copy(model)
     if run is not None:
         truncate(clone, run)
     with fake_mode:
