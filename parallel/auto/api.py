@@ -281,7 +281,7 @@ class AutoParallel:
         if self._cost_model is None:
             names = list(self.mesh.mesh_dim_names or [f"axis{i}" for i in range(self.mesh.ndim)])
             rt = self.runtime
-            schedule = RuntimeSchedule(bucket=rt.bucket, overlap=rt.overlap,
+            schedule = RuntimeSchedule(bucket=rt.bucket, reduce_bucket_bytes=rt.reduce_bucket_bytes, overlap=rt.overlap,
                                        reshard_after_forward=resharding.schedule_resharding(rt),
                                        reduce_dtype=getattr(self.mp_policy, "reduce_dtype", None))
             self._cost_model = CostModel(self.planner.hardware, mesh_shape=tuple(self.mesh.shape),

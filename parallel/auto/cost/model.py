@@ -75,6 +75,9 @@ class RuntimeSchedule:
 
     bucket: the parameter gathers and gradient reductions of one block run as one flat
         collective per placement group: each tensor pays latency / (tensors in the block);
+    reduce_bucket_bytes: the gradient buckets of consecutive blocks are joined until one
+        holds this many bytes (RuntimeOptions.reduce_bucket_bytes; 0: one per block): a
+        gradient pays latency / (tensors in its joined bucket);
     overlap: those collectives run beside compute (prefetched one block ahead, reductions
         during the rest of the backward): they cost what the cores spend driving them,
         (1 - comm_overlap) of their time, plus `exposed` of the rest that compute cannot
@@ -86,6 +89,7 @@ class RuntimeSchedule:
     bucket: bool = True
     overlap: bool = True
     reshard_after_forward: bool = True
+    reduce_bucket_bytes: int = 25 * 2**20
     reduce_dtype: torch.dtype | None = None
     exposed: float = 0.2
 

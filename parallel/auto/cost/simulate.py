@@ -49,7 +49,7 @@ from .correction import step_time_ratio
 from .timeline import COMPUTE_LANE, StepTimeline, TimelineEvent, scaled
 
 _KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-          "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
+          "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_to_all_single": "all_to_all"}
 
 
 @dataclass
@@ -225,7 +225,8 @@ def simulate_step(gm: fx.GraphModule, cost_model: Any, links: Mapping[str, AxisL
         layer = layers.see(n, coll is None and T.op_name(n.target) != "wait_tensor", coll is not None)
         if coll is not None:
             kind, link, size = coll
-            if kind == "all_reduce":  # the functional all-reduce clones its input on the cores first
+            if T.op_name(n.target) == "all_reduce":  # the functional all-reduce clones its input first
+                # (the in-place one, a gradient bucket's: runtime/step_graph.py, does not)
                 copy = roofline_us(hw, 0.0, 2 * size, None, op_class="elementwise")
                 lanes.op(clocks.phase, layer, clocks.compute, copy, "all_reduce input copy")
                 clocks.compute, compute = clocks.compute + copy, compute + copy

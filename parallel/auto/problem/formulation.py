@@ -56,16 +56,45 @@ def _edge_tensor(src_node: Any, idx: int | None) -> tuple[tuple[int, ...], torch
     return tuple(val.shape), val.dtype
 
 
-class _Roles:
-    """The runtime role of each edge (pricing.EdgeRole): parameter gathers and gradient
-    reductions are bucketed per block, the rest is issued where it is needed."""
+def joined_buckets(params: dict[str, Any], cap_bytes: int) -> dict[str, int]:
+    """FQN -> tensors in its gradient's bucket when the runtime joins the blocks' buckets
+    (runtime/runner.py `merge_small_buckets`): blocks in the order the backward produces
+    them (last first), each joined to the open bucket until it holds `cap_bytes`. Sized by
+    the whole gradients (a reduction's input), one bucket key for all: a plan that reduces
+    some gradients one way and some another runs more buckets than this counts."""
+    blocks: dict[str | None, list[str]] = {}
+    for fqn in params:
+        blocks.setdefault(layer_prefix(fqn) or fqn, []).append(fqn)
+    out: dict[str, int] = {}
+    held: list[str] = []
+    size = 0
+    for members in reversed(blocks.values()):
+        held += members
+        size += sum(_nbytes(params[f]) for f in members)
+        if size >= cap_bytes:
+            out.update(dict.fromkeys(held, len(held)))
+            held, size = [], 0
+    out.update(dict.fromkeys(held, len(held)))
+    return out
 
-    def __init__(self, cands: Candidates, reshard: bool):
+
+def _nbytes(node: Any) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+class _Roles:
+    """The runtime role of each edge (pricing.EdgeRole): parameter gathers are bucketed per
+    block, gradient reductions per joined bucket (`joined_buckets`), the rest is issued
+    where it is needed."""
+
+    def __init__(self, cands: Candidates, reshard: bool, reduce_bucket_bytes: int = 0):
         jg = cands.graph
         self.graph, self.reshard = jg, reshard
         self.param_of = {n.name: fqn for fqn, n in jg.params.items()}
         blocks = Counter(layer_prefix(fqn) for fqn in jg.params)
         self.bucket = {fqn: blocks[layer_prefix(fqn)] for fqn in jg.params}
+        self.grad_bucket = joined_buckets(jg.params, reduce_bucket_bytes)
         self.grad_of = {f"output[{s.index}]": s.of for s in jg.slots if s.kind == "grad_param"}
 
     def __call__(self, src_name: str, c: NodeCandidates) -> EdgeRole:
@@ -76,14 +105,15 @@ class _Roles:
                      and any(jg.phase.get(u.name) == BWD for u in c.node.users))
             return EdgeRole("param", self.bucket[fqn], 2 if again else 1)
         if c.name in self.grad_of:
-            return EdgeRole("grad", self.bucket[self.grad_of[c.name]])
+            return EdgeRole("grad", self.grad_bucket[self.grad_of[c.name]])
         return ACTIVATION
 
 
 def edge_roles(cands: Candidates, cost_model: CostModel) -> _Roles:
     """The runtime role of every edge of `cands` under `cost_model`'s schedule."""
     schedule = getattr(cost_model, "schedule", None)
-    return _Roles(cands, bool(schedule and schedule.reshard_after_forward))
+    return _Roles(cands, bool(schedule and schedule.reshard_after_forward),
+                  schedule.reduce_bucket_bytes if schedule is not None else 0)
 
 
 def _price_edges(cands: Candidates, group_of: dict[str, int], unary: list[np.ndarray],

@@ -2,13 +2,16 @@
 summand (`reinplace_adds`), as autograd's engine does, and only there: inputs, values read
 again, broadcast or type-promoted summands and hidden views keep their out-of-place add, and
 the graph computes what it computed before. It all-reduces a bucket nothing else reads in
-place (`reduce_buffers_in_place`), as DDP does, and only such a bucket."""
+place (`reduce_buffers_in_place`), as DDP does, and only such a bucket; the step simulation
+prices that reduction as the collective it is, without the functional one's input copy."""
 
 from __future__ import annotations
 
 import torch
 
 from parallel import _torch as T
+from parallel.auto.cost import CostModel
+from parallel.auto.cost.simulate import simulate_step
 from parallel.auto.runtime.step_graph import reduce_buffers_in_place, reinplace_adds
 
 aten = torch.ops.aten
@@ -74,3 +77,9 @@ def test_only_a_bucket_nothing_else_reads_is_reduced_in_place():
         for g, w in zip(gm(a, b), want):
             torch.testing.assert_close(g, w)
         torch.testing.assert_close(a, a_before)
+        # the step simulation prices the in-place reduction as the collective it is, less the copy
+        cm = CostModel("cpu", mesh_shape=(4,))
+        after = simulate_step(gm, cm, {group: cm.links[0]})
+        before = simulate_step(T.trace_fake(lambda a, b: _reductions(a, b, group))(a, b), cm, {group: cm.links[0]})
+        assert after.collectives == before.collectives and before.collectives["all_reduce@axis0"]["count"] == 3
+        assert after.compute_us < before.compute_us
