@@ -71,14 +71,15 @@ def cache_path(world_size: int) -> Path:
     return root / f"{socket.gethostname()}-w{world_size}-torch{version}-m{METHOD_VERSION}.toml"
 
 
-METHOD_VERSION = 6
+METHOD_VERSION = 7
 """Bumped when what is measured changes, so older cached profiles are measured again
 (2: the latency of a 2-rank group fixes the per-hop latency; 3: latency from a stream of
 asynchronous collectives, as the runtime issues them; 4: compute figures the best of short
 repeated measurements, matmul in a linear layer's three layouts, collectives the lower
 quartile: robust to other work on the host; 5: the bandwidth of each memory-bound op class
 and a real optimizer step, cost/calibrate_ops.py; 6: the fused attention kernel's
-efficiency per direction, head dim and sequence length, cost/calibrate_attention.py)."""
+efficiency per direction, head dim and sequence length, cost/calibrate_attention.py; 7: the
+optimizer step measured on one rank at a time, the quiet machine's figure)."""
 
 
 def _low_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
@@ -117,8 +118,8 @@ def measure_compute(n: int = 384, device: torch.device | None = None) -> dict[st
     """This rank's matmul TFLOP/s (fp32, bf16), copy GB/s, op floor (µs), the bandwidth of each
     memory-bound op class (`op_<class>`) and the optimizer's (`optimizer_gbps`,
     `optimizer_tensor_us`; cost/calibrate_ops.py), the attention kernel's (`attn_<key>`, TFLOP/s;
-    cost/calibrate_attention.py), all ranks busy, each the best of short
-    repeated measurements; `spread`: the widest median / best - 1."""
+    cost/calibrate_attention.py), all ranks busy (the optimizer's one rank at a time), each the
+    best of short repeated measurements; `spread`: the widest median / best - 1."""
     out: dict[str, float] = {}
     spreads = []
     for key, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -133,12 +134,31 @@ def measure_compute(n: int = 384, device: torch.device | None = None) -> dict[st
     s = torch.randn(16, device=device)
     t, spread = _best_time(lambda: [s.add(s) for _ in range(100)])
     out["floor_us"], spreads = t / 100 * 1e6, spreads + [spread]
-    ops, opt = measure_op_bandwidths(device=device), measure_optimizer(device=device)
+    ops, opt = measure_op_bandwidths(device=device), one_rank_at_a_time(lambda: measure_optimizer(device=device))
     out.update({f"op_{k}": v for k, v in ops.items() if k != "spread"})
     out.update({f"optimizer_{k}": v for k, v in opt.items() if k != "spread"})
     grid = measure_attention_grid(device=device)
     out.update({f"attn_{k}": v for k, v in grid.items() if k != "spread"})
     out["spread"] = max(spreads + [ops["spread"], opt["spread"], grid["spread"]])
+    return out
+
+
+def one_rank_at_a_time(fn: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """`fn()` on each rank in turn while the others wait in a barrier (idle, not spinning).
+
+    Why: the best of short calls is the quiet machine's speed only when a call fits between
+    the scheduler's switches; an optimizer step over 16 MiB of parameters takes tens of
+    milliseconds, so with every rank busy its best still runs at the ranks' share of the
+    cores, and the step simulation then multiplies it by that share again (cost/contention.py):
+    a plan that updates every parameter on every rank (DDP) was predicted about 7 % slow."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return fn()
+    out: dict[str, float] = {}
+    for rank in range(dist.get_world_size()):
+        dist.barrier()
+        if rank == dist.get_rank():
+            out = fn()
+    dist.barrier()
     return out
 
 

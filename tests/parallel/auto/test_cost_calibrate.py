@@ -34,6 +34,35 @@ def test_calibration_measures_caches_and_reuses(tmp_path, monkeypatch, capsys) -
     CostModel(str(out), (2,))  # usable as a profile
 
 
+def _timed_turn() -> list[tuple[float, float]]:
+    """On every rank: one_rank_at_a_time over a 0.2 s call; every rank's (start, end)."""
+    import time
+
+    import torch.distributed as dist
+
+    from parallel.auto.cost.calibrate import one_rank_at_a_time
+
+    def call() -> dict[str, float]:
+        start = time.time()
+        time.sleep(0.2)
+        return {"start": start, "end": time.time()}
+
+    mine = one_rank_at_a_time(call)
+    spans: list = [None] * dist.get_world_size()
+    dist.all_gather_object(spans, (mine["start"], mine["end"]))
+    return spans
+
+
+@pytest.mark.slow
+def test_the_optimizer_is_measured_one_rank_at_a_time():
+    """Its calls are too long to find the cores free with every rank busy: the ranks take turns."""
+    from tools.bench_common import run_on_ranks
+
+    spans = sorted(run_on_ranks(_timed_turn, 2, timeout=120))
+    assert len(spans) == 2 and all(end - start >= 0.2 for start, end in spans)
+    assert spans[0][1] <= spans[1][0], spans  # never both at once
+
+
 def test_latency_split_passes_through_the_pair_and_the_world():
     from parallel.auto.cost.calibrate import split_latency
 
