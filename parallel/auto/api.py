@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from parallel import _torch as T
 from parallel._torch import fake_world
-from parallel.auto import recompute_fit, resharding
+from parallel.auto import recompute_fit, resharding, selection
 from parallel.auto.candidates.coverage import GraphCoverage, coverage_of, coverage_report
 from parallel.auto.candidates.placements import placement_str
 from parallel.auto.candidates.strategies import Candidates, mesh_candidates
@@ -308,9 +308,9 @@ class AutoParallel:
         budget, sequence or batch) whose placements, where this graph's strategies hold them,
         start the solver (an incumbent for the exact ILP: the optimum does not change; a second
         starting point for the MRF's local search: the better plan wins)."""
-        if resharding.chooses_resharding(self.runtime):  # two solves, or one where it settles the choice
-            return resharding.choose_resharding(self, lambda: self._optimize(verbose, warm_start))
-        return self._optimize(verbose, warm_start)
+        solve = (lambda: resharding.choose_resharding(self, lambda: self._optimize(verbose, warm_start))) \
+            if resharding.chooses_resharding(self.runtime) else (lambda: self._optimize(verbose, warm_start))
+        return selection.check_against_ddp(self, solve(), solve)  # the ILP's optimum against DDP's, simulated
 
     def _optimize(self, verbose: bool, warm_start: Plan | None) -> Plan:
         jg = self._need_graph()

@@ -65,7 +65,7 @@ class _Outcome:
     state: dict = dataclasses.field(default_factory=dict)  # the planner's attributes after this solve
 
 
-_STATE = ("candidates", "problem", "traced_step", "seed_info", "recompute_row")
+SOLVE_STATE = ("candidates", "problem", "traced_step", "seed_info", "recompute_row")
 
 
 def use_setting(autop: Any, reshard: bool) -> None:
@@ -120,7 +120,7 @@ def choose_resharding(autop: Any, solve: Callable[[], Plan]) -> Plan:
                 out.plan.reshard_after_forward = reshard
             except MemoryLimitError as e:
                 out.error = e
-            out.state = {k: getattr(autop, k, None) for k in (*_STATE, "_cost_model")}
+            out.state = {k: getattr(autop, k, None) for k in (*SOLVE_STATE, "_cost_model")}
             outcomes.append(out)
             if out.plan is not None and _fits(out.plan) and (
                     (not reshard and not _recomputes(out.plan)) or (reshard and _recomputes(out.plan))):

@@ -126,6 +126,9 @@ class Plan:
     # backward gathers the parameters again; False, it keeps the forward's copies (resharding.py);
     # None: the job fixed the setting (plans saved before: None)
     reshard_after_forward: bool | None = None
+    # the free plan checked against the DDP plan by the step simulation (parallel/auto/selection.py):
+    # which was kept and the two simulated steps; "" when no check was made
+    selection: str = ""
     # in-memory only (not saved): the solved problem, for explain / costs_for_node / collectives
     costs: PlanCosts | None = field(default=None, repr=False, compare=False)
     # the step simulated on the memory estimate's step graph (the plan page's lanes); saved with the plan

@@ -70,7 +70,7 @@ def summary(plan: Any) -> str:
     ]
     if plan.memory is not None:
         lines.append(plan.memory.summary())
-    lines.extend(line for line in (recompute_line(plan), resharding_line(plan)) if line)
+    lines.extend(line for line in (recompute_line(plan), resharding_line(plan), getattr(plan, "selection", "")) if line)
     collapsed = collapse_layers(by_module)
     for layer, items in collapsed:
         lines.append(f"{layer or '(top)'}:")

@@ -28,6 +28,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from parallel.auto.api import AutoParallel
 from parallel.auto.regions import CP_ATTENTION, MOE_DISPATCH, forward_op
+from parallel.auto.selection import replicate_every_parameter
 from parallel.auto.trace.joint import FWD
 
 COLUMN = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
@@ -63,9 +64,7 @@ def fsdp(autop: AutoParallel, data_axes: Sequence[int] = (0,), fragments: Iterab
 
 def ddp(autop: AutoParallel) -> None:
     """Every parameter replicated on every mesh axis (gradients all-reduced)."""
-    autop.add_parameter_memory_constraint(high=1.0)
-    for fqn in autop.graph.params:
-        autop.add_node_constraint(fqn, (Replicate(),) * autop.mesh.ndim)
+    replicate_every_parameter(autop)
 
 
 def megatron(autop: AutoParallel, axis: int, column: Sequence[str] = COLUMN, row: Sequence[str] = ROW,

@@ -14,6 +14,7 @@ from torch.distributed.tensor import Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from models import build_model
+from parallel.auto import selection
 from parallel.auto.api import AutoParallel, MemoryLimitError, fake_world, lm_loss
 from parallel.auto.config import PlannerConfig
 from parallel.auto.cost import ProfileError, load_hardware, profile_from_dict
@@ -128,7 +129,8 @@ def debug_plans() -> dict:
             "fsdp": _debug_plan(memory_limit_gib=None, kind="fsdp")}
 
 
-def test_limit_that_ddp_exceeds_but_fsdp_fits_gives_a_sharded_plan(debug_plans):
+def test_limit_that_ddp_exceeds_but_fsdp_fits_gives_a_sharded_plan(debug_plans, monkeypatch):
+    monkeypatch.setattr(selection, "applies", lambda autop, plan: False)  # the ILP's own free plan, not DDP's
     ddp, fsdp = debug_plans["ddp"].memory, debug_plans["fsdp"].memory
     free = _debug_plan(memory_limit_gib=float("inf"))  # parameter budget free, no limit: partly replicated
     assert fsdp.peak_bytes < free.memory.peak_bytes < ddp.peak_bytes and free.memory.limit_bytes == 0
