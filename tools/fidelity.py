@@ -157,6 +157,7 @@ def _variants(ndim: int) -> dict[str, object]:
         "budget_0.75": lambda a: a.add_parameter_memory_constraint(high=0.75),
         "fsdp_attention_only": lambda a: _fsdp_only(a, "attention", "feed_forward"),
         "fsdp_mlp_only": lambda a: _fsdp_only(a, "feed_forward", "attention"),
+        "fsdp_output_only": lambda a: _fsdp_only(a, "output", "layers"),
         "tp_attention_only": lambda a: presets.megatron(a, last, fragments=["attention"], data_axes=data,
                                                         fsdp_other_axes=ndim > 1),
         "planned_for_h100": "h100",

@@ -225,8 +225,11 @@ def simulate_step(gm: fx.GraphModule, cost_model: Any, links: Mapping[str, AxisL
         layer = layers.see(n, coll is None and T.op_name(n.target) != "wait_tensor", coll is not None)
         if coll is not None:
             kind, link, size = coll
-            if T.op_name(n.target) == "all_reduce":  # the functional all-reduce clones its input first
-                # (the in-place one, a gradient bucket's: runtime/step_graph.py, does not)
+            src = n.args[0]
+            if T.op_name(n.target) == "all_reduce" and len(getattr(src, "users", ())) > 1:
+                # the functional all-reduce clones its input first; a buffer nothing else reads (a
+                # gradient bucket) the eager runtime reduces in place (runtime/step_graph.py
+                # `reduce_buffers_in_place`), so the analysis graph's reduction is priced as that one
                 copy = roofline_us(hw, 0.0, 2 * size, None, op_class="elementwise")
                 lanes.op(clocks.phase, layer, clocks.compute, copy, "all_reduce input copy")
                 clocks.compute, compute = clocks.compute + copy, compute + copy
