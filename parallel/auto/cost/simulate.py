@@ -226,9 +226,10 @@ def simulate_step(gm: fx.GraphModule, cost_model: Any, links: Mapping[str, AxisL
         if coll is not None:
             kind, link, size = coll
             src = n.args[0]
-            if T.op_name(n.target) == "all_reduce" and len(getattr(src, "users", ())) > 1:
-                # the functional all-reduce clones its input first; a buffer nothing else reads (a
-                # gradient bucket) the eager runtime reduces in place (runtime/step_graph.py
+            bucket = getattr(src, "op", "") == "call_function" and len(src.users) == 1
+            if T.op_name(n.target) == "all_reduce" and not bucket:
+                # the functional all-reduce clones its input first; a fresh buffer nothing else reads
+                # (a gradient bucket) the eager runtime reduces in place (runtime/step_graph.py
                 # `reduce_buffers_in_place`), so the analysis graph's reduction is priced as that one
                 copy = roofline_us(hw, 0.0, 2 * size, None, op_class="elementwise")
                 lanes.op(clocks.phase, layer, clocks.compute, copy, "all_reduce input copy")
