@@ -26,7 +26,7 @@ The same walk records the step as a `StepTimeline` (timeline.py, what the plan p
 the compute lane holds the ops (consecutive ones of one layer and phase merged into one
 event), the cores' share of driving collectives, the exposed waits and the optimizer, so
 its events tile [0, step_us]; each mesh axis's lane holds its collectives at the link
-clock's times. The backward starts at the loss's tangent (`ones_like` of a graph output).
+clock's times. The backward starts at the loss's tangent (`BACKWARD_SEED`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ from .comm import AxisLink, collective_time
 from .compute import roofline_us
 from .correction import step_time_ratio
 from .timeline import COMPUTE_LANE, StepTimeline, TimelineEvent, scaled
+
+BACKWARD_SEED = "backward_seed"  # node.meta key of the backward's first op (runtime/loss_sync.py sets it)
 
 _KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
           "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_to_all_single": "all_to_all"}
@@ -169,7 +171,11 @@ class _Clocks:
 
 
 def _backward_start(gm: fx.GraphModule) -> fx.Node | None:
-    """The loss's tangent (`ones_like` of a graph output): the first op of the backward."""
+    """The loss's tangent: the first op of the backward (the step graph marks it,
+    runtime/loss_sync.py; else `ones_like` of a graph output)."""
+    seed = next((n for n in gm.graph.nodes if n.meta.get(BACKWARD_SEED)), None)
+    if seed is not None:
+        return seed
     outs = set(gm.graph.output_node().all_input_nodes)
     return next((n for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.ones_like.default)
                  if n.args and n.args[0] in outs), None)

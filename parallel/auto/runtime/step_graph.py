@@ -5,6 +5,9 @@ fake tensors, this rank's local shapes) into a single graph of plain ATen ops an
 functional collectives: `(param locals, buffer locals, input locals) -> (output locals,
 gradient locals)` with the loss's tangent fixed to one. On that graph:
 
+  * `loss_sync.loss_off_the_critical_path` counts the mean loss's tokens from the labels at
+    the start and seeds the backward without the loss's all-reduce, so no barrier of the
+    ranks stands between forward and backward;
   * `schedule.schedule_overlap` moves collective starts early and waits late (overlap);
   * `torch.compile` (Inductor) compiles it once per input layout; Inductor's own cache
     makes a second run of the same shapes skip the codegen;
@@ -37,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from parallel import _torch as T
 from parallel.auto.regions.tape import RegionTape, use_region_tape
 from parallel.auto.runtime.local_graphs import dspec, local_value, wrap
+from parallel.auto.runtime.loss_sync import loss_off_the_critical_path
 from parallel.auto.runtime.schedule import OverlapReport, count_collectives, schedule_overlap
 
 log = logging.getLogger("parallel.auto.runtime")
@@ -258,6 +262,7 @@ class StepGraph:
         # the gradients' layout: the parameters' (reduced), else each as the backward left it
         self.grad_specs = [sp for sp, has in zip(self.pspecs, self.has_grad) if has] if reduce else layout["grads"]
         self.dropped = drop_dead_nodes(self.gm) + drop_no_op_nodes(self.gm)
+        self.loss_syncs_moved = loss_off_the_critical_path(self.gm)
         # gloo (a CPU mesh) must not have two all-gathers of one group in flight (schedule.py)
         self.overlap: OverlapReport | None = schedule_overlap(
             self.gm, recompile=False, one_gather_per_group=self.mesh.device_type == "cpu") if overlap else None

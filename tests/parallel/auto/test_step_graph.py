@@ -194,8 +194,9 @@ def test_reductions_over_two_axes_are_bounded_stage_by_stage():
 def test_analysis_step_graph_has_the_same_schedule_and_refuses_to_run(fsdp_plan):
     """runtime/memory.py walks a step graph built with executable=False (its code is not
     regenerated after scheduling): same nodes in the same order as the one the runtime runs,
-    whose only change is the sums it now writes in place (the walk prices them as new
-    tensors: an estimate above the run by at most those)."""
+    whose only changes are the sums it now writes in place and the fresh buffers it
+    all-reduces in place (the walk prices them as new tensors: an estimate above the run by
+    at most those)."""
     with fake_world(2):
         run, _ = _step_graph(fsdp_plan, RuntimeOptions(overlap=True))
         walk, _ = _step_graph(fsdp_plan, RuntimeOptions(overlap=True), executable=False)
@@ -203,7 +204,8 @@ def test_analysis_step_graph_has_the_same_schedule_and_refuses_to_run(fsdp_plan)
     sums = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)  # an in-place sum writes into either summand
 
     def listing(gm):
-        return [(n.name, sorted(map(str, n.args))) if n.target in sums else n.format_node() for n in gm.graph.nodes]
+        return [(n.name, sorted(map(str, n.args))) if n.target in sums
+                else n.format_node().replace("all_reduce_.default", "all_reduce.default") for n in gm.graph.nodes]
 
     assert listing(walk.gm) == listing(run.gm)
     assert walk.overlap.starts_moved == run.overlap.starts_moved > 0
@@ -227,3 +229,26 @@ def test_activation_checkpointing_recomputes_in_the_step_graph(fsdp_plan, mode, 
     # recomputed ops are the joint graph's own nodes: their planned specs apply in backward
     assert set(n.name for n in runner.bwd_gm.graph.nodes if n.op == "call_function") <= set(runner.spec) | {
         n.name for n in runner.bwd_gm.graph.nodes if n.target is operator.getitem}
+
+
+def test_the_loss_needs_no_barrier_between_forward_and_backward(fsdp_plan):
+    """The token count the mean loss divides by is all-reduced from the labels before the
+    forward's first matmul (runtime/loss_sync.py), and the loss's own all-reduce is waited
+    for by the step's output only: no op of the backward waits for a collective the
+    forward's last ops start."""
+    with fake_world(2):
+        sg, _ = _step_graph(fsdp_plan, RuntimeOptions(overlap=True))
+    assert sg.loss_syncs_moved == 2
+    nodes = list(sg.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    first_mm = min(pos[n] for n in _ops(sg.gm, "mm"))
+    reductions = [n for n in nodes if _is_collective(n) and T.op_name(n.target).startswith("all_reduce")]
+    counted = [n for n in reductions if T.op_name(n.args[0].target) == "_to_copy"]
+    assert len(counted) == 1 and pos[counted[0]] < first_mm
+    labels = [n for n in nodes if n.op == "placeholder"][-1]
+    assert labels in counted[0].args[0].args[0].args[0].all_input_nodes  # _to_copy(sum(ne(labels)))
+    nll_fwd = _ops(sg.gm, "nll_loss_forward")[0]
+    loss_reduce = next(n for n in reductions if n.args[0].args[0] is nll_fwd)
+    (wait,) = loss_reduce.users
+    assert pos[wait] > max(pos[n] for n in _ops(sg.gm, "mm"))  # after the backward's last matmul
+    assert {T.op_name(u.target) if u.op == "call_function" else u.op for u in wait.users} <= {"view", "output"}
