@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import time
 from collections import Counter
 from typing import Any
@@ -19,11 +20,12 @@ import numpy as np
 import torch
 
 from parallel.auto.candidates.placements import shard_factor
-from parallel.auto.candidates.strategies import GETITEM, PLACEHOLDER, Candidates, NodeCandidates
+from parallel.auto.candidates.strategies import GETITEM, PLACEHOLDER, SLOT, Candidates, NodeCandidates
 from parallel.auto.cost import CostModel
+from parallel.auto.losses import NLL_BACKWARD, is_mean_nll_without_weights
 from parallel.auto.problem.feasibility import apply_constraint, check_feasible
 from parallel.auto.problem.placement_problem import Constraint, Edge, Problem
-from parallel.auto.problem.pricing import ACTIVATION, EdgeRole, StrategyPricer
+from parallel.auto.problem.pricing import ACTIVATION, LOSS, EdgeRole, StrategyPricer
 from parallel.auto.problem.recompute import RECOMPUTE_GROUP, RecomputeRow, recompute_edges, row_can_bind
 from parallel.auto.problem.repeated_blocks import decision_groups
 from parallel.auto.trace.joint import BWD, FWD, layer_prefix
@@ -90,12 +92,13 @@ class _Roles:
 
     def __init__(self, cands: Candidates, reshard: bool, reduce_bucket_bytes: int = 0):
         jg = cands.graph
-        self.graph, self.reshard = jg, reshard
+        self.graph, self.reshard, self.nodes = jg, reshard, cands.nodes
         self.param_of = {n.name: fqn for fqn, n in jg.params.items()}
         blocks = Counter(layer_prefix(fqn) for fqn in jg.params)
         self.bucket = {fqn: blocks[layer_prefix(fqn)] for fqn in jg.params}
         self.grad_bucket = joined_buckets(jg.params, reduce_bucket_bytes)
         self.grad_of = {f"output[{s.index}]": s.of for s in jg.slots if s.kind == "grad_param"}
+        self.loss_outputs = {f"output[{s.index}]" for s in jg.slots if s.kind == "output"}
 
     def __call__(self, src_name: str, c: NodeCandidates) -> EdgeRole:
         fqn = self.param_of.get(src_name)
@@ -106,7 +109,20 @@ class _Roles:
             return EdgeRole("param", self.bucket[fqn], 2 if again else 1)
         if c.name in self.grad_of:
             return EdgeRole("grad", self.grad_bucket[self.grad_of[c.name]])
+        if self._loss_scalar(src_name, c):
+            return LOSS
         return ACTIVATION
+
+    def _loss_scalar(self, src_name: str, c: NodeCandidates) -> bool:
+        """The mean loss or its token count on its way to the step's output or to the loss's
+        backward: their all-reduces run beside the step's compute (runtime/loss_sync.py)."""
+        src = self.nodes[src_name].node
+        fwd = src.args[0] if src is not None and src.target is operator.getitem else src
+        if not is_mean_nll_without_weights(fwd):
+            return False
+        if c.kind == SLOT:
+            return c.name in self.loss_outputs
+        return c.kind == GETITEM or (c.node is not None and c.node.target is NLL_BACKWARD)
 
 
 def edge_roles(cands: Candidates, cost_model: CostModel) -> _Roles:

@@ -28,8 +28,10 @@ class EdgeRole:
     """What the runtime does with the tensor crossing an edge (cost/model.RuntimeSchedule):
     "param": a parameter on its way to an op (bucketed, prefetched; `repeat` 2 when the
     backward gathers it again); "grad": a gradient reduced into its parameter's placement
-    (bucketed, overlapped, in the reduce dtype); "act": anything else (issued where needed).
-    `bucket`: tensors sharing its bucketed collective."""
+    (bucketed, overlapped, in the reduce dtype); "loss": the mean loss or its token count,
+    reduced beside the step's compute (runtime/loss_sync.py: started early, waited late);
+    "act": anything else (issued where needed). `bucket`: tensors sharing its bucketed
+    collective."""
 
     kind: str = "act"
     bucket: int = 1
@@ -37,6 +39,7 @@ class EdgeRole:
 
 
 ACTIVATION = EdgeRole()
+LOSS = EdgeRole("loss")
 MATRIX_PAIRS = 64  # from this many placement pairs an edge is priced in arrays (comm_matrix)
 
 
@@ -142,6 +145,8 @@ class StrategyPricer:
         if role.kind == "grad" and sched.reduce_dtype is not None and dtype.is_floating_point:
             cdt = sched.reduce_dtype
         share = sched.overlapped_share(self.cm.hw.comm_overlap)
+        if role.kind == "loss":
+            return cdt, 1.0, share, share
         if not sched.bucket:
             return cdt, 1.0, role.repeat * share, share
         return cdt, 1.0 / role.bucket, role.repeat * share, share
