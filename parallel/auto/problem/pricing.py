@@ -29,7 +29,8 @@ class EdgeRole:
     "param": a parameter on its way to an op (bucketed, prefetched; `repeat` 2 when the
     backward gathers it again); "grad": a gradient reduced into its parameter's placement
     (bucketed, overlapped, in the reduce dtype); "loss": the mean loss or its token count,
-    reduced beside the step's compute (runtime/loss_sync.py: started early, waited late);
+    scalars reduced beside the step's compute (runtime/loss_sync.py: started a whole forward
+    or backward before they are waited for), free when the runtime overlaps;
     "act": anything else (issued where needed). `bucket`: tensors sharing its bucketed
     collective."""
 
@@ -145,8 +146,9 @@ class StrategyPricer:
         if role.kind == "grad" and sched.reduce_dtype is not None and dtype.is_floating_point:
             cdt = sched.reduce_dtype
         share = sched.overlapped_share(self.cm.hw.comm_overlap)
-        if role.kind == "loss":
-            return cdt, 1.0, share, share
+        if role.kind == "loss":  # scalars: no bytes for the cores to move, their latency waited beside compute
+            paid = 0.0 if sched.overlap else 1.0
+            return cdt, 1.0, paid, paid
         if not sched.bucket:
             return cdt, 1.0, role.repeat * share, share
         return cdt, 1.0 / role.bucket, role.repeat * share, share

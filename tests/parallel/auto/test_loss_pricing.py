@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import operator
 
-import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
@@ -36,7 +35,8 @@ def _free_plan() -> tuple[object, object, object]:
 
 
 def _loss_inputs(plan) -> list[str]:
-    return next(n["input_placements"] for n in plan.to_json()["nodes"] if n["target"] == "aten.nll_loss_forward.default")
+    nodes = plan.to_json()["nodes"]
+    return next(n["input_placements"] for n in nodes if n["target"] == "aten.nll_loss_forward.default")
 
 
 def test_the_loss_role_marks_the_loss_and_its_token_count_only():
