@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
@@ -75,6 +75,27 @@ def bucket_shard_dim(src: tuple, dst: tuple) -> int | None:
 
 def _as_dim0(placements: tuple) -> tuple:
     return tuple(Shard(0) if isinstance(p, Shard) else p for p in placements)
+
+
+def join_buckets(blocks: Iterable[tuple[Hashable, list, int]], cap_bytes: int) -> list[tuple[Hashable, list]]:
+    """DDP's bucket rule (`bucket_cap_mb`) for the gradient reductions of consecutive blocks:
+    `blocks` as (group, members in forward order, bytes) in the order the backward produces
+    them (last block first); each joins the open bucket of its group (collectives of one
+    kind and dtype) until that bucket holds `cap_bytes`. Returns (group, members in forward
+    order) per bucket. The runtime reduces by it (runtime/runner.py) and the planner prices
+    by it (problem/formulation.py), so both count the same collectives. `cap_bytes` 0: one
+    bucket per block."""
+    merged: list[tuple[Hashable, list]] = []
+    open_bucket: dict[Hashable, tuple[list, int]] = {}  # group -> (members, bytes)
+    for group, members, nbytes in blocks:
+        held, size = open_bucket.pop(group, ([], 0))
+        held, size = members + held, size + nbytes
+        if size >= cap_bytes:
+            merged.append((group, held))
+        else:
+            open_bucket[group] = (held, size)
+    merged.extend((g, held) for g, (held, _) in open_bucket.items())
+    return merged
 
 
 def bucket_key(src: tuple, dst: tuple) -> tuple | None:

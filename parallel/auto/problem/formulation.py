@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from parallel.auto.candidates.placements import shard_factor
+from parallel.auto.candidates.placements import join_buckets, shard_factor
 from parallel.auto.candidates.strategies import GETITEM, PLACEHOLDER, SLOT, Candidates, NodeCandidates
 from parallel.auto.cost import CostModel
 from parallel.auto.losses import NLL_BACKWARD, is_mean_nll_without_weights
@@ -60,23 +60,17 @@ def _edge_tensor(src_node: Any, idx: int | None) -> tuple[tuple[int, ...], torch
 
 def joined_buckets(params: dict[str, Any], cap_bytes: int) -> dict[str, int]:
     """FQN -> tensors in its gradient's bucket when the runtime joins the blocks' buckets
-    (runtime/runner.py `merge_small_buckets`): blocks in the order the backward produces
-    them (last first), each joined to the open bucket until it holds `cap_bytes`. Sized by
-    the whole gradients (a reduction's input), one bucket key for all: a plan that reduces
+    (`placements.join_buckets`, as runtime/runner.py `merge_small_buckets`). Sized by the
+    whole gradients (a reduction's input), one bucket key for all: a plan that reduces
     some gradients one way and some another runs more buckets than this counts."""
     blocks: dict[str | None, list[str]] = {}
     for fqn in params:
         blocks.setdefault(layer_prefix(fqn) or fqn, []).append(fqn)
     out: dict[str, int] = {}
-    held: list[str] = []
-    size = 0
-    for members in reversed(blocks.values()):
-        held += members
-        size += sum(_nbytes(params[f]) for f in members)
-        if size >= cap_bytes:
-            out.update(dict.fromkeys(held, len(held)))
-            held, size = [], 0
-    out.update(dict.fromkeys(held, len(held)))
+    backward_order = ((None, members, sum(_nbytes(params[f]) for f in members))
+                      for members in reversed(blocks.values()))
+    for _, members in join_buckets(backward_order, cap_bytes):
+        out.update(dict.fromkeys(members, len(members)))
     return out
 
 

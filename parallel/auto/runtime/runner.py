@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from parallel import _torch as T
 from parallel.activation_checkpoint import recompute_parameter_views, tag_recomputation
-from parallel.auto.candidates.placements import bucket_key, spec_placement_strs
+from parallel.auto.candidates.placements import bucket_key, join_buckets, spec_placement_strs
 from parallel.auto.candidates.strategies import PLACEHOLDER, Candidates
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.runtime.device import place_on_device, runtime_device
@@ -90,25 +90,14 @@ def resolve_specs(candidates: Candidates, plan: Plan) -> dict[str, Any]:
 
 def merge_small_buckets(pending: dict[tuple, list[tuple[int, tuple]]], grads: list[Any],
                         cap_bytes: int) -> list[tuple[tuple, list[tuple[int, tuple]]]]:
-    """Per-block gradient buckets ((block, key, dtype) -> members, in forward order) joined,
-    in the order the backward produces them (last block first), with the following blocks'
-    buckets of the same (key, dtype) until a bucket holds `cap_bytes` of gradients (local
-    bytes): DDP's rule (`bucket_cap_mb`). Large blocks keep a bucket each (a transformer
+    """Per-block gradient buckets ((block, key, dtype) -> members, in forward order) joined
+    by DDP's rule (`placements.join_buckets`, `bucket_cap_mb`) over the gradients' local
+    bytes, buckets of one (key, dtype) only. Large blocks keep a bucket each (a transformer
     layer of a real model is far above the cap); small models pay the fixed cost of a
     collective once per few blocks instead of once per block. 0: one bucket per block."""
-    merged: list[tuple[tuple, list[tuple[int, tuple]]]] = []
-    open_bucket: dict[tuple, tuple[list, int]] = {}  # (key, dtype) -> (members, bytes)
-    for (_, key, dtype), members in reversed(pending.items()):
-        group = (key, dtype)
-        held, size = open_bucket.pop(group, ([], 0))
-        held = members + held  # forward order inside a bucket, as one block's
-        size += sum(_local_bytes(grads[i]) for i, _ in members)
-        if size >= cap_bytes:
-            merged.append((group, held))
-        else:
-            open_bucket[group] = (held, size)
-    merged.extend((g, held) for g, (held, _) in open_bucket.items())
-    return merged
+    blocks = (((key, dtype), members, sum(_local_bytes(grads[i]) for i, _ in members))
+              for (_, key, dtype), members in reversed(pending.items()))
+    return join_buckets(blocks, cap_bytes)
 
 
 def _local_bytes(v: Any) -> int:

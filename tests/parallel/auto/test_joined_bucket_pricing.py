@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 from models import build_model
 from parallel import _torch as T
 from parallel.auto.api import AutoParallel, fake_world, lm_loss
-from parallel.auto.candidates.placements import local_shape
+from parallel.auto.candidates.placements import join_buckets, local_shape
 from parallel.auto.config import PlannerConfig
 from parallel.auto.cost.comm import collective_time
 from parallel.auto.problem.formulation import joined_buckets
@@ -71,6 +71,15 @@ def test_joined_buckets_group_consecutive_blocks_up_to_the_cap():
     layer_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("layers.1."))
     capped = joined_buckets(params, layer_bytes + 1)  # the last block joins the norm and head that follow it
     assert capped["layers.1.attention.wq.weight"] == capped["output.weight"] == 9 + 2
+
+
+def test_join_buckets_keeps_each_group_apart_and_forward_order_inside():
+    """DDP's rule as the runtime and the planner share it: blocks come last first; a bucket
+    closes once it holds the cap; an all-reduce bucket never takes a reduce-scatter's block."""
+    backward = [("ar", ["l3.a", "l3.b"], 6), ("rs", ["l2.a"], 4), ("ar", ["l2.b"], 3), ("ar", ["l1.a"], 5),
+                ("rs", ["l0.a"], 1)]
+    assert join_buckets(backward, 8) == [("ar", ["l2.b", "l3.a", "l3.b"]), ("ar", ["l1.a"]), ("rs", ["l0.a", "l2.a"])]
+    assert join_buckets(backward, 0) == [(g, m) for g, m, _ in backward]  # cap 0: one bucket per block
 
 
 @pytest.mark.slow
