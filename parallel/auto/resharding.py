@@ -65,7 +65,18 @@ class _Outcome:
     state: dict = dataclasses.field(default_factory=dict)  # the planner's attributes after this solve
 
 
-SOLVE_STATE = ("candidates", "problem", "traced_step", "seed_info", "recompute_row")
+_SOLVE_STATE = ("candidates", "problem", "traced_step", "seed_info", "recompute_row", "_cost_model")
+
+
+def solve_state(autop: Any) -> dict[str, Any]:
+    """What a solve leaves on the planner (its problem, traced step, cost model, ...): kept
+    per candidate plan, so the planner can be left as the chosen plan's solve left it."""
+    return {k: getattr(autop, k, None) for k in _SOLVE_STATE}
+
+
+def restore_solve_state(autop: Any, state: dict[str, Any]) -> None:
+    for k, v in state.items():
+        setattr(autop, k, v)
 
 
 def use_setting(autop: Any, reshard: bool) -> None:
@@ -120,7 +131,7 @@ def choose_resharding(autop: Any, solve: Callable[[], Plan]) -> Plan:
                 out.plan.reshard_after_forward = reshard
             except MemoryLimitError as e:
                 out.error = e
-            out.state = {k: getattr(autop, k, None) for k in (*SOLVE_STATE, "_cost_model")}
+            out.state = solve_state(autop)
             outcomes.append(out)
             if out.plan is not None and _fits(out.plan) and (
                     (not reshard and not _recomputes(out.plan)) or (reshard and _recomputes(out.plan))):
@@ -133,8 +144,7 @@ def choose_resharding(autop: Any, solve: Callable[[], Plan]) -> Plan:
     if best is None:  # every returned plan fits (or was not estimated): neither solve made one;
         # the resharding one's refusal (it needs the least memory)
         raise next((o.error for o in outcomes if o.reshard), outcomes[-1].error)
-    for k, v in best.state.items():
-        setattr(autop, k, v)
+    restore_solve_state(autop, best.state)
     if len(outcomes) > 1:
         other = next(o for o in outcomes if o is not best)
         theirs = (f"{other.plan.step_time_us(micro) / 1e3:,.1f} ms" if other.plan is not None and _fits(other.plan)

@@ -26,7 +26,7 @@ from torch.distributed.tensor import Replicate
 
 from parallel.auto.plan import Plan
 from parallel.auto.problem.placement_problem import PlanningError
-from parallel.auto.resharding import SOLVE_STATE
+from parallel.auto.resharding import restore_solve_state, solve_state
 
 log = logging.getLogger("parallel.auto.api")
 
@@ -60,7 +60,7 @@ def check_against_ddp(autop: Any, plan: Plan, solve: Callable[[], Plan]) -> Plan
     simulated step is shorter; the planner is left as the kept plan's solve left it."""
     if not applies(autop, plan):
         return plan
-    ilp_state = {k: getattr(autop, k, None) for k in (*SOLVE_STATE, "_cost_model")}
+    ilp_state = solve_state(autop)
     constraints, planner = list(autop.constraints), autop.planner
     try:
         replicate_every_parameter(autop)
@@ -72,8 +72,7 @@ def check_against_ddp(autop: Any, plan: Plan, solve: Callable[[], Plan]) -> Plan
         autop.constraints[:], autop.planner = constraints, planner
     mine, theirs = _simulated_us(plan), _simulated_us(ddp) if ddp is not None else None
     if theirs is None or not theirs < mine:
-        for k, v in ilp_state.items():
-            setattr(autop, k, v)
+        restore_solve_state(autop, ilp_state)
         if theirs is not None:
             plan.selection = (f"the ILP's optimum, checked against every parameter replicated (DDP) by the step "
                               f"simulation: {mine / 1e3:,.1f} ms against {theirs / 1e3:,.1f} ms")

@@ -1,7 +1,7 @@
 """[parallelism] reshard_after_forward = "auto": the planner prices gathering the parameters
 again in the backward against keeping the forward's gathered copies (the ZeRO-2 shape:
 gradients and optimizer states sharded, parameters whole for compute) and keeps the faster
-plan that fits. On the 2-block debug LLaMA (a fake world of 4, FSDP-shaped placements): with
+plan that fits. On the 4-block debug LLaMA (a fake world of 4, FSDP-shaped placements): with
 memory free it keeps them and its gathers cost less than the same placements resharded;
 under a limit that the kept copies break but resharding fits, it reshards; the memory
 estimate (the step graph torch's partitioner cuts) of the plan it returns fits; the choice
@@ -24,7 +24,9 @@ from parallel.auto.search import presets
 
 def _plan(reshard, limit_gib=None, tmp_path=None, preset=True) -> Plan:
     tok = torch.zeros(8, 256, dtype=torch.long)
-    model = build_model("llama3", "debug", device="meta", n_layers=2)
+    # four blocks: with two, the backward's re-gathers (one block ahead) held as much as the
+    # kept copies of every block, and the forward's peak decided
+    model = build_model("llama3", "debug", device="meta", n_layers=4)
     runtime = RuntimeOptions(reshard_after_forward=reshard)
     with fake_world(4):
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
