@@ -61,6 +61,16 @@ def _map_args(fn: Any, a: Any) -> Any:
     return fn(a)
 
 
+def _free(cost: float) -> float:
+    """A transition the runtime hides entirely: free, unless it cannot be done (inf stays
+    inf; inf * 0 would be NaN, which poisons the solvers' minima)."""
+    return cost if np.isinf(cost) else 0.0
+
+
+def _scaled(costs: np.ndarray, mult: float) -> np.ndarray:
+    return costs * mult if mult != 0.0 else np.where(np.isinf(costs), costs, 0.0)
+
+
 class StrategyPricer:
     """Compute and redistribution cost arrays for the strategies of one Candidates."""
 
@@ -205,7 +215,7 @@ class StrategyPricer:
                     else:
                         c = self.cm.redistribute_cost(sp, dp, meta)
                     pairs[k] = c
-                m[a, b] = c * mult
+                m[a, b] = c * mult if mult != 0.0 else _free(c)
         self.redist_cache[key] = m
         return m
 
@@ -214,7 +224,7 @@ class StrategyPricer:
         """The loop above for a whole matrix at once (cost/comm_matrix.py); same numbers."""
         bucket_scale, bucket_mult, plain_mult = terms
         s_arr, d_arr = np.array(s_ids, dtype=np.int64), np.array(d_ids, dtype=np.int64)
-        m = self.cm.redistribute_cost_matrix(s_arr, d_arr, shape, cdt.itemsize) * plain_mult
+        m = _scaled(self.cm.redistribute_cost_matrix(s_arr, d_arr, shape, cdt.itemsize), plain_mult)
         if role.kind == "act":
             return m
         cache = self.bucketed_cache
@@ -231,7 +241,7 @@ class StrategyPricer:
             ra, ca = np.unique(rows), np.unique(cols)
             sub = self.cm.redistribute_cost_matrix(s_arr[ra], d_arr[ca], shape, cdt.itemsize, bucket_scale)
             full = np.zeros(m.shape)
-            full[np.ix_(ra, ca)] = sub * bucket_mult
+            full[np.ix_(ra, ca)] = _scaled(sub, bucket_mult)
             m = np.where(bucketed, full, m)
         return m
 
