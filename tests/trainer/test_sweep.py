@@ -227,7 +227,7 @@ def test_mesh_search_ranks_and_drops(tmp_path):
     assert all("memory limit" in r["detail"] or "limit" in r["detail"] for r in dropped)
 
 
-@pytest.mark.slow  # plans 2 meshes, then tp=2 twice more under a memory limit
+@pytest.mark.slow  # plans 3 meshes, then cp=2 twice more under a memory limit
 def test_mesh_search_accumulates_where_memory_requires(tmp_path):
     # AC fixed: with mode "auto" the planner meets the lower limit by recomputing instead
     cfg = load_config("llama3_debug_auto", [*TINY_JOB, "--model.vocab_size", "4096", "--training.seq_len", "256",
@@ -235,23 +235,24 @@ def test_mesh_search_accumulates_where_memory_requires(tmp_path):
     cache = PlanCache(tmp_path / "cache")
     job = base_job(cfg)
     rows = {r["mesh"]: r for r in search_meshes(job, 2, "h100", workers=1, cache=cache, out=lambda s: None)
-            if r["mesh"] in ("tp=2", "dp_shard=2")}
-    # a limit below tp=2's peak at its local batch of 4, above dp_shard=2's at 2: tp=2 must accumulate
-    big, small = rows["tp=2"]["mem_gib"] * 2**30, rows["dp_shard=2"]["mem_gib"] * 2**30
+            if r["mesh"] in ("cp=2", "dp_shard=2")}
+    # a limit below cp=2's peak at its local batch of 4, above dp_shard=2's at 2: cp=2 must accumulate
+    # (tp=2 no longer serves: its plan splits the batch over tp and peaks where dp_shard=2 does)
+    big, small = rows["cp=2"]["mem_gib"] * 2**30, rows["dp_shard=2"]["mem_gib"] * 2**30
     assert small < big
     limit = int((big + small) / 2)
     hw = load_hardware("h100").replace(memory_bytes=limit, memory_limit_bytes=limit)
     again = {r["mesh"]: r for r in search_meshes(job, 2, hw, workers=1, cache=cache, out=lambda s: None)}
-    tp = again["tp=2"]
+    cp = again["cp=2"]
     print({m: (r["status"], r["local_batch"], r["micro_batches"], r["mem_gib"]) for m, r in again.items()})
     assert again["dp_shard=2"]["micro_batches"] == 1 and again["dp_shard=2"]["status"] == "ok"
-    assert tp["status"] == "ok" and tp["micro_batches"] > 1 and tp["local_batch"] * tp["micro_batches"] == 4
-    assert tp["mem_gib"] * 2**30 <= limit
+    assert cp["status"] == "ok" and cp["micro_batches"] > 1 and cp["local_batch"] * cp["micro_batches"] == 4
+    assert cp["mem_gib"] * 2**30 <= limit
     # its step is every micro-batch's step graph, the gradient reductions once
-    plan, m = cache.plan(tp["key"]), tp["micro_batches"]
-    assert tp["step_ms"] == pytest.approx((plan.objective_us * m - plan.grad_reduction_us * (m - 1)) / 1e3)
-    assert tp["step_ms"] * 1e3 < plan.objective_us * m
-    assert tp["tokens_per_s"] == pytest.approx(4 * 256 / (tp["step_ms"] / 1e3))
+    plan, m = cache.plan(cp["key"]), cp["micro_batches"]
+    assert cp["step_ms"] == pytest.approx((plan.objective_us * m - plan.grad_reduction_us * (m - 1)) / 1e3)
+    assert cp["step_ms"] * 1e3 < plan.objective_us * m
+    assert cp["tokens_per_s"] == pytest.approx(4 * 256 / (cp["step_ms"] / 1e3))
 
 
 def test_a_mesh_that_cannot_divide_the_global_batch_is_a_row(tmp_path):

@@ -109,8 +109,10 @@ def _bf16_worker(rank, world_size):
 
 @pytest.mark.slow
 def test_mixed_precision(results):
-    """bf16 on 2 ranks = bf16 on 1 rank (the same cast policy: bf16 compute, fp32 reduction)
-    to ~1e-3; and well away from fp32, so the test sees that bf16 ran."""
+    """bf16 on 2 ranks = bf16 on 1 rank (the same cast policy: bf16 compute, fp32 reduction):
+    gradients to 1e-2 and well away from fp32, so the test sees that bf16 ran; the loss to
+    bf16's resolution, because it is computed in the logits' dtype on each rank's own tokens
+    (the sharded loss, docs/planner.md): two ranks round two means to bf16, one rank one."""
     one = run_distributed(_bf16_worker, 1, timeout=300)[0]
     ref32 = reference("llama3", 1)
     for out in results:
@@ -120,4 +122,4 @@ def test_mixed_precision(results):
         rel32 = max((out["grads_bf16"][n] - g).norm().item() / g.norm().item() for n, g in ref32["grads"].items())
         print(f"bf16 2 ranks vs 1 rank: loss {d_loss:.1e} relative, max relative grad error {rel:.1e} "
               f"(vs fp32: {rel32:.1e})")
-        assert d_loss < 1e-3 and rel < 1e-2 and rel32 > rel
+        assert d_loss < 2.0 ** -7 and rel < 1e-2 and rel32 > rel
