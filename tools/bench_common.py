@@ -126,12 +126,26 @@ def _worker(rank: int, nproc: int, port: int, threads: int, q: Any, job: Callabl
             dist.destroy_process_group()
 
 
+PORT_TRIES = 3
+
+
 def run_on_ranks(job: Callable[[], Any], nproc: int, *, threads: int = 1, timeout: float = 3600) -> Any:
-    """Run `job()` on `nproc` spawned gloo ranks; rank 0's result (RuntimeError if one fails)."""
+    """Run `job()` on `nproc` spawned gloo ranks; rank 0's result (RuntimeError if one fails).
+    The port is free when picked, but another process may take it before rank 0 listens
+    (two test workers launching at once): then the launch is tried again on a new port."""
+    for attempt in range(PORT_TRIES):
+        try:
+            return _launch(job, nproc, free_port(), threads, timeout)
+        except RuntimeError as e:
+            if "EADDRINUSE" not in str(e) or attempt == PORT_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch(job: Callable[[], Any], nproc: int, port: int, threads: int, timeout: float) -> Any:
     import torch
     import torch.multiprocessing as mp
 
-    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, nproc, port, threads, q, job), daemon=True) for r in range(nproc)]

@@ -75,3 +75,30 @@ def test_latency_split_passes_through_the_pair_and_the_world():
     assert split_latency(6000.0, 2, None) == (3000.0, 3000.0)
     assert split_latency(6000.0, 4, 7000.0) == (3000.0, 1000.0)
     assert split_latency(6000.0, 4, 500.0) == (0.0, 2000.0)  # a pair too fast to be linear: no fixed part
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
+@pytest.mark.slow
+def test_a_port_taken_before_rank_0_listens_is_tried_again(monkeypatch):
+    """`free_port` can hand out a port another process takes before the ranks start (two test
+    workers launching at once): the launch is tried again on a new port."""
+    import socket
+
+    from tools import bench_common
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1], bench_common.free_port()])
+    monkeypatch.setattr(bench_common, "free_port", lambda: next(ports))
+    try:
+        assert bench_common.run_on_ranks(_world_size, 2, timeout=120) == 2
+    finally:
+        taken.close()
+    with pytest.raises(StopIteration):
+        next(ports)  # both ports were used: the first launch failed, the second ran
