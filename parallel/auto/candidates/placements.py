@@ -124,6 +124,41 @@ def bucket_key(src: tuple, dst: tuple) -> tuple | None:
     return (a_, b_)
 
 
+def split_axis(src: tuple, dst: tuple) -> int | None:
+    """The mesh axis whose collective splits or joins a tensor (a gather S -> R, a reduction
+    P -> S) when it is the only axis that shards it on either side, else None."""
+    axes = {ax for ax, p in enumerate(src + dst) if isinstance(p, Shard)}
+    axes = {ax % len(src) for ax in axes}
+    if len(axes) != 1:
+        return None
+    ax = axes.pop()
+    return ax if isinstance(src[ax], Shard) != isinstance(dst[ax], Shard) else None
+
+
+def flat_bucket_key(shape: Sequence[int], src: tuple, dst: tuple, mesh_shape: Sequence[int]) -> tuple | None:
+    """`bucket_key` for a tensor of global `shape`. An uneven split joins a flat buffer only
+    where one mesh axis splits it (`split_axis`: its shards are padded to equal chunks);
+    any other uneven one is left to DTensor's own collective (None)."""
+    key = bucket_key(src, dst)
+    if key is None or (evenly_divisible(shape, src, mesh_shape) and evenly_divisible(shape, dst, mesh_shape)):
+        return key
+    ok = split_axis(src, dst) is not None and fills_every_rank(shape, src, mesh_shape) and fills_every_rank(
+        shape, dst, mesh_shape)
+    return key if ok else None
+
+
+def rank_local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int],
+                     coordinate: Sequence[int]) -> tuple[int, ...]:
+    """The local shape of the rank at `coordinate` on the mesh: DTensor's torch.chunk split,
+    nested in mesh-axis order (ceil rows on the first ranks, fewer or none on the last)."""
+    local = list(shape)
+    for size, p, at in zip(mesh_shape, placements, coordinate):
+        if isinstance(p, Shard) and not isinstance(p, T.StridedShard):
+            rows = -(-local[p.dim] // size)
+            local[p.dim] = max(0, min(rows, local[p.dim] - at * rows))
+    return tuple(local)
+
+
 def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int],
                 skip_axis: int | None = None) -> tuple[int, ...]:
     """Per-rank shape of a tensor of global ``shape`` placed by ``placements`` (ceil:
@@ -173,13 +208,35 @@ def evenly_divisible(shape: Sequence[int], placements: Placements, mesh_shape: S
     return True
 
 
-def tensor_placements(shape: Sequence[int], mesh_shape: Sequence[int], *, partial: bool = False) -> list[Placements]:
-    """Every placement tuple (Replicate / Shard(d) [/ Partial]) whose shards divide evenly."""
+def fills_every_rank(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> bool:
+    """True if every Shard in `placements` leaves each rank a non-empty shard, evenly or not
+    (DTensor's torch.chunk split, nested in mesh-axis order: the first ranks hold ceil rows,
+    the last what is left); strided shards never."""
+    local = list(shape)
+    for size, p in zip(mesh_shape, placements):
+        if isinstance(p, T.StridedShard):
+            return False
+        if isinstance(p, Shard):
+            if p.dim >= len(local):
+                return False
+            rows = -(-local[p.dim] // size)
+            if rows * (size - 1) >= local[p.dim]:
+                return False
+            local[p.dim] = rows
+    return True
+
+
+def tensor_placements(shape: Sequence[int], mesh_shape: Sequence[int], *, partial: bool = False,
+                      uneven: bool = False) -> list[Placements]:
+    """Every placement tuple (Replicate / Shard(d) [/ Partial]) whose shards divide evenly;
+    `uneven`: also those whose shards differ by rank but leave none empty (FSDP2's split of a
+    weight whose rows a mesh axis does not divide)."""
     per_axis: list[Placement] = [Replicate()] + [Shard(d) for d in range(len(shape))]
     if partial:
         per_axis.append(Partial())
+    fits = fills_every_rank if uneven else evenly_divisible
     return [tuple(c) for c in itertools.product(per_axis, repeat=len(mesh_shape))
-            if evenly_divisible(tuple(shape), c, mesh_shape)]
+            if fits(tuple(shape), c, mesh_shape)]
 
 
 def output_placements(outs: Any) -> Any:

@@ -2,7 +2,8 @@
 
 Op strategies come from DTensor's own sharding-propagation rules (enumeration.py). Besides
 ATen ops there are three node kinds: placeholders (params, buffers, inputs, tangents) get
-every evenly-divisible placement; getitem picks one output of a tuple; and one virtual
+every evenly-divisible placement (parameters and their gradients also the uneven ones that
+leave no rank empty, gathered before any op reads them); getitem picks one output of a tuple; and one virtual
 "slot" per graph output (loss, gradients) where the output placement is decided, so a
 Partial gradient can be reduce-scattered or all-reduced into it. Lifted constants
 (get_attr: plain tensor attributes, `torch.tensor(...)` in forward) are placeholders with one
@@ -28,7 +29,7 @@ from torch.distributed.tensor import Replicate
 
 from parallel import _torch as T
 from parallel.auto.candidates.enumeration import CoverageReport, OpEnumerator, make_spec, out_meta_of, tensor_meta
-from parallel.auto.candidates.placements import Placements, evenly_divisible, tensor_placements
+from parallel.auto.candidates.placements import Placements, evenly_divisible, fills_every_rank, tensor_placements
 from parallel.auto.trace.joint import JointGraph
 
 log = logging.getLogger("parallel.auto.candidates.strategies")
@@ -126,8 +127,11 @@ class _CandidateBuilder:
     """Walks the joint graph once, node kind by node kind (see the module docstring)."""
 
     def __init__(self, mesh: DeviceMesh, restrict: dict[str, list[tuple]] | None,
-                 module_of: dict[str, str] | None = None):
+                 module_of: dict[str, str] | None = None, uneven: frozenset[str] = frozenset()):
         self.mesh = mesh
+        # parameters and their gradients' slots: they may be split unevenly (FSDP2 pads the
+        # collectives); every op still takes even shards, so an uneven one is gathered first
+        self.uneven = uneven
         self.module_of = module_of or {}
         self.mesh_shape = tuple(mesh.shape)
         self.restrict = restrict or {}
@@ -140,27 +144,28 @@ class _CandidateBuilder:
         self.constants: set[str] = set()  # nodes computed from no data input at all
         self.unhandled: list[Unhandled] = []
 
-    def placeholder_specs(self, val: torch.Tensor, shard: bool = True) -> list[Any]:
-        key = (tuple(val.shape), tuple(val.stride()), val.dtype, shard)
+    def placeholder_specs(self, val: torch.Tensor, shard: bool = True, uneven: bool = False) -> list[Any]:
+        key = (tuple(val.shape), tuple(val.stride()), val.dtype, shard, uneven)
         if key not in self.placeholder_cache:
             rep = tuple(Replicate() for _ in self.mesh_shape)
-            pls = tensor_placements(tuple(val.shape), self.mesh_shape) if shard else [rep]
+            pls = tensor_placements(tuple(val.shape), self.mesh_shape, uneven=uneven) if shard else [rep]
             self.placeholder_cache[key] = [T.OpSpec(make_spec(self.mesh, p, tensor_meta(val)), []) for p in pls]
         return self.placeholder_cache[key]
 
-    def restricted_placeholder(self, val: torch.Tensor, keys: list[tuple]) -> list[Any]:
+    def restricted_placeholder(self, val: torch.Tensor, keys: list[tuple], uneven: bool = False) -> list[Any]:
         outs = tuple(dict.fromkeys(k[0] for k in keys))
-        ck = ("restricted", tuple(val.shape), tuple(val.stride()), val.dtype, outs)
+        ck = ("restricted", tuple(val.shape), tuple(val.stride()), val.dtype, outs, uneven)
+        fits = fills_every_rank if uneven else evenly_divisible
         if ck not in self.placeholder_cache:
             self.placeholder_cache[ck] = [T.OpSpec(make_spec(self.mesh, p, tensor_meta(val)), []) for p in outs
-                                          if evenly_divisible(tuple(val.shape), p, self.mesh_shape)]
+                                          if fits(tuple(val.shape), p, self.mesh_shape)]
         return self.placeholder_cache[ck]
 
     def add_placeholder(self, n: fx.Node) -> None:
         val = n.meta["val"]
-        shard = val.ndim > 0
-        specs = (self.restricted_placeholder(val, self.restrict[n.name]) if shard and n.name in self.restrict
-                 else self.placeholder_specs(val, shard))
+        shard, uneven = val.ndim > 0, n.name in self.uneven
+        specs = (self.restricted_placeholder(val, self.restrict[n.name], uneven) if shard and n.name in self.restrict
+                 else self.placeholder_specs(val, shard, uneven))
         self.nodes[n.name] = NodeCandidates(n.name, PLACEHOLDER, n, [], specs, key=None, source=PLACEHOLDER)
 
     def add_constant(self, n: fx.Node) -> None:
@@ -208,13 +213,22 @@ class _CandidateBuilder:
     def add_slot(self, slot: Any) -> None:
         val = slot.node.meta["val"]
         name = f"output[{slot.index}]"
+        uneven = name in self.uneven
         if name in self.restrict and val.ndim > 0:
-            specs = self.restricted_placeholder(val, self.restrict[name])
+            specs = self.restricted_placeholder(val, self.restrict[name], uneven)
         else:  # a gradient takes the same menu as its parameter; a scalar stays replicated
-            specs = self.placeholder_specs(val, shard=val.ndim > 0)
+            specs = self.placeholder_specs(val, shard=val.ndim > 0, uneven=uneven)
         self.nodes[name] = NodeCandidates(name, SLOT, None, [slot.node],
                                           [T.OpSpec(s.output_specs, [s.output_specs]) for s in specs], source=SLOT,
                                           slot_index=slot.index)
+
+
+def uneven_splittable(graph: JointGraph) -> frozenset[str]:
+    """The nodes whose menu holds uneven shards: the parameters and their gradients' slots
+    (the placements of the model's state, which only collectives read and write)."""
+    names = {n.name for n in graph.params.values()}
+    names.update(f"output[{s.index}]" for s in graph.slots if s.kind == "grad_param")
+    return frozenset(names)
 
 
 def mesh_candidates(graph: JointGraph, mesh: DeviceMesh) -> Candidates:
@@ -244,7 +258,7 @@ def build_candidates(graph: JointGraph, mesh: DeviceMesh, restrict: dict[str, li
     """
     T.register_planner_ops()
     t0 = time.perf_counter()
-    b = _CandidateBuilder(mesh, restrict, graph.module_of)
+    b = _CandidateBuilder(mesh, restrict, graph.module_of, uneven_splittable(graph))
     for n in graph.gm.graph.nodes:
         if n.op == "placeholder":
             b.add_placeholder(n)

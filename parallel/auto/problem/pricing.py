@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import Replicate
 
-from parallel.auto.candidates.placements import bucket_key, local_shape
+from parallel.auto.candidates.placements import flat_bucket_key, local_shape
 from parallel.auto.candidates.strategies import OP, Candidates, NodeCandidates
 from parallel.auto.cost.comm import placement_ids
 from parallel.auto.cost.model import CostModel
@@ -85,7 +85,7 @@ class StrategyPricer:
         self.pair_cache: dict[tuple, float] = {}  # (shape, dtype, src id, dst id) -> µs
         self.placement_ids: dict[tuple, int] = {}
         self.id_cache: dict[tuple[int, int], tuple[int, ...]] = {}
-        self.bucketed_cache: dict[tuple[int, int, str], bool] = {}  # (src id, dst id, role kind)
+        self.bucketed_cache: dict[tuple[int, int, str, tuple], bool] = {}  # (src id, dst id, role kind, shape)
         # the id-based fast path prices exactly like redistribute_cost; a cost model that
         # overrides redistribute_cost is asked through it
         self.fast_pricing = (hasattr(cm, "redistribute_cost_ids") and
@@ -163,15 +163,14 @@ class StrategyPricer:
             return cdt, 1.0, role.repeat * share, share
         return cdt, 1.0 / role.bucket, role.repeat * share, share
 
-    @staticmethod
-    def _bucketed(role: EdgeRole, src: tuple, dst: tuple) -> bool:
+    def _bucketed(self, role: EdgeRole, src: tuple, dst: tuple, shape: tuple) -> bool:
         """Whether the runtime does src -> dst in its block's flat-buffer collective: a
         parameter gathered whole for an op (then also re-gathered in the backward when
         resharding), or a gradient reduced into its parameter's placement
-        (runtime/interpreter.py, runner.py); any other transition runs on its own."""
+        (runtime/interpreter.py, runner.py), split evenly; any other transition runs on its own."""
         if role.kind == "param" and not all(isinstance(p, Replicate) for p in dst):
             return False
-        return bucket_key(tuple(src), tuple(dst)) is not None
+        return flat_bucket_key(shape, tuple(src), tuple(dst), self.mesh_shape) is not None
 
     def redistribution(self, shape: tuple, dtype: torch.dtype, src: list[tuple], dst: list[tuple],
                        role: EdgeRole = ACTIVATION) -> np.ndarray:
@@ -202,10 +201,10 @@ class StrategyPricer:
                     continue
                 bucketed = False
                 if role.kind != "act":
-                    bk = (sid[a], did[b], role.kind)
+                    bk = (sid[a], did[b], role.kind, shape)
                     bucketed = self.bucketed_cache.get(bk)
                     if bucketed is None:
-                        bucketed = self.bucketed_cache[bk] = self._bucketed(role, sp, dp)
+                        bucketed = self.bucketed_cache[bk] = self._bucketed(role, sp, dp, shape)
                 scale, mult = (bucket_scale, bucket_mult) if bucketed else (1.0, plain_mult)
                 k = (shape, cdt, sid[a], did[b], scale)
                 c = pairs.get(k)
@@ -231,10 +230,10 @@ class StrategyPricer:
         bucketed = np.zeros(m.shape, dtype=bool)
         for a, sp in enumerate(src):
             for b, dp in enumerate(dst):
-                bk = (sid[a], did[b], role.kind)
+                bk = (sid[a], did[b], role.kind, shape)
                 hit = cache.get(bk)
                 if hit is None:
-                    hit = cache[bk] = sid[a] != did[b] and self._bucketed(role, sp, dp)
+                    hit = cache[bk] = sid[a] != did[b] and self._bucketed(role, sp, dp, shape)
                 bucketed[a, b] = hit
         if bucketed.any():
             rows, cols = np.nonzero(bucketed)

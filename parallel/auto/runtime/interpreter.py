@@ -20,7 +20,7 @@ from torch import fx
 from torch.distributed.tensor import DTensor, Replicate
 
 from parallel import _torch as T
-from parallel.auto.candidates.placements import bucket_key, placement_str
+from parallel.auto.candidates.placements import flat_bucket_key, placement_str
 from parallel.auto.cost.memory import BLOCK, RECOMPUTED
 from parallel.auto.regions import region_of, run_region
 from parallel.auto.runtime.redistribute import bucketed_redistribute, redistribute
@@ -93,10 +93,12 @@ class PlacementOps:
         if hit is not None or name not in self.gather_buckets or name not in self.param_values:
             return hit
         v = self.param_values[name]
-        key = (self.gather_buckets[name], bucket_key(tuple(v.placements), _replicated(v)), v.dtype)
+        mesh_shape = tuple(self.mesh.shape)
+        key = (self.gather_buckets[name], flat_bucket_key(v.shape, tuple(v.placements), _replicated(v), mesh_shape),
+               v.dtype)
         members = [m for m in self._bucket_members[key[0]] if m in self.param_values and m not in self.cache
-                   and (bucket_key(tuple(self.param_values[m].placements), _replicated(v)),
-                        self.param_values[m].dtype) == key[1:]]
+                   and (flat_bucket_key((w := self.param_values[m]).shape, tuple(w.placements), _replicated(v),
+                                        mesh_shape), w.dtype) == key[1:]]
         if key[1] is None:
             return None
         self.stats["bucketed_param_gathers"] += 1

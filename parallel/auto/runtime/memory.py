@@ -26,7 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from parallel import _torch as T
-from parallel.auto.candidates.placements import local_shape
+from parallel.auto.candidates.placements import rank_local_shape
 from parallel.auto.candidates.strategies import Candidates
 from parallel.auto.cost.comm import AxisLink
 from parallel.auto.cost.memory import MemoryEstimate, optimizer_temp_bytes, step_graph_memory
@@ -52,8 +52,8 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 def _fake_dtensor(val: torch.Tensor, placements: tuple, mesh: DeviceMesh) -> DTensor:
     shape = tuple(val.shape)
-    local = torch.empty(local_shape(shape, placements, tuple(mesh.shape)), dtype=val.dtype,
-                        device=runtime_device(mesh))
+    here = rank_local_shape(shape, placements, tuple(mesh.shape), mesh.get_coordinate())  # this rank's shard
+    local = torch.empty(here, dtype=val.dtype, device=runtime_device(mesh))
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
                               stride=contiguous_stride(shape))
 

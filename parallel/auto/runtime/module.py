@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from models import meta_copy
 from parallel import _torch as T
-from parallel.auto.candidates.placements import local_shape, placement_str
+from parallel.auto.candidates.placements import local_shape, placement_str, rank_local_shape
 from parallel.auto.candidates.strategies import Candidates
 from parallel.auto.cost import CostModel
 from parallel.auto.cost.simulate import StepPrediction, simulate_step
@@ -354,7 +354,8 @@ def _shard_parameters(pm: nn.Module, runner: PlanRunner, mesh: DeviceMesh, on_me
     for fqn in runner.param_names:
         p, pl = named[fqn], runner.param_placements(fqn)
         if on_meta or p.device.type == "meta":
-            local = torch.empty(local_shape(tuple(p.shape), pl, tuple(mesh.shape)), dtype=p.dtype, device="meta")
+            shape = rank_local_shape(tuple(p.shape), pl, tuple(mesh.shape), mesh.get_coordinate())
+            local = torch.empty(shape, dtype=p.dtype, device="meta")
         else:
             local = local_shard(p.detach(), mesh, pl).clone()
         dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=p.shape,

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from parallel import _torch as T
-from parallel.auto.candidates.placements import bucket_key, bucket_shard_dim
+from parallel.auto.candidates.placements import bucket_key, bucket_shard_dim, split_axis
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -100,7 +100,9 @@ def bucketed_redistribute(items: list[DTensor], targets: list[tuple], mesh: Devi
     # of them (q > 1 only when reducing onto a finer shard)
     q = k_dst // k_src if k_dst > k_src else 1
     dims = [bucket_shard_dim(tuple(x.placements), t) for x, t in zip(items, targets)]
-    moved = [x.to_local().movedim(d, 0) if d else x.to_local() for x, d in zip(items, dims)]
+    uneven = [_uneven_rows(x, t, d, mesh) for x, t, d in zip(items, targets, dims)]
+    moved = [_pad_rows(x.to_local().movedim(d, 0) if d else x.to_local(), u, k_src > 1)
+             for x, d, u in zip(items, dims, uneven)]
     parts = [m.contiguous().reshape(q, -1) for m in moved]
     widths = [pt.shape[1] for pt in parts]
     buf = torch.cat(parts, dim=1).reshape(-1)  # [q blocks of L], block b = chunk b of every tensor
@@ -109,14 +111,41 @@ def bucketed_redistribute(items: list[DTensor], targets: list[tuple], mesh: Devi
     blocks = redistribute(dt, mesh, dst).to_local().reshape(-1, L)
     res = []
     off = 0
-    for x, t, d, m, w in zip(items, targets, dims, moved, widths):
+    for x, t, d, m, w, u in zip(items, targets, dims, moved, widths, uneven):
         piece = blocks[:, off:off + w].reshape(-1, *m.shape[1:])
         off += w
+        if u is not None:  # drop the padding: past the tensor's rows (gathered), past this shard's (reduced)
+            piece = piece[:x.shape[d] if k_dst == 1 else u[2]]
         if d:
             piece = piece.movedim(0, d).contiguous()
         res.append(DTensor.from_local(piece, mesh, t, run_check=False, shape=x.shape,
                                       stride=contiguous_stride(tuple(x.shape))))
     return res
+
+
+def _uneven_rows(x: DTensor, target: tuple, dim: int, mesh: DeviceMesh) -> tuple[int, int, int] | None:
+    """(chunks k, rows per padded chunk c, this rank's rows) where the one mesh axis that
+    splits or joins `x` (`split_axis`) does not divide its `dim`; None where it does. DTensor
+    splits as torch.chunk does: ceil rows on the first ranks, what is left on the last."""
+    ax = split_axis(tuple(x.placements), target)
+    rows = x.shape[dim]
+    if ax is None or rows % mesh.size(ax) == 0:
+        return None
+    k = mesh.size(ax)
+    c = -(-rows // k)
+    return k, c, max(0, min(c, rows - mesh.get_local_rank(ax) * c))
+
+
+def _pad_rows(local: torch.Tensor, uneven: tuple[int, int, int] | None, gathering: bool) -> torch.Tensor:
+    """`local` (its bucket dim first) padded with zero rows to equal chunks: this rank's shard
+    to c rows before a gather, the whole tensor to k x c rows before a reduction. A rank
+    whose shard is full pads with no rows: every rank's step graph holds the same ops, so
+    the overlap pass orders every rank's collectives alike."""
+    if uneven is None:
+        return local
+    k, c, _ = uneven
+    want = c if gathering else k * c
+    return torch.cat([local, local.new_zeros(want - local.shape[0], *local.shape[1:])])
 
 
 def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> torch.Tensor:

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from parallel import _torch as T
 from parallel.activation_checkpoint import recompute_parameter_views, tag_recomputation
-from parallel.auto.candidates.placements import bucket_key, join_buckets, spec_placement_strs
+from parallel.auto.candidates.placements import flat_bucket_key, join_buckets, spec_placement_strs
 from parallel.auto.candidates.strategies import PLACEHOLDER, Candidates
 from parallel.auto.plan import Plan, PlanMismatchError
 from parallel.auto.runtime.device import place_on_device, runtime_device
@@ -391,7 +391,8 @@ class PlanRunner:
                 grads.append(None)
                 continue
             dst = self.out_placements(f"output[{s.index}]")
-            key = bucket_key(tuple(v.placements), dst) if self.bucket and tuple(v.placements) != dst else None
+            key = (flat_bucket_key(v.shape, tuple(v.placements), dst, tuple(self.mesh.shape))
+                   if self.bucket and tuple(v.placements) != dst else None)
             if key is not None:  # one bucket per block, as the gathers
                 v = self._in_reduce_dtype(v)
                 block = self.block_of.get(self.graph.params[fqn].name, fqn)
