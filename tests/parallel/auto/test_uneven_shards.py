@@ -59,8 +59,10 @@ def _six_sequence_worker(rank: int, world_size: int, *args) -> list[dict]:
 
 @pytest.fixture
 def six_sequences(monkeypatch):
-    """A global batch of 6 sequences (apply_workers' 4 does not split over 3 ranks)."""
+    """A global batch of 6 sequences (apply_workers' 4 does not split over 3 ranks), traced
+    afresh (this process may hold the trace of 4)."""
     monkeypatch.setattr(apply_workers, "GLOBAL_B", 6)
+    monkeypatch.setattr(apply_workers, "_GRAPHS", {})
 
 
 @pytest.mark.slow
