@@ -25,6 +25,10 @@ def lm_loss_positions(model: nn.Module, tokens: torch.Tensor, labels: torch.Tens
 NLL_FORWARD = torch.ops.aten.nll_loss_forward.default
 NLL_BACKWARD = torch.ops.aten.nll_loss_backward.default
 _MEAN = 1  # torch's Reduction::Mean
+FP32_LOSS_OPS = (torch.ops.aten._log_softmax.default, torch.ops.aten._log_softmax_backward_data.default,
+                 NLL_FORWARD, NLL_BACKWARD)
+"""The cross-entropy's ops, which compute in fp32 under mixed precision (the model's
+`logits.float()` is a no-op in the fp32 trace, so it is gone from the graph)."""
 
 
 def is_mean_nll_without_weights(n: Any) -> bool:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from parallel import _torch as T
 from parallel.auto.candidates.placements import flat_bucket_key, placement_str
 from parallel.auto.cost.memory import BLOCK, RECOMPUTED
+from parallel.auto.losses import FP32_LOSS_OPS
 from parallel.auto.regions import region_of, run_region
 from parallel.auto.runtime.redistribute import bucketed_redistribute, redistribute
 from parallel.auto.runtime.repeated_blocks import MISSING
@@ -209,10 +210,13 @@ class PlacementOps:
         The graph was traced in fp32; parameters enter it in bf16, so fp32 values (RoPE
         tables, the fp32 loss branch meeting a bf16 matmul in backward) are cast down
         where they meet bf16 ones. Ops with a single float dtype run as traced (the loss
-        stays fp32).
+        stays fp32). The cross-entropy computes in fp32, as the model's `logits.float()` asks:
+        bf16 logits are cast up where the loss reads them.
         """
         if n.target in CAST_OPS:
             return vals
+        if n.target in FP32_LOSS_OPS:
+            return [v.float() if isinstance(v, torch.Tensor) and v.dtype.is_floating_point else v for v in vals]
         dts = {v.dtype for v in vals if isinstance(v, torch.Tensor) and v.dtype.is_floating_point}
         if len(dts) <= 1:
             return vals

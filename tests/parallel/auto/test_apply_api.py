@@ -57,6 +57,7 @@ def _api_worker(rank, world_size):
     loss16 = pm16(tok[local], lab[local])
     loss16.backward()
     out["loss_bf16"] = loss16.item()
+    out["loss_bf16_dtype"] = str(loss16.dtype)
     out["grad_dtypes"] = {str(p.grad.dtype) for p in pm16.parameters()}
     out["param_dtypes"] = {str(p.dtype) for p in pm16.parameters()}
     out["grads_bf16"] = {n: p.grad.full_tensor() for n, p in pm16.named_parameters()}
@@ -110,16 +111,17 @@ def _bf16_worker(rank, world_size):
 @pytest.mark.slow
 def test_mixed_precision(results):
     """bf16 on 2 ranks = bf16 on 1 rank (the same cast policy: bf16 compute, fp32 reduction):
-    gradients to 1e-2 and well away from fp32, so the test sees that bf16 ran; the loss to
-    bf16's resolution, because it is computed in the logits' dtype on each rank's own tokens
-    (the sharded loss, docs/planner.md): two ranks round two means to bf16, one rank one."""
+    gradients to 1e-2 and well away from fp32, so the test sees that bf16 ran. The loss is
+    computed in fp32 from the bf16 logits (the model's `logits.float()`), so two ranks' means
+    of their own tokens agree with one rank's mean far below bf16's resolution (2^-8)."""
     one = run_distributed(_bf16_worker, 1, timeout=300)[0]
     ref32 = reference("llama3", 1)
     for out in results:
         assert out["param_dtypes"] == {"torch.float32"} and out["grad_dtypes"] == {"torch.float32"}
+        assert out["loss_bf16_dtype"] == "torch.float32"
         d_loss = abs(out["loss_bf16"] - one["loss"]) / one["loss"]
         rel = max((out["grads_bf16"][n] - g).norm().item() / g.norm().item() for n, g in one["grads"].items())
         rel32 = max((out["grads_bf16"][n] - g).norm().item() / g.norm().item() for n, g in ref32["grads"].items())
         print(f"bf16 2 ranks vs 1 rank: loss {d_loss:.1e} relative, max relative grad error {rel:.1e} "
               f"(vs fp32: {rel32:.1e})")
-        assert d_loss < 2.0 ** -7 and rel < 1e-2 and rel32 > rel
+        assert d_loss < 1e-4 and rel < 1e-2 and rel32 > rel
