@@ -61,13 +61,9 @@ def _map_args(fn: Any, a: Any) -> Any:
     return fn(a)
 
 
-def _free(cost: float) -> float:
-    """A transition the runtime hides entirely: free, unless it cannot be done (inf stays
-    inf; inf * 0 would be NaN, which poisons the solvers' minima)."""
-    return cost if np.isinf(cost) else 0.0
-
-
-def _scaled(costs: np.ndarray, mult: float) -> np.ndarray:
+def _scaled(costs: np.ndarray | float, mult: float) -> np.ndarray | float:
+    """`costs` x `mult`; with `mult` 0 (a transition the runtime hides entirely) free, unless
+    it cannot be done: inf stays inf (inf * 0 would be NaN, which poisons the solvers' minima)."""
     return costs * mult if mult != 0.0 else np.where(np.isinf(costs), costs, 0.0)
 
 
@@ -214,7 +210,7 @@ class StrategyPricer:
                     else:
                         c = self.cm.redistribute_cost(sp, dp, meta)
                     pairs[k] = c
-                m[a, b] = c * mult if mult != 0.0 else _free(c)
+                m[a, b] = _scaled(c, mult)
         self.redist_cache[key] = m
         return m
 

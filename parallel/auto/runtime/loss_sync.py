@@ -32,19 +32,19 @@ from parallel.auto.cost.simulate import BACKWARD_SEED
 from parallel.auto.losses import NLL_FORWARD, is_mean_nll_without_weights
 
 _ONES_LIKE = torch.ops.aten.ones_like.default
-_WHOLE_VIEWS = {"view", "_unsafe_view", "reshape", "flatten"}  # the same elements, another shape
+WHOLE_VIEWS = {"view", "_unsafe_view", "reshape", "flatten"}  # the same elements, another shape
 
 
 def _feeds_output(x: Any, outputs: set) -> bool:
     """`x` is a value the graph outputs, itself or as a reshaping."""
     return isinstance(x, fx.Node) and (x in outputs or any(
-        u in outputs and u.op == "call_function" and T.op_name(u.target) in _WHOLE_VIEWS for u in x.users))
+        u in outputs and u.op == "call_function" and T.op_name(u.target) in WHOLE_VIEWS for u in x.users))
 
 
 def _labels_source(target: fx.Node) -> fx.Node:
     """The graph input `target` is a reshaping of (same elements), else `target` itself."""
     n = target
-    while n.op == "call_function" and isinstance(n.target, T.OpOverload) and T.op_name(n.target) in _WHOLE_VIEWS:
+    while n.op == "call_function" and isinstance(n.target, T.OpOverload) and T.op_name(n.target) in WHOLE_VIEWS:
         n = n.args[0]
     return n if n.op == "placeholder" else target
 

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from parallel import _torch as T
 from parallel.auto.regions.tape import RegionTape, use_region_tape
 from parallel.auto.runtime.local_graphs import dspec, local_value, wrap
-from parallel.auto.runtime.loss_sync import loss_off_the_critical_path
+from parallel.auto.runtime.loss_sync import WHOLE_VIEWS, loss_off_the_critical_path
 from parallel.auto.runtime.schedule import OverlapReport, count_collectives, schedule_overlap
 
 log = logging.getLogger("parallel.auto.runtime")
@@ -160,13 +160,12 @@ def reinplace_adds(gm: Any) -> int:
 
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _ALL_REDUCE_ = torch.ops._c10d_functional.all_reduce_.default
-_PASS_THROUGH = {"view", "_unsafe_view", "reshape"}  # a view of its input's whole storage
 
 
 def _only_buffer(v: Any, n: Any) -> bool:
     """`v` reaches `n` only, through views that nothing else reads, from a fresh tensor."""
     while isinstance(v, torch.fx.Node) and v.op == "call_function" and len(v.users) == 1 \
-            and T.op_name(v.target) in _PASS_THROUGH and isinstance(v.target, T.OpOverload):
+            and T.op_name(v.target) in WHOLE_VIEWS and isinstance(v.target, T.OpOverload):
         n, v = v, v.args[0]
     return _fresh_and_only_read_by(v, n) and T.op_name(v.target) not in _HIDDEN_ALIASES
 
