@@ -163,7 +163,8 @@ class StrategyPricer:
         """Whether the runtime does src -> dst in its block's flat-buffer collective: a
         parameter gathered whole for an op (then also re-gathered in the backward when
         resharding), or a gradient reduced into its parameter's placement
-        (runtime/interpreter.py, runner.py), split evenly; any other transition runs on its own."""
+        (runtime/interpreter.py, runner.py), split evenly or, unevenly, by one mesh axis
+        (`flat_bucket_key`); any other transition runs on its own."""
         if role.kind == "param" and not all(isinstance(p, Replicate) for p in dst):
             return False
         return flat_bucket_key(shape, tuple(src), tuple(dst), self.mesh_shape) is not None
