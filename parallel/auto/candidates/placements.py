@@ -212,18 +212,12 @@ def fills_every_rank(shape: Sequence[int], placements: Placements, mesh_shape: S
     """True if every Shard in `placements` leaves each rank a non-empty shard, evenly or not
     (DTensor's torch.chunk split, nested in mesh-axis order: the first ranks hold ceil rows,
     the last what is left); strided shards never."""
-    local = list(shape)
-    for size, p in zip(mesh_shape, placements):
-        if isinstance(p, T.StridedShard):
-            return False
-        if isinstance(p, Shard):
-            if p.dim >= len(local):
-                return False
-            rows = -(-local[p.dim] // size)
-            if rows * (size - 1) >= local[p.dim]:
-                return False
-            local[p.dim] = rows
-    return True
+    shards = [p for p in placements if isinstance(p, Shard)]
+    if any(isinstance(p, T.StridedShard) or p.dim >= len(shape) for p in shards):
+        return False
+    # the smallest shard is the last rank's on every axis
+    last = rank_local_shape(shape, placements, mesh_shape, [size - 1 for size in mesh_shape])
+    return all(last[p.dim] > 0 for p in shards)
 
 
 def tensor_placements(shape: Sequence[int], mesh_shape: Sequence[int], *, partial: bool = False,

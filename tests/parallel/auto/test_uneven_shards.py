@@ -19,6 +19,9 @@ S0, R = (Shard(0),), (Replicate(),)
 def test_uneven_placements_leave_no_rank_empty():
     assert fills_every_rank((256, 8), S0, (3,))  # 86, 86, 84
     assert not fills_every_rank((4, 8), S0, (3,))  # 2, 2, 0: the last rank would hold nothing
+    # nested: 5 rows on 2 x 3 ranks are 3 and 2, then 1/1/1 and 1/1/0: the last rank is empty
+    assert not fills_every_rank((5, 8), (Shard(0), Shard(0)), (2, 3))
+    assert fills_every_rank((7, 8), (Shard(0), Shard(0)), (2, 3))  # 4 -> 2/1/1, 3 -> 1/1/1
     assert S0 in tensor_placements((256, 8), (3,), uneven=True)
     assert S0 not in tensor_placements((256, 8), (3,))  # op menus stay even
     # one split axis: the buffer pads; an uneven split on two axes is left to DTensor
