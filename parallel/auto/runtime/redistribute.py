@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from parallel import _torch as T
-from parallel.auto.candidates.placements import bucket_key, bucket_shard_dim, split_axis
+from parallel.auto.candidates.placements import bucket_key, bucket_shard_dim, rank_local_shape, split_axis
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -132,8 +132,8 @@ def _uneven_rows(x: DTensor, target: tuple, dim: int, mesh: DeviceMesh) -> tuple
     if ax is None or rows % mesh.size(ax) == 0:
         return None
     k = mesh.size(ax)
-    c = -(-rows // k)
-    return k, c, max(0, min(c, rows - mesh.get_local_rank(ax) * c))
+    mine = rank_local_shape((rows,), (Shard(0),), (k,), (mesh.get_local_rank(ax),))[0]
+    return k, -(-rows // k), mine
 
 
 def _pad_rows(local: torch.Tensor, uneven: tuple[int, int, int] | None, gathering: bool) -> torch.Tensor:
