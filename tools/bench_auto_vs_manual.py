@@ -26,7 +26,8 @@ preset on the same (auto) runtime; runtime = a preset on the auto runtime / the 
 hand recipe (auto_4_fsdp / fsdp, auto_4_ddp / ddp, auto_2x2_fsdp_tp / fsdp_tp). `--profile K`
 adds rank 0's torch profile of K more steps of each variant (its phases, top ops by self CPU
 time, when its collectives started): where a runtime loses to its recipe. A 1-rank run of the same job comes
-first; every variant's losses must track it (rtol 1e-4) before any speed is printed.
+first; every variant's losses must track it (rtol 1e-4) before any speed is printed. `--compile`
+compiles every variant (the warm-up steps then include the compile).
 Steps are timed round-robin across the variants (tools/bench_common.py); tokens/s from
 the median step.
 """
@@ -98,7 +99,8 @@ class _Job:
 
         built = {}
         for name in self.args.variants:
-            flags = [*_flags(self.args, self.tmp, name, _data_degree(VARIANTS[name])), *VARIANTS[name]]
+            flags = [*_flags(self.args, self.tmp, name, _data_degree(VARIANTS[name])), *VARIANTS[name],
+                     *(["--training.compile", "true"] if self.args.compile else [])]
             preset = _preset(presets, PRESETS[name][0]) if name in PRESETS else None
             built[name] = Trainer(load_config(self.args.config, flags, world_size=4), plan_constraints=preset)
         rows = time_round_robin(built, self.args.warmup, self.args.steps, measure=_plan_digest)
@@ -167,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--compile", action="store_true",
+                   help="every variant compiled (`training.compile`: the recipes block by block, auto the whole "
+                        "step as one Inductor graph); the 1-rank reference stays eager")
     p.add_argument("--profile", type=int, default=0, metavar="K",
                    help="after the timing, profile K more steps of each variant on rank 0 and print its top "
                         "ops, phases and when each collective started")
@@ -175,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     ref = reference_losses(args, tmp)
     rows = run_on_ranks(_Job(args, tmp), 4)
-    print(f"\n{args.config}: 4 gloo ranks, global batch {args.global_batch} x {args.seq_len} tokens, AdamW; "
+    print(f"\n{args.config}: 4 gloo ranks, global batch {args.global_batch} x {args.seq_len} tokens, AdamW, "
+          f"{'compiled' if args.compile else 'eager'}; "
           f"{args.steps} timed steps after {args.warmup} warm-up, round-robin ({time.perf_counter() - t0:.0f}s)")
     bad = []
     for name, r in rows.items():
