@@ -137,10 +137,12 @@ def reference_losses(args: argparse.Namespace, tmp: str) -> list[float]:
     return [logged[s] for s in sorted(logged)]
 
 
-def print_gains(tps: dict[str, float], digests: dict[str, str] | None = None) -> None:
+def print_gains(tps: dict[str, float], digests: dict[str, str] | None = None,
+                tokens_per_cpu_s: dict[str, float] | None = None) -> None:
     """The headline (best free auto / best hand recipe) split into its two gains (Markdown);
     a ratio of two variants that ran the same plan (`digests`) with the same runtime settings
-    is marked: it is noise."""
+    is marked: it is noise. With `tokens_per_cpu_s` the headline's pair is also compared by the
+    CPU time all ranks spent (the cross-check the scheduler's noise hardly moves)."""
     digests = digests or {}
     best = {k: max((n for n in names if n in tps), key=tps.get, default=None)
             for k, names in (("recipe", RECIPES), ("free", FREE), ("preset", tuple(PRESETS)))}
@@ -153,6 +155,9 @@ def print_gains(tps: dict[str, float], digests: dict[str, str] | None = None) ->
     if best["free"] and best["recipe"]:
         print(f"\nfree auto / best hand recipe {tps[best['free']] / tps[best['recipe']]:.2f} (best: {best['recipe']}; "
               f"free: {best['free']})")
+        if tokens_per_cpu_s:
+            print(f"the same pair by CPU time (tokens per CPU second, all ranks): "
+                  f"{tokens_per_cpu_s[best['free']] / tokens_per_cpu_s[best['recipe']]:.2f}")
     print("\n| gain | numerator | denominator | tokens/s ratio | goal |\n|---|---|---|---|---|")
     for what, num, den, goal in rows:
         if num in tps and den in tps:
@@ -192,11 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print("losses do not track the 1-rank run; no speed is printed:\n  " + "\n  ".join(bad))
         return 1
-    print("| variant | step (median) | tokens/s | max rel loss vs 1 rank | plan digest |\n|---|---|---|---|---|")
+    print("| variant | step (median) | tokens/s | CPU s a step (all ranks) | max rel loss vs 1 rank | plan digest |\n"
+          "|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:.0f} | {r['loss_rel']:.1e} "
-              f"| {r['digest']} |")
-    print_gains({n: r["tokens_per_s"] for n, r in rows.items()}, {n: r["digest"] for n, r in rows.items()})
+        print(f"| {name} | {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:.0f} | {r['cpu_s']:.2f} "
+              f"| {r['loss_rel']:.1e} | {r['digest']} |")
+    print_gains({n: r["tokens_per_s"] for n, r in rows.items()}, {n: r["digest"] for n, r in rows.items()},
+                {n: r["tokens"] / r["cpu_s"] for n, r in rows.items()})
     for name, r in rows.items():
         if "profile" in r:
             print_profile(name, r["profile"])

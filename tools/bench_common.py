@@ -12,6 +12,7 @@ import contextlib
 import io
 import os
 import queue
+import resource
 import socket
 import statistics
 import tempfile
@@ -25,31 +26,45 @@ BuildFn = Callable[[str, str], Any]  # (variant, tmp folder) -> Trainer
 
 def time_round_robin(built: dict[str, Any], warmup: int, steps: int,
                      measure: Callable[[str, Any], dict] | None = None) -> dict[str, dict]:
-    """Median step time, tokens per step and losses of every built trainer."""
+    """Median step time, tokens per step and losses of every built trainer, and `cpu_s`: the
+    median over steps of the CPU seconds all ranks spent in the step (user + system, every
+    thread), an observer the scheduler's noise hardly moves: with more ranks than cores the
+    step's wall time is about this / the cores."""
+    import torch
     import torch.distributed as dist
 
     iters = {v: iter(tr.dataloader) for v, tr in built.items()}
     times: dict[str, list[float]] = {v: [] for v in built}
+    cpu: dict[str, list[float]] = {v: [] for v in built}
     losses: dict[str, list[float]] = {v: [] for v in built}
     tokens: dict[str, int] = {}
     for step in range(warmup + steps):
         for v, trainer in built.items():
             inputs, labels = next(iters[v])
             dist.barrier()
-            t = time.perf_counter()
+            c, t = _cpu_seconds(), time.perf_counter()
             loss, _ = trainer.train_step(inputs, labels)
             losses[v].append(trainer.reduce_mean(float(loss)))
             dist.barrier()
             if step >= warmup:
                 times[v].append(time.perf_counter() - t)
+                spent = torch.tensor([_cpu_seconds() - c], dtype=torch.float64)
+                dist.all_reduce(spent)
+                cpu[v].append(spent.item())
             tokens[v] = inputs.numel() * trainer.dp_degree
     out = {}
     for v, trainer in built.items():
         out[v] = {"step_s": statistics.median(times[v]), "tokens": tokens[v], "losses": losses[v],
-                  "tokens_per_s": tokens[v] / statistics.median(times[v])}
+                  "tokens_per_s": tokens[v] / statistics.median(times[v]), "cpu_s": statistics.median(cpu[v])}
         if measure is not None:
             out[v].update(measure(v, trainer))
     return out
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time so far (user + system, all its threads: gloo's included)."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
 
 
 def profile_steps(built: dict[str, Any], steps: int, top: int = 12) -> dict[str, dict]:
