@@ -135,15 +135,20 @@ class RegionTape:
         return vjp(outs, inputs.leaves, xs[:r.n_outputs])
 
 
-def use_region_tape(gm: fx.GraphModule) -> RegionTape | None:
-    """Rewrite the paired region calls of an eager step graph onto a new tape (None: the
-    graph has none); the caller regenerates the code."""
+def use_region_tape(gm: fx.GraphModule, compiled: bool = False) -> RegionTape | None:
+    """Rewrite the paired region calls of a step graph onto a new tape (None: the graph has
+    none); the caller regenerates the code. `compiled`: the tape's calls are left out of
+    torch.compile (`torch.compiler.disable`), so the graph compiles in pieces between them and
+    each region runs eagerly, its forward kept, as in the eager graph."""
     pairs = pair_region_calls(gm)
     if not pairs:
         return None
     tape = RegionTape()
+    forward, backward = tape.forward, tape.backward
+    if compiled:
+        forward, backward = torch.compiler.disable(forward), torch.compiler.disable(backward)
     for slot, (fwd, bwd) in enumerate(pairs):
-        for n, body in ((fwd, tape.forward), (bwd, tape.backward)):
+        for n, body in ((fwd, forward), (bwd, backward)):
             r, _ = region_of(n.target)  # type: ignore[misc]
             n.target, n.args = body, (slot, r.name, *n.args)
     return tape

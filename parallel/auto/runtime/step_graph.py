@@ -9,13 +9,14 @@ gradient locals)` with the loss's tangent fixed to one. On that graph:
     the start and seeds the backward without the loss's all-reduce, so no barrier of the
     ranks stands between forward and backward;
   * `schedule.schedule_overlap` moves collective starts early and waits late (overlap);
+  * each region's forward is kept for its backward instead of run again (regions/tape.py),
+    eager or compiled (there the graph breaks at each region call, which runs eagerly);
   * `torch.compile` (Inductor) compiles it once per input layout; Inductor's own cache
     makes a second run of the same shapes skip the codegen;
   * or it runs as it is (eager: FX's Python code, values freed after their last use), with
-    three rewrites of what autograd's engine and DDP do anyway: sums of gradient
-    contributions written into a summand nothing else reads (`reinplace_adds`), a gradient
-    bucket all-reduced in place (`reduce_buffers_in_place`), and each region's forward kept
-    for its backward instead of run again (regions/tape.py).
+    two more rewrites of what autograd's engine and DDP do anyway: sums of gradient
+    contributions written into a summand nothing else reads (`reinplace_adds`) and a
+    gradient bucket all-reduced in place (`reduce_buffers_in_place`).
 
 Activation checkpointing is already in the graph: the runner's partition recomputes the
 tagged forward ops inside the backward part.
@@ -273,7 +274,7 @@ class StepGraph:
         self.recompile_seconds = 0.0
         self.adds_in_place = 0
         self.reductions_in_place = 0
-        self.region_tape: RegionTape | None = None  # the eager run's region forwards kept for their backward
+        self.region_tape: RegionTape | None = None  # region forwards kept for their backward
         log.info("apply: step graph traced in %.1fs (%d nodes, %d collectives)%s", self.trace_seconds,
                  len(self.gm.graph.nodes), self.collectives, ", compiling with Inductor" if compile else "")
         if executable:
@@ -291,14 +292,17 @@ class StepGraph:
                 raise RuntimeError(f"this StepGraph is already executable with compile={self.compiled}")
             return self
         t0 = time.perf_counter()
-        if not compile:  # Inductor fuses the sums itself; a compiled region op recomputes its forward
+        if not compile:  # Inductor fuses the sums itself
             self.adds_in_place = reinplace_adds(self.gm)
             self.reductions_in_place = reduce_buffers_in_place(self.gm)
-            self.region_tape = use_region_tape(self.gm)
+        # compiled, the graph breaks at each region call (run eagerly, its forward kept): a
+        # region op inside the compiled graph would run its forward again in its backward
+        self.region_tape = use_region_tape(self.gm, compiled=compile)
         T.generate_code(self.gm)
         self.recompile_seconds = time.perf_counter() - t0
         self.compiled = compile
-        self.fn = torch.compile(self.gm, fullgraph=True, dynamic=False, mode=compile_mode) if compile else self.gm
+        self.fn = (torch.compile(self.gm, fullgraph=self.region_tape is None, dynamic=False, mode=compile_mode)
+                   if compile else self.gm)
         return self
 
     def __call__(self, plocs: list[torch.Tensor], blocs: list[Any], ilocs: list[torch.Tensor]) -> tuple[list, list]:

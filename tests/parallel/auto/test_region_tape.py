@@ -82,3 +82,31 @@ def test_the_memory_estimate_holds_the_kept_forward_until_the_backward():
     held = taped_bytes(fwd)
     with_tape = step_graph_memory(gm, **kw, held=[(fwd, bwd, held)])
     assert with_tape.peak_bytes - without.peak_bytes == held
+
+
+@pytest.mark.slow
+def test_compiled_the_graph_breaks_at_the_regions_and_their_forward_still_runs_once():
+    """torch.compile of the step graph: with the region ops inside the compiled graph the
+    backward op runs the region's forward again; on the compiled tape the graph compiles in
+    pieces between the region calls, which run eagerly with their forward kept."""
+    x, w, g = torch.randn(6, 4), torch.randn(4, 5), torch.randn(6, 5)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = _gate(xr, wr)
+    (y * 2.0 * g).sum().backward()
+    calls = {}
+    for taped in (False, True):
+        torch.compiler.reset()
+        gm = _graph()
+        tape = use_region_tape(gm, compiled=True) if taped else None
+        T.generate_code(gm)
+        fn = torch.compile(gm, fullgraph=not taped, dynamic=False)
+        fn(x, w, g)  # compiles (its tracing may call the region's function on fake tensors)
+        CALLS["n"] = 0
+        out, dx, dw = fn(x, w, g)
+        calls[taped] = CALLS["n"]
+        torch.testing.assert_close(out, y.detach() * 2.0)
+        torch.testing.assert_close(dx, xr.grad)
+        torch.testing.assert_close(dw, wr.grad)
+        if taped:
+            assert tape.recomputed == 0 and not tape.kept
+    assert calls == {False: 2, True: 1}, calls
