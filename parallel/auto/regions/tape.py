@@ -1,4 +1,4 @@
-"""A region's forward kept for its backward in an eager step graph, instead of recomputed.
+"""A region's forward kept for its backward in a step graph, instead of recomputed.
 
 A region's backward op recomputes the region's local function under autograd to get its
 vjp (ops.py): the op pair is all a traced graph can hold, since the region's internals
@@ -6,7 +6,9 @@ vjp (ops.py): the op pair is all a traced graph can hold, since the region's int
 graph the pair runs in one Python call, though, so the forward can run under autograd
 once and hand its graph to the backward, as the plain model's autograd does: the
 DeepSeek-V3 debug step ran 48 expert matmuls more than torch's DDP on the same plan, each
-MoE region's forward a second time (bench_auto_vs_manual --profile).
+MoE region's forward a second time (bench_auto_vs_manual --profile). A compiled step graph
+breaks at the region calls (`use_region_tape(..., compiled=True)`): Inductor compiles the
+pieces between them, the regions run eagerly, on the tape.
 
 * `pair_region_calls`: each backward node with the forward node it undoes: the last
   forward of its region not yet undone, its inputs of the same layout (autograd's order;
