@@ -304,10 +304,13 @@ def _experts_loop(
     sizes = counts.tolist()
     pad = x.shape[0] - sum(sizes)
     chunks = torch.split(x, sizes + [pad], dim=0)
+    # unbind, not w[e]: indexing's backward writes each expert's gradient into a zeroed
+    # [E, ...] buffer and adds those up (E full-size fills and adds a weight); unbind's stacks once
+    w1s, w2s, w3s = w1.unbind(0), w2.unbind(0), w3.unbind(0)
     outs = []
     for e, xe in enumerate(chunks[:-1]):
-        h = F.silu(xe @ w1[e].transpose(0, 1)) * (xe @ w3[e].transpose(0, 1))
-        outs.append(h @ w2[e].transpose(0, 1))
+        h = F.silu(xe @ w1s[e].transpose(0, 1)) * (xe @ w3s[e].transpose(0, 1))
+        outs.append(h @ w2s[e].transpose(0, 1))
     outs.append(torch.zeros_like(chunks[-1]))
     return torch.cat(outs, dim=0)
 
