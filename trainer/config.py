@@ -157,7 +157,7 @@ class Optimizer:
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
-    implementation: str = "foreach"  # "foreach" | "for-loop"
+    implementation: str = "foreach"  # "foreach" | "for-loop" | "fused" (one kernel a parameter group, no temporaries)
 
 
 @dataclass

@@ -32,7 +32,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("training", "mixed_precision_param"): ("float32", "bfloat16"),
     ("training", "mixed_precision_reduce"): ("float32", "bfloat16"),
     ("optimizer", "name"): ("AdamW",),
-    ("optimizer", "implementation"): ("foreach", "for-loop"),
+    ("optimizer", "implementation"): ("foreach", "for-loop", "fused"),
     ("lr_scheduler", "decay"): ("linear", "cosine", "none"),
     ("parallelism", "mode"): ("manual", "auto"),
     ("parallelism", "replan"): ("fresh", "replay"),

@@ -26,7 +26,7 @@ def build_optimizer(model: torch.nn.Module, opt_cfg: Optimizer) -> torch.optim.O
     return torch.optim.AdamW(
         params, lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps,
         weight_decay=opt_cfg.weight_decay,
-        foreach=opt_cfg.implementation == "foreach")
+        foreach=opt_cfg.implementation == "foreach", fused=opt_cfg.implementation == "fused" or None)
 
 
 class WarmupDecay:

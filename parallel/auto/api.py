@@ -284,9 +284,9 @@ class AutoParallel:
             schedule = RuntimeSchedule(bucket=rt.bucket, reduce_bucket_bytes=rt.reduce_bucket_bytes, overlap=rt.overlap,
                                        reshard_after_forward=resharding.schedule_resharding(rt),
                                        reduce_dtype=getattr(self.mp_policy, "reduce_dtype", None))
-            self._cost_model = CostModel(self.planner.hardware, mesh_shape=tuple(self.mesh.shape),
-                                         mesh_axis_names=names, compute_dtype=self.mp_dtype, schedule=schedule,
-                                         routing_imbalance=self.planner.moe_imbalance_factor)
+            p, shape = self.planner, tuple(self.mesh.shape)
+            self._cost_model = CostModel(p.hardware, shape, names, compute_dtype=self.mp_dtype, schedule=schedule,
+                                         routing_imbalance=p.moe_imbalance_factor, optimizer=p.optimizer)
         return self._cost_model
 
     def _memory_bounds(self) -> tuple[float | None, float | None]:

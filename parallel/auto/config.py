@@ -28,7 +28,7 @@ from parallel.auto.cost.model import DEFAULT_ROUTING_IMBALANCE
 from parallel.auto.solve import SOLVERS
 from parallel.settings import SettingError
 
-OPTIMIZER_IMPLEMENTATIONS = ("foreach", "for-loop")
+OPTIMIZER_IMPLEMENTATIONS = ("foreach", "for-loop", "fused")
 JOB_KEY = "job_key"
 """Field metadata: the job key (section.key) that sets this field instead of `[parallelism]`."""
 

@@ -71,7 +71,7 @@ def cache_path(world_size: int) -> Path:
     return root / f"{socket.gethostname()}-w{world_size}-torch{version}-m{METHOD_VERSION}.toml"
 
 
-METHOD_VERSION = 7
+METHOD_VERSION = 8
 """Bumped when what is measured changes, so older cached profiles are measured again
 (2: the latency of a 2-rank group fixes the per-hop latency; 3: latency from a stream of
 asynchronous collectives, as the runtime issues them; 4: compute figures the best of short
@@ -79,7 +79,8 @@ repeated measurements, matmul in a linear layer's three layouts, collectives the
 quartile: robust to other work on the host; 5: the bandwidth of each memory-bound op class
 and a real optimizer step, cost/calibrate_ops.py; 6: the fused attention kernel's
 efficiency per direction, head dim and sequence length, cost/calibrate_attention.py; 7: the
-optimizer step measured on one rank at a time, the quiet machine's figure)."""
+optimizer step measured on one rank at a time, the quiet machine's figure; 8: the fused AdamW
+step measured beside the foreach one, `[optimizer] fused_gbps` and `fused_tensor_us`)."""
 
 
 def _low_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
@@ -117,7 +118,8 @@ def measure_attention(b: int = 2, h: int = 4, s: int = 512, d: int = 64,
 def measure_compute(n: int = 384, device: torch.device | None = None) -> dict[str, float]:
     """This rank's matmul TFLOP/s (fp32, bf16), copy GB/s, op floor (µs), the bandwidth of each
     memory-bound op class (`op_<class>`) and the optimizer's (`optimizer_gbps`,
-    `optimizer_tensor_us`; cost/calibrate_ops.py), the attention kernel's (`attn_<key>`, TFLOP/s;
+    `optimizer_tensor_us` of the foreach AdamW, `optimizer_fused_*` of the fused one;
+    cost/calibrate_ops.py), the attention kernel's (`attn_<key>`, TFLOP/s;
     cost/calibrate_attention.py), all ranks busy (the optimizer's one rank at a time), each the
     best of short repeated measurements; `spread`: the widest median / best - 1."""
     out: dict[str, float] = {}
@@ -135,11 +137,13 @@ def measure_compute(n: int = 384, device: torch.device | None = None) -> dict[st
     t, spread = _best_time(lambda: [s.add(s) for _ in range(100)])
     out["floor_us"], spreads = t / 100 * 1e6, spreads + [spread]
     ops, opt = measure_op_bandwidths(device=device), one_rank_at_a_time(lambda: measure_optimizer(device=device))
+    fused = one_rank_at_a_time(lambda: measure_optimizer(device=device, implementation="fused"))
     out.update({f"op_{k}": v for k, v in ops.items() if k != "spread"})
     out.update({f"optimizer_{k}": v for k, v in opt.items() if k != "spread"})
+    out.update({f"optimizer_fused_{k}": v for k, v in fused.items() if k != "spread"})
     grid = measure_attention_grid(device=device)
     out.update({f"attn_{k}": v for k, v in grid.items() if k != "spread"})
-    out["spread"] = max(spreads + [ops["spread"], opt["spread"], grid["spread"]])
+    out["spread"] = max(spreads + [ops["spread"], opt["spread"], fused["spread"], grid["spread"]])
     return out
 
 
@@ -168,7 +172,7 @@ def _measured_tables(comp: dict[str, float]) -> dict[str, dict[str, float]]:
     ops = {k[3:]: v for k, v in comp.items() if k.startswith("op_")}
     opt = {k[10:]: v for k, v in comp.items() if k.startswith("optimizer_")}
     att = {k[5:]: min(4.0, v / comp["fp32"]) for k, v in comp.items() if k.startswith("attn_")}
-    return {"op_bandwidth_gbps": ops, "optimizer": opt if len(opt) == 2 else {}, "attention_grid": att}
+    return {"op_bandwidth_gbps": ops, "optimizer": opt if "gbps" in opt else {}, "attention_grid": att}
 
 
 def _collective_fn(kind: str, numel: int, group: dist.ProcessGroup | None,
@@ -423,8 +427,12 @@ def _ops_words(hw: HardwareProfile) -> str:
     """The memory-bound op classes' and the optimizer's figures, for the log."""
     ops = ", ".join(f"{k} {v:.1f}" for k, v in hw.op_bandwidth_gbps.items())
     opt = hw.optimizer
+    if not opt:
+        return f"op GB/s {ops or 'not measured'}"
+    fused = (f" (fused {opt['fused_gbps']:.2f} GB/s + {opt['fused_tensor_us']:.0f} µs)"
+             if "fused_gbps" in opt else "")
     return (f"op GB/s {ops}; optimizer {opt['gbps']:.2f} GB/s of parameters + {opt['tensor_us']:.0f} µs a tensor"
-            if opt else f"op GB/s {ops or 'not measured'}")
+            + fused)
 
 
 def save_profile(hw: HardwareProfile, path: Path) -> None:

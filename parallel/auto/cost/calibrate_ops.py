@@ -84,10 +84,11 @@ def _params(total_bytes: int, tensors: int, device: torch.device | None) -> list
     return params
 
 
-def _optimizer_step_time(params: list[torch.nn.Parameter], reps: int) -> tuple[float, float]:
+def _optimizer_step_time(params: list[torch.nn.Parameter], reps: int, implementation: str) -> tuple[float, float]:
     """(best seconds, spread) of the runtime's optimizer phase on `params`: the gradient norm,
-    clipping and a foreach AdamW step (trainer/optim.py)."""
-    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=True)
+    clipping and an AdamW step of this implementation ("foreach" or "fused"; trainer/optim.py)."""
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=implementation == "foreach",
+                            fused=implementation == "fused" or None)
 
     def step() -> None:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
@@ -97,16 +98,16 @@ def _optimizer_step_time(params: list[torch.nn.Parameter], reps: int) -> tuple[f
     return _best_time(step, reps)
 
 
-def measure_optimizer(mib: float = 16.0, tensors: int = 32, device: torch.device | None = None
-                      ) -> dict[str, float]:
-    """The optimizer phase's cost: `gbps`, parameter bytes (fp32) stepped per second, from
-    `mib` MiB in `tensors` tensors (optimizer states and gradients 4x that: out of cache, as a
-    model's are), and `tensor_us`, what each further tensor adds (64 tiny ones against 8);
-    `spread`: the widest median / best - 1."""
-    t_many, sp_many = _optimizer_step_time(_params(64 * 1024, 64, device), reps=9)
-    t_few, sp_few = _optimizer_step_time(_params(8 * 1024, 8, device), reps=9)
+def measure_optimizer(mib: float = 16.0, tensors: int = 32, device: torch.device | None = None,
+                      implementation: str = "foreach") -> dict[str, float]:
+    """The optimizer phase's cost with AdamW's `implementation`: `gbps`, parameter bytes (fp32)
+    stepped per second, from `mib` MiB in `tensors` tensors (optimizer states and gradients 4x
+    that: out of cache, as a model's are), and `tensor_us`, what each further tensor adds (64
+    tiny ones against 8); `spread`: the widest median / best - 1."""
+    t_many, sp_many = _optimizer_step_time(_params(64 * 1024, 64, device), 9, implementation)
+    t_few, sp_few = _optimizer_step_time(_params(8 * 1024, 8, device), 9, implementation)
     tensor_s = max(0.0, (t_many - t_few) / 56)
     total = int(mib * 2**20)
-    t_big, sp_big = _optimizer_step_time(_params(total, tensors, device), reps=5)
+    t_big, sp_big = _optimizer_step_time(_params(total, tensors, device), 5, implementation)
     bytes_s = max(t_big - tensors * tensor_s, 0.25 * t_big)  # a noisy per-tensor figure never takes it all
     return {"gbps": total / bytes_s / 1e9, "tensor_us": tensor_s * 1e6, "spread": max(sp_many, sp_few, sp_big)}

@@ -139,7 +139,9 @@ class HardwareProfile:
         without a figure (every named profile) is priced at the memory roof.
       * ``optimizer``: a calibrated profile's measured optimizer phase (AdamW and gradient
         clipping): ``gbps``, local fp32 parameter bytes stepped per second, and ``tensor_us``
-        per parameter tensor; empty (named profiles): memory-bound passes at the memory roof.
+        per parameter tensor, of the foreach AdamW, and ``fused_gbps``, ``fused_tensor_us`` of
+        the fused one (`[optimizer] implementation = "fused"`); empty (named profiles):
+        memory-bound passes at the memory roof.
       * ``correction``: a calibrated (`hardware = "auto"`) profile's ``step_time_ratio``, a
         job's measured step over the predicted one when they differed by more than 25 %, and
         where it came from (cost/correction.py); the step simulation multiplies by it.
@@ -432,17 +434,21 @@ def _correction(data: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 OP_BANDWIDTH_KEYS = ("elementwise", "transcendental", "reduction", "cat")
 OPTIMIZER_KEYS = ("gbps", "tensor_us")
+FUSED_OPTIMIZER_KEYS = ("fused_gbps", "fused_tensor_us")  # the fused AdamW's, beside foreach's (optional)
 
 
 def _measured_tables(data: Mapping[str, Any], source: str) -> tuple[dict[str, float], dict[str, float]]:
     """[op_bandwidth_gbps] (any of OP_BANDWIDTH_KEYS, > 0) and [optimizer] (gbps > 0 and
-    tensor_us >= 0, both or neither): a calibrated profile's; {} when absent."""
+    tensor_us >= 0, both or neither; fused_gbps and fused_tensor_us beside them, both or
+    neither): a calibrated profile's; {} when absent."""
     ops = data.get("op_bandwidth_gbps", {})
     _check_keys(ops, {k: False for k in OP_BANDWIDTH_KEYS}, "op_bandwidth_gbps", source)
     opt = data.get("optimizer", {})
-    _check_keys(opt, {k: bool(opt) for k in OPTIMIZER_KEYS}, "optimizer", source)
+    fused = any(k in opt for k in FUSED_OPTIMIZER_KEYS)
+    _check_keys(opt, {**{k: bool(opt) for k in OPTIMIZER_KEYS}, **{k: fused for k in FUSED_OPTIMIZER_KEYS}},
+                "optimizer", source)
     return ({k: _num(ops, k, "op_bandwidth_gbps.", source) for k in ops},
-            {k: _num(opt, k, "optimizer.", source, positive=k == "gbps") for k in opt})
+            {k: _num(opt, k, "optimizer.", source, positive=k.endswith("gbps")) for k in opt})
 
 
 _ATTENTION_KEY = re.compile(r"(fwd|bwd)_d([1-9][0-9]*)_s([1-9][0-9]*)")

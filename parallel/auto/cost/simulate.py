@@ -281,13 +281,14 @@ def _finish(lanes: _Lanes, clocks: _Clocks, opt: float, cost_model: Any) -> Step
 
 
 def _optimizer_us(cost_model: Any, param_bytes: int, tensors: int) -> float:
-    """AdamW (foreach) and gradient-norm clipping: memory-bound over the local parameters
+    """AdamW (the job's implementation) and gradient-norm clipping: memory-bound over the local parameters
     (CostModel.optimizer_cost, what the planner charges), a cost per tensor (a calibrated
     profile's measured `optimizer.tensor_us`; else a floor per tensor group), and the norm's
     small all-reduce (latency)."""
     if not tensors:
         return 0.0
     hw = cost_model.hw
-    per_tensor = (tensors * hw.optimizer["tensor_us"] if hw.optimizer
+    rate = cost_model.optimizer_rate() if hasattr(cost_model, "optimizer_rate") else None
+    per_tensor = (tensors * rate[1] if rate is not None
                   else hw.kernel_floor_us * (10 + math.ceil(tensors / 64)))
     return cost_model.optimizer_cost(param_bytes) + per_tensor + hw.intra_node.latency_us

@@ -15,20 +15,21 @@ from parallel.auto.cost.hardware import ProfileError, profile_from_dict, profile
 from parallel.auto.cost.simulate import _optimizer_us
 
 OPS = {"elementwise": 4.0, "transcendental": 2.0, "reduction": 8.0, "cat": 1.0}
-OPT = {"gbps": 0.5, "tensor_us": 20.0}
+OPT = {"gbps": 0.5, "tensor_us": 20.0, "fused_gbps": 2.0, "fused_tensor_us": 5.0}
 
 
-def _calibrated() -> CostModel:
+def _calibrated(optimizer: str = "foreach") -> CostModel:
     hw = load_hardware("cpu").replace(name="auto", op_bandwidth_gbps=OPS, optimizer=OPT)
-    return CostModel(hw, (1,))
+    return CostModel(hw, (1,), optimizer=optimizer)
 
 
 def test_the_measurements_give_every_figure():
     torch.manual_seed(0)
     ops = measure_op_bandwidths(rows=64, cols=32, pool=4, live=4)
     assert set(ops) == {*OP_CLASSES, "spread"} and all(ops[k] > 0 for k in OP_CLASSES)
-    opt = measure_optimizer(mib=0.25, tensors=4)
-    assert opt["gbps"] > 0 and opt["tensor_us"] >= 0 and opt["spread"] >= 0
+    for implementation in ("foreach", "fused"):
+        opt = measure_optimizer(mib=0.25, tensors=4, implementation=implementation)
+        assert opt["gbps"] > 0 and opt["tensor_us"] >= 0 and opt["spread"] >= 0
 
 
 def test_op_classes():
@@ -61,6 +62,14 @@ def test_the_optimizer_estimate_uses_the_measured_rate():
     assert cm.optimizer_cost(1e6) == pytest.approx(1e6 / 0.5e9 * 1e6)
     latency = cm.hw.intra_node.latency_us
     assert _optimizer_us(cm, int(1e6), 10) == pytest.approx(2000.0 + 10 * 20.0 + latency)
+    # the fused AdamW at its own figures; for-loop at foreach's; a profile without fused figures: foreach's
+    fused = _calibrated("fused")
+    assert fused.optimizer_cost(1e6) == pytest.approx(500.0)
+    assert _optimizer_us(fused, int(1e6), 10) == pytest.approx(500.0 + 10 * 5.0 + latency)
+    assert _calibrated("for-loop").optimizer_cost(1e6) == pytest.approx(2000.0)
+    old = load_hardware("cpu").replace(name="auto", optimizer={"gbps": 0.5, "tensor_us": 20.0})
+    assert CostModel(old, (1,), optimizer="fused").optimizer_cost(1e6) == pytest.approx(2000.0)
+    assert fused.pricing_key() != cm.pricing_key()  # priced problems are not shared across implementations
     # a named profile: memory-bound passes (48 B a parameter) and a floor per tensor group, as before
     hw = h100.hw
     passes = 1e6 / 4 * 48 / (hw.memory_bandwidth * hw.memory_efficiency) * 1e6
@@ -87,7 +96,9 @@ def test_the_toml_round_trip_and_its_checks():
     assert dict(back.op_bandwidth_gbps) == OPS and dict(back.optimizer) == OPT
     named = tomllib.loads(profile_to_toml(load_hardware("h100")))
     assert "op_bandwidth_gbps" not in named and "optimizer" not in named
-    for table, bad in (("optimizer", {"gbps": 1.0}), ("op_bandwidth_gbps", {"matmul": 1.0}),
+    for table, bad in (("optimizer", {"gbps": 1.0}), ("optimizer", {**OPT, "fused_gbps": 0.0}),
+                       ("optimizer", {"gbps": 1.0, "tensor_us": 1.0, "fused_gbps": 1.0}),
+                       ("op_bandwidth_gbps", {"matmul": 1.0}),
                        ("op_bandwidth_gbps", {"cat": 0.0})):
         with pytest.raises(ProfileError, match=table):
             profile_from_dict({**data, table: bad})

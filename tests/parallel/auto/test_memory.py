@@ -57,7 +57,8 @@ def test_liveness_walk_counts_what_is_alive_at_each_op():
     red = step_graph_memory(gm, n_inputs=1, n_outputs=1, state_bytes=0, optimizer_bytes=0, optimizer_temp=0,
                             reduced_grad_bytes=8 * MB)
     assert (red.phase, red.grads_bytes, red.peak_bytes) == ("gradient reduction", 9 * MB, 9 * MB)
-    assert optimizer_temp_bytes([4, 8], "for-loop") == 16
+    assert optimizer_temp_bytes([4, 8], "for-loop") == 20  # 8's two temporaries and 4's last one
+    assert optimizer_temp_bytes([4, 8], "fused") == 0  # in place (the allocator's figures: test_memory_measured)
     with pytest.raises(ValueError, match="for-loop"):
         optimizer_temp_bytes([4], "sgd")
 

@@ -39,6 +39,26 @@ def test_allocator_peak_counts_the_window_s_allocations_and_names_the_phase():
         gc.enable()
 
 
+@pytest.mark.parametrize("implementation", ["foreach", "for-loop", "fused"])
+def test_optimizer_temporaries_are_what_the_allocator_sees(implementation):
+    """`optimizer_temp_bytes` against the CPU allocator's peak over an AdamW step (its states
+    made by an earlier step): parameters of equal and of mixed sizes, within 1 KiB."""
+    from parallel.auto.cost.memory import optimizer_temp_bytes
+
+    gc.collect()
+    for sizes in ([64 * 1024] * 4, [16 * 1024, 128 * 1024, 32 * 1024]):
+        params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=implementation == "foreach",
+                                fused=implementation == "fused" or None)
+        opt.step()
+        with AllocatorPeak() as mem:
+            opt.step()
+        want = optimizer_temp_bytes([4 * n for n in sizes], implementation)
+        assert abs(mem.result.peak_bytes - want) <= 1024, (sizes, mem.result.peak_bytes, want)
+
+
 def _known_window() -> AllocatorPeak:
     before = torch.empty(MIB, dtype=torch.uint8)  # allocated before the window: its free is not seen
     with AllocatorPeak() as mem:
