@@ -197,9 +197,10 @@ def memory_advice(est: Any, ac_mode: str = "none", reshard_after_forward: bool =
                 f"\"{mode}\")), or a smaller [training] local_batch_size / seq_len" if ac_mode not in ("full", "auto")
                 else "a smaller [training] local_batch_size or seq_len in the job's TOML (activations are already "
                 "checkpointed as far as they can be)")
-    elif name == "transient" and est.phase == "optimizer" and optimizer == "foreach":
-        knob = ("[optimizer] implementation = \"for-loop\" in the job's TOML (API: PlannerConfig(optimizer="
-                "\"for-loop\")): AdamW's foreach temporaries are one tensor per parameter")
+    elif name == "transient" and est.phase == "optimizer" and optimizer != "fused":
+        knob = ("[optimizer] implementation = \"fused\" in the job's TOML (API: PlannerConfig(optimizer="
+                "\"fused\")): the fused AdamW updates in place, without the temporaries of the "
+                f"{optimizer} one")
     elif name == "transient" and not reshard_after_forward:
         knob = ("[parallelism] reshard_after_forward = true in the job's TOML (API: RuntimeOptions("
                 "reshard_after_forward=True)): gathered parameters are kept from the forward to the backward")

@@ -21,7 +21,7 @@ def _est(phase: str = "backward", **parts: float) -> MemoryEstimate:
     (dict(params=1, activations=9), "full", "backward", "activations", "[training] local_batch_size"),
     (dict(params=3, grads=3, optimizer=6, transient=25), "none", "backward", "transient",
      '[training] mixed_precision_param = "bfloat16"'),
-    (dict(params=3, grads=6, transient=7), "none", "optimizer", "transient", '[optimizer] implementation = "for-loop"'),
+    (dict(params=3, grads=6, transient=7), "none", "optimizer", "transient", '[optimizer] implementation = "fused"'),
     (dict(params=3, optimizer=6, activations=1), "none", "backward", "optimizer states",
      "[parallelism] data_parallel_shard_degree"),
 ])
@@ -31,3 +31,9 @@ def test_advice_names_the_dominant_part_and_its_knob(parts, ac, phase, name, kno
     text = memory_advice(est, ac_mode=ac)
     assert text.startswith(f"the largest part is {name} (") and f"in the {phase})" in text
     assert knob in text, text
+
+
+def test_a_fused_optimizer_is_not_told_to_change_its_implementation():
+    est = _est("optimizer", params=3, grads=6, transient=7)
+    assert '"fused"' in memory_advice(est, optimizer="for-loop")
+    assert "[optimizer] implementation" not in memory_advice(est, optimizer="fused")
