@@ -25,10 +25,10 @@ scripts/fidelity.py. The table separates the two gains: planner = free auto / th
 preset on the same (auto) runtime; runtime = a preset on the auto runtime / the matching
 hand recipe (auto_4_fsdp / fsdp, auto_4_ddp / ddp, auto_2x2_fsdp_tp / fsdp_tp). `--profile K`
 adds rank 0's torch profile of K more steps of each variant (its phases, top ops by self CPU
-time, when its collectives started): where a runtime loses to its recipe. A 1-rank run of the same job comes
-first; every variant's losses must track it (rtol 1e-4): one that does not is named, left out of
-every ratio, and the run exits 1. `--compile`
-compiles every variant (the warm-up steps then include the compile).
+time, when its collectives started): where a runtime loses to its recipe. A 1-rank run of the
+same job comes first; every variant's losses must track it (rtol 1e-4): one that does not is
+named, left out of every ratio, and the run exits 1. `--compile` compiles every variant (the
+warm-up steps then include the compile).
 Steps are timed round-robin across the variants (tools/bench_common.py); tokens/s from
 the median step.
 """
