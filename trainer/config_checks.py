@@ -14,6 +14,7 @@ from typing import Any, Optional
 from models import build_model, get_model_spec, model_args, transformer_blocks
 from models.layers import ArgError
 from parallel.auto.cost import AUTO, ProfileError, load_hardware
+from parallel.auto.cost.memory import OPTIMIZERS
 from parallel.recipes import RecipeError
 from parallel.recipes.cp import validate_cp
 from parallel.recipes.pp import check_composition, pipeline_layout, schedule_name
@@ -32,7 +33,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("training", "mixed_precision_param"): ("float32", "bfloat16"),
     ("training", "mixed_precision_reduce"): ("float32", "bfloat16"),
     ("optimizer", "name"): ("AdamW",),
-    ("optimizer", "implementation"): ("foreach", "for-loop", "fused"),
+    ("optimizer", "implementation"): OPTIMIZERS,
     ("lr_scheduler", "decay"): ("linear", "cosine", "none"),
     ("parallelism", "mode"): ("manual", "auto"),
     ("parallelism", "replan"): ("fresh", "replay"),

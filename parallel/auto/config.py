@@ -24,11 +24,11 @@ import torch
 
 from parallel.auto.cost import AUTO, DEFAULT_HARDWARE, HardwareProfile
 from parallel.auto.cost.calibrate import in_real_group, resolve_auto
+from parallel.auto.cost.memory import OPTIMIZERS
 from parallel.auto.cost.model import DEFAULT_ROUTING_IMBALANCE
 from parallel.auto.solve import SOLVERS
 from parallel.settings import SettingError
 
-OPTIMIZER_IMPLEMENTATIONS = ("foreach", "for-loop", "fused")
 JOB_KEY = "job_key"
 """Field metadata: the job key (section.key) that sets this field instead of `[parallelism]`."""
 
@@ -129,8 +129,8 @@ def _problems(c: PlannerConfig) -> list[SettingError]:
         out.append(SettingError("moe_imbalance_factor", c.moe_imbalance_factor,
                                 "must be >= 1.0 (1.0: perfectly balanced routing; the busiest rank receives factor x "
                                 "the mean)"))
-    if c.optimizer not in OPTIMIZER_IMPLEMENTATIONS:
-        out.append(SettingError("optimizer", c.optimizer, f"must be one of {', '.join(OPTIMIZER_IMPLEMENTATIONS)}"))
+    if c.optimizer not in OPTIMIZERS:
+        out.append(SettingError("optimizer", c.optimizer, f"must be one of {', '.join(OPTIMIZERS)}"))
     return out
 
 

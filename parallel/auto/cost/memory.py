@@ -42,6 +42,7 @@ from parallel import _torch as T
 
 GIB = 2**30
 OPTIMIZERS = ("foreach", "for-loop", "fused")
+"""AdamW's implementations (`[optimizer] implementation`), one list for the config check and the estimate."""
 _VIEWS = {"view", "_unsafe_view", "reshape", "alias", "detach", "squeeze", "unsqueeze", "expand", "clone", "_to_copy"}
 
 

@@ -389,9 +389,10 @@ class CostModel:
 
     def optimizer_rate(self) -> tuple[float, float] | None:
         """(GB/s of parameters, µs a tensor) of this job's AdamW implementation in a calibrated
-        profile: the fused kernel's figures for "fused" where the profile has them (a fused
-        step ran 3.5x faster than foreach on this repository's CPU machine), else foreach's
-        (the for-loop one included); None: no measured figure (named profiles)."""
+        profile: the fused kernel's figures for "fused" where the profile has them, else
+        foreach's (the for-loop one included); None: no measured figure (named profiles).
+        Measured alone, as calibrated, fused ran 3.5x foreach's speed on this repository's
+        CPU machine, but saved only 0.4-3 % of a 4-rank training step (docs/measurements.md)."""
         opt = self.hw.optimizer
         if not opt:
             return None
