@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,7 +206,8 @@ class _Layers:
 
 def simulate_step(gm: fx.GraphModule, cost_model: Any, links: Mapping[str, AxisLink], *,
                   optimizer_param_bytes: int = 0, optimizer_tensors: int = 0,
-                  param_groups: list[str] | None = None) -> StepPrediction:
+                  param_groups: list[str] | None = None,
+                  region_us: Callable[[Any, fx.Node], float | None] | None = None) -> StepPrediction:
     """Predicted time of one step of `gm` (a rank's step graph) on `cost_model`'s hardware,
     with its timeline (`StepPrediction.timeline`).
 
@@ -215,6 +216,8 @@ def simulate_step(gm: fx.GraphModule, cost_model: Any, links: Mapping[str, AxisL
     and parameter count, for the AdamW step and the gradient-norm clipping.
     `param_groups`: the layer or module ("layers.3", "output") of each of the graph's first
     placeholders (the parameters), to name the timeline's compute events.
+    `region_us(cost_model, node)`: the price of a call whose inside the op-by-op price cannot
+    see (a local_map region: regions.step_region_us), None for any other node.
     """
     hw = cost_model.hw
     axes = sorted({link.axis: link.name for link in links.values()}.items())
@@ -247,7 +250,8 @@ def simulate_step(gm: fx.GraphModule, cost_model: Any, links: Mapping[str, AxisL
         elif T.op_name(n.target) == "wait_tensor":
             clocks.wait(n.args[0])
         else:
-            us = cost_model.compute_cost(n)
+            us = region_us(cost_model, n) if region_us is not None else None
+            us = cost_model.compute_cost(n) if us is None else us
             lanes.op(clocks.phase, layer, clocks.compute, us, T.op_name(n.target))
             clocks.compute += us
             compute += us

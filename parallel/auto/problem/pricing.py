@@ -101,7 +101,8 @@ class StrategyPricer:
         node = c.node
         arr = np.zeros(len(c.specs))
         if region_of(node.target) is not None:  # a local_map region: declared collectives + FLOPs
-            arr[:] = [region_cost(self.cm, node, s, self.mesh_shape) for s in c.specs]
+            # the step graph keeps each region's forward for its backward (regions/tape.py)
+            arr[:] = [region_cost(self.cm, node, s, self.mesh_shape, kept=True) for s in c.specs]
             self.compute_cache[key] = arr
             return arr
         for j, s in enumerate(c.specs):

@@ -32,11 +32,11 @@ import torch
 from torch import fx
 
 from parallel import _torch as T
-from parallel.auto.regions.declaration import backward_op, forward_op, lookup, region_of
+from parallel.auto.regions.declaration import Region, backward_op, forward_op, lookup, region_of
 from parallel.auto.regions.layout import check_outputs
 from parallel.auto.regions.ops import _backward_impl, _run_local, _split, as_tuple, single, vjp
 
-__all__ = ["RegionTape", "pair_region_calls", "taped_bytes"]
+__all__ = ["RegionTape", "pair_region_calls", "region_call", "taped_bytes"]
 
 
 def _same_layouts(a: Sequence[Any], b: Sequence[Any]) -> bool:
@@ -154,6 +154,26 @@ def use_region_tape(gm: fx.GraphModule, compiled: bool = False) -> RegionTape | 
             r, _ = region_of(n.target)  # type: ignore[misc]
             n.target, n.args = body, (slot, r.name, *n.args)
     return tape
+
+
+def region_call(n: fx.Node) -> tuple[Region, bool, list[Any], str] | None:
+    """(region, is backward, tensor arguments, layout string) of a step graph's region call:
+    the region's op, or the tape body `use_region_tape` rewrote it to; None for any other node."""
+    if n.op != "call_function":
+        return None
+    hit = region_of(n.target)
+    if hit is not None:
+        args = list(n.args)
+    else:
+        body = getattr(n.target, "__wrapped__", n.target)  # torch.compiler.disable keeps the body here
+        if not isinstance(getattr(body, "__self__", None), RegionTape) or len(n.args) < 2:
+            return None
+        hit = lookup(n.args[1]), body.__name__ == "backward"
+        args = list(n.args[2:])
+    layout = n.kwargs.get("layout", "")
+    if args and isinstance(args[-1], str):
+        layout = args.pop()
+    return hit[0], hit[1], args, layout
 
 
 def taped_bytes(fwd: fx.Node) -> int:

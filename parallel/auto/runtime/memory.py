@@ -32,6 +32,7 @@ from parallel.auto.cost.comm import AxisLink
 from parallel.auto.cost.memory import MemoryEstimate, optimizer_temp_bytes, step_graph_memory
 from parallel.auto.cost.simulate import StepPrediction, simulate_step
 from parallel.auto.plan import Plan
+from parallel.auto.regions.pricing import step_region_us
 from parallel.auto.regions.tape import pair_region_calls, taped_bytes
 from parallel.auto.runtime.device import runtime_device
 from parallel.auto.runtime.options import RuntimeOptions
@@ -140,4 +141,4 @@ def predict_traced(step: TracedStep, mesh: DeviceMesh, cost_model: Any) -> StepP
     it runs this graph): the step time and its timeline, at planning time."""
     return simulate_step(step.step_graph.gm, cost_model, step_links(mesh, cost_model),
                          optimizer_param_bytes=sum(step.param_bytes), optimizer_tensors=len(step.param_bytes),
-                         param_groups=param_groups(step.runner.param_names))
+                         param_groups=param_groups(step.runner.param_names), region_us=step_region_us)

@@ -32,6 +32,7 @@ from parallel.auto.candidates.strategies import Candidates
 from parallel.auto.cost import CostModel
 from parallel.auto.cost.simulate import StepPrediction, simulate_step
 from parallel.auto.plan import Plan, PlanMismatchError
+from parallel.auto.regions.pricing import step_region_us
 from parallel.auto.runtime.local_graphs import PlanFunction
 from parallel.auto.runtime.memory import param_groups, step_links
 from parallel.auto.runtime.options import RuntimeOptions
@@ -288,7 +289,8 @@ class ParallelModuleMixin:
         params = [self.param_refs[f]() for f in names]
         local_bytes = sum(p.to_local().numel() * 4 for p in params)  # fp32 master weights and states
         return simulate_step(sg.gm, cm, step_links(self.plan_runner.mesh, cm), optimizer_param_bytes=local_bytes,
-                             optimizer_tensors=len(params), param_groups=param_groups(names))
+                             optimizer_tensors=len(params), param_groups=param_groups(names),
+                             region_us=step_region_us)
 
 
 class _FallbackOnCompileError:
