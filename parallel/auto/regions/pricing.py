@@ -64,7 +64,7 @@ def _option_us(cm: Any, r: Region, backward: bool, spec: Any, mesh_shape: tuple,
     shapes = _effective_shapes(r, backward, spec, mesh_shape)
     flops = region_flops(r.name, backward, tuple(shapes), dtypes)
     redo = backward and not kept
-    if backward and kept:
+    if backward and kept:  # the vjp alone: the kept forward's FLOPs are not run again
         flops = max(0.0, flops - region_flops(r.name, False, tuple(shapes), dtypes))
     cdt = getattr(cm, "compute_dtype", None) or dtypes[0]
     item = cdt.itemsize if cdt.is_floating_point else dtypes[0].itemsize

@@ -163,17 +163,15 @@ def region_call(n: fx.Node) -> tuple[Region, bool, list[Any], str] | None:
         return None
     hit = region_of(n.target)
     if hit is not None:
-        args = list(n.args)
+        args = tuple(n.args)
     else:
         body = getattr(n.target, "__wrapped__", n.target)  # torch.compiler.disable keeps the body here
         if not isinstance(getattr(body, "__self__", None), RegionTape) or len(n.args) < 2:
             return None
         hit = lookup(n.args[1]), body.__name__ == "backward"
-        args = list(n.args[2:])
-    layout = n.kwargs.get("layout", "")
-    if args and isinstance(args[-1], str):
-        layout = args.pop()
-    return hit[0], hit[1], args, layout
+        args = tuple(n.args[2:])
+    args, layout = _split(args, n.kwargs.get("layout", ""))  # the layout may come positionally, as at run time
+    return hit[0], hit[1], list(args), layout
 
 
 def taped_bytes(fwd: fx.Node) -> int:
