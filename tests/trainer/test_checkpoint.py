@@ -54,6 +54,7 @@ def test_keep_latest_k_and_load_step(cfg_factory, tmp_path):
         Trainer(cfg_factory(extra=ck + ["--checkpoint.load_step", "1"], job="k")).train()
 
 
+@pytest.mark.slow
 def test_killed_save_is_not_used_on_restart(cfg_factory, tmp_path):
     """kill -9 between writing step-4's files and the rename: restart resumes from
     step 2, deletes the .tmp folder, and the losses equal an uninterrupted run."""

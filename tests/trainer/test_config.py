@@ -194,6 +194,7 @@ def test_print_config_and_error_before_process_group(capsys, monkeypatch):
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_cli_error_exit_code(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "llama3_debug",
                         "--training.stepz", "1"], capture_output=True, text=True, timeout=120,

@@ -101,6 +101,7 @@ def test_expert_axis_dry_run_prices_the_ep_recipe_next_to_the_free_plan():
     assert "free plan / recipe:" in text and "EP recipe (FSDP, experts over ep=2)" in text
 
 
+@pytest.mark.slow
 def test_cpu_job_dry_run_plans_and_builds_its_step_on_fake_cpu_tensors():
     """`job.device = "cpu"`: a CPU job's model arrives at the planner initialised (in the dry
     run, with fake weights of its own mode), and is traced, planned and materialised from a

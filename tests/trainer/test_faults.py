@@ -89,6 +89,7 @@ def _train_cmd(tmp_path: Path, steps: int) -> list[str]:
             str(tmp_path), "--job.name", "preempted"]
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_saves_and_exits_0_and_the_same_command_resumes(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(_train_cmd(tmp_path, 1000), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -229,6 +229,7 @@ def _noisy_runs(n_plans: int, repeats: int, noise: float, seed: int = 0) -> tupl
     return pred, [[10 * p + rng.gauss(0, noise) for _ in range(repeats)] for p in pred]
 
 
+@pytest.mark.slow
 def test_the_repeats_interval_resamples_each_plans_runs_and_holds_rho():
     pred, runs = _noisy_runs(8, 5, noise=8.0)
     meds = [statistics.median(r) for r in runs]
@@ -281,6 +282,7 @@ def test_judge_takes_the_medians_and_names_each_missed_figure():
     assert line.startswith("goal NOT met: ILP objective rho 0.800 < 0.9; planner regret 9.2% > 2%")
 
 
+@pytest.mark.slow
 def test_report_with_repeats_prints_the_spread_and_enforces_the_goal():
     fid = _fidelity()
     runs = {"auto": [13.0, 13.2, 13.1], "fsdp": [12.0, 13.0, 9.0], "ddp": [20.0, 21.0, 22.0]}

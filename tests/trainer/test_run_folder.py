@@ -42,6 +42,7 @@ def test_folders_that_leave_the_run_folder_are_refused(tmp_path, override, key):
     assert ok.job.name == "team/run1"
 
 
+@pytest.mark.slow
 def test_print_config_exits_2_on_an_escaping_folder(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "llama3_debug", "--print-config",
                         "--job.dump_folder", str(tmp_path), "--job.name", "../../../etc"],

@@ -93,6 +93,7 @@ def test_shipped_specs_expand():
     assert [p.memory_high for p in t7] == [1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0]
 
 
+@pytest.mark.slow
 def test_cache_hit_replans_nothing_and_trace_is_reused(tmp_path, monkeypatch):
     spec = load_sweep(spec_file(tmp_path, TINY + "mesh = '2'\nmemory_budget_high = ['1/2', 1.0]\n"))
     cache = PlanCache(tmp_path / "cache")

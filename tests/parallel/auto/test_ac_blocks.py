@@ -102,6 +102,7 @@ def test_bad_ac_blocks_raise(joint):
     assert opts.ac_level == "selective" and RuntimeOptions(ac_blocks=("full", "full")).ac_level == "full"
 
 
+@pytest.mark.slow
 def test_blocks_of_other_choices_are_not_copies_and_the_step_graph_is_the_traced_one():
     """Repeated blocks copied only where the choices agree (runtime/repeated_blocks.py): the step
     graph is the one traced block by block, and so is the estimate."""

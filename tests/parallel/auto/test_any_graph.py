@@ -45,6 +45,7 @@ def planned(request):
     return shape, _plan_all(shape, names, **solver)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PLANNED)
 def test_torch_models_plan_with_full_coverage(planned, name):
     shape, results = planned

@@ -9,6 +9,7 @@ from models import build_model
 from parallel.auto.api import fake_world
 
 
+@pytest.mark.slow
 def test_fsdp_tp_emerges_on_2d_mesh():
     """Batch on the (inter-node) dp axis, column/row tensor parallel on the (NVLink) tp axis,
     for a job whose weights outweigh its activations (dim 1024, 2 x 512 tokens): there

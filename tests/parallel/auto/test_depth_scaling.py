@@ -44,6 +44,7 @@ def _layers_built(monkeypatch) -> list[int]:
     return built
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, pipeline, n_layers", [
     ("dp_shard=4", "", 8), pytest.param("dp_shard=2,tp=2", "", 8, marks=pytest.mark.slow),
     pytest.param("pp=2,dp_shard=2", "1F1B x2", 8, marks=pytest.mark.slow),  # two stages: both copies whole
@@ -65,6 +66,7 @@ def test_the_copies_extrapolate_to_the_full_depth(monkeypatch, mesh, pipeline, n
     assert scaled["tokens_per_s"] == pytest.approx(8 * 32 / (scaled["step_ms"] * 1e-3))
 
 
+@pytest.mark.slow
 def test_the_deeper_pipelined_copy_plans_its_middle_stages_only(monkeypatch):
     point = screened(_point("pp=2,dp_shard=2", "Interleaved1F1B x2", 14))
     solved = []

@@ -91,6 +91,7 @@ def step_graph():
     return sg, names, joined
 
 
+@pytest.mark.slow
 def test_t5_gradient_buckets_follow_repeated_blocks(step_graph):
     from parallel.auto.trace.joint import layer_prefix
 

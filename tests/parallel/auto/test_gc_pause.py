@@ -38,6 +38,7 @@ def test_pause_restores_the_collector_after_an_error_and_leaves_an_off_collector
     assert not gc.isenabled()
 
 
+@pytest.mark.slow
 def test_every_planning_stage_runs_paused_and_the_collector_is_back_after(collector_on, monkeypatch):
     seen: dict[str, list[bool]] = {}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
@@ -39,6 +40,7 @@ def _loss_inputs(plan) -> list[str]:
     return next(n["input_placements"] for n in nodes if n["target"] == "aten.nll_loss_forward.default")
 
 
+@pytest.mark.slow
 def test_the_loss_role_marks_the_loss_and_its_token_count_only():
     _, roles, cands = _free_plan()
     nll = next(c for c in cands.nodes.values() if c.node is not None
@@ -54,6 +56,7 @@ def test_the_loss_role_marks_the_loss_and_its_token_count_only():
     assert all(u.target is operator.getitem for u in nll.node.users)
 
 
+@pytest.mark.slow
 def test_the_free_plan_computes_the_loss_on_the_batch_shards(monkeypatch):
     plan, _, _ = _free_plan()
     assert _loss_inputs(plan) == ["(S(0))", "(S(0))"]  # each rank its tokens' loss: no gathered logits

@@ -130,6 +130,7 @@ def debug_plans() -> dict:
             "fsdp": _debug_plan(memory_limit_gib=None, kind="fsdp")}
 
 
+@pytest.mark.slow
 def test_limit_that_ddp_exceeds_but_fsdp_fits_gives_a_sharded_plan(debug_plans, monkeypatch):
     monkeypatch.setattr(selection, "applies", lambda autop, plan: False)  # the ILP's own free plan, not DDP's
     ddp, fsdp = debug_plans["ddp"].memory, debug_plans["fsdp"].memory
@@ -145,6 +146,7 @@ def test_limit_that_ddp_exceeds_but_fsdp_fits_gives_a_sharded_plan(debug_plans, 
     assert plan.memory_budget[1] < 1.0  # re-solved with a tighter parameter budget
 
 
+@pytest.mark.slow
 def test_too_small_limit_is_a_clear_error(debug_plans):
     with pytest.raises(MemoryLimitError, match=r"predicted peak [\d.]+ MiB per device \(params .*activations .*\) "
                                                r"> 1\.02 MiB \(memory_limit_gib 0\.001\), even with the parameters as "

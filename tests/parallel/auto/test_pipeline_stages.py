@@ -76,6 +76,7 @@ def test_the_cut_by_unit_times_moves_blocks_off_a_heavy_head():
     assert pipeline_step_us([1.0, 1.0, 1.0, 1.0], [0, 1, 0, 1], 2, 4) == pytest.approx(4 * 2.0 + 1.0)
 
 
+@pytest.mark.slow
 def test_pipeline_plan_prices_the_schedule_and_round_trips(tmp_path):
     first, last = _stage_plan((0, 1), True, False), _stage_plan((2, 3), False, True)
     plan = PipelinePlan("1F1B", 2, 4, [StagePlan(0, (0, 1), 0, first), StagePlan(1, (2, 3), 1, last)], p2p_us=10.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 
+import pytest
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import build_model
@@ -29,6 +30,7 @@ class _Records(logging.Handler):
         self.records.append(record)
 
 
+@pytest.mark.slow
 def test_planning_two_meshes_says_the_sequential_redistribute_warning_once_in_our_words():
     torch_log = logging.getLogger(_torch._REDISTRIBUTE_LOGGER)
     ours = logging.getLogger("parallel.auto")

@@ -95,6 +95,7 @@ def _traced_both(model_name: str, shape: tuple, names: tuple, options: RuntimeOp
     pytest.param("deepseek_v3+bias", (4,), ("dp",), RuntimeOptions(), marks=pytest.mark.slow),
 ], ids=["llama-dp4", "llama-dp4-unbucketed", "llama-dp2xtp2-ac-full-keep-gathers", "qwen3-dp2xtp2-sac",
         "dsv3-bias-dp4"])
+@pytest.mark.slow
 def test_copied_blocks_are_the_traced_graph(model, shape, names, options):
     (copied, estimate), (traced, reference_estimate) = _traced_both(model, shape, names, options)
     counts = copied.runner.block_copy_counts

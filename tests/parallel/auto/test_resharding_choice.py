@@ -54,6 +54,7 @@ def _gather_us(plan: Plan) -> float:
     return sum(us for k, us in plan.comm_us.items() if k.startswith("all_gather"))
 
 
+@pytest.mark.slow
 def test_memory_free_keeps_the_gathered_parameters_and_prices_the_saved_gathers(tmp_path):
     kept = _plan("auto", tmp_path=tmp_path)
     resharded = _plan(True)
@@ -68,6 +69,7 @@ def test_memory_free_keeps_the_gathered_parameters_and_prices_the_saved_gathers(
     assert ran.reshard_after_forward is False
 
 
+@pytest.mark.slow
 def test_a_free_plan_of_sharded_parameters_kept_whole_for_compute():
     """No preset: the planner itself picks sharded parameter storage (so sharded gradients and
     optimizer states) with the forward's gathers kept, a shape no hand recipe here writes."""
@@ -77,6 +79,7 @@ def test_a_free_plan_of_sharded_parameters_kept_whole_for_compute():
     assert sharded and any(k.startswith("reduce_scatter") for k in plan.comm_us)
 
 
+@pytest.mark.slow
 def test_a_limit_the_kept_copies_break_reshards_and_fits():
     kept, resharded = _plan(False), _plan(True)
     assert kept.memory.peak_bytes > resharded.memory.peak_bytes

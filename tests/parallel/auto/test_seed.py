@@ -71,6 +71,7 @@ def test_radius_covering_the_mesh_gives_the_full_problem(jg):
     assert b.objective == pytest.approx(a.objective, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_3d_enumeration_is_restricted_to_the_ball(jg, monkeypatch):
     shape, names = (2, 2, 2), ("dp", "cp", "tp")
     with fake_world(8):
@@ -225,6 +226,7 @@ def test_saved_placements_no_axis_menu_has_are_refused_on_a_seeded_mesh(seeded_3
             plan_candidates(seeded_3d["graph"], mesh, plan)
 
 
+@pytest.mark.slow
 def test_a_deeper_copy_on_the_same_mesh_reuses_the_restricted_menus(jg, monkeypatch):
     """The mesh search's shallow copies (2 and 3 blocks) ask for the same seeded balls: the
     second build on that mesh takes them from the mesh's shared cache by value, and its

@@ -62,6 +62,7 @@ def test_the_ddp_plan_is_kept_where_it_simulates_faster_than_the_ilp_optimum(mon
     assert optimum.timeline.step_us > chosen.timeline.step_us  # ... the step simulation does not
 
 
+@pytest.mark.slow
 def test_a_constrained_job_is_not_checked():
     plan = _plan(constrain=lambda autop: presets.fsdp(autop))
     assert plan.selection == "" and not _replicated(plan)

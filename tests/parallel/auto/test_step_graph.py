@@ -62,6 +62,7 @@ def _ops(gm: torch.fx.GraphModule, name: str) -> list[torch.fx.Node]:
             and T.op_name(n.target) == name]
 
 
+@pytest.mark.slow
 def test_overlap_prefetches_gathers_and_defers_waits(fsdp_plan):
     with fake_world(2):
         # one reduction bucket per block (this tiny model's blocks all fit one 25 MiB bucket)
@@ -191,6 +192,7 @@ def test_reductions_over_two_axes_are_bounded_stage_by_stage():
     assert rep.reductions_bounded >= 8
 
 
+@pytest.mark.slow
 def test_analysis_step_graph_has_the_same_schedule_and_refuses_to_run(fsdp_plan):
     """runtime/memory.py walks a step graph built with executable=False (its code is not
     regenerated after scheduling): same nodes in the same order as the one the runtime runs,
@@ -214,6 +216,7 @@ def test_analysis_step_graph_has_the_same_schedule_and_refuses_to_run(fsdp_plan)
         walk([], [], [])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,option", [("full", "op"), ("selective", "op"), ("selective", "2")])
 def test_activation_checkpointing_recomputes_in_the_step_graph(fsdp_plan, mode, option):
     with fake_world(2):

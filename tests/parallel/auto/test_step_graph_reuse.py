@@ -67,6 +67,7 @@ def _fake_step(pm) -> StepGraph:
     return sg
 
 
+@pytest.mark.slow
 def test_one_trace_from_plan_to_the_first_step(traces, caplog):
     with fake_world(WORLD):
         mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
@@ -206,6 +207,7 @@ def test_reused_graph_gives_the_fresh_graphs_loss_and_gradients():
             torch.testing.assert_close(g, fresh["grads"][f], rtol=1e-5, atol=1e-7, msg=f)
 
 
+@pytest.mark.slow
 def test_the_partition_is_made_once_per_graph_and_checkpointing_policy():
     """Runners of different plans share the joint graph's forward/backward partition
     (runner.phase_graphs): the same GraphModules for the same policy, their own for another,
@@ -237,6 +239,7 @@ def test_the_partition_is_made_once_per_graph_and_checkpointing_policy():
     assert again.summary() == fresh.summary() == first.summary()
 
 
+@pytest.mark.slow
 def test_another_planner_on_the_same_graph_and_mesh_reuses_the_estimate(traces):
     """A sweep's points on one trace and one mesh: a plan one planner estimated is not traced
     again by the next (the same bytes); another runtime option is; the planner that made an

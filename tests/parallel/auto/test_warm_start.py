@@ -34,6 +34,7 @@ def test_a_rounding_through_a_forbidden_pair_is_not_taken_for_the_optimum():
     assert sol.objective == pytest.approx(solve_ilp(prob, solver="cbc").objective, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_the_ilp_keeps_its_optimum_and_a_good_start_prunes_at_least_as_much(monkeypatch):
     columns: list[int] = []
     real = highs_ilp._highs

@@ -117,6 +117,7 @@ def _compress_worker(rank, world):
     return model.weight.grad, ref.weight.grad, type(ddp_reducer(model)).__name__
 
 
+@pytest.mark.slow
 def test_a_16_bit_reduce_dtype_all_reduces_the_buckets_in_it():
     """mixed_precision_reduce = bfloat16 on fp32 parameters: the bucket goes over the wire in
     bf16 (on gloo too): the gradient is the fp32 one rounded to bf16, not the fp32 one."""
